@@ -1,0 +1,119 @@
+"""Paged attention behind a backend interface; `torch` is the reference that runs on any device.
+
+The model runner orders a step's sequences decodes first, then prefill chunks, and builds one
+AttentionMetadata per step; every layer reuses it. Each group is attended as a padded batch
+whose keys are gathered from the paged cache through the block tables.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionGroup:
+    """A run of sequences attended together as one padded batch."""
+
+    token_start: int  # first flat token of the group
+    num_tokens: int
+    query_index: torch.Tensor  # (B, Q) flat token index per padded query slot (num_tokens: padding)
+    query_valid: torch.Tensor  # (B, Q) bool
+    key_slots: torch.Tensor  # (B, K) cache slot per key position (0 for padding)
+    mask: torch.Tensor  # (B, 1, Q, K) bool, True = attend
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # (T,) cache slot for each new token
+    groups: list[AttentionGroup]
+
+
+def build_attention_metadata(query_lens: list[int], context_lens: list[int], block_tables: list[list[int]],
+                             num_decodes: int, block_size: int, device: torch.device) -> AttentionMetadata:
+    """context_lens[i] = tokens already in the cache before this step; query_lens[i] = new tokens."""
+    slots: list[int] = []
+    for q, c, table in zip(query_lens, context_lens, block_tables):
+        for pos in range(c, c + q):
+            slots.append(table[pos // block_size] * block_size + pos % block_size)
+    slot_mapping = torch.tensor(slots, dtype=torch.long, device=device)
+    groups = []
+    start = 0
+    for lo, hi in ((0, num_decodes), (num_decodes, len(query_lens))):
+        if hi > lo:
+            group = _build_group(query_lens[lo:hi], context_lens[lo:hi], block_tables[lo:hi],
+                                 start, block_size, device)
+            groups.append(group)
+            start += group.num_tokens
+    return AttentionMetadata(slot_mapping, groups)
+
+
+def _build_group(query_lens, context_lens, block_tables, token_start, block_size, device) -> AttentionGroup:
+    num_seqs = len(query_lens)
+    max_q = max(query_lens)
+    seq_lens = [q + c for q, c in zip(query_lens, context_lens)]
+    max_k = max(seq_lens)
+    num_tokens = sum(query_lens)
+    q_lens = torch.tensor(query_lens)
+    c_lens = torch.tensor(context_lens)
+    starts = torch.cumsum(q_lens, 0) - q_lens
+    q_pos = torch.arange(max_q)
+    query_valid = q_pos[None, :] < q_lens[:, None]  # (B, Q)
+    query_index = torch.where(query_valid, starts[:, None] + q_pos[None, :], torch.full_like(query_valid, num_tokens, dtype=torch.long))
+    max_blocks = -(-max_k // block_size)
+    tables = torch.zeros(num_seqs, max_blocks, dtype=torch.long)
+    for i, t in enumerate(block_tables):
+        n = min(len(t), max_blocks)
+        tables[i, :n] = torch.tensor(t[:n])
+    k_pos = torch.arange(max_k)
+    key_slots = tables[:, k_pos // block_size] * block_size + (k_pos % block_size)[None, :]  # (B, K)
+    # Query i of sequence b sits at absolute position c_b + i and sees keys 0..c_b + i.
+    abs_q = c_lens[:, None] + q_pos[None, :]  # (B, Q)
+    mask = k_pos[None, None, :] <= abs_q[:, :, None]  # (B, Q, K)
+    mask &= query_valid[:, :, None]
+    mask |= ~query_valid[:, :, None] & (k_pos[None, None, :] == 0)  # padding rows: avoid all-masked NaN
+    return AttentionGroup(
+        token_start=token_start, num_tokens=num_tokens,
+        query_index=query_index.to(device), query_valid=query_valid.to(device),
+        key_slots=key_slots.to(device), mask=mask[:, None].to(device),
+    )
+
+
+class TorchAttention:
+    """Reference paged attention: gather keys/values per group, masked SDPA, scatter back."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = head_dim ** -0.5
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        # q: (T, H, D); k, v: (T, Hkv, D); caches: (num_blocks * block_size, Hkv, D)
+        k_cache.index_copy_(0, meta.slot_mapping, k)
+        v_cache.index_copy_(0, meta.slot_mapping, v)
+        out = torch.empty_like(q)
+        for g in meta.groups:
+            q_group = q[g.token_start:g.token_start + g.num_tokens]
+            q_pad = torch.cat([q_group, q_group.new_zeros(1, *q_group.shape[1:])])[g.query_index]  # (B, Q, H, D)
+            keys = k_cache[g.key_slots]  # (B, K, Hkv, D)
+            values = v_cache[g.key_slots]
+            attn = F.scaled_dot_product_attention(
+                q_pad.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+                attn_mask=g.mask, scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads,
+            )  # (B, H, Q, D)
+            attn = attn.transpose(1, 2)[g.query_valid]  # (num_tokens, H, D), flat token order
+            out[g.token_start:g.token_start + g.num_tokens] = attn
+        return out
+
+
+def make_attention_backend(name: str, num_heads: int, num_kv_heads: int, head_dim: int):
+    if name == "torch":
+        return TorchAttention(num_heads, num_kv_heads, head_dim)
+    raise ValueError(
+        f"attention_backend {name!r} is not available yet: the Triton paged-attention kernels are a "
+        "later issue; use attention_backend: torch (or auto)"
+    )

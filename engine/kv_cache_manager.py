@@ -1,0 +1,79 @@
+"""KVCacheManager: sequence-level block bookkeeping on top of the BlockPool (prefix hits, slots)."""
+
+from __future__ import annotations
+
+from batchgen.engine.block_pool import NO_PARENT, BlockPool, hash_block
+from batchgen.engine.sequence import Sequence
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool):
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks, enable_prefix_caching)
+
+    def _block_keys(self, seq: Sequence, num_full_blocks: int) -> list[tuple]:
+        """Chained keys of the first `num_full_blocks` blocks of `seq`, extending its memo."""
+        bs = self.block_size
+        while len(seq.block_hashes) < num_full_blocks:
+            i = len(seq.block_hashes)
+            parent = hash(seq.block_hashes[-1]) if seq.block_hashes else NO_PARENT
+            seq.block_hashes.append(hash_block(parent, tuple(seq.token_ids[i * bs:(i + 1) * bs])))
+        return seq.block_hashes[:num_full_blocks]
+
+    def get_computed_blocks(self, seq: Sequence) -> list[int]:
+        """The longest run of cached full blocks that prefixes `seq` (at least one token left to compute)."""
+        if not self.pool.enable_caching:
+            return []
+        max_blocks = (seq.num_tokens - 1) // self.block_size
+        hits = []
+        for key in self._block_keys(seq, max_blocks):
+            block_id = self.pool.lookup(key)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        self.pool.num_queried_blocks += max_blocks
+        self.pool.num_hit_blocks += len(hits)
+        return hits
+
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int,
+                       computed_blocks: list[int] | None = None) -> bool:
+        """Give `seq` blocks for `num_new_tokens` more tokens; False (nothing changed) when they don't fit.
+
+        Blocks that become full with these tokens are registered in the prefix cache now, as vLLM v1
+        does: their KV is written by this step's forward before any attention reads it, so a request
+        scheduled later in the same step can share them.
+        """
+        computed_blocks = computed_blocks or []
+        num_cached_tokens = len(computed_blocks) * self.block_size
+        total_tokens = max(seq.num_computed_tokens, num_cached_tokens) + num_new_tokens
+        num_required = -(-total_tokens // self.block_size)
+        num_new_blocks = num_required - len(seq.block_ids) - len(computed_blocks)
+        num_revived = sum(1 for b in computed_blocks if self.pool.ref_counts[b] == 0)
+        if num_new_blocks + num_revived > self.pool.num_free_blocks:
+            return False
+        for block_id in computed_blocks:
+            self.pool.touch(block_id)
+        seq.block_ids.extend(computed_blocks)
+        if num_new_blocks > 0:
+            seq.block_ids.extend(self.pool.allocate(num_new_blocks))
+        self._cache_full_blocks(seq, total_tokens)
+        return True
+
+    def _cache_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
+        if not self.pool.enable_caching:
+            return
+        num_full = min(num_tokens, seq.num_tokens) // self.block_size
+        keys = self._block_keys(seq, num_full)
+        for i in range(seq.num_registered_blocks, num_full):
+            if self.pool.block_keys[seq.block_ids[i]] is None:
+                self.pool.cache_block(seq.block_ids[i], keys[i])
+        seq.num_registered_blocks = max(seq.num_registered_blocks, num_full)
+
+    def free(self, seq: Sequence) -> None:
+        # Tail first, so a request's later blocks are evicted before the prefix others may share.
+        self.pool.free(list(reversed(seq.block_ids)))
+        seq.block_ids = []
+        seq.num_registered_blocks = 0
+
+    def can_fit(self, num_tokens: int) -> bool:
+        return -(-num_tokens // self.block_size) <= self.pool.num_blocks

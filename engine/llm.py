@@ -1,0 +1,50 @@
+"""LLM: the offline convenience API (vLLM's names)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+
+from tqdm.auto import tqdm
+
+from batchgen.engine.config import EngineConfig
+from batchgen.engine.llm_engine import LLMEngine, PromptInput
+from batchgen.engine.outputs import RequestOutput
+from batchgen.engine.sampling_params import SamplingParams
+
+
+class LLM:
+    """`LLM("smollm2-135m-instruct", dtype="float32", device="cpu")`; keywords are EngineConfig's."""
+
+    def __init__(self, model: str, **kwargs):
+        self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
+        self._next_id = 0
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: PromptInput | Seq[PromptInput],
+                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in input order."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], dict)):
+            prompts = [prompts]
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(sampling_params)} SamplingParams")
+        ids = []
+        for prompt, params in zip(prompts, sampling_params):
+            request_id = str(self._next_id)
+            self._next_id += 1
+            self.engine.add_request(request_id, prompt, params)
+            ids.append(request_id)
+        results: dict[str, RequestOutput] = {}
+        with tqdm(total=len(ids), disable=not use_tqdm, desc="requests") as bar:
+            while self.engine.has_unfinished():
+                for out in self.engine.step():
+                    results[out.request_id] = out
+                    bar.update(1)
+        return [results[i] for i in ids]

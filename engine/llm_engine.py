@@ -1,0 +1,182 @@
+"""LLMEngine: add_request / step / has_unfinished, the loop the pipeline drives."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from batchgen.engine.capacity import kv_bytes_per_token, kv_cache_budget_bytes, num_kv_blocks
+from batchgen.engine.config import EngineConfig
+from batchgen.engine.kv_cache_manager import KVCacheManager
+from batchgen.engine.loader.model_loader import load_model
+from batchgen.engine.model_runner import ModelRunner
+from batchgen.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from batchgen.engine.sampling_params import SamplingParams
+from batchgen.engine.scheduler import Scheduler
+from batchgen.engine.sequence import Sequence
+from batchgen.engine.tokenizer import Messages, Tokenizer
+
+log = logging.getLogger("batchgen.engine")
+
+PromptInput = str | Messages | list[int]
+
+
+@dataclass
+class _RequestState:
+    request_id: str
+    prompt_token_ids: list[int]
+    seqs: list[Sequence]
+    arrival_time: float
+    prompt: str | None
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        loaded = load_model(config)
+        self.model_cfg = loaded.model_cfg
+        self.tokenizer = Tokenizer(loaded.source)
+        self.max_model_len = loaded.max_model_len
+        self.weight_bytes = loaded.weight_bytes
+        eos = set(self.model_cfg.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = tuple(sorted(eos))
+
+        device = config.torch_device
+        self.kv_bytes_per_token = kv_bytes_per_token(self.model_cfg, config.torch_dtype)
+        num_blocks = config.num_kv_blocks or num_kv_blocks(
+            kv_cache_budget_bytes(config, device), self.model_cfg, config.torch_dtype, config.block_size)
+        if num_blocks * config.block_size < self.max_model_len:
+            raise ValueError(
+                f"the KV cache holds {num_blocks * config.block_size} tokens, fewer than max_model_len "
+                f"{self.max_model_len}: raise engine.kv_cache_memory or lower model.max_model_len")
+        self.num_kv_blocks = num_blocks
+        log.info("weights %.1f MB; KV %d bytes/token x %d tokens (%d blocks of %d) = %.1f MB",
+                 self.weight_bytes / 1e6, self.kv_bytes_per_token, num_blocks * config.block_size,
+                 num_blocks, config.block_size, self.kv_bytes_per_token * num_blocks * config.block_size / 1e6)
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.kv)
+        self.runner = ModelRunner(config, self.model_cfg, loaded.model, num_blocks, self.eos_token_ids)
+        self.requests: dict[str, _RequestState] = {}
+
+    # ---- requests -------------------------------------------------------------------------------
+    def encode(self, prompt: PromptInput) -> list[int]:
+        """A string is a raw prompt; a list of messages goes through the chat template; ints pass through."""
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return list(prompt)
+        if isinstance(prompt, list) and all(isinstance(m, dict) for m in prompt):
+            return self.tokenizer.encode_messages(prompt)
+        raise TypeError("a prompt is a string, a list of chat messages ({role, content}) or a list of token ids")
+
+    def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams,
+                    prompt_token_ids: list[int] | None = None) -> None:
+        """Queue a request (n sequences). Raises ValueError for an empty or overlong prompt."""
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in the engine")
+        token_ids = prompt_token_ids if prompt_token_ids is not None else self.encode(prompt)
+        if not token_ids:
+            raise ValueError("the prompt is empty")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(token_ids)} tokens; max_model_len is {self.max_model_len}")
+        now = time.monotonic()
+        seqs = [Sequence(request_id, i, token_ids, params, now, self.max_model_len) for i in range(params.n)]
+        self.requests[request_id] = _RequestState(request_id, token_ids, seqs, now,
+                                                  prompt if isinstance(prompt, str) else None)
+        for seq in seqs:
+            self.scheduler.add(seq)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    # ---- the loop -------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model once, sample; returns the requests that finished in this step."""
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            if self.scheduler.waiting and not self.scheduler.running:
+                raise RuntimeError("the scheduler cannot admit any waiting request: the KV cache is too small")
+            return []
+        results = self.runner.execute(out.scheduled)
+        for s in out.scheduled:
+            s.seq.num_computed_tokens += s.num_new_tokens
+        finished: list[RequestOutput] = []
+        for s, token, logprob in results:
+            seq = s.seq
+            seq.append_token(token, logprob)
+            if self._check_stop(seq):
+                self.scheduler.finish(seq)
+                state = self.requests[seq.request_id]
+                if all(x.is_finished for x in state.seqs):
+                    finished.append(self._make_output(state))
+                    del self.requests[seq.request_id]
+        return finished
+
+    def _check_stop(self, seq: Sequence) -> bool:
+        p = seq.params
+        token = seq.token_ids[-1]
+        if not p.ignore_eos and token in self.eos_token_ids and seq.num_output_tokens > p.min_tokens:
+            seq.finish_reason, seq.stop_reason = "stop", None
+        elif token in p.stop_token_ids and seq.num_output_tokens > p.min_tokens:
+            seq.finish_reason, seq.stop_reason = "stop", token
+        elif p.stop and seq.num_output_tokens >= p.min_tokens and self._check_stop_strings(seq):
+            seq.finish_reason = "stop"
+        elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= seq.max_total_tokens:
+            seq.finish_reason = "length"
+        return seq.finish_reason is not None
+
+    def _check_stop_strings(self, seq: Sequence) -> bool:
+        text = self.tokenizer.decode(seq.output_token_ids, seq.params.skip_special_tokens)
+        cut = min((i for i in (text.find(s) for s in seq.params.stop) if i >= 0), default=-1)
+        if cut < 0:
+            return False
+        seq.output_text = text[:cut]  # the stop string itself is not part of the text
+        seq.stop_reason = next(s for s in seq.params.stop if text.find(s) == cut)
+        return True
+
+    def _make_output(self, state: _RequestState) -> RequestOutput:
+        completions = []
+        for seq in state.seqs:
+            text = seq.output_text
+            if text is None:
+                text = self.tokenizer.decode(seq.output_token_ids, seq.params.skip_special_tokens)
+            completions.append(CompletionOutput(
+                index=seq.sample_index, text=text, token_ids=seq.output_token_ids,
+                cumulative_logprob=seq.cumulative_logprob,
+                logprobs=list(seq.output_logprobs) if seq.params.logprobs else None,
+                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
+                first_scheduled_time=seq.first_scheduled_time, first_token_time=seq.first_token_time,
+                last_token_time=seq.last_token_time))
+        first = state.seqs[0]
+        metrics = RequestMetrics(
+            arrival_time=state.arrival_time,
+            first_scheduled_time=min(s.first_scheduled_time for s in state.seqs),
+            first_token_time=min(s.first_token_time for s in state.seqs),
+            last_token_time=max(s.last_token_time for s in state.seqs))
+        return RequestOutput(state.request_id, state.prompt_token_ids, completions,
+                             first.num_cached_tokens or 0, metrics, prompt=state.prompt)
+
+    # ---- counters -------------------------------------------------------------------------------
+    @property
+    def stats(self) -> dict:
+        s = self.scheduler.stats
+        pool = self.kv.pool
+        return {
+            "num_steps": s.num_steps, "num_preemptions": s.num_preemptions,
+            "num_prefill_tokens": s.num_prefill_tokens, "num_decode_tokens": s.num_decode_tokens,
+            "num_mixed_steps": s.num_mixed_steps, "num_partial_prefills": s.num_partial_prefills,
+            "num_cached_tokens": s.num_cached_tokens, "num_evictions": pool.num_evictions,
+            "num_free_blocks": pool.num_free_blocks, "num_blocks": pool.num_blocks,
+            "prefix_cache_hit_rate": pool.num_hit_blocks / pool.num_queried_blocks if pool.num_queried_blocks else 0.0,
+        }

@@ -1,0 +1,99 @@
+"""GGUF checkpoints: architecture from metadata, weights dequantized with the `gguf` package."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from batchgen.engine.models.config import ModelConfig
+
+_ARCH_TO_MODEL_TYPE = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
+_TENSOR_NAMES = {
+    "token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+}
+
+
+def _reader(path: Path):
+    import gguf
+
+    try:
+        return gguf.GGUFReader(str(path))
+    except Exception as exc:  # corrupt or truncated file
+        raise ValueError(f"cannot read GGUF file {path}: {exc}") from exc
+
+
+def _field(reader, key: str, default=None):
+    field = reader.fields.get(key)
+    if field is None:
+        return default
+    return field.contents()
+
+
+def read_gguf_config(path: Path) -> ModelConfig:
+    reader = _reader(path)
+    arch = _field(reader, "general.architecture")
+    if arch not in _ARCH_TO_MODEL_TYPE:
+        raise ValueError(f"GGUF file {path}: architecture {arch!r} is not supported ({', '.join(_ARCH_TO_MODEL_TYPE)})")
+    num_heads = _field(reader, f"{arch}.attention.head_count")
+    hidden = _field(reader, f"{arch}.embedding_length")
+    names = {t.name for t in reader.tensors}
+    vocab = _field(reader, f"{arch}.vocab_size") or len(_field(reader, "tokenizer.ggml.tokens"))
+    head_dim = _field(reader, f"{arch}.attention.key_length") or _field(reader, f"{arch}.rope.dimension_count") or hidden // num_heads
+    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    scaling = None
+    if _field(reader, f"{arch}.rope.scaling.type") == "linear":
+        scaling = {"rope_type": "linear", "factor": _field(reader, f"{arch}.rope.scaling.factor")}
+    return ModelConfig(
+        model_type=_ARCH_TO_MODEL_TYPE[arch],
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=_field(reader, f"{arch}.feed_forward_length"),
+        num_layers=_field(reader, f"{arch}.block_count"),
+        num_heads=num_heads,
+        num_kv_heads=_field(reader, f"{arch}.attention.head_count_kv") or num_heads,
+        head_dim=head_dim,
+        rms_norm_eps=_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6),
+        rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        max_position_embeddings=_field(reader, f"{arch}.context_length", 4096),
+        tie_word_embeddings="output.weight" not in names,
+        attention_bias="blk.0.attn_q.bias" in names,
+        qk_norm="blk.0.attn_q_norm.weight" in names,
+        rope_scaling=scaling,
+        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_ids=() if eos is None else (eos,),
+    )
+
+
+def _reverse_permute(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation (interleaved rope -> HF's rotate-half layout)."""
+    dim = w.shape[0] // num_heads // 2
+    return w.reshape(num_heads, dim, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
+
+
+def iter_gguf_weights(path: Path, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, float32 tensor) for every tensor in the file."""
+    from gguf.quants import dequantize
+
+    reader = _reader(path)
+    for tensor in reader.tensors:
+        parts = tensor.name.split(".")
+        if parts[0] == "blk":
+            layer, base, kind = parts[1], parts[2], parts[3]
+            name = f"model.layers.{layer}.{_TENSOR_NAMES[base]}.{kind}"
+        else:
+            base, kind = parts[0], parts[1]
+            if base not in _TENSOR_NAMES:
+                continue  # e.g. rope_freqs: recomputed from the config
+            name = f"{_TENSOR_NAMES[base]}.{kind}"
+        array = dequantize(tensor.data, tensor.tensor_type)
+        array = np.asarray(array, dtype=np.float32).reshape(list(reversed([int(d) for d in tensor.shape])))
+        if cfg.model_type in ("llama", "mistral") and parts[0] == "blk" and base in ("attn_q", "attn_k"):
+            array = _reverse_permute(array, cfg.num_heads if base == "attn_q" else cfg.num_kv_heads)
+        yield name, torch.from_numpy(np.ascontiguousarray(array))

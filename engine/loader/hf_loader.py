@@ -1,0 +1,50 @@
+"""HF model folders: config.json and (sharded) safetensors. Never pickle."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from batchgen.engine.models.config import ModelConfig
+
+
+def read_hf_config_dict(folder: Path) -> dict:
+    path = folder / "config.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"cannot read {path}: {exc}") from exc
+
+
+def read_hf_config(folder: Path) -> ModelConfig:
+    cfg = read_hf_config_dict(folder)
+    gen_path = folder / "generation_config.json"
+    model_cfg = ModelConfig.from_hf_dict(cfg)
+    if gen_path.exists():
+        eos = json.loads(gen_path.read_text()).get("eos_token_id")
+        if eos is not None:
+            extra = tuple(eos) if isinstance(eos, list) else (eos,)
+            ids = tuple(dict.fromkeys(model_cfg.eos_token_ids + extra))
+            model_cfg = ModelConfig(**{**model_cfg.__dict__, "eos_token_ids": ids})
+    return model_cfg
+
+
+def safetensors_files(folder: Path) -> list[Path]:
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        if list(folder.glob("*.bin")) or list(folder.glob("*.pt")):
+            raise ValueError(f"{folder} holds only pickle checkpoints (.bin/.pt); batchgen loads safetensors only")
+        raise FileNotFoundError(f"{folder} has no .safetensors weights")
+    return files
+
+
+def iter_hf_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    for file in safetensors_files(folder):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)

@@ -1,0 +1,79 @@
+"""Build the model for an EngineConfig: resolve the source, read config and weights, cast, quantize."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from batchgen.engine.attention import make_attention_backend
+from batchgen.engine.config import EngineConfig
+from batchgen.engine.loader.gguf_loader import iter_gguf_weights, read_gguf_config
+from batchgen.engine.loader.hf_loader import iter_hf_weights, read_hf_config, read_hf_config_dict
+from batchgen.engine.loader.source import ModelSource, resolve_model
+from batchgen.engine.models.config import ModelConfig
+from batchgen.engine.models.llama import LlamaForCausalLM
+from batchgen.engine.models.rotary import RotaryEmbedding
+
+log = logging.getLogger("batchgen.engine")
+
+
+@dataclass
+class LoadedModel:
+    source: ModelSource
+    model_cfg: ModelConfig
+    model: LlamaForCausalLM
+    max_model_len: int
+    weight_bytes: int
+
+
+def read_model_config(source: ModelSource) -> ModelConfig:
+    return read_gguf_config(source.folder / source.gguf_file) if source.is_gguf else read_hf_config(source.folder)
+
+
+def unique_storage_bytes(module: torch.nn.Module) -> int:
+    """Bytes of the distinct storages behind parameters and buffers (tied weights counted once)."""
+    seen: dict[int, int] = {}
+    for t in list(module.parameters()) + list(module.buffers()):
+        storage = t.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+def load_model(config: EngineConfig) -> LoadedModel:
+    source = resolve_model(config.model)
+    model_cfg = read_model_config(source)
+    max_model_len = config.max_model_len or model_cfg.max_position_embeddings
+    device, dtype = config.torch_device, config.torch_dtype
+    backend = make_attention_backend(config.resolved_attention_backend, model_cfg.num_heads,
+                                     model_cfg.num_kv_heads, model_cfg.head_dim)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(model_cfg, max_model_len, backend)
+    model = model.to_empty(device=device).to(dtype)
+    model.tie_weights()
+    if source.is_gguf:
+        weights = iter_gguf_weights(source.folder / source.gguf_file, model_cfg)
+    else:
+        _refuse_unsupported_quantization(source)
+        weights = iter_hf_weights(source.folder)
+    model.load_weights(weights)
+    # Rotary tables are computed, not loaded (they were left empty on the meta device).
+    model.rotary = RotaryEmbedding(model_cfg.head_dim, max_model_len, model_cfg.rope_theta,
+                                   model_cfg.rope_scaling).to(device)
+    model.eval()
+    if config.quantization == "fp8":
+        from batchgen.engine.quant.fp8 import quantize_model_fp8
+
+        quantize_model_fp8(model, config, source)
+    weight_bytes = unique_storage_bytes(model) - model.rotary.cos.nbytes - model.rotary.sin.nbytes
+    log.info("loaded %s (%s, %d layers) as %s on %s", source.display_name, model_cfg.model_type,
+             model_cfg.num_layers, dtype, device)
+    return LoadedModel(source, model_cfg, model, max_model_len, weight_bytes)
+
+
+def _refuse_unsupported_quantization(source: ModelSource) -> None:
+    qcfg = read_hf_config_dict(source.folder).get("quantization_config")
+    if qcfg and qcfg.get("quant_method") != "fp8":
+        raise ValueError(f"{source.folder}: quantization_config.quant_method {qcfg.get('quant_method')!r} "
+                         "is not supported (only fp8 checkpoints)")

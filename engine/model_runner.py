@@ -1,0 +1,69 @@
+"""ModelRunner: owns the model and the KV cache; flattens a step into tensors, runs it, samples.
+
+Host->device copies happen only here.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from batchgen.engine.attention import build_attention_metadata
+from batchgen.engine.config import EngineConfig
+from batchgen.engine.models.config import ModelConfig
+from batchgen.engine.models.llama import LlamaForCausalLM
+from batchgen.engine.sampler import Sampler
+from batchgen.engine.scheduler import ScheduledSeq
+
+log = logging.getLogger("batchgen.engine")
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_cfg: ModelConfig, model: LlamaForCausalLM,
+                 num_blocks: int, eos_token_ids: tuple[int, ...]):
+        self.config = config
+        self.model_cfg = model_cfg
+        self.model = model
+        self.device = config.torch_device
+        self.block_size = config.block_size
+        self.sampler = Sampler(eos_token_ids)
+        num_slots = num_blocks * config.block_size
+        # Per layer: K and V caches as (num_slots, kv_heads, head_dim); slot = block * block_size + offset.
+        shape = (num_slots, model_cfg.num_kv_heads, model_cfg.head_dim)
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=config.torch_dtype, device=self.device),
+             torch.zeros(shape, dtype=config.torch_dtype, device=self.device))
+            for _ in range(model_cfg.num_layers)
+        ]
+
+    @torch.inference_mode()
+    def execute(self, scheduled: list[ScheduledSeq]) -> list[tuple[ScheduledSeq, int, float]]:
+        """Run one step; returns (scheduled seq, token, raw logprob) for each sequence that samples."""
+        # Decodes first, then prefill chunks: each group is attended as one padded batch.
+        order = sorted(scheduled, key=lambda s: s.num_new_tokens != 1)
+        num_decodes = sum(1 for s in order if s.num_new_tokens == 1)
+        input_ids: list[int] = []
+        positions: list[int] = []
+        logits_rows: list[int] = []
+        sampling: list[ScheduledSeq] = []
+        for s in order:
+            start = s.seq.num_computed_tokens
+            input_ids.extend(s.seq.token_ids[start:start + s.num_new_tokens])
+            positions.extend(range(start, start + s.num_new_tokens))
+            if s.is_sampling:
+                logits_rows.append(len(input_ids) - 1)
+                sampling.append(s)
+        meta = build_attention_metadata(
+            [s.num_new_tokens for s in order], [s.seq.num_computed_tokens for s in order],
+            [s.seq.block_ids for s in order], num_decodes, self.block_size, self.device)
+        device = self.device
+        logits = self.model(
+            torch.tensor(input_ids, dtype=torch.long, device=device),
+            torch.tensor(positions, dtype=torch.long, device=device),
+            self.kv_caches, meta, torch.tensor(logits_rows, dtype=torch.long, device=device),
+        )  # (N, V)
+        if not sampling:
+            return []
+        tokens, logprobs = self.sampler(logits, [s.seq for s in sampling])
+        return list(zip(sampling, tokens, logprobs))

@@ -1,0 +1,169 @@
+"""The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2) in plain torch over flat token batches.
+
+A step's tokens from all sequences are one flat (T,) batch: no padding in the dense layers.
+q/k/v and gate/up are fused into one matmul each; attention goes through a backend that reads
+and writes the paged KV cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from batchgen.engine.attention import AttentionMetadata
+from batchgen.engine.models.config import ModelConfig
+from batchgen.engine.models.rotary import RotaryEmbedding
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Same op order as HF (normalize in float32, scale in the model dtype) for matching logits.
+        input_dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(input_dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_index: int):
+        super().__init__()
+        self.cfg = cfg
+        self.layer_index = layer_index
+        self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, backend,
+                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        cfg = self.cfg
+        num_tokens = x.shape[0]
+        qkv = self.qkv_proj(x)  # (T, q_size + 2 * kv_size)
+        q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+        q = q.view(num_tokens, cfg.num_heads, cfg.head_dim)
+        k = k.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+        v = v.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotary(positions, q, k)
+        out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta)  # (T, H, D)
+        return self.o_proj(out.reshape(num_tokens, cfg.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.intermediate_size = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_index: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer_index)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+
+class LlamaForCausalLM(nn.Module):
+    # HF checkpoint name -> (our parameter, slice index into the fused tensor or None)
+    _FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+              "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+    def __init__(self, cfg: ModelConfig, max_positions: int, attention_backend):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tie_weights()
+        self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+        self.backend = attention_backend
+
+    def tie_weights(self) -> None:
+        # Re-run after to_empty()/to(): those make fresh tensors and would untie the pair.
+        if self.cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions: (T,); returns logits (N, V) for the N rows in logits_indices only."""
+        hidden = self.embed_tokens(input_ids)  # (T, hidden)
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            if residual is None:
+                residual = hidden
+                hidden = layer.input_layernorm(hidden)
+            else:
+                hidden = hidden + residual
+                residual = hidden
+                hidden = layer.input_layernorm(hidden)
+            hidden = layer.self_attn(hidden, positions, self.rotary, self.backend, kv_cache, meta)
+            hidden = hidden + residual
+            residual = hidden
+            hidden = layer.mlp(layer.post_attention_layernorm(hidden))
+        hidden = (hidden + residual)[logits_indices]  # only rows that will be sampled
+        return self.lm_head(self.norm(hidden)).float()
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors in, fusing q/k/v and gate/up; refuses unknown or missing names."""
+        cfg = self.cfg
+        params = dict(self.named_parameters())
+        fused_sizes = {"qkv_proj": [cfg.q_size, cfg.kv_size, cfg.kv_size],
+                       "gate_up_proj": [cfg.intermediate_size, cfg.intermediate_size]}
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            name = name.removeprefix("model.")
+            if "rotary_emb" in name:
+                continue
+            parts = name.split(".")
+            target = name
+            part_index = None
+            for i, p in enumerate(parts):
+                if p in self._FUSED:
+                    fused, part_index = self._FUSED[p]
+                    target = ".".join(parts[:i] + [fused] + parts[i + 1:])
+                    break
+            if target == "lm_head.weight" and cfg.tie_word_embeddings:
+                continue
+            if target not in params:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in the {cfg.model_type} model")
+            param = params[target]
+            if part_index is None:
+                dest = param
+            else:
+                sizes = fused_sizes[target.split(".")[-2]]
+                offset = sum(sizes[:part_index])
+                dest = param[offset:offset + sizes[part_index]]
+            if tuple(dest.shape) != tuple(tensor.shape):
+                raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
+            dest.copy_(tensor.to(dest.dtype))
+            loaded.add(f"{target}#{part_index}")
+        expected = set()
+        for pname in params:
+            base = pname.split(".")[-2] if "." in pname else ""
+            if base in fused_sizes and pname.endswith("weight") or (base == "qkv_proj" and pname.endswith("bias")):
+                n = len(fused_sizes[base])
+                expected.update(f"{pname}#{i}" for i in range(n))
+            elif not (pname == "lm_head.weight" and cfg.tie_word_embeddings):
+                expected.add(f"{pname}#None")
+        missing = sorted(expected - loaded)
+        if missing:
+            raise ValueError(f"checkpoint is missing tensors: {', '.join(m.split('#')[0] for m in missing[:8])}")

@@ -1,0 +1,144 @@
+"""Scheduler: continuous batching with a per-step token budget, chunked prefill and preemption.
+
+No prefill/decode phases: running sequences get their next token (or next prefill chunk), then
+waiting sequences are admitted with their cached prefix skipped. When blocks run out the newest
+running sequence is preempted (blocks freed, recomputed later).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from batchgen.engine.config import EngineConfig
+from batchgen.engine.kv_cache_manager import KVCacheManager
+from batchgen.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int
+
+    @property
+    def is_sampling(self) -> bool:
+        """True when this chunk reaches the end of the known tokens, so a token is sampled."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    num_preempted: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class SchedulerStats:
+    num_steps: int = 0
+    num_preemptions: int = 0
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    num_mixed_steps: int = 0  # steps holding both a prefill chunk and a decode
+    num_partial_prefills: int = 0  # prefill chunks that stopped short of the prompt's end
+    num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache at admission
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, kv: KVCacheManager):
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.stats = SchedulerStats()
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        now = time.monotonic()
+        running_next: list[Sequence] = []
+        queue = list(self.running)
+        while queue and budget > 0:
+            seq = queue.pop(0)
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.kv.allocate_slots(seq, num_new):
+                victim = queue.pop() if queue else seq  # newest first
+                self._preempt(victim)
+                out.num_preempted += 1
+                if victim is seq:
+                    break
+            else:
+                out.scheduled.append(ScheduledSeq(seq, num_new))
+                running_next.append(seq)
+                budget -= num_new
+        running_next.extend(queue)  # out of budget this step; they keep their blocks
+
+        # Admit waiting sequences only when nothing was preempted (the pool is not under pressure).
+        while (self.waiting and out.num_preempted == 0 and budget > 0
+               and len(running_next) < self.config.max_num_seqs):
+            seq = self.waiting[0]
+            hits = self.kv.get_computed_blocks(seq)
+            num_cached = len(hits) * self.kv.block_size
+            num_new = min(seq.num_tokens - num_cached, budget)
+            if not self.kv.allocate_slots(seq, num_new, hits):
+                break
+            self.waiting.popleft()
+            seq.num_computed_tokens = num_cached
+            if seq.num_cached_tokens is None:
+                seq.num_cached_tokens = num_cached
+                self.stats.num_cached_tokens += num_cached
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = now
+            seq.status = SequenceStatus.RUNNING
+            out.scheduled.append(ScheduledSeq(seq, num_new))
+            running_next.append(seq)
+            budget -= num_new
+        self.running = running_next
+        self._count(out)
+        return out
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.kv.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        if seq in self.running:
+            self.running.remove(seq)
+        self.waiting.appendleft(seq)
+        self.stats.num_preemptions += 1
+
+    def _count(self, out: SchedulerOutput) -> None:
+        if out.is_empty:
+            return
+        self.stats.num_steps += 1
+        has_prefill = has_decode = False
+        for s in out.scheduled:
+            is_decode = s.seq.num_computed_tokens >= s.seq.num_prompt_tokens and s.num_new_tokens == 1
+            if is_decode:
+                self.stats.num_decode_tokens += 1
+                has_decode = True
+            else:
+                self.stats.num_prefill_tokens += s.num_new_tokens
+                has_prefill = True
+                if not s.is_sampling:
+                    self.stats.num_partial_prefills += 1
+        self.stats.num_mixed_steps += has_prefill and has_decode
+
+    def finish(self, seq: Sequence) -> None:
+        """Called by the engine when `seq` is done: its blocks go back (keeping their hashes)."""
+        seq.status = SequenceStatus.FINISHED
+        self.kv.free(seq)
+        self.running.remove(seq)

@@ -1,0 +1,93 @@
+"""Sequence: one sample of one request, the unit the scheduler and KV cache work on."""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import time
+
+import torch
+
+from batchgen.engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+def sample_seed(seed: int, request_id: str, sample_index: int) -> int:
+    """A stable 63-bit seed for (job seed, request id, sample index): no batch, order or resume effect."""
+    digest = hashlib.sha256(f"{seed}\x00{request_id}\x00{sample_index}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+class Sequence:
+    """Prompt + output token ids, progress (`num_computed_tokens`), block table and timestamps.
+
+    The scheduler only moves `num_computed_tokens` toward `num_tokens`; a preempted sequence
+    drops its blocks and recomputes everything it had (prompt and output alike).
+    """
+
+    def __init__(self, request_id: str, sample_index: int, prompt_token_ids: list[int],
+                 params: SamplingParams, arrival_time: float, max_total_tokens: int):
+        self.request_id = request_id
+        self.sample_index = sample_index
+        self.prompt_token_ids = prompt_token_ids
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.params = params
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.max_total_tokens = max_total_tokens  # max_model_len cap
+        self.num_computed_tokens = 0
+        self.num_cached_tokens: int | None = None  # set at first scheduling
+        self.block_ids: list[int] = []
+        self.block_hashes: list[tuple] = []  # chained keys of this sequence's full blocks (memo)
+        self.num_registered_blocks = 0  # leading blocks already offered to the prefix cache
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+        self.output_logprobs: list[float] = []
+        self.cumulative_logprob = 0.0
+        self.output_text: str | None = None  # set when a stop string cut the text
+        self.arrival_time = arrival_time
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
+        self.generator: torch.Generator | None = None  # made lazily on the sampling device
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    def seed(self) -> int:
+        return sample_seed(self.params.seed or 0, self.request_id, self.sample_index)
+
+    def get_generator(self, device: torch.device) -> torch.Generator:
+        if self.generator is None:
+            self.generator = torch.Generator(device=device)
+            self.generator.manual_seed(self.seed())
+        return self.generator
+
+    def append_token(self, token_id: int, logprob: float | None) -> None:
+        now = time.monotonic()
+        if self.first_token_time is None:
+            self.first_token_time = now
+        self.last_token_time = now
+        self.token_ids.append(token_id)
+        if logprob is not None:
+            self.cumulative_logprob += logprob
+            if self.params.logprobs:
+                self.output_logprobs.append(logprob)

@@ -1,0 +1,1 @@
+"""batchgen.kernels: Triton kernels and their pure-torch references (imports only torch/triton)."""
