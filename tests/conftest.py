@@ -1,0 +1,47 @@
+"""Shared fixtures: the bundled SmolLM2-135M-Instruct, loaded once per session (ours and HF's)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+MODEL = "smollm2-135m-instruct"
+# Small KV pool for tests: the design's CPU default (4 GiB) is more than a test needs.
+TEST_ENGINE_KWARGS = dict(dtype="float32", device="cpu", kv_cache_memory="256MiB")
+
+
+@pytest.fixture(scope="session")
+def smollm_path():
+    from batchgen.engine.loader.source import bundled_model_path
+
+    return bundled_model_path(MODEL)
+
+
+@pytest.fixture(scope="session")
+def llm():
+    """One engine on the real model for tests that do not change engine settings."""
+    from batchgen.engine import LLM
+
+    return LLM(MODEL, **TEST_ENGINE_KWARGS)
+
+
+@pytest.fixture(scope="session")
+def hf_model(smollm_path):
+    """HF transformers' own Llama on the same GGUF: the reference no one here wrote."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        str(smollm_path.parent), gguf_file=smollm_path.name, dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def hf_tokenizer(smollm_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(smollm_path.parent), gguf_file=smollm_path.name)
