@@ -1,0 +1,309 @@
+"""`batchgen bench`: one workload through the engine and, in the same run, through HF transformers.
+
+Both sides get the same model, the same prompt token ids, greedy decoding with a fixed output
+length, the same thread count; the clock covers generation only (not loading or tokenizing). The
+run also measures the machine's float32 GEMM rate at the model's shapes, derives the workload's
+roofline from it, and counts how many requests' greedy tokens agree between the two sides.
+"""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import importlib.util
+import json
+import os
+import platform
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Optional
+
+import torch
+import typer
+
+from batchgen.engine import LLMEngine
+from batchgen.pipeline.bench_engine import build_engine, parse_engine_overrides, run_engine
+from batchgen.pipeline.bench_peer import DEFAULT_BATCH_SIZES, PeerUnavailable, load_peer_model, run_peer, warm_up_peer
+from batchgen.pipeline.bench_report import format_report
+from batchgen.pipeline.bench_result import RunResult, compare_outputs
+from batchgen.pipeline.bench_workloads import (WORKLOADS, Workload, chat_workload, random_workload,
+                                               shared_prefix_workload, special_token_ids)
+from batchgen.pipeline.gemm_rate import DECODE_NUM_TOKENS, PREFILL_NUM_TOKENS, measure_gemm_rate
+from batchgen.pipeline.roofline import workload_roofline
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+DEFAULT_NUM_REQUESTS = 64  # random and shared-prefix; chat takes the whole prompt set
+QUALITY_MODULE = "batchgen.engine.quant.quality"
+
+
+@dataclass
+class BenchOptions:
+    """Everything a bench run depends on; the CLI fills it, tests build it directly."""
+
+    workload: str = "random"
+    model: str = DEFAULT_MODEL
+    num_requests: int | None = None  # None: 64 (random, shared-prefix) or the whole set (chat)
+    input_len_min: int = 100
+    input_len_max: int = 200
+    output_len: int = 64
+    seed: int = 0
+    peer: bool | None = None  # None: on, except for shared-prefix
+    peer_batch_sizes: list[int] = field(default_factory=lambda: list(DEFAULT_BATCH_SIZES))
+    engine_overrides: dict = field(default_factory=dict)
+    num_threads: int | None = None  # None: torch's default
+    prompts: str | None = None  # chat prompt set; None: jobs/data/chat_prompts.parquet
+    prefill_gemm_tokens: int = PREFILL_NUM_TOKENS
+    decode_gemm_tokens: int = DECODE_NUM_TOKENS
+    gemm_min_seconds: float = 0.3
+    is_warmup: bool = True
+    is_quality: bool = False
+
+    def __post_init__(self) -> None:
+        if self.workload not in WORKLOADS:
+            raise ValueError(f"workload must be one of {', '.join(WORKLOADS)}; got {self.workload!r}")
+
+    @property
+    def is_peer(self) -> bool:
+        return self.peer if self.peer is not None else self.workload != "shared-prefix"
+
+
+def _say(message: str) -> None:
+    print(f"[bench] {message}", file=sys.stderr, flush=True)
+
+
+# ---- pieces --------------------------------------------------------------------------------------
+def make_workload(opts: BenchOptions, engine: LLMEngine) -> Workload:
+    tokenizer = engine.tokenizer
+    if opts.workload == "random":
+        return random_workload(opts.num_requests or DEFAULT_NUM_REQUESTS, opts.input_len_min, opts.input_len_max,
+                               opts.output_len, opts.seed, engine.model_cfg.vocab_size,
+                               special_token_ids(tokenizer.hf))
+    if opts.workload == "chat":
+        return chat_workload(tokenizer, opts.output_len, opts.prompts, opts.num_requests)
+    return shared_prefix_workload(tokenizer, opts.num_requests or DEFAULT_NUM_REQUESTS, opts.output_len, opts.seed)
+
+
+def _warm_up_engine(engine: LLMEngine, opts: BenchOptions) -> None:
+    """A few short random requests (another seed: they share no prefix with the workload)."""
+    warmup = random_workload(4, 16, 48, 4, opts.seed + 7919, engine.model_cfg.vocab_size,
+                             special_token_ids(engine.tokenizer.hf))
+    run_engine(engine, warmup, "warmup")
+
+
+def _timed_engine_run(engine: LLMEngine, workload: Workload, opts: BenchOptions, name: str) -> RunResult:
+    if opts.is_warmup:
+        _warm_up_engine(engine, opts)
+    _say(f"{name}: {workload.num_requests} requests")
+    result = run_engine(engine, workload, name)
+    _say(f"{name}: {result.completion_tokens_per_s:.1f} completion tokens/s")
+    return result
+
+
+def _machine() -> dict:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    import transformers
+
+    return {"cpu": cpu, "num_cpus": os.cpu_count(), "num_threads": torch.get_num_threads(),
+            "torch": torch.__version__, "transformers": transformers.__version__,
+            "python": platform.python_version(), "git_commit": _git_commit()}
+
+
+def _git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).parent,
+                             capture_output=True, text=True, timeout=5)
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _fairness(workload: Workload, sides: list[RunResult]) -> list[str]:
+    """Reasons the comparison is not like for like (empty: every side did the same token work)."""
+    reasons = []
+    for side in sides:
+        if side.num_prompt_tokens != workload.num_prompt_tokens:
+            reasons.append(f"{side.name} read {side.num_prompt_tokens} prompt tokens, "
+                           f"the workload has {workload.num_prompt_tokens}")
+        if side.num_completion_tokens != workload.num_completion_tokens:
+            reasons.append(f"{side.name} generated {side.num_completion_tokens} tokens, "
+                           f"the workload asks for {workload.num_completion_tokens}")
+    return reasons
+
+
+def run_quality(model: str) -> dict:
+    """The FP8 quality bench (issue 6), when its module is installed."""
+    if importlib.util.find_spec(QUALITY_MODULE) is None:
+        raise RuntimeError(f"--quality needs {QUALITY_MODULE}.run_quality_bench, which this install lacks")
+    from importlib import import_module
+
+    quality = import_module(QUALITY_MODULE)
+    return quality.run_quality_bench(model)
+
+
+# ---- the run -------------------------------------------------------------------------------------
+def run_bench(opts: BenchOptions, engine: LLMEngine | None = None, peer_model=None,
+              say: Callable[[str], None] = _say) -> dict:
+    """Run the bench; returns the result dict (`--json` prints it as is).
+
+    `engine` and `peer_model` may be given already loaded (tests share session fixtures); the
+    engine must be float32 on the CPU like the peer.
+    """
+    if opts.num_threads:
+        torch.set_num_threads(opts.num_threads)
+    if opts.is_peer and peer_model is None:
+        from batchgen.pipeline.bench_peer import require_peer_dependencies
+
+        require_peer_dependencies()  # fail before minutes of engine work, not after
+    if engine is None:
+        say(f"loading the engine ({opts.model})")
+        engine = build_engine(opts.model, opts.num_threads, opts.engine_overrides)
+    workload = make_workload(opts, engine)
+    model_cfg = engine.model_cfg
+    eos_token_ids = list(engine.eos_token_ids)
+    pad_token_id = engine.tokenizer.hf.pad_token_id
+    pad_token_id = eos_token_ids[0] if pad_token_id is None else pad_token_id
+
+    engine_runs: dict[str, RunResult] = {}
+    if opts.workload == "shared-prefix":
+        # Caching on and off over the same prompts, each in a fresh engine (no cache carried over).
+        on_config = engine.config.replace(enable_prefix_caching=True)
+        if engine.config != on_config:
+            engine = LLMEngine(on_config)
+        engine_runs["engine"] = _timed_engine_run(engine, workload, opts, "engine (prefix caching on)")
+        off_config = engine.config.replace(enable_prefix_caching=False)
+        del engine
+        gc.collect()
+        say("loading the engine with prefix caching off")
+        engine_off = LLMEngine(off_config)
+        engine_runs["engine_no_prefix_caching"] = _timed_engine_run(engine_off, workload, opts,
+                                                                    "engine (prefix caching off)")
+        del engine_off
+    else:
+        engine_runs["engine"] = _timed_engine_run(engine, workload, opts, "engine")
+        del engine
+    gc.collect()
+
+    peer: RunResult | None = None
+    if opts.is_peer:
+        if peer_model is None:
+            say(f"loading the peer (HF transformers, {opts.model})")
+            peer_model = load_peer_model(opts.model)
+        if opts.is_warmup:
+            warm_up_peer(peer_model, pad_token_id, eos_token_ids)
+        say(f"peer: batch sizes {opts.peer_batch_sizes}")
+        peer, _ = run_peer(peer_model, workload, opts.peer_batch_sizes, pad_token_id, eos_token_ids)
+        say(f"peer: best {peer.completion_tokens_per_s:.1f} completion tokens/s at batch {peer.details['batch_size']}")
+
+    say("measuring the float32 GEMM rate at the model's shapes")
+    prefill = measure_gemm_rate(model_cfg, opts.prefill_gemm_tokens, opts.gemm_min_seconds)
+    decode = measure_gemm_rate(model_cfg, opts.decode_gemm_tokens, opts.gemm_min_seconds)
+    roofline = workload_roofline(model_cfg, workload.prompt_lens, workload.output_lens, prefill.layer_flops_per_s)
+
+    main = engine_runs["engine"]
+    sides = list(engine_runs.values()) + ([peer] if peer else [])
+    unfair = _fairness(workload, sides)
+    result: dict = {
+        "model": opts.model,
+        "workload": workload.describe(),
+        "machine": _machine(),
+        "engine_runs": {key: run.as_dict() for key, run in engine_runs.items()},
+        "peer": peer.as_dict() if peer else None,
+        "gemm": {"prefill": prefill.as_dict(), "decode": decode.as_dict()},
+        "roofline": roofline.as_dict(),
+        "fraction_of_roofline": main.completion_tokens_per_s / roofline.completion_tokens_per_s,
+        "is_fair": not unfair,
+        "unfair_reasons": unfair,
+        "agreement": {},
+        "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+    if peer:
+        result["ratio_vs_peer"] = main.completion_tokens_per_s / peer.completion_tokens_per_s
+        result["agreement"]["engine vs peer"] = _agreement(main, peer)
+    if "engine_no_prefix_caching" in engine_runs:
+        off = engine_runs["engine_no_prefix_caching"]
+        result["ratio_prefix_caching"] = main.completion_tokens_per_s / off.completion_tokens_per_s
+        result["agreement"]["prefix caching on vs off"] = _agreement(main, off)
+    if opts.is_quality:
+        say("running the FP8 quality bench")
+        result["quality"] = run_quality(opts.model)
+    return result
+
+
+def _agreement(ours: RunResult, theirs: RunResult) -> dict:
+    agreement = compare_outputs(ours, theirs).as_dict()
+    agreement["mismatched_request_ids"] = [i for i, t in ours.output_token_ids.items()
+                                           if t != theirs.output_token_ids.get(i)][:20]
+    return agreement
+
+
+# ---- command line --------------------------------------------------------------------------------
+def _parse_batch_sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(x) for x in text.replace(" ", "").split(",") if x]
+    except ValueError:
+        raise typer.BadParameter(f"expected comma-separated integers like 16,32,64; got {text!r}") from None
+    if not sizes or any(s < 1 for s in sizes):
+        raise typer.BadParameter(f"batch sizes must be positive integers; got {text!r}")
+    return sizes
+
+
+def bench_command(
+    workload: Annotated[str, typer.Option(help=f"One of: {', '.join(WORKLOADS)}.")] = "random",
+    model: Annotated[str, typer.Option(help="Model alias, HF folder or .gguf file.")] = DEFAULT_MODEL,
+    num_requests: Annotated[Optional[int], typer.Option(
+        help="Requests (default 64; chat: the whole prompt set).")] = None,
+    input_len_min: Annotated[int, typer.Option(help="random: shortest prompt in tokens.")] = 100,
+    input_len_max: Annotated[int, typer.Option(help="random: longest prompt in tokens.")] = 200,
+    output_len: Annotated[int, typer.Option(help="Completion tokens per request (fixed, EOS ignored).")] = 64,
+    seed: Annotated[int, typer.Option(help="Seed for random prompts and shared-prefix messages.")] = 0,
+    peer: Annotated[Optional[bool], typer.Option(
+        "--peer/--no-peer", help="Also run HF transformers generate (default on; off for shared-prefix).")] = None,
+    peer_batch_sizes: Annotated[str, typer.Option(
+        help="Peer batch sizes to try; its fastest is reported.")] = ",".join(map(str, DEFAULT_BATCH_SIZES)),
+    engine: Annotated[Optional[list[str]], typer.Option(
+        "--engine", help="Engine setting KEY=VALUE (repeatable), e.g. max_num_seqs=64.")] = None,
+    threads: Annotated[Optional[int], typer.Option(help="torch threads for both sides (default: torch's).")] = None,
+    prompts: Annotated[Optional[str], typer.Option(
+        help="chat: Parquet prompt set (default jobs/data/chat_prompts.parquet).")] = None,
+    gemm_tokens: Annotated[int, typer.Option(help="Rows of the prefill-shape GEMM measurement.")] = PREFILL_NUM_TOKENS,
+    warmup: Annotated[bool, typer.Option("--warmup/--no-warmup", help="Warm both sides up untimed.")] = True,
+    quality: Annotated[bool, typer.Option("--quality", help="Also run the FP8 quality bench.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
+    output: Annotated[Optional[Path], typer.Option(
+        help="Also write the JSON result here, e.g. benchmarks/results/random-2core.json.")] = None,
+) -> None:
+    """Throughput of the engine against HF transformers on one workload, with roofline and agreement."""
+    try:
+        opts = BenchOptions(workload=workload, model=model, num_requests=num_requests, input_len_min=input_len_min,
+                            input_len_max=input_len_max, output_len=output_len, seed=seed, peer=peer,
+                            peer_batch_sizes=_parse_batch_sizes(peer_batch_sizes),
+                            engine_overrides=parse_engine_overrides(engine), num_threads=threads,
+                            prompts=prompts, prefill_gemm_tokens=gemm_tokens, is_warmup=warmup, is_quality=quality)
+        result = run_bench(opts)
+    except (ValueError, FileNotFoundError, PeerUnavailable) as exc:
+        typer.echo(f"batchgen bench: {exc}", err=True)
+        raise typer.Exit(2) from None
+    args = sys.argv[1:]
+    args = args[1:] if args[:1] == ["bench"] else args  # the same line from `batchgen bench` and `python -m`
+    result["command"] = " ".join(["batchgen", "bench", *args])
+    text = json.dumps(result, indent=2)
+    if output:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        output.write_text(text + "\n")
+    typer.echo(text if as_json else format_report(result))
+
+
+def main() -> None:
+    typer.run(bench_command)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,72 @@
+"""The engine side of the bench: build an LLMEngine for the comparison and time one workload pass."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import yaml
+
+from batchgen.engine import EngineConfig, LLMEngine, SamplingParams
+from batchgen.pipeline.bench_result import RunResult
+from batchgen.pipeline.bench_workloads import Workload
+
+# The comparison is float32 on the CPU against a float32 peer: these are not overridable.
+FIXED_ENGINE_KEYS = {"model": "--model", "dtype": "float32", "device": "cpu", "num_threads": "--threads"}
+
+
+def parse_engine_overrides(items: list[str] | None) -> dict:
+    """['max_num_seqs=64', 'enable_prefix_caching=false'] -> typed EngineConfig keywords."""
+    allowed = {f.name for f in dataclasses.fields(EngineConfig)} - {"extra"} - set(FIXED_ENGINE_KEYS)
+    overrides: dict = {}
+    for item in items or []:
+        key, sep, raw = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise ValueError(f"--engine takes KEY=VALUE, got {item!r}")
+        if key in FIXED_ENGINE_KEYS:
+            raise ValueError(f"--engine {key} is fixed by the bench (set by {FIXED_ENGINE_KEYS[key]})")
+        if key not in allowed:
+            raise ValueError(f"--engine {key}: unknown engine key; known: {', '.join(sorted(allowed))}")
+        overrides[key] = yaml.safe_load(raw) if raw.strip() else None
+    return overrides
+
+
+def build_engine(model: str, num_threads: int | None, overrides: dict) -> LLMEngine:
+    """float32 CPU engine with the job defaults plus `overrides` (EngineConfig validates the values)."""
+    config = EngineConfig(model=model, dtype="float32", device="cpu", num_threads=num_threads, **overrides)
+    return LLMEngine(config)
+
+
+def fixed_length_params(output_len: int) -> SamplingParams:
+    """Greedy with exactly output_len tokens: EOS is masked below min_tokens, as the peer's
+    min_new_tokens masks it, so both pick the same token where EOS would have been the argmax."""
+    return SamplingParams(temperature=0.0, max_tokens=output_len, min_tokens=output_len, ignore_eos=True)
+
+
+def run_engine(engine: LLMEngine, workload: Workload, name: str = "engine") -> RunResult:
+    """Time add_request for every prompt (token ids: no tokenizing) through the last step."""
+    params = {n: fixed_length_params(n) for n in set(workload.output_lens)}
+    before = engine.stats
+    outputs = {}
+    start = time.perf_counter()
+    for r in workload.requests:
+        engine.add_request(r.request_id, None, params[r.output_len], prompt_token_ids=r.prompt_token_ids)
+    while engine.has_unfinished():
+        for out in engine.step():
+            outputs[out.request_id] = out
+    seconds = time.perf_counter() - start
+    after = engine.stats
+    stats = {k: after[k] - before[k] for k in after
+             if k.startswith("num_") and k not in ("num_free_blocks", "num_blocks")}
+    prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs.values())
+    token_ids = {rid: list(o.outputs[0].token_ids) for rid, o in outputs.items()}
+    cfg = engine.config
+    details = {
+        "stats": stats,
+        "prefix_cache_hit_rate": stats["num_cached_tokens"] / prompt_tokens if prompt_tokens else 0.0,
+        "config": {"max_num_seqs": cfg.max_num_seqs, "max_num_batched_tokens": cfg.max_num_batched_tokens,
+                   "enable_prefix_caching": cfg.enable_prefix_caching, "compile": cfg.compile,
+                   "attention_backend": cfg.resolved_attention_backend, "num_kv_blocks": engine.num_kv_blocks},
+    }
+    return RunResult(name, prompt_tokens, sum(len(t) for t in token_ids.values()), seconds, token_ids, details)

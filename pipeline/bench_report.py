@@ -1,0 +1,52 @@
+"""Text rendering of a bench result dict (the same dict `--json` prints)."""
+
+from __future__ import annotations
+
+
+def _row(label: str, side: dict) -> str:
+    return (f"  {label:<34} {side['prompt_tokens']:>10,} {side['completion_tokens']:>12,} "
+            f"{side['seconds']:>9.2f} {side['completion_tokens_per_s']:>12.1f}")
+
+
+def format_report(result: dict) -> str:
+    """A human-readable table of the figures in `result`."""
+    w, m = result["workload"], result["machine"]
+    lines = [
+        f"batchgen bench: workload {w['name']}: {w['num_requests']} requests, prompts "
+        f"{w['prompt_len_min']}-{w['prompt_len_max']} tokens, output {w.get('output_len', '?')} tokens",
+        f"  model {result['model']} (float32), {m['num_threads']} torch threads on {m['cpu']} "
+        f"({m['num_cpus']} CPUs)",
+        "",
+        f"  {'':<34} {'prompt tok':>10} {'completion tok':>12} {'seconds':>9} {'completion/s':>12}",
+    ]
+    engines = result["engine_runs"]
+    for key, side in engines.items():
+        lines.append(_row(side["name"], side))
+    peer = result.get("peer")
+    if peer:
+        lines.append(_row(peer["name"], peer))
+        others = ", ".join(f"batch {r['batch_size']}: {r['completion_tokens_per_s']:.1f}/s" for r in peer["runs"])
+        lines.append(f"  (peer tried {others})")
+    lines.append("")
+    if peer:
+        lines.append(f"  ratio engine / peer (completion tokens/s): {result['ratio_vs_peer']:.2f}x")
+    if "ratio_prefix_caching" in result:
+        lines.append(f"  ratio prefix caching on / off: {result['ratio_prefix_caching']:.2f}x "
+                     f"(shared prefix {w.get('shared_prefix_tokens', '?')} tokens; cache hit rate "
+                     f"{engines['engine']['prefix_cache_hit_rate']:.1%} of prompt tokens)")
+    g = result["gemm"]
+    lines.append(f"  GEMM float32: {g['prefill']['gflops_per_s']:.1f} GFLOP/s at prefill shapes "
+                 f"({g['prefill']['num_tokens']} rows), {g['decode']['gflops_per_s']:.1f} GFLOP/s at decode "
+                 f"shapes ({g['decode']['num_tokens']} rows)")
+    r = result["roofline"]
+    lines.append(f"  roofline: {r['num_flops'] / 1e12:.3f} TFLOP of linears -> {r['seconds']:.2f} s, "
+                 f"{r['completion_tokens_per_s']:.1f} completion tokens/s; engine at "
+                 f"{result['fraction_of_roofline']:.1%} of roofline")
+    for label, a in result.get("agreement", {}).items():
+        lines.append(f"  greedy agreement {label}: {a['num_exact']}/{a['num_requests']} requests identical, "
+                     f"mean matching prefix {a['mean_prefix_len']:.1f} of {a['mean_output_len']:.1f} tokens")
+    if not result["is_fair"]:
+        lines.append("  WARNING: the sides did not process the same tokens: " + "; ".join(result["unfair_reasons"]))
+    if "quality" in result:
+        lines.append(f"  quality: {result['quality']}")
+    return "\n".join(lines)

@@ -1,0 +1,96 @@
+"""Roofline arithmetic for a generation workload: how fast could the linear layers alone go?
+
+Only the dense layers count (attention over the KV cache, norms and rotary are left out), so the
+roofline is an upper bound on tokens/s at a given GEMM rate. Counting rules (issue 4):
+- every token the model runs forward (every prompt token and every fed-back decode token) goes
+  through each layer's q/k/v, o, gate/up and down projections: 2 * in * out FLOPs per linear;
+- the lm_head runs only on rows whose token is sampled (the last prompt position, then each decode).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from batchgen.engine.models.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class LinearShape:
+    """One weight matrix of the model as the engine multiplies it: (tokens, in) @ (in, out)."""
+
+    name: str
+    in_features: int
+    out_features: int
+
+    @property
+    def num_flops_per_token(self) -> int:
+        return 2 * self.in_features * self.out_features
+
+
+def layer_linear_shapes(cfg: ModelConfig) -> list[LinearShape]:
+    """The linears of one decoder layer, fused as the engine fuses them (q/k/v and gate/up)."""
+    return [
+        LinearShape("qkv", cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size),
+        LinearShape("o", cfg.q_size, cfg.hidden_size),
+        LinearShape("gate_up", cfg.hidden_size, 2 * cfg.intermediate_size),
+        LinearShape("down", cfg.intermediate_size, cfg.hidden_size),
+    ]
+
+
+def lm_head_shape(cfg: ModelConfig) -> LinearShape:
+    return LinearShape("lm_head", cfg.hidden_size, cfg.vocab_size)
+
+
+def num_layer_flops_per_token(cfg: ModelConfig) -> int:
+    """Linear-layer FLOPs of one token through all decoder layers (no lm_head)."""
+    return cfg.num_layers * sum(s.num_flops_per_token for s in layer_linear_shapes(cfg))
+
+
+def num_lm_head_flops_per_token(cfg: ModelConfig) -> int:
+    return lm_head_shape(cfg).num_flops_per_token
+
+
+@dataclass(frozen=True)
+class Roofline:
+    """The workload's linear FLOPs and the time they take at `gemm_flops_per_s`."""
+
+    num_forward_tokens: int
+    num_sampled_tokens: int
+    num_layer_flops: int
+    num_lm_head_flops: int
+    gemm_flops_per_s: float
+
+    @property
+    def num_flops(self) -> int:
+        return self.num_layer_flops + self.num_lm_head_flops
+
+    @property
+    def seconds(self) -> float:
+        return self.num_flops / self.gemm_flops_per_s
+
+    @property
+    def completion_tokens_per_s(self) -> float:
+        return self.num_sampled_tokens / self.seconds
+
+    def as_dict(self) -> dict:
+        return {
+            "num_forward_tokens": self.num_forward_tokens, "num_sampled_tokens": self.num_sampled_tokens,
+            "num_layer_flops": self.num_layer_flops, "num_lm_head_flops": self.num_lm_head_flops,
+            "num_flops": self.num_flops, "gemm_gflops_per_s": self.gemm_flops_per_s / 1e9,
+            "seconds": self.seconds, "completion_tokens_per_s": self.completion_tokens_per_s,
+        }
+
+
+def workload_roofline(cfg: ModelConfig, prompt_lens: list[int], output_lens: list[int],
+                      gemm_flops_per_s: float) -> Roofline:
+    """Roofline of generating output_lens[i] tokens after a prompt of prompt_lens[i] tokens, no cache.
+
+    A request runs prompt_len + output_len - 1 tokens forward (the last sampled token is never fed
+    back) and samples output_len tokens.
+    """
+    if len(prompt_lens) != len(output_lens):
+        raise ValueError(f"{len(prompt_lens)} prompt lengths but {len(output_lens)} output lengths")
+    num_forward = sum(p + o - 1 for p, o in zip(prompt_lens, output_lens))
+    num_sampled = sum(output_lens)
+    return Roofline(num_forward, num_sampled, num_forward * num_layer_flops_per_token(cfg),
+                    num_sampled * num_lm_head_flops_per_token(cfg), gemm_flops_per_s)

@@ -1,0 +1,129 @@
+"""The bench harness: a fair comparison (same token work, agreeing greedy tokens), its roofline
+arithmetic, and deterministic workloads. Nothing here is timed; throughput is measured by hand."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from batchgen.engine.models.config import ModelConfig
+from batchgen.pipeline.bench import BenchOptions, bench_command, run_bench
+from batchgen.pipeline.bench_engine import parse_engine_overrides
+from batchgen.pipeline.bench_report import format_report
+from batchgen.pipeline.bench_workloads import (SHARED_SYSTEM_PROMPT, chat_workload, random_workload,
+                                               read_chat_prompts, shared_prefix_workload, special_token_ids)
+from batchgen.pipeline.roofline import num_layer_flops_per_token, num_lm_head_flops_per_token, workload_roofline
+
+TINY = ModelConfig(model_type="llama", vocab_size=10, hidden_size=4, intermediate_size=8, num_layers=2,
+                   num_heads=2, num_kv_heads=1, head_dim=2, rms_norm_eps=1e-6, rope_theta=1e4,
+                   max_position_embeddings=64, tie_word_embeddings=True)
+
+
+# ---- fairness: the harness end to end on a tiny workload ----------------------------------------
+def test_engine_and_peer_do_the_same_work_and_agree(llm, hf_model):
+    opts = BenchOptions(workload="random", num_requests=4, input_len_min=20, input_len_max=40, output_len=8,
+                        seed=0, peer_batch_sizes=[2, 4], prefill_gemm_tokens=64, decode_gemm_tokens=8,
+                        gemm_min_seconds=0.01)
+    result = run_bench(opts, engine=llm.engine, peer_model=hf_model, say=lambda _: None)
+
+    engine, peer, workload = result["engine_runs"]["engine"], result["peer"], result["workload"]
+    assert result["is_fair"], result["unfair_reasons"]
+    assert engine["prompt_tokens"] == peer["prompt_tokens"] == workload["num_prompt_tokens"]
+    assert engine["completion_tokens"] == peer["completion_tokens"] == 4 * 8
+    assert [r["batch_size"] for r in peer["runs"]] == [2, 4]
+    # Same weights, both float32, greedy: tokens agree unless two logits tie within float32
+    # rounding (the engine runs flat varlen batches and fused q/k/v, HF padded batches), which a
+    # different BLAS could trigger for one request; so allow one divergent request, no more.
+    agreement = result["agreement"]["engine vs peer"]
+    assert agreement["num_requests"] == 4
+    assert agreement["num_exact"] >= 3, agreement
+    assert agreement["mean_prefix_len"] >= 6, agreement
+    assert result["gemm"]["prefill"]["gflops_per_s"] > 0 and result["gemm"]["decode"]["gflops_per_s"] > 0
+    assert 0 < result["fraction_of_roofline"]
+    assert result["ratio_vs_peer"] == pytest.approx(
+        engine["completion_tokens_per_s"] / peer["completion_tokens_per_s"])
+    json.dumps(result)  # --json must be able to print it
+    assert "ratio engine / peer" in format_report(result)
+
+
+# ---- roofline arithmetic ------------------------------------------------------------------------
+def test_roofline_flops_match_a_hand_computation():
+    # TINY: hidden 4, q 2x2=4, kv 1x2=2, intermediate 8, 2 layers, vocab 10.
+    # Per layer, in*out: qkv 4*(4+2+2)=32, o 4*4=16, gate_up 4*16=64, down 8*4=32 -> 144; x2 FLOPs, x2 layers.
+    assert num_layer_flops_per_token(TINY) == 2 * 144 * 2 == 576
+    assert num_lm_head_flops_per_token(TINY) == 2 * 4 * 10 == 80
+    # Prompts of 3 and 5 tokens, 4 completion tokens each: (3+3) + (5+3) = 14 tokens run forward,
+    # 8 sampled: 14*576 + 8*80 = 8704 FLOPs.
+    roof = workload_roofline(TINY, [3, 5], [4, 4], gemm_flops_per_s=1000.0)
+    assert (roof.num_forward_tokens, roof.num_sampled_tokens) == (14, 8)
+    assert roof.num_flops == 14 * 576 + 8 * 80 == 8704
+    assert roof.seconds == pytest.approx(8.704)
+    assert roof.completion_tokens_per_s == pytest.approx(8 / 8.704)
+
+
+# ---- workloads ----------------------------------------------------------------------------------
+def test_random_workload_is_deterministic_and_in_range():
+    make = lambda seed: random_workload(16, 10, 30, 5, seed, vocab_size=100, excluded_token_ids={0, 1, 2, 99})
+    first, again, other = make(3), make(3), make(4)
+    assert [r.prompt_token_ids for r in first.requests] == [r.prompt_token_ids for r in again.requests]
+    assert [r.prompt_token_ids for r in first.requests] != [r.prompt_token_ids for r in other.requests]
+    assert all(10 <= n <= 30 for n in first.prompt_lens) and len(set(first.prompt_lens)) > 1
+    assert first.output_lens == [5] * 16
+    assert not {t for r in first.requests for t in r.prompt_token_ids} & {0, 1, 2, 99}
+
+
+def test_random_workload_excludes_the_models_special_tokens(hf_tokenizer):
+    special = special_token_ids(hf_tokenizer)
+    assert {0, 1, 2} <= special  # SmolLM2: <|endoftext|>, <|im_start|>, <|im_end|>
+    workload = random_workload(8, 50, 60, 4, 0, hf_tokenizer.vocab_size, special)
+    assert not {t for r in workload.requests for t in r.prompt_token_ids} & special
+
+
+def test_shared_prefix_workload_shares_a_long_system_prompt(llm):
+    tokenizer = llm.engine.tokenizer
+    workload = shared_prefix_workload(tokenizer, 8, 16, seed=0)
+    again = shared_prefix_workload(tokenizer, 8, 16, seed=0)
+    assert [r.prompt_token_ids for r in workload.requests] == [r.prompt_token_ids for r in again.requests]
+    assert len({tuple(r.prompt_token_ids) for r in workload.requests}) == 8  # each has its own message
+    assert workload.params["shared_prefix_tokens"] >= 300
+    assert len(tokenizer.encode(SHARED_SYSTEM_PROMPT, add_special_tokens=False)) >= 300
+
+
+def test_chat_workload_reads_messages_or_prompt_columns(tmp_path, llm):
+    messages = [[{"role": "user", "content": "Name a colour."}], [{"role": "user", "content": "Count to 3."}]]
+    pq.write_table(pa.table({"id": [7, 8], "messages": messages}), tmp_path / "m.parquet")
+    pq.write_table(pa.table({"id": ["a"], "prompt": ["Name a colour."]}), tmp_path / "p.parquet")
+    assert read_chat_prompts(tmp_path / "p.parquet") == [("a", messages[0])]
+    workload = chat_workload(llm.engine.tokenizer, 8, tmp_path / "m.parquet")
+    assert [r.request_id for r in workload.requests] == ["chat-7", "chat-8"]
+    assert workload.requests[0].prompt_token_ids == llm.engine.encode(messages[0])
+
+
+# ---- command line -------------------------------------------------------------------------------
+def test_engine_overrides_are_typed_and_checked():
+    assert parse_engine_overrides(["max_num_seqs=32", "enable_prefix_caching=false", "kv_cache_memory=1GiB"]) == {
+        "max_num_seqs": 32, "enable_prefix_caching": False, "kv_cache_memory": "1GiB"}
+    with pytest.raises(ValueError, match="unknown engine key"):
+        parse_engine_overrides(["max_num_sequences=3"])
+    with pytest.raises(ValueError, match="fixed by the bench"):
+        parse_engine_overrides(["dtype=bfloat16"])
+    with pytest.raises(ValueError, match="KEY=VALUE"):
+        parse_engine_overrides(["max_num_seqs"])
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--engine", "bogus=1"], "unknown engine key"),
+    (["--workload", "nope"], "workload must be one of"),
+    (["--peer-batch-sizes", "16,x"], "comma-separated integers"),
+])
+def test_bad_options_fail_before_any_loading(args, message):
+    app = typer.Typer()
+    app.command()(bench_command)
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2
+    assert message in result.output
