@@ -1,0 +1,125 @@
+"""The `batchgen` command. Exit codes: 0 done, 2 bad job or usage, 1 failure."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+import sys
+import traceback
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from batchgen.pipeline.errors import JobError
+
+EXIT_FAILURE = 1
+EXIT_BAD_JOB = 2  # also click's code for usage errors
+
+app = typer.Typer(
+    name="batchgen",
+    help="Offline batch generation: Parquet prompts in, Parquet completions with TTFT/TPOT out.\n\n"
+         "Start with `batchgen validate JOB.yaml` (checks the job, loads no weights), "
+         "then `batchgen run JOB.yaml`.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+JobArg = Annotated[Path, typer.Argument(help="The job file (YAML); see the README's job reference.",
+                                        show_default=False)]
+SetOpt = Annotated[Optional[list[str]], typer.Option(
+    "--set", metavar="SECTION.KEY=VALUE",
+    help="Override a job key, e.g. --set sampling.temperature=0.7 (repeatable; the value is read as YAML; "
+         "paths given here are relative to the current directory).")]
+LimitOpt = Annotated[Optional[int], typer.Option(
+    "--limit", min=1, help="Only the first N input rows (a limited run writes to its own config hash).")]
+
+
+def _fail(exc: BaseException) -> typer.Exit:
+    if isinstance(exc, JobError):
+        typer.echo(f"batchgen: bad job: {exc}", err=True)
+        return typer.Exit(EXIT_BAD_JOB)
+    traceback.print_exc()
+    typer.echo(f"batchgen: failed: {type(exc).__name__}: {exc}", err=True)
+    return typer.Exit(EXIT_FAILURE)
+
+
+@app.command()
+def run(
+    job: JobArg,
+    set_: SetOpt = None,
+    limit: LimitOpt = None,
+    overwrite: Annotated[bool, typer.Option(
+        "--overwrite", help="Replace the output of a different job config in output.path.")] = False,
+    json_out: Annotated[bool, typer.Option("--json", help="Print the _SUCCESS JSON instead of the table.")] = False,
+    progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Show the progress bar.")] = True,
+) -> None:
+    """Run a job: generate for every input row, write part-NNNNN.parquet files and _SUCCESS.
+
+    Rerunning the same job resumes: finished units are skipped.
+    """
+    from batchgen.pipeline.config import load_job
+    from batchgen.pipeline.runner import run_job
+    from batchgen.pipeline.summary import format_summary
+
+    _setup_logging()
+    try:
+        config = load_job(job, set_ or [])
+        result = run_job(config, limit=limit, overwrite=overwrite, progress=progress)
+    except Exception as exc:
+        raise _fail(exc) from None
+    if json_out:
+        typer.echo(json.dumps(result.record, indent=2))
+    else:
+        typer.echo(f"batchgen: {config.name} done: {result.num_units_run} unit(s) run, "
+                   f"{result.num_units_skipped} already done")
+        typer.echo(format_summary(result.record, result.success_path))
+
+
+@app.command()
+def validate(job: JobArg, set_: SetOpt = None, limit: LimitOpt = None) -> None:
+    """Check a job without running it: the file, the model's presence, every input's schema; print the plan.
+
+    Loads no weights.
+    """
+    from batchgen.pipeline.config import load_job
+    from batchgen.pipeline.preflight import format_plan, plan_job
+
+    try:
+        plan = plan_job(load_job(job, set_ or []), limit)
+    except Exception as exc:
+        raise _fail(exc) from None
+    typer.echo(format_plan(plan))
+    if plan.state.refusal:
+        typer.echo("batchgen: bad job: the output folder would be refused (see above)", err=True)
+        raise typer.Exit(EXIT_BAD_JOB)
+    typer.echo("ok")
+
+
+def _register_optional(name: str, module: str, attr: str) -> None:
+    # TODO(lead): import directly once batchgen.pipeline.bench / .plan have landed.
+    try:
+        command = getattr(importlib.import_module(module), attr)
+    except ModuleNotFoundError as exc:
+        if exc.name != module:
+            raise
+        return
+    app.command(name)(command)
+
+
+_register_optional("bench", "batchgen.pipeline.bench", "bench_command")
+_register_optional("plan", "batchgen.pipeline.plan", "plan_command")
+
+
+def _setup_logging() -> None:
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="batchgen: %(message)s")
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,101 @@
+"""Feed the engine: read ahead one window of requests, order it, keep the engine's queue bounded, drain.
+
+Why bounded: a request's arrival time is when it is handed to the engine, so a queue of millions
+would make every queue_s/ttft_s meaningless; and read-ahead beyond what the engine can start soon
+only costs memory. Two times max_num_seqs keeps the scheduler fed when a batch finishes at once.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+
+from batchgen.engine import RequestOutput
+from batchgen.pipeline.ordering import order_window
+from batchgen.pipeline.requests import RowTask
+
+
+class Feeder:
+    """Drives add_request/step until every task has an output or an error (handed to the callbacks)."""
+
+    def __init__(self, engine, tasks: Iterator[RowTask], *, window: int, sort_by_length: bool,
+                 max_in_flight: int, on_output: Callable[[RowTask, RequestOutput], None],
+                 on_error: Callable[[RowTask], None]):
+        self.engine = engine
+        self.tasks = tasks
+        self.window_size = window
+        self.sort_by_length = sort_by_length
+        self.max_in_flight = max_in_flight
+        self.on_output = on_output
+        self.on_error = on_error
+        self.window: deque[RowTask] = deque()
+        self.deferred: deque[RowTask] = deque()  # duplicate ids wait until their twin has finished
+        self.in_flight: dict[str, RowTask] = {}
+        self.is_exhausted = False
+        self.first_add_time: float | None = None
+        self.last_output_time: float | None = None
+        self.max_seen_in_flight = 0  # for tests of the bound
+
+    @property
+    def generation_seconds(self) -> float:
+        """From the first request handed to the engine to the last output (0 when none ran)."""
+        if self.first_add_time is None or self.last_output_time is None:
+            return 0.0
+        return self.last_output_time - self.first_add_time
+
+    def run(self) -> None:
+        if self.engine.has_unfinished():
+            raise RuntimeError("the engine already holds unfinished requests; a job needs it to itself")
+        while True:
+            self._fill()
+            if not self.in_flight:
+                return  # _fill found nothing more to start: every task is done
+            outputs = self.engine.step()
+            if outputs:
+                self.last_output_time = time.monotonic()
+            for out in outputs:
+                self.on_output(self.in_flight.pop(out.request_id), out)
+            if self.in_flight and not self.engine.has_unfinished():
+                raise RuntimeError(f"the engine dropped {len(self.in_flight)} requests without an output")
+
+    def _fill(self) -> None:
+        while len(self.in_flight) < self.max_in_flight:
+            task = self._next_task()
+            if task is None:
+                return
+            if task.request_id in self.in_flight:
+                self.deferred.append(task)
+                continue
+            try:
+                self.engine.add_request(task.request_id, None, task.params, prompt_token_ids=task.token_ids)
+            except ValueError as exc:  # the engine's own checks (empty, too long): this row's error
+                task.error = str(exc)
+                self.on_error(task)
+                continue
+            if self.first_add_time is None:
+                self.first_add_time = time.monotonic()
+            self.in_flight[task.request_id] = task
+            self.max_seen_in_flight = max(self.max_seen_in_flight, len(self.in_flight))
+
+    def _next_task(self) -> RowTask | None:
+        for i, task in enumerate(self.deferred):
+            if task.request_id not in self.in_flight:
+                del self.deferred[i]
+                return task
+        while not self.window and not self.is_exhausted:  # a window of error rows only leaves it empty
+            self._refill()
+        return self.window.popleft() if self.window else None
+
+    def _refill(self) -> None:
+        batch: list[RowTask] = []
+        while not self.is_exhausted and len(batch) < self.window_size:
+            task = next(self.tasks, None)
+            if task is None:
+                self.is_exhausted = True
+            elif task.is_error:
+                self.on_error(task)
+            else:
+                batch.append(task)
+        block_size = getattr(getattr(self.engine, "config", None), "block_size", 16)
+        self.window.extend(order_window(batch, self.sort_by_length, block_size))

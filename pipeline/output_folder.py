@@ -1,0 +1,96 @@
+"""The output folder is the truth: which units are done, whose job it holds, whether it is complete.
+
+Files: part-NNNNN.parquet (one per finished unit), `_batchgen.json` (the job name and config hash,
+written when a run starts, so a later run can tell "resume this" from "a different job"), and
+`_SUCCESS` (written last). Names starting with _ or . are skipped by Parquet dataset readers.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+
+from batchgen.pipeline.errors import JobError
+from batchgen.pipeline.storage import TEMP_PREFIX, TEMP_SUFFIX, Storage
+
+MANIFEST_NAME = "_batchgen.json"
+SUCCESS_NAME = "_SUCCESS"
+_PART_RE = re.compile(r"part-\d{5,}\.parquet")
+
+
+@dataclass(frozen=True)
+class FolderState:
+    """What a run would do with this folder: new, resume, complete, or refuse (with why)."""
+
+    done_names: frozenset[str]  # unit files already there
+    is_complete: bool  # _SUCCESS present for this very config
+    refusal: str | None  # why this folder holds someone else's output (None: it is ours or empty)
+
+    @property
+    def is_resume(self) -> bool:
+        return bool(self.done_names) and not self.is_complete
+
+    def describe(self, num_units: int) -> str:
+        if self.refusal:
+            return f"refused without --overwrite: {self.refusal}"
+        if self.is_complete:
+            return "complete (_SUCCESS present): a run has nothing to do"
+        if self.done_names:
+            return f"resume: {len(self.done_names)} of {num_units} units done, {num_units - len(self.done_names)} to run"
+        return "new"
+
+
+class OutputFolder:
+    def __init__(self, storage: Storage):
+        self.storage = storage
+
+    @property
+    def display(self) -> str:
+        return self.storage.url
+
+    def state(self, config_hash: str) -> FolderState:
+        names = [n for n in self.storage.list_names() if not n.startswith(TEMP_PREFIX)]
+        parts = frozenset(n for n in names if _PART_RE.fullmatch(n))
+        if not names:
+            return FolderState(frozenset(), False, None)
+        if MANIFEST_NAME not in names:
+            return FolderState(parts, False, f"{self.display} is not empty and holds no {MANIFEST_NAME} "
+                                             "(not a batchgen output folder)")
+        try:
+            manifest = json.loads(self.storage.read_text(MANIFEST_NAME))
+            previous = manifest["config_hash"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            return FolderState(parts, False, f"{self.display}/{MANIFEST_NAME} is unreadable ({exc})")
+        if previous != config_hash:
+            return FolderState(parts, False, f"{self.display} holds the output of a different job config "
+                                             f"(config_hash {previous[:12]}, this job {config_hash[:12]})")
+        return FolderState(parts, SUCCESS_NAME in names, None)
+
+    def prepare(self, job_name: str, config_hash: str, overwrite: bool) -> FolderState:
+        """Check the folder (JobError when it is someone else's), clear it on overwrite, write the manifest."""
+        state = self.state(config_hash)
+        if state.refusal and not overwrite:
+            raise JobError(f"output.path: {state.refusal}; pass --overwrite to replace it, "
+                           "or choose another output.path")
+        if overwrite:
+            self.clear()
+            state = FolderState(frozenset(), False, None)
+        if state.is_complete:
+            return state
+        self.storage.remove_stale_temps()
+        self.storage.write_text_atomic(MANIFEST_NAME, json.dumps({"job": job_name, "config_hash": config_hash}))
+        return state
+
+    def clear(self) -> None:
+        """Remove what batchgen wrote here (unit files, manifest, _SUCCESS, temp files); nothing else."""
+        for name in self.storage.list_names():
+            is_temp = name.startswith(TEMP_PREFIX) and name.endswith(TEMP_SUFFIX)
+            if _PART_RE.fullmatch(name) or name in (MANIFEST_NAME, SUCCESS_NAME) or is_temp:
+                self.storage.remove(name)
+
+    def write_success(self, record: dict) -> str:
+        return self.storage.write_text_atomic(SUCCESS_NAME, json.dumps(record, indent=2) + "\n")
+
+    def read_success(self) -> dict:
+        return json.loads(self.storage.read_text(SUCCESS_NAME))

@@ -1,0 +1,95 @@
+"""Everything checked before any weight is loaded: the model exists, the inputs read, the plan of units.
+
+`batchgen validate` stops here and prints the plan; `batchgen run` goes on from here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import fsspec
+
+from batchgen.engine.loader.source import BUNDLED_ALIASES, bundled_model_path, resolve_model
+from batchgen.pipeline.config import JobConfig
+from batchgen.pipeline.errors import JobError
+from batchgen.pipeline.output_folder import FolderState, OutputFolder
+from batchgen.pipeline.reader import InputFile, inspect_file, list_input_files
+from batchgen.pipeline.schema import check_input_schema
+from batchgen.pipeline.storage import Storage
+from batchgen.pipeline.units import WorkUnit, plan_units
+
+
+@dataclass
+class JobPlan:
+    job: JobConfig
+    config_hash: str
+    model_location: str
+    input_storage: Storage
+    files: list[InputFile]
+    units: list[WorkUnit]
+    output: OutputFolder
+    state: FolderState
+    limit: int | None
+
+    @property
+    def num_rows(self) -> int:
+        return sum(u.num_rows for u in self.units)
+
+    @property
+    def pending_units(self) -> list[WorkUnit]:
+        if self.state.is_complete:
+            return []
+        return [u for u in self.units if u.output_name not in self.state.done_names]
+
+
+def check_model(path: str) -> str:
+    """Where the model's files are (no weights read); JobError naming model.path when it is not there."""
+    try:
+        if path.lower() in BUNDLED_ALIASES:
+            return str(bundled_model_path(path.lower()))
+        if "://" in path and not path.startswith("file://"):
+            fs, fs_path = fsspec.core.url_to_fs(path)
+            if not fs.exists(fs_path):
+                raise FileNotFoundError(f"{path} does not exist")
+            return path
+        return resolve_model(path).display_name
+    except JobError:
+        raise
+    except Exception as exc:  # missing file, missing package, unsupported file: all the user's to fix
+        raise JobError(f"model.path: {exc}") from None
+
+
+def plan_job(job: JobConfig, limit: int | None = None) -> JobPlan:
+    """Check the model, every input file's footer and schema, and the output folder; plan the units."""
+    if limit is not None and limit < 1:
+        raise JobError(f"--limit must be >= 1, got {limit}")
+    model_location = check_model(job.model.path)
+    input_storage = Storage(job.input.path, job.input.storage_options)
+    files = [inspect_file(input_storage, p) for p in list_input_files(input_storage)]
+    for file in files:
+        check_input_schema(file, job)
+    units = plan_units(files, job.input.rows_per_unit, limit)
+    config_hash = job.config_hash(limit)
+    output = OutputFolder(Storage(job.output.path, job.output.storage_options))
+    return JobPlan(job, config_hash, model_location, input_storage, files, units, output,
+                   output.state(config_hash), limit)
+
+
+def format_plan(plan: JobPlan, max_units_shown: int = 20) -> str:
+    """What `batchgen validate` prints: the job, the model, the inputs, the units, the output folder."""
+    job = plan.job
+    lines = [
+        f"job      {job.name}  (config_hash {plan.config_hash[:12]})",
+        f"model    {job.model.path}" + ("" if plan.model_location == job.model.path else f" -> {plan.model_location}"),
+        f"input    {job.input.path}: {len(plan.files)} file(s), {sum(f.num_rows for f in plan.files):,} rows"
+        + (f" (--limit {plan.limit:,})" if plan.limit is not None else ""),
+        f"units    {len(plan.units)} of <= {job.input.rows_per_unit:,} rows; "
+        f"{plan.num_rows * job.sampling.n:,} output rows (n={job.sampling.n})",
+    ]
+    for unit in plan.units[:max_units_shown]:
+        done = "  (done)" if unit.output_name in plan.state.done_names else ""
+        lines.append(f"  {unit.output_name}  {unit.file.display} rows {unit.start:,}-{unit.stop - 1:,}{done}")
+    if len(plan.units) > max_units_shown:
+        lines.append(f"  ... {len(plan.units) - max_units_shown} more")
+    lines.append(f"output   {job.output.path}: {plan.state.describe(len(plan.units))}")
+    return "\n".join(lines)

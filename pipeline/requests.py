@@ -1,0 +1,78 @@
+"""From a decoded row to an engine request: per-row SamplingParams, tokens, the overlong rule."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from batchgen.engine import SamplingParams
+from batchgen.pipeline.config import JobConfig
+from batchgen.pipeline.rows import RowError, RowInput
+
+
+@dataclass
+class RowTask:
+    """One input row on its way through the pipeline: a request for the engine, or an error."""
+
+    unit_index: int
+    offset: int  # row position within its unit: where its output rows go
+    request_id: str | None
+    params: SamplingParams | None = None
+    token_ids: list[int] | None = None
+    error: str | None = None
+
+    @property
+    def is_error(self) -> bool:
+        return self.error is not None
+
+    @property
+    def num_prompt_tokens(self) -> int | None:
+        return None if self.token_ids is None else len(self.token_ids)
+
+
+class RequestBuilder:
+    """Turns RowInputs into RowTasks with the job's defaults, the row's overrides and the engine's tokenizer."""
+
+    def __init__(self, job: JobConfig, engine):
+        self.job = job
+        self.engine = engine
+        self.defaults = job.sampling.model_dump()
+        self.default_params = SamplingParams(**self.defaults)
+
+    def build(self, row: RowInput, unit_index: int, offset: int) -> RowTask:
+        task = RowTask(unit_index, offset, row.request_id, error=row.error)
+        if task.is_error:
+            return task
+        try:
+            task.params = self._params(row)
+            task.token_ids = self._tokens(row, task.params)
+        except RowError as exc:
+            task.error = str(exc)
+        return task
+
+    def _params(self, row: RowInput) -> SamplingParams:
+        if not row.overrides:
+            return self.default_params
+        try:
+            return SamplingParams(**{**self.defaults, **row.overrides})
+        except (ValueError, TypeError) as exc:
+            columns = ", ".join(f"{self.job.sampling_columns[k]}={v!r}" for k, v in row.overrides.items())
+            raise RowError(f"invalid per-row sampling value ({columns}): {exc}") from None
+
+    def _tokens(self, row: RowInput, params: SamplingParams) -> list[int]:
+        try:
+            token_ids = self.engine.encode(row.prompt)
+        except Exception as exc:  # a template or tokenizer failure is this row's problem only
+            raise RowError(f"cannot tokenize the prompt: {exc}") from None
+        if not token_ids:
+            raise RowError("the prompt has no tokens")
+        max_model_len = self.engine.max_model_len
+        if len(token_ids) + params.max_tokens <= max_model_len:
+            return token_ids
+        if self.job.input.on_overlong == "error":
+            raise RowError(f"overlong prompt: {len(token_ids)} prompt tokens + max_tokens {params.max_tokens} "
+                           f"> max_model_len {max_model_len} (input.on_overlong: error)")
+        num_keep = max_model_len - params.max_tokens
+        if num_keep < 1:
+            raise RowError(f"max_tokens {params.max_tokens} leaves no room for the prompt "
+                           f"within max_model_len {max_model_len}")
+        return token_ids[-num_keep:]  # truncate_left: the end of a prompt is what the model answers

@@ -1,0 +1,105 @@
+"""Decode one input row (binary text columns, per-row sampling values) into what a request needs.
+
+Every problem with a row's own values is a RowError: the row becomes error rows, the job goes on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import pyarrow as pa
+
+from batchgen.pipeline.config import JobConfig
+from batchgen.pipeline.reader import binary_type
+
+
+class RowError(ValueError):
+    """This row cannot become a request; the message goes into the output's `error` column."""
+
+
+Prompt = str | list[dict]
+
+
+@dataclass
+class RowInput:
+    """One decoded input row: its request id, its prompt (text or chat messages), its overrides."""
+
+    request_id: str | None
+    prompt: Prompt | None = None
+    overrides: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None
+
+
+def decode_batch(batch: pa.RecordBatch, job: JobConfig) -> list[RowInput]:
+    """The rows of a batch read by `reader.read_rows`, in order."""
+    inp = job.input
+    ids = _as_python(batch.column(inp.id_column))
+    texts = _as_python(batch.column(inp.text_column))
+    overrides = {key: batch.column(name).to_pylist() for key, name in job.sampling_columns.items()}
+    rows = []
+    for i, (raw_id, raw_text) in enumerate(zip(ids, texts)):
+        row_overrides = {key: values[i] for key, values in overrides.items() if values[i] is not None}
+        try:
+            request_id = _decode_id(raw_id)
+        except RowError as exc:
+            rows.append(RowInput(None, error=str(exc)))
+            continue
+        try:
+            if inp.messages_column is not None:
+                prompt = _with_system(_decode_messages(raw_text), inp.system_prompt)
+            else:
+                prompt = _decode_text(raw_text, "prompt")
+                if inp.apply_chat_template:
+                    prompt = _with_system([{"role": "user", "content": prompt}], inp.system_prompt)
+            rows.append(RowInput(request_id, prompt, row_overrides))
+        except RowError as exc:
+            rows.append(RowInput(request_id, error=str(exc)))
+    return rows
+
+
+def _as_python(column: pa.Array) -> list:
+    """Python values with every string left as bytes: pyarrow would raise for the whole column otherwise."""
+    return column.cast(binary_type(column.type)).to_pylist()
+
+
+def _decode_id(value: Any) -> str:
+    if value is None:
+        raise RowError("id is null")
+    if isinstance(value, bytes):
+        return _decode_text(value, "id", allow_empty=True)
+    return str(value)
+
+
+def _decode_text(value: bytes | None, what: str, allow_empty: bool = False) -> str:
+    if value is None:
+        raise RowError(f"{what} is null")
+    try:
+        text = value.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise RowError(f"{what} is not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
+    if not allow_empty and not text.strip():
+        raise RowError(f"{what} is empty")
+    return text
+
+
+def _decode_messages(value: list[dict] | None) -> list[dict]:
+    if value is None:
+        raise RowError("messages is null")
+    if not value:
+        raise RowError("messages is empty")
+    messages = []
+    for i, message in enumerate(value):
+        if message is None:
+            raise RowError(f"messages[{i}] is null")
+        role = _decode_text(message.get("role"), f"messages[{i}].role")
+        content = _decode_text(message.get("content"), f"messages[{i}].content", allow_empty=True)
+        messages.append({"role": role, "content": content})
+    return messages
+
+
+def _with_system(messages: list[dict], system_prompt: str | None) -> list[dict]:
+    # A row's own system message wins over the job's system_prompt.
+    if system_prompt is None or messages[0]["role"] == "system":
+        return messages
+    return [{"role": "system", "content": system_prompt}, *messages]

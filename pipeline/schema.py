@@ -1,0 +1,98 @@
+"""Input and output schemas: what a job's columns must look like, and the rows it writes (design.md)."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+
+from batchgen.pipeline.config import OVERRIDABLE_SAMPLING_KEYS, JobConfig
+from batchgen.pipeline.errors import JobError
+from batchgen.pipeline.reader import InputFile
+
+# Output columns in order; `token_logprobs` only when sampling.logprobs is on; kept columns follow.
+GENERATED_FIELDS = [
+    pa.field("sample_index", pa.int32()),
+    pa.field("completion", pa.string()),
+    pa.field("completion_token_ids", pa.list_(pa.int32())),
+    pa.field("finish_reason", pa.string()),
+    pa.field("prompt_tokens", pa.int64()),
+    pa.field("cached_tokens", pa.int64()),
+    pa.field("completion_tokens", pa.int64()),
+    pa.field("cumulative_logprob", pa.float64()),
+    pa.field("token_logprobs", pa.list_(pa.float32())),
+    pa.field("queue_s", pa.float64()),
+    pa.field("ttft_s", pa.float64()),
+    pa.field("tpot_s", pa.float64()),
+    pa.field("e2e_s", pa.float64()),
+    pa.field("error", pa.string()),
+]
+RESERVED_NAMES = {"id"} | {f.name for f in GENERATED_FIELDS}
+
+
+def generated_fields(with_logprobs: bool) -> list[pa.Field]:
+    return [f for f in GENERATED_FIELDS if with_logprobs or f.name != "token_logprobs"]
+
+
+def output_schema(id_field: pa.Field, keep_fields: list[pa.Field], with_logprobs: bool) -> pa.Schema:
+    """id (the input's type), the generated columns, then the kept input columns."""
+    return pa.schema([pa.field("id", id_field.type), *generated_fields(with_logprobs), *keep_fields])
+
+
+def is_text(t: pa.DataType) -> bool:
+    return (pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_string_view(t)
+            or pa.types.is_binary(t) or pa.types.is_large_binary(t) or pa.types.is_binary_view(t))
+
+
+def is_messages(t: pa.DataType) -> bool:
+    """list<struct<role: string, content: string, ...>> (large_list and large_string as polars writes)."""
+    if not (pa.types.is_list(t) or pa.types.is_large_list(t)) or not pa.types.is_struct(t.value_type):
+        return False
+    fields = {f.name: f.type for f in t.value_type}
+    return all(name in fields and is_text(fields[name]) for name in ("role", "content"))
+
+
+def _is_kind(t: pa.DataType, kind: str) -> bool:
+    if kind == "bool":
+        return pa.types.is_boolean(t)
+    if kind == "int":
+        return pa.types.is_integer(t)
+    return pa.types.is_integer(t) or pa.types.is_floating(t)  # float
+
+
+_KIND_NAMES = {"bool": "boolean", "int": "integer", "float": "numeric (integer or floating)"}
+
+
+def check_input_schema(file: InputFile, job: JobConfig) -> None:
+    """Fail (JobError naming the file and column) when a column the job needs is missing or mistyped."""
+    inp = job.input
+    schema = file.schema
+
+    def column(name: str, key: str) -> pa.DataType:
+        if name not in schema.names:
+            raise JobError(f"input file {file.display}: column {name!r} ({key}) is missing; "
+                           f"columns are: {', '.join(schema.names)}")
+        return schema.field(name).type
+
+    def wrong(name: str, key: str, t: pa.DataType, expected: str) -> JobError:
+        return JobError(f"input file {file.display}: column {name!r} ({key}) has type {t}; expected {expected}")
+
+    t = column(inp.id_column, "input.id_column")
+    if not (pa.types.is_integer(t) or is_text(t)):
+        raise wrong(inp.id_column, "input.id_column", t, "an integer or string type")
+    if inp.messages_column is not None:
+        t = column(inp.messages_column, "input.messages_column")
+        if not is_messages(t):
+            raise wrong(inp.messages_column, "input.messages_column", t,
+                        "a list of structs with string fields role and content")
+    else:
+        t = column(inp.prompt_column, "input.prompt_column")
+        if not is_text(t):
+            raise wrong(inp.prompt_column, "input.prompt_column", t, "a string type")
+    for key, name in job.sampling_columns.items():
+        t = column(name, f"sampling_columns.{key}")
+        kind = OVERRIDABLE_SAMPLING_KEYS[key]
+        if not _is_kind(t, kind):
+            raise wrong(name, f"sampling_columns.{key}", t, _KIND_NAMES[kind])
+    for name in job.output.keep_columns:
+        column(name, "output.keep_columns")
+        if name in RESERVED_NAMES:
+            raise JobError(f"output.keep_columns: {name!r} clashes with an output column of the same name")

@@ -1,0 +1,101 @@
+"""The job's figures: counted from the output tables themselves, so `_SUCCESS` always agrees with the rows."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+SUCCESS_KEYS = ("job", "config_hash", "num_requests", "num_rows", "num_errors", "prompt_tokens",
+                "cached_tokens", "completion_tokens", "generation_seconds", "completion_tokens_per_s",
+                "ttft_s", "tpot_s", "resumed")
+SUMMARY_COLUMNS = ["sample_index", "finish_reason", "prompt_tokens", "cached_tokens", "completion_tokens",
+                   "ttft_s", "tpot_s"]
+
+
+def _sum(array: pa.ChunkedArray) -> int:
+    return int(pc.sum(array).as_py() or 0)
+
+
+@dataclass
+class Totals:
+    """Counts over output tables. A request is its sample_index 0 row (every request has n rows)."""
+
+    num_requests: int = 0
+    num_rows: int = 0
+    num_errors: int = 0  # requests that failed (each wrote n error rows)
+    prompt_tokens: int = 0  # over requests
+    cached_tokens: int = 0  # over requests
+    completion_tokens: int = 0  # over rows
+    ttft_s: list[np.ndarray] = field(default_factory=list)
+    tpot_s: list[np.ndarray] = field(default_factory=list)
+
+    def add_table(self, table: pa.Table) -> None:
+        first = table.filter(pc.equal(table["sample_index"], 0))
+        self.num_requests += first.num_rows
+        self.num_rows += table.num_rows
+        self.num_errors += _sum(pc.cast(pc.equal(first["finish_reason"], "error"), pa.int64()))
+        self.prompt_tokens += _sum(first["prompt_tokens"])
+        self.cached_tokens += _sum(first["cached_tokens"])
+        self.completion_tokens += _sum(table["completion_tokens"])
+        for name in ("ttft_s", "tpot_s"):
+            getattr(self, name).append(table[name].drop_null().to_numpy())
+
+
+def percentiles(chunks: list[np.ndarray]) -> dict[str, float | None]:
+    values = np.concatenate(chunks) if chunks else np.array([])
+    if values.size == 0:
+        return {"p50": None, "p90": None, "p99": None}
+    p50, p90, p99 = np.percentile(values, [50, 90, 99])
+    return {"p50": float(p50), "p90": float(p90), "p99": float(p99)}
+
+
+def success_record(job: str, config_hash: str, whole: Totals, this_run: Totals, generation_seconds: float,
+                   resumed: bool) -> dict:
+    """The `_SUCCESS` JSON: counts over the whole output; speed and latency figures over this run."""
+    record = {
+        "job": job,
+        "config_hash": config_hash,
+        "num_requests": whole.num_requests,
+        "num_rows": whole.num_rows,
+        "num_errors": whole.num_errors,
+        "prompt_tokens": whole.prompt_tokens,
+        "cached_tokens": whole.cached_tokens,
+        "completion_tokens": whole.completion_tokens,
+        "generation_seconds": generation_seconds,
+        "completion_tokens_per_s": this_run.completion_tokens / generation_seconds if generation_seconds > 0 else 0.0,
+        "ttft_s": percentiles(this_run.ttft_s),
+        "tpot_s": percentiles(this_run.tpot_s),
+        "resumed": resumed,
+    }
+    assert tuple(record) == SUCCESS_KEYS
+    return record
+
+
+def format_summary(record: dict, success_path: str) -> str:
+    """The readable table printed at the end of a run."""
+
+    def ms(p: dict) -> str:
+        if p["p50"] is None:
+            return "-"
+        return " / ".join(f"{p[k] * 1000:.1f}" for k in ("p50", "p90", "p99")) + " ms"
+
+    prompt = record["prompt_tokens"]
+    hit = f" ({record['cached_tokens'] / prompt:.0%} of prompt tokens)" if prompt else ""
+    lines = [
+        ("job", f"{record['job']}  (config {record['config_hash'][:12]})"),
+        ("requests", f"{record['num_requests']:,}  ({record['num_errors']:,} errors)"),
+        ("output rows", f"{record['num_rows']:,}"),
+        ("prompt tokens", f"{prompt:,}"),
+        ("cached tokens", f"{record['cached_tokens']:,}{hit}"),
+        ("completion tokens", f"{record['completion_tokens']:,}"),
+        ("generation", f"{record['generation_seconds']:.2f} s, {record['completion_tokens_per_s']:,.1f} completion tok/s"),
+        ("TTFT p50/p90/p99", ms(record["ttft_s"])),
+        ("TPOT p50/p90/p99", ms(record["tpot_s"])),
+        ("resumed", "yes (speed and latency cover this run only)" if record["resumed"] else "no"),
+        ("success file", success_path),
+    ]
+    width = max(len(k) for k, _ in lines)
+    return "\n".join(f"  {k.ljust(width)}  {v}" for k, v in lines)
