@@ -12,7 +12,12 @@ NO_PARENT = 0
 
 
 def hash_block(parent_hash: int, token_ids: tuple[int, ...]) -> tuple[int, tuple[int, ...]]:
-    """The key of a full block: exact (dict equality compares tokens), chained through the parent."""
+    """The key of a full block, chained through the parent.
+
+    Dict equality compares this block's tokens exactly; the prefix before it is represented by the
+    parent key's 64-bit builtin hash, so a false hit needs two different prefixes with equal hashes
+    followed by an identical block (odds about n^2 / 2^64 for n cached blocks).
+    """
     return (parent_hash, token_ids)
 
 

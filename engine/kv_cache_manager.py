@@ -31,18 +31,20 @@ class KVCacheManager:
             if block_id is None:
                 break
             hits.append(block_id)
-        self.pool.num_queried_blocks += max_blocks
-        self.pool.num_hit_blocks += len(hits)
         return hits
 
     def allocate_slots(self, seq: Sequence, num_new_tokens: int,
                        computed_blocks: list[int] | None = None) -> bool:
         """Give `seq` blocks for `num_new_tokens` more tokens; False (nothing changed) when they don't fit.
 
+        `computed_blocks` (from `get_computed_blocks`, possibly empty) marks an admission; the prefix
+        cache's query/hit counters count admissions only.
+
         Blocks that become full with these tokens are registered in the prefix cache now, as vLLM v1
         does: their KV is written by this step's forward before any attention reads it, so a request
         scheduled later in the same step can share them.
         """
+        is_admission = computed_blocks is not None
         computed_blocks = computed_blocks or []
         num_cached_tokens = len(computed_blocks) * self.block_size
         total_tokens = max(seq.num_computed_tokens, num_cached_tokens) + num_new_tokens
@@ -57,12 +59,19 @@ class KVCacheManager:
         if num_new_blocks > 0:
             seq.block_ids.extend(self.pool.allocate(num_new_blocks))
         self._cache_full_blocks(seq, total_tokens)
+        if is_admission and self.pool.enable_caching:
+            # Counted here, once per admission, not at lookup: a head-of-line request that does not
+            # fit yet is looked up again every step and would inflate the hit rate's denominator.
+            self.pool.num_queried_blocks += (seq.num_tokens - 1) // self.block_size
+            self.pool.num_hit_blocks += len(computed_blocks)
         return True
 
     def _cache_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
         if not self.pool.enable_caching:
             return
         num_full = min(num_tokens, seq.num_tokens) // self.block_size
+        if num_full <= seq.num_registered_blocks:
+            return  # most decode steps fill no block; skip the key list copy
         keys = self._block_keys(seq, num_full)
         for i in range(seq.num_registered_blocks, num_full):
             if self.pool.block_keys[seq.block_ids[i]] is None:
