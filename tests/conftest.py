@@ -10,8 +10,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 MODEL = "smollm2-135m-instruct"
-# Small KV pool for tests: the design's CPU default (4 GiB) is more than a test needs.
-TEST_ENGINE_KWARGS = dict(dtype="float32", device="cpu", kv_cache_memory="256MiB")
+# Small KV pool for tests: the design's CPU default (4 GiB) is more than a test needs. 256 MiB holds
+# 5824 tokens of SmolLM2's KV, so max_model_len must stay below that (the model's own is 8192).
+TEST_ENGINE_KWARGS = dict(dtype="float32", device="cpu", kv_cache_memory="256MiB", max_model_len=2048)
 
 
 @pytest.fixture(scope="session")
