@@ -21,7 +21,7 @@ class AttentionGroup:
     num_tokens: int
     query_index: torch.Tensor  # (B, Q) flat token index per padded query slot (num_tokens: padding)
     query_valid: torch.Tensor  # (B, Q) bool
-    key_slots: torch.Tensor  # (B, K) cache slot per key position (0 for padding)
+    key_slots: torch.Tensor  # (B * K,) cache slot per key position, flattened (0 for padding)
     mask: torch.Tensor  # (B, 1, Q, K) bool, True = attend
 
 
@@ -77,7 +77,7 @@ def _build_group(query_lens, context_lens, block_tables, token_start, block_size
     return AttentionGroup(
         token_start=token_start, num_tokens=num_tokens,
         query_index=query_index.to(device), query_valid=query_valid.to(device),
-        key_slots=key_slots.to(device), mask=mask[:, None].to(device),
+        key_slots=key_slots.flatten().to(device), mask=mask[:, None].to(device),
     )
 
 
@@ -97,10 +97,16 @@ class TorchAttention:
         v_cache.index_copy_(0, meta.slot_mapping, v)
         out = torch.empty_like(q)
         for g in meta.groups:
+            num_seqs, max_q = g.query_index.shape
             q_group = q[g.token_start:g.token_start + g.num_tokens]
-            q_pad = torch.cat([q_group, q_group.new_zeros(1, *q_group.shape[1:])])[g.query_index]  # (B, Q, H, D)
-            keys = k_cache[g.key_slots]  # (B, K, Hkv, D)
-            values = v_cache[g.key_slots]
+            if max_q == 1:  # decodes: one query per sequence, already in order
+                q_pad = q_group.unsqueeze(1)  # (B, 1, H, D)
+            else:
+                q_group = torch.cat([q_group, q_group.new_zeros(1, *q_group.shape[1:])])
+                q_pad = q_group.index_select(0, g.query_index.flatten()).view(num_seqs, max_q, *q.shape[1:])
+            # index_select copies whole (Hkv, D) rows: several times faster than advanced indexing on CPU.
+            keys = k_cache.index_select(0, g.key_slots).view(num_seqs, -1, *k_cache.shape[1:])  # (B, K, Hkv, D)
+            values = v_cache.index_select(0, g.key_slots).view(num_seqs, -1, *v_cache.shape[1:])
             attn = F.scaled_dot_product_attention(
                 q_pad.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
                 attn_mask=g.mask, scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads,

@@ -15,7 +15,7 @@ from torch import nn
 
 from batchgen.engine.attention import AttentionMetadata
 from batchgen.engine.models.config import ModelConfig
-from batchgen.engine.models.rotary import RotaryEmbedding
+from batchgen.engine.models.rotary import RotaryEmbedding, apply_rotary
 
 
 class RMSNorm(nn.Module):
@@ -43,7 +43,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, backend,
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], backend,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         cfg = self.cfg
         num_tokens = x.shape[0]
@@ -54,7 +54,7 @@ class Attention(nn.Module):
         v = v.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(positions, q, k)
+        q, k = apply_rotary(q, k, *rope)
         out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta)  # (T, H, D)
         return self.o_proj(out.reshape(num_tokens, cfg.q_size))
 
@@ -105,6 +105,7 @@ class LlamaForCausalLM(nn.Module):
                 meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: (T,); returns logits (N, V) for the N rows in logits_indices only."""
         hidden = self.embed_tokens(input_ids)  # (T, hidden)
+        rope = self.rotary.lookup(positions, hidden.dtype)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
             if residual is None:
@@ -114,7 +115,7 @@ class LlamaForCausalLM(nn.Module):
                 hidden = hidden + residual
                 residual = hidden
                 hidden = layer.input_layernorm(hidden)
-            hidden = layer.self_attn(hidden, positions, self.rotary, self.backend, kv_cache, meta)
+            hidden = layer.self_attn(hidden, rope, self.backend, kv_cache, meta)
             hidden = hidden + residual
             residual = hidden
             hidden = layer.mlp(layer.post_attention_layernorm(hidden))
@@ -142,6 +143,11 @@ class LlamaForCausalLM(nn.Module):
                     target = ".".join(parts[:i] + [fused] + parts[i + 1:])
                     break
             if target == "lm_head.weight" and cfg.tie_word_embeddings:
+                continue
+            if target.endswith((".weight_scale", ".input_scale")):  # FP8 checkpoints: scales of Fp8Linear layers
+                from batchgen.engine.quant.fp8_checkpoint import load_fp8_scale
+
+                load_fp8_scale(self, target, tensor, part_index, fused_sizes.get(target.split(".")[-2]))
                 continue
             if target not in params:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in the {cfg.model_type} model")
