@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import gc
 import importlib.util
+import inspect
 import json
 import os
 import platform
@@ -19,18 +20,29 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import torch
 import typer
-
 from batchgen.engine import LLMEngine
 from batchgen.pipeline.bench_engine import build_engine, parse_engine_overrides, run_engine
-from batchgen.pipeline.bench_peer import DEFAULT_BATCH_SIZES, PeerUnavailable, load_peer_model, run_peer, warm_up_peer
+from batchgen.pipeline.bench_peer import (
+    DEFAULT_BATCH_SIZES,
+    PeerUnavailable,
+    load_peer_model,
+    run_peer,
+    warm_up_peer,
+)
 from batchgen.pipeline.bench_report import format_report
 from batchgen.pipeline.bench_result import RunResult, compare_outputs
-from batchgen.pipeline.bench_workloads import (WORKLOADS, Workload, chat_workload, random_workload,
-                                               shared_prefix_workload, special_token_ids)
+from batchgen.pipeline.bench_workloads import (
+    WORKLOADS,
+    Workload,
+    chat_workload,
+    random_workload,
+    shared_prefix_workload,
+    special_token_ids,
+)
 from batchgen.pipeline.gemm_rate import DECODE_NUM_TOKENS, PREFILL_NUM_TOKENS, measure_gemm_rate
 from batchgen.pipeline.roofline import workload_roofline
 
@@ -59,7 +71,7 @@ class BenchOptions:
     decode_gemm_tokens: int = DECODE_NUM_TOKENS
     gemm_min_seconds: float = 0.3
     is_warmup: bool = True
-    is_quality: bool = False
+    is_quality: bool = False  # run the FP8 quality bench instead of the throughput comparison
 
     def __post_init__(self) -> None:
         if self.workload not in WORKLOADS:
@@ -102,6 +114,15 @@ def _timed_engine_run(engine: LLMEngine, workload: Workload, opts: BenchOptions,
     return result
 
 
+def engine_with(engine: LLMEngine, **changes) -> LLMEngine:
+    """A fresh engine (empty prefix cache, zeroed counters) with `changes` to the settings, sharing
+    the loaded weights where the engine supports it (`weights_from`), else loading them again."""
+    config = engine.config.replace(**changes)
+    if "weights_from" in inspect.signature(LLMEngine.__init__).parameters:
+        return LLMEngine(config, weights_from=engine)
+    return LLMEngine(config)
+
+
 def _machine() -> dict:
     cpu = platform.processor() or platform.machine()
     try:
@@ -119,7 +140,7 @@ def _machine() -> dict:
 def _git_commit() -> str | None:
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).parent,
-                             capture_output=True, text=True, timeout=5)
+                             capture_output=True, text=True, timeout=5, check=False)
         return out.stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         return None
@@ -138,14 +159,32 @@ def _fairness(workload: Workload, sides: list[RunResult]) -> list[str]:
     return reasons
 
 
-def run_quality(model: str) -> dict:
-    """The FP8 quality bench (issue 6), when its module is installed."""
+def _quality_module():
+    """The FP8 quality bench (issue 6) lives in the engine; None where this install lacks it."""
     if importlib.util.find_spec(QUALITY_MODULE) is None:
-        raise RuntimeError(f"--quality needs {QUALITY_MODULE}.run_quality_bench, which this install lacks")
+        return None
     from importlib import import_module
 
-    quality = import_module(QUALITY_MODULE)
-    return quality.run_quality_bench(model)
+    module = import_module(QUALITY_MODULE)
+    return module if hasattr(module, "run_quality_bench") else None
+
+
+def run_quality(opts: BenchOptions) -> dict:
+    """`--quality`: FP8 against the unquantized model on the same text (top-1 agreement, KL, greedy)."""
+    module = _quality_module()
+    if module is None:
+        raise ValueError(f"--quality needs {QUALITY_MODULE}.run_quality_bench, which this install lacks")
+    if opts.num_threads:
+        torch.set_num_threads(opts.num_threads)
+    return {"model": opts.model, "quality": module.run_quality_bench(opts.model, num_prompts=opts.num_requests),
+            "machine": _machine()}
+
+
+def format_quality(result: dict) -> str:
+    module = _quality_module()
+    if module is not None and hasattr(module, "format_quality_table"):
+        return module.format_quality_table(result["quality"])
+    return json.dumps(result["quality"], indent=2)
 
 
 # ---- the run -------------------------------------------------------------------------------------
@@ -174,18 +213,12 @@ def run_bench(opts: BenchOptions, engine: LLMEngine | None = None, peer_model=No
     engine_runs: dict[str, RunResult] = {}
     if opts.workload == "shared-prefix":
         # Caching on and off over the same prompts, each in a fresh engine (no cache carried over).
-        on_config = engine.config.replace(enable_prefix_caching=True)
-        if engine.config != on_config:
-            engine = LLMEngine(on_config)
-        engine_runs["engine"] = _timed_engine_run(engine, workload, opts, "engine (prefix caching on)")
-        off_config = engine.config.replace(enable_prefix_caching=False)
-        del engine
-        gc.collect()
-        say("loading the engine with prefix caching off")
-        engine_off = LLMEngine(off_config)
-        engine_runs["engine_no_prefix_caching"] = _timed_engine_run(engine_off, workload, opts,
+        on = engine_with(engine, enable_prefix_caching=True)
+        engine_runs["engine"] = _timed_engine_run(on, workload, opts, "engine (prefix caching on)")
+        off = engine_with(engine, enable_prefix_caching=False)
+        engine_runs["engine_no_prefix_caching"] = _timed_engine_run(off, workload, opts,
                                                                     "engine (prefix caching off)")
-        del engine_off
+        del on, off, engine
     else:
         engine_runs["engine"] = _timed_engine_run(engine, workload, opts, "engine")
         del engine
@@ -231,9 +264,6 @@ def run_bench(opts: BenchOptions, engine: LLMEngine | None = None, peer_model=No
         off = engine_runs["engine_no_prefix_caching"]
         result["ratio_prefix_caching"] = main.completion_tokens_per_s / off.completion_tokens_per_s
         result["agreement"]["prefix caching on vs off"] = _agreement(main, off)
-    if opts.is_quality:
-        say("running the FP8 quality bench")
-        result["quality"] = run_quality(opts.model)
     return result
 
 
@@ -258,26 +288,27 @@ def _parse_batch_sizes(text: str) -> list[int]:
 def bench_command(
     workload: Annotated[str, typer.Option(help=f"One of: {', '.join(WORKLOADS)}.")] = "random",
     model: Annotated[str, typer.Option(help="Model alias, HF folder or .gguf file.")] = DEFAULT_MODEL,
-    num_requests: Annotated[Optional[int], typer.Option(
+    num_requests: Annotated[int | None, typer.Option(
         help="Requests (default 64; chat: the whole prompt set).")] = None,
     input_len_min: Annotated[int, typer.Option(help="random: shortest prompt in tokens.")] = 100,
     input_len_max: Annotated[int, typer.Option(help="random: longest prompt in tokens.")] = 200,
     output_len: Annotated[int, typer.Option(help="Completion tokens per request (fixed, EOS ignored).")] = 64,
     seed: Annotated[int, typer.Option(help="Seed for random prompts and shared-prefix messages.")] = 0,
-    peer: Annotated[Optional[bool], typer.Option(
+    peer: Annotated[bool | None, typer.Option(
         "--peer/--no-peer", help="Also run HF transformers generate (default on; off for shared-prefix).")] = None,
     peer_batch_sizes: Annotated[str, typer.Option(
         help="Peer batch sizes to try; its fastest is reported.")] = ",".join(map(str, DEFAULT_BATCH_SIZES)),
-    engine: Annotated[Optional[list[str]], typer.Option(
+    engine: Annotated[list[str] | None, typer.Option(
         "--engine", help="Engine setting KEY=VALUE (repeatable), e.g. max_num_seqs=64.")] = None,
-    threads: Annotated[Optional[int], typer.Option(help="torch threads for both sides (default: torch's).")] = None,
-    prompts: Annotated[Optional[str], typer.Option(
+    threads: Annotated[int | None, typer.Option(help="torch threads for both sides (default: torch's).")] = None,
+    prompts: Annotated[str | None, typer.Option(
         help="chat: Parquet prompt set (default jobs/data/chat_prompts.parquet).")] = None,
     gemm_tokens: Annotated[int, typer.Option(help="Rows of the prefill-shape GEMM measurement.")] = PREFILL_NUM_TOKENS,
     warmup: Annotated[bool, typer.Option("--warmup/--no-warmup", help="Warm both sides up untimed.")] = True,
-    quality: Annotated[bool, typer.Option("--quality", help="Also run the FP8 quality bench.")] = False,
+    quality: Annotated[bool, typer.Option(
+        "--quality", help="Run the FP8 quality bench (agreement and KL against float32) instead.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
-    output: Annotated[Optional[Path], typer.Option(
+    output: Annotated[Path | None, typer.Option(
         help="Also write the JSON result here, e.g. benchmarks/results/random-2core.json.")] = None,
 ) -> None:
     """Throughput of the engine against HF transformers on one workload, with roofline and agreement."""
@@ -287,7 +318,7 @@ def bench_command(
                             peer_batch_sizes=_parse_batch_sizes(peer_batch_sizes),
                             engine_overrides=parse_engine_overrides(engine), num_threads=threads,
                             prompts=prompts, prefill_gemm_tokens=gemm_tokens, is_warmup=warmup, is_quality=quality)
-        result = run_bench(opts)
+        result = run_quality(opts) if opts.is_quality else run_bench(opts)
     except (ValueError, FileNotFoundError, PeerUnavailable) as exc:
         typer.echo(f"batchgen bench: {exc}", err=True)
         raise typer.Exit(2) from None
@@ -298,7 +329,7 @@ def bench_command(
     if output:
         output.parent.mkdir(parents=True, exist_ok=True)
         output.write_text(text + "\n")
-    typer.echo(text if as_json else format_report(result))
+    typer.echo(text if as_json else (format_quality(result) if opts.is_quality else format_report(result)))
 
 
 def main() -> None:

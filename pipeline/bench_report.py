@@ -4,23 +4,23 @@ from __future__ import annotations
 
 
 def _row(label: str, side: dict) -> str:
-    return (f"  {label:<34} {side['prompt_tokens']:>10,} {side['completion_tokens']:>12,} "
-            f"{side['seconds']:>9.2f} {side['completion_tokens_per_s']:>12.1f}")
+    return (f"  {label:<34} {side['prompt_tokens']:>12,} {side['completion_tokens']:>16,} "
+            f"{side['seconds']:>9.2f} {side['completion_tokens_per_s']:>14.1f}")
 
 
 def format_report(result: dict) -> str:
     """A human-readable table of the figures in `result`."""
     w, m = result["workload"], result["machine"]
     lines = [
-        f"batchgen bench: workload {w['name']}: {w['num_requests']} requests, prompts "
-        f"{w['prompt_len_min']}-{w['prompt_len_max']} tokens, output {w.get('output_len', '?')} tokens",
-        f"  model {result['model']} (float32), {m['num_threads']} torch threads on {m['cpu']} "
-        f"({m['num_cpus']} CPUs)",
+        (f"batchgen bench: workload {w['name']}: {w['num_requests']} requests, prompts "
+        f"{w['prompt_len_min']}-{w['prompt_len_max']} tokens, output {w.get('output_len', '?')} tokens"),
+        (f"  model {result['model']} (float32), {m['num_threads']} torch threads on {m['cpu']} "
+        f"({m['num_cpus']} CPUs)"),
         "",
-        f"  {'':<34} {'prompt tok':>10} {'completion tok':>12} {'seconds':>9} {'completion/s':>12}",
+        f"  {'':<34} {'prompt tokens':>12} {'completion tokens':>16} {'seconds':>9} {'completion tok/s':>14}",
     ]
     engines = result["engine_runs"]
-    for key, side in engines.items():
+    for side in engines.values():
         lines.append(_row(side["name"], side))
     peer = result.get("peer")
     if peer:
@@ -47,6 +47,4 @@ def format_report(result: dict) -> str:
                      f"mean matching prefix {a['mean_prefix_len']:.1f} of {a['mean_output_len']:.1f} tokens")
     if not result["is_fair"]:
         lines.append("  WARNING: the sides did not process the same tokens: " + "; ".join(result["unfair_reasons"]))
-    if "quality" in result:
-        lines.append(f"  quality: {result['quality']}")
     return "\n".join(lines)

@@ -125,26 +125,27 @@ def chat_workload(tokenizer, output_len: int, path: Path | None = None, num_requ
 
 # ---- shared prefix --------------------------------------------------------------------------------
 # A long house-style system prompt, as synthesis jobs repeat on every request (issue 5).
-SHARED_SYSTEM_PROMPT = " ".join([
-    "You are a careful writing assistant that produces training data for a customer-support model.",
-    "Every answer you write will be read by a reviewer who checks it against the following house rules,",
-    "so read them closely before you answer and follow all of them in every reply.",
-    "First, answer the question that was asked, directly, in the first sentence; do not restate the question,",
-    "do not thank the user for asking, and do not open with a greeting or with filler such as 'Great question'.",
-    "Second, keep the answer short: three to six sentences in plain prose, unless the user explicitly asks",
-    "for a list, a table, a step-by-step procedure or code, in which case use that form and nothing else.",
-    "Third, be concrete. Prefer numbers, names of settings, menu paths and exact error messages over general",
-    "advice. When you give a number, give its unit. When a step can fail, say what the user will see if it does",
-    "and what to try next. Never invent a product feature, a price, a phone number or a policy; if you do not know,",
-    "say so in one sentence and point the user to the help centre.",
-    "Fourth, write for a reader who is busy and possibly upset: use a calm, friendly and neutral tone, avoid",
-    "jargon, explain any technical term the first time you use it, and never blame the user for the problem.",
-    "Fifth, respect privacy: never ask for a full card number, a password or a one-time code, and remind the user",
-    "not to share them if they offer. Sixth, do not make promises about refunds, delivery dates or compensation;",
-    "describe the process and the usual time it takes instead. Seventh, if the request is unsafe, illegal or",
-    "outside customer support, decline politely in one sentence and offer help with something related.",
-    "Finally, end with one short sentence that tells the user what to do next, and do not sign the message.",
-])
+SHARED_SYSTEM_PROMPT = (
+    "You are a careful writing assistant that produces training data for a customer-support model. Every "
+    "answer you write will be read by a reviewer who checks it against the following house rules, so read"
+    " them closely before you answer and follow all of them in every reply. First, answer the question "
+    "that was asked, directly, in the first sentence; do not restate the question, do not thank the user "
+    "for asking, and do not open with a greeting or with filler such as 'Great question'. Second, keep "
+    "the answer short: three to six sentences in plain prose, unless the user explicitly asks for a list,"
+    " a table, a step-by-step procedure or code, in which case use that form and nothing else. Third, be "
+    "concrete. Prefer numbers, names of settings, menu paths and exact error messages over general "
+    "advice. When you give a number, give its unit. When a step can fail, say what the user will see if "
+    "it does and what to try next. Never invent a product feature, a price, a phone number or a policy; "
+    "if you do not know, say so in one sentence and point the user to the help centre. Fourth, write for "
+    "a reader who is busy and possibly upset: use a calm, friendly and neutral tone, avoid jargon, "
+    "explain any technical term the first time you use it, and never blame the user for the problem. "
+    "Fifth, respect privacy: never ask for a full card number, a password or a one-time code, and remind "
+    "the user not to share them if they offer. Sixth, do not make promises about refunds, delivery dates "
+    "or compensation; describe the process and the usual time it takes instead. Seventh, if the request "
+    "is unsafe, illegal or outside customer support, decline politely in one sentence and offer help with"
+    " something related. Finally, end with one short sentence that tells the user what to do next, and do"
+    " not sign the message."
+)
 _TOPICS = ["a late parcel", "a double charge on a card", "resetting a password", "changing a delivery address",
            "a broken item on arrival", "cancelling a subscription", "an expired voucher", "two-factor login",
            "exporting account data", "a missing invoice", "upgrading a plan", "a slow mobile app"]

@@ -11,7 +11,6 @@ import time
 from dataclasses import dataclass
 
 import torch
-
 from batchgen.engine.models.config import ModelConfig
 from batchgen.pipeline.roofline import LinearShape, layer_linear_shapes, lm_head_shape
 

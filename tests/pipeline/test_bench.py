@@ -9,15 +9,24 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import typer
-from typer.testing import CliRunner
-
 from batchgen.engine.models.config import ModelConfig
 from batchgen.pipeline.bench import BenchOptions, bench_command, run_bench
 from batchgen.pipeline.bench_engine import parse_engine_overrides
 from batchgen.pipeline.bench_report import format_report
-from batchgen.pipeline.bench_workloads import (SHARED_SYSTEM_PROMPT, chat_workload, random_workload,
-                                               read_chat_prompts, shared_prefix_workload, special_token_ids)
-from batchgen.pipeline.roofline import num_layer_flops_per_token, num_lm_head_flops_per_token, workload_roofline
+from batchgen.pipeline.bench_workloads import (
+    SHARED_SYSTEM_PROMPT,
+    chat_workload,
+    random_workload,
+    read_chat_prompts,
+    shared_prefix_workload,
+    special_token_ids,
+)
+from batchgen.pipeline.roofline import (
+    num_layer_flops_per_token,
+    num_lm_head_flops_per_token,
+    workload_roofline,
+)
+from typer.testing import CliRunner
 
 TINY = ModelConfig(model_type="llama", vocab_size=10, hidden_size=4, intermediate_size=8, num_layers=2,
                    num_heads=2, num_kv_heads=1, head_dim=2, rms_norm_eps=1e-6, rope_theta=1e4,
@@ -28,7 +37,7 @@ TINY = ModelConfig(model_type="llama", vocab_size=10, hidden_size=4, intermediat
 def test_engine_and_peer_do_the_same_work_and_agree(llm, hf_model):
     opts = BenchOptions(workload="random", num_requests=4, input_len_min=20, input_len_max=40, output_len=8,
                         seed=0, peer_batch_sizes=[2, 4], prefill_gemm_tokens=64, decode_gemm_tokens=8,
-                        gemm_min_seconds=0.01)
+                        gemm_min_seconds=0.01, is_warmup=False)
     result = run_bench(opts, engine=llm.engine, peer_model=hf_model, say=lambda _: None)
 
     engine, peer, workload = result["engine_runs"]["engine"], result["peer"], result["workload"]
