@@ -35,10 +35,10 @@ def list_input_files(storage: Storage) -> list[str]:
     fs, root = storage.fs, storage.root
     try:
         if globlib.has_magic(root):
-            paths = [p for p in fs.glob(root) if fs.isfile(p)]
+            paths = [p for p in fs.glob(root) if fs.isfile(p) and not _is_hidden(p.rsplit("/", 1)[-1])]
         elif fs.isdir(root):
             paths = [p for p in fs.find(root) if p.endswith(".parquet")
-                     and not any(part.startswith(("_", ".")) for part in p[len(root):].split("/") if part)]
+                     and not any(_is_hidden(part) for part in p[len(root):].split("/") if part)]
         elif fs.exists(root):
             paths = [root]
         else:
@@ -50,6 +50,11 @@ def list_input_files(storage: Storage) -> list[str]:
     if not paths:
         raise JobError(f"input.path: {storage.url} holds no .parquet files")
     return sorted(paths)
+
+
+def _is_hidden(name: str) -> bool:
+    # As Spark, pyarrow and polars do: _SUCCESS, _metadata, .temp files are not data.
+    return name.startswith(("_", "."))
 
 
 def inspect_file(storage: Storage, path: str) -> InputFile:

@@ -44,7 +44,8 @@ class RequestBuilder:
             return task
         try:
             task.params = self._params(row)
-            task.token_ids = self._tokens(row, task.params)
+            task.token_ids = self._encode(row)  # kept on an overlong error: its prompt_tokens tell by how much
+            task.token_ids = self._fit(task.token_ids, task.params)
         except RowError as exc:
             task.error = str(exc)
         return task
@@ -58,13 +59,17 @@ class RequestBuilder:
             columns = ", ".join(f"{self.job.sampling_columns[k]}={v!r}" for k, v in row.overrides.items())
             raise RowError(f"invalid per-row sampling value ({columns}): {exc}") from None
 
-    def _tokens(self, row: RowInput, params: SamplingParams) -> list[int]:
+    def _encode(self, row: RowInput) -> list[int]:
         try:
             token_ids = self.engine.encode(row.prompt)
         except Exception as exc:  # a template or tokenizer failure is this row's problem only
             raise RowError(f"cannot tokenize the prompt: {exc}") from None
         if not token_ids:
             raise RowError("the prompt has no tokens")
+        return token_ids
+
+    def _fit(self, token_ids: list[int], params: SamplingParams) -> list[int]:
+        """The overlong rule: prompt tokens + max_tokens must fit in max_model_len."""
         max_model_len = self.engine.max_model_len
         if len(token_ids) + params.max_tokens <= max_model_len:
             return token_ids

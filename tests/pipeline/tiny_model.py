@@ -1,0 +1,54 @@
+"""A tiny random-weight Llama in HF folder form, with the bundled model's tokenizer and chat template.
+
+For tests that start `batchgen` in subprocesses: it loads in a second and decodes fast, so a test
+can kill a run mid-job without waiting on the real model. Outputs are noise; ids and counts are not.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+HIDDEN, INTERMEDIATE, NUM_LAYERS, NUM_HEADS, NUM_KV_HEADS = 32, 64, 2, 4, 2
+
+
+def write_tiny_model(folder: Path, tokenizer_source: Path) -> Path:
+    """`tokenizer_source`: a .gguf file whose tokenizer (and chat template) the tiny model reuses."""
+    from transformers import AutoTokenizer
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_source.parent), gguf_file=tokenizer_source.name)
+    tokenizer.save_pretrained(folder)
+    vocab = len(tokenizer)
+    config = {
+        "model_type": "llama", "vocab_size": vocab, "hidden_size": HIDDEN, "intermediate_size": INTERMEDIATE,
+        "num_hidden_layers": NUM_LAYERS, "num_attention_heads": NUM_HEADS, "num_key_value_heads": NUM_KV_HEADS,
+        "max_position_embeddings": 512, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+        "tie_word_embeddings": True, "eos_token_id": tokenizer.eos_token_id,
+    }
+    (folder / "config.json").write_text(json.dumps(config))
+    gen = torch.Generator().manual_seed(0)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen) * 0.02
+
+    head_dim = HIDDEN // NUM_HEADS
+    weights = {"model.embed_tokens.weight": rand(vocab, HIDDEN), "model.norm.weight": torch.ones(HIDDEN)}
+    for i in range(NUM_LAYERS):
+        p = f"model.layers.{i}."
+        weights.update({
+            p + "self_attn.q_proj.weight": rand(NUM_HEADS * head_dim, HIDDEN),
+            p + "self_attn.k_proj.weight": rand(NUM_KV_HEADS * head_dim, HIDDEN),
+            p + "self_attn.v_proj.weight": rand(NUM_KV_HEADS * head_dim, HIDDEN),
+            p + "self_attn.o_proj.weight": rand(HIDDEN, NUM_HEADS * head_dim),
+            p + "mlp.gate_proj.weight": rand(INTERMEDIATE, HIDDEN),
+            p + "mlp.up_proj.weight": rand(INTERMEDIATE, HIDDEN),
+            p + "mlp.down_proj.weight": rand(HIDDEN, INTERMEDIATE),
+            p + "input_layernorm.weight": torch.ones(HIDDEN),
+            p + "post_attention_layernorm.weight": torch.ones(HIDDEN),
+        })
+    save_file(weights, str(folder / "model.safetensors"))
+    return folder
