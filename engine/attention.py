@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from batchgen.engine.decode_staging import StagingStep
+
 
 @dataclass
 class AttentionGroup:
@@ -29,6 +31,7 @@ class AttentionGroup:
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # (T,) cache slot for each new token
     groups: list[AttentionGroup]
+    staging: StagingStep | None = None  # set when the decode group reads dense staging rows
 
 
 def build_attention_metadata(query_lens: list[int], context_lens: list[int], block_tables: list[list[int]],
@@ -90,13 +93,21 @@ class TorchAttention:
         self.head_dim = head_dim
         self.scale = head_dim ** -0.5
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        # q: (T, H, D); k, v: (T, Hkv, D); caches: (num_blocks * block_size, Hkv, D)
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_kv: tuple,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """layer_kv = (k_cache, v_cache[, StagingBuffers]); caches: (num_blocks * block_size, Hkv, D)."""
+        # q: (T, H, D); k, v: (T, Hkv, D)
+        k_cache, v_cache = layer_kv[0], layer_kv[1]
         k_cache.index_copy_(0, meta.slot_mapping, k)
         v_cache.index_copy_(0, meta.slot_mapping, v)
         out = torch.empty_like(q)
-        for g in meta.groups:
+        groups = meta.groups
+        if meta.staging is not None and len(layer_kv) > 2:
+            decode = groups[0]
+            end = decode.num_tokens
+            out[:end] = self._staged_decode(q[:end], k[:end], v[:end], k_cache, v_cache, layer_kv[2], meta.staging)
+            groups = groups[1:]
+        for g in groups:
             num_seqs, max_q = g.query_index.shape
             q_group = q[g.token_start:g.token_start + g.num_tokens]
             if max_q == 1:  # decodes: one query per sequence, already in order
@@ -114,6 +125,19 @@ class TorchAttention:
             attn = attn.transpose(1, 2)[g.query_valid]  # (num_tokens, H, D), flat token order
             out[g.token_start:g.token_start + g.num_tokens] = attn
         return out
+
+    def _staged_decode(self, q, k, v, k_cache, v_cache, buffers, step: StagingStep) -> torch.Tensor:
+        # q: (B, H, D) in staging-row order; k, v: (B, Hkv, D)
+        num_seqs = q.shape[0]
+        buffers.update(step, k_cache, v_cache, k, v)
+        group = self.num_heads // self.num_kv_heads
+        # A kv head's query heads act as `group` queries against it: GQA without expanding K/V.
+        attn = F.scaled_dot_product_attention(
+            q.view(num_seqs, self.num_kv_heads, group, self.head_dim),
+            buffers.k[:num_seqs, :, :step.max_len], buffers.v[:num_seqs, :, :step.max_len],
+            attn_mask=step.mask, scale=self.scale,
+        )  # (B, Hkv, group, D)
+        return attn.reshape(num_seqs, self.num_heads, self.head_dim)
 
 
 def make_attention_backend(name: str, num_heads: int, num_kv_heads: int, head_dim: int):

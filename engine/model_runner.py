@@ -11,6 +11,7 @@ import torch
 
 from batchgen.engine.attention import build_attention_metadata
 from batchgen.engine.config import EngineConfig
+from batchgen.engine.decode_staging import DecodeRows, StagingBuffers
 from batchgen.engine.models.config import ModelConfig
 from batchgen.engine.models.llama import LlamaForCausalLM
 from batchgen.engine.sampler import Sampler
@@ -36,13 +37,32 @@ class ModelRunner:
              torch.zeros(shape, dtype=config.torch_dtype, device=self.device))
             for _ in range(model_cfg.num_layers)
         ]
+        # The torch backend decodes from dense staging rows (see decode_staging.py), capped at the
+        # pool's own size so staging never more than doubles KV memory.
+        self.decode_rows: DecodeRows | None = None
+        if config.resolved_attention_backend == "torch":
+            self.decode_rows = DecodeRows(config.block_size, max_tokens=num_slots)
+            self.kv_caches = [
+                (k, v, StagingBuffers(model_cfg.num_kv_heads, model_cfg.head_dim, config.torch_dtype, self.device))
+                for k, v in self.kv_caches]
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq]) -> list[tuple[ScheduledSeq, int, float]]:
         """Run one step; returns (scheduled seq, token, raw logprob) for each sequence that samples."""
-        # Decodes first, then prefill chunks: each group is attended as one padded batch.
-        order = sorted(scheduled, key=lambda s: s.num_new_tokens != 1)
-        num_decodes = sum(1 for s in order if s.num_new_tokens == 1)
+        # Decodes first (in staging-row order when staged), then prefill chunks: each group is
+        # attended as one batch.
+        decodes = [s for s in scheduled if s.num_new_tokens == 1]
+        prefills = [s for s in scheduled if s.num_new_tokens != 1]
+        staging = None
+        if self.decode_rows is not None:
+            if decodes and self.decode_rows.can_stage([s.seq for s in decodes]):
+                by_seq = {id(s.seq): s for s in decodes}
+                row_seqs, staging = self.decode_rows.plan([s.seq for s in decodes], self.device)
+                decodes = [by_seq[id(seq)] for seq in row_seqs]
+            else:
+                self.decode_rows.reset()
+        order = decodes + prefills
+        num_decodes = len(decodes)
         input_ids: list[int] = []
         positions: list[int] = []
         logits_rows: list[int] = []
@@ -57,6 +77,7 @@ class ModelRunner:
         meta = build_attention_metadata(
             [s.num_new_tokens for s in order], [s.seq.num_computed_tokens for s in order],
             [s.seq.block_ids for s in order], num_decodes, self.block_size, self.device)
+        meta.staging = staging
         device = self.device
         logits = self.model(
             torch.tensor(input_ids, dtype=torch.long, device=device),

@@ -96,4 +96,6 @@ def iter_gguf_weights(path: Path, cfg: ModelConfig) -> Iterator[tuple[str, torch
         array = np.asarray(array, dtype=np.float32).reshape(list(reversed([int(d) for d in tensor.shape])))
         if cfg.model_type in ("llama", "mistral") and parts[0] == "blk" and base in ("attn_q", "attn_k"):
             array = _reverse_permute(array, cfg.num_heads if base == "attn_q" else cfg.num_kv_heads)
-        yield name, torch.from_numpy(np.ascontiguousarray(array))
+        if not array.flags.writeable or not array.flags.c_contiguous:  # F32 tensors are views of the mmap
+            array = np.array(array, order="C")
+        yield name, torch.from_numpy(array)
