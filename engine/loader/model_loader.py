@@ -10,7 +10,7 @@ import torch
 from batchgen.engine.attention import make_attention_backend
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.loader.gguf_loader import iter_gguf_weights, read_gguf_config
-from batchgen.engine.loader.hf_loader import iter_hf_weights, read_hf_config, read_hf_config_dict
+from batchgen.engine.loader.hf_loader import iter_hf_weights, read_hf_config
 from batchgen.engine.loader.source import ModelSource, resolve_model
 from batchgen.engine.models.config import ModelConfig
 from batchgen.engine.models.llama import LlamaForCausalLM
@@ -52,17 +52,21 @@ def load_model(config: EngineConfig) -> LoadedModel:
         model = LlamaForCausalLM(model_cfg, max_model_len, backend)
     model = model.to_empty(device=device).to(dtype)
     model.tie_weights()
+    is_fp8_checkpoint = False
     if source.is_gguf:
         weights = iter_gguf_weights(source.folder / source.gguf_file, model_cfg)
     else:
-        _refuse_unsupported_quantization(source)
+        from batchgen.engine.quant.fp8_checkpoint import prepare_fp8_checkpoint
+
+        # FP8 checkpoints (refused: other methods, block-wise scales) load as stored, never re-quantized.
+        is_fp8_checkpoint = prepare_fp8_checkpoint(model, source.folder)
         weights = iter_hf_weights(source.folder)
     model.load_weights(weights)
     # Rotary tables are computed, not loaded (they were left empty on the meta device).
     model.rotary = RotaryEmbedding(model_cfg.head_dim, max_model_len, model_cfg.rope_theta,
                                    model_cfg.rope_scaling).to(device)
     model.eval()
-    if config.quantization == "fp8":
+    if config.quantization == "fp8" or is_fp8_checkpoint:
         from batchgen.engine.quant.fp8 import quantize_model_fp8
 
         quantize_model_fp8(model, config, source)
@@ -70,10 +74,3 @@ def load_model(config: EngineConfig) -> LoadedModel:
     log.info("loaded %s (%s, %d layers) as %s on %s", source.display_name, model_cfg.model_type,
              model_cfg.num_layers, dtype, device)
     return LoadedModel(source, model_cfg, model, max_model_len, weight_bytes)
-
-
-def _refuse_unsupported_quantization(source: ModelSource) -> None:
-    qcfg = read_hf_config_dict(source.folder).get("quantization_config")
-    if qcfg and qcfg.get("quant_method") != "fp8":
-        raise ValueError(f"{source.folder}: quantization_config.quant_method {qcfg.get('quant_method')!r} "
-                         "is not supported (only fp8 checkpoints)")

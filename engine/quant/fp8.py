@@ -1,0 +1,87 @@
+"""Model-level FP8: pick the matmul path, swap nn.Linear for Fp8Linear, report what it saved.
+
+Quantized: every linear layer of the decoder (qkv_proj, o_proj, gate_up_proj, down_proj), and
+lm_head only with `quantize_lm_head` (it is the logits' last matmul, and on tied models such as
+SmolLM2 an FP8 copy adds bytes instead of saving them). Embeddings and norms stay in the model dtype.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from batchgen.engine.config import EngineConfig
+from batchgen.engine.quant.fp8_linear import Fp8Linear
+
+log = logging.getLogger("batchgen.engine")
+
+# torch._scaled_mm's FP8 GEMMs need FP8 tensor cores: Ada (8.9) and Hopper (9.0) onwards.
+MIN_W8A8_CAPABILITY = (8, 9)
+
+
+def resolve_fp8_mode(fp8_mode: str, device: torch.device) -> tuple[str, str]:
+    """(mode, why): auto picks w8a8 on CUDA devices with FP8 tensor cores, else weight-only w8a16."""
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    has_fp8_cores = capability is not None and capability >= MIN_W8A8_CAPABILITY
+    where = f"CUDA compute capability {capability[0]}.{capability[1]}" if capability else device.type
+    if fp8_mode == "auto":
+        return ("w8a8" if has_fp8_cores else "w8a16"), f"auto on {where}"
+    if fp8_mode == "w8a8" and capability is not None and not has_fp8_cores:
+        raise ValueError(f"fp8_mode w8a8 needs FP8 tensor cores (compute capability >= 8.9); this GPU has "
+                         f"{capability[0]}.{capability[1]}: use fp8_mode w8a16 or auto")
+    if fp8_mode not in ("w8a8", "w8a16"):
+        raise ValueError(f"fp8_mode must be auto, w8a8 or w8a16; got {fp8_mode!r}")
+    return fp8_mode, f"asked for, on {where}"
+
+
+def is_quantizable(name: str, module: nn.Module, quantize_lm_head: bool) -> bool:
+    return isinstance(module, nn.Linear) and (name != "lm_head" or quantize_lm_head)
+
+
+def quantize_model_fp8(model: nn.Module, config: EngineConfig, source=None) -> dict:
+    """Quantize the model's linear layers in place (layers an FP8 checkpoint loaded stay as stored).
+
+    Returns the summary it logs: fp8_mode, num_layers, float bytes before, fp8 bytes after (scales included).
+    """
+    from batchgen.engine.quant.fp8_checkpoint import check_fp8_scales_loaded
+
+    mode, why = resolve_fp8_mode(config.fp8_mode, config.torch_device)
+    from_checkpoint = any(isinstance(m, Fp8Linear) for m in model.modules())
+    if from_checkpoint:
+        # An FP8 checkpoint decided which layers are FP8 (its ignored layers stay as they are).
+        check_fp8_scales_loaded(model)
+        num_float_bytes = None
+    else:
+        num_float_bytes = 0
+        for name, module in list(model.named_modules()):
+            if is_quantizable(name, module, config.quantize_lm_head):
+                num_float_bytes += module.weight.numel() * module.weight.element_size()
+                _replace_module(model, name, Fp8Linear.from_linear(module))
+    layers = [m for m in model.modules() if isinstance(m, Fp8Linear)]
+    for m in layers:
+        m.set_mode(mode)
+    num_fp8_bytes = sum(fp8_layer_bytes(m) for m in layers)
+    num_fallback = sum(m.mode != mode for m in layers)
+    summary = {"fp8_mode": mode, "reason": why, "from_checkpoint": from_checkpoint, "num_layers": len(layers),
+               "num_float_bytes": num_float_bytes, "num_fp8_bytes": num_fp8_bytes,
+               "num_w8a16_fallback_layers": num_fallback}
+    origin = f"read from the checkpoint {getattr(source, 'display_name', '')}".rstrip() if from_checkpoint \
+        else "quantized at load"
+    ratio = f" ({num_fp8_bytes / num_float_bytes:.1%} of {num_float_bytes / 1e6:.1f} MB)" if num_float_bytes else ""
+    log.info("fp8: %d linear layers %s, %.1f MB with scales%s; matmul path %s (%s)%s", len(layers), origin,
+             num_fp8_bytes / 1e6, ratio, mode, why,
+             f"; {num_fallback} layers with K or N not divisible by 16 use w8a16" if num_fallback else "")
+    return summary
+
+
+def fp8_layer_bytes(module: Fp8Linear) -> int:
+    """Bytes of an Fp8Linear's FP8 weight and float32 scales (not its bias, which stays in the model dtype)."""
+    tensors = [module.weight, module.weight_scale] + ([module.input_scale] if module.input_scale is not None else [])
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _replace_module(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, child, new)

@@ -1,0 +1,138 @@
+"""Reading FP8 checkpoints (AutoFP8 / llm-compressor layouts) without re-quantizing.
+
+Format: config.json `quantization_config` with `quant_method: "fp8"` (AutoFP8, vLLM's "fp8") or
+`"compressed-tensors"` with 8-bit float weights (llm-compressor); per quantized linear layer the
+tensors `<layer>.weight` (float8_e4m3fn, (N, K)), `<layer>.weight_scale` (one value per tensor, or
+(N,) / (N, 1) per output channel) and optionally `<layer>.input_scale` (a static activation scale).
+
+Before the weights stream in, the layers the checkpoint stores in FP8 become empty Fp8Linear modules;
+the model's loader copies each FP8 weight in as is and hands the scales to `load_fp8_scale`. Fused
+layers (q/k/v, gate/up) get one scale row per output channel: a part's per-tensor scale fills its
+rows, which represents every part exactly.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from batchgen.engine.quant.fp8_linear import Fp8Linear
+
+SCALE_SUFFIXES = ("weight_scale", "input_scale")
+_BLOCKWISE_HINT = ("block-wise FP8 checkpoints ({what}) are not supported yet; use a per-tensor or "
+                   "per-channel FP8 checkpoint, or the unquantized checkpoint with quantization: fp8")
+
+
+def read_fp8_quant_config(folder: Path) -> dict | None:
+    """The checkpoint's quantization_config when it is a supported FP8 one; None when unquantized.
+
+    Raises ValueError for other methods and for block-wise or group-wise FP8 scales.
+    """
+    from batchgen.engine.loader.hf_loader import read_hf_config_dict
+
+    qcfg = read_hf_config_dict(folder).get("quantization_config")
+    if not qcfg:
+        return None
+    method = qcfg.get("quant_method")
+    if method == "fp8":
+        if qcfg.get("weight_block_size"):
+            raise ValueError(f"{folder}: " + _BLOCKWISE_HINT.format(
+                what=f"weight_block_size {qcfg['weight_block_size']}"))
+        return qcfg
+    if method == "compressed-tensors":
+        _check_compressed_tensors(folder, qcfg)
+        return qcfg
+    raise ValueError(f"{folder}: quantization_config.quant_method {method!r} is not supported "
+                     "(only fp8 checkpoints: quant_method fp8, or compressed-tensors with 8-bit float weights)")
+
+
+def _check_compressed_tensors(folder: Path, qcfg: dict) -> None:
+    groups = qcfg.get("config_groups") or {}
+    if not groups:
+        raise ValueError(f"{folder}: compressed-tensors quantization_config has no config_groups")
+    for name, group in groups.items():
+        weights = group.get("weights") or {}
+        if weights.get("strategy") in ("block", "group"):
+            raise ValueError(f"{folder}: " + _BLOCKWISE_HINT.format(
+                what=f"compressed-tensors strategy {weights['strategy']!r} in {name}"))
+        if (weights.get("num_bits"), weights.get("type"), weights.get("strategy")) not in (
+                (8, "float", "tensor"), (8, "float", "channel")):
+            raise ValueError(f"{folder}: compressed-tensors group {name!r} is not FP8 with per-tensor or "
+                             f"per-channel scales ({weights}); only those are supported")
+
+
+def prepare_fp8_checkpoint(model: nn.Module, folder: Path) -> bool:
+    """If `folder` is an FP8 checkpoint, turn the layers it stores in FP8 into empty Fp8Linear modules.
+
+    Returns whether it is one. Refuses block-wise checkpoints (their `weight_scale_inv` tensors).
+    """
+    from batchgen.engine.loader.hf_loader import safetensors_files
+    from safetensors import safe_open
+
+    if read_fp8_quant_config(folder) is None:
+        return False
+    names: list[str] = []
+    for file in safetensors_files(folder):
+        with safe_open(str(file), framework="pt") as f:
+            names.extend(f.keys())
+    if any(n.endswith("weight_scale_inv") for n in names):
+        raise ValueError(f"{folder}: " + _BLOCKWISE_HINT.format(what="weight_scale_inv tensors"))
+    fused = getattr(model, "_FUSED", {})
+    layers = set()
+    for name in names:
+        if name.endswith(".weight_scale"):
+            parts = name.removeprefix("model.").removesuffix(".weight_scale").split(".")
+            layers.add(".".join(fused[p][0] if p in fused else p for p in parts))
+    for name in sorted(layers):
+        try:
+            linear = model.get_submodule(name)
+        except AttributeError as exc:
+            raise ValueError(f"{folder}: FP8 layer {name!r} has no place in the model") from exc
+        if not isinstance(linear, nn.Linear):
+            raise ValueError(f"{folder}: FP8 scales for {name!r}, which is not a linear layer")
+        w = linear.weight
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child,
+                Fp8Linear(linear.in_features, linear.out_features, linear.bias is not None,
+                          dtype=w.dtype, device=w.device))
+    return True
+
+
+@torch.no_grad()
+def load_fp8_scale(model: nn.Module, target: str, tensor: torch.Tensor, part_index: int | None,
+                   part_sizes: list[int] | None) -> None:
+    """Place a checkpoint's `<layer>.weight_scale` / `.input_scale` (target uses the model's fused names).
+
+    part_index / part_sizes locate q/k/v or gate/up inside a fused layer (None for unfused layers).
+    """
+    module_name, kind = target.rsplit(".", 1)
+    module = model.get_submodule(module_name)
+    if not isinstance(module, Fp8Linear):
+        raise ValueError(f"checkpoint tensor {target!r} belongs to {module_name!r}, which is not an FP8 layer")
+    value = tensor.detach().float().reshape(-1).to(module.weight.device)
+    if kind == "input_scale":
+        if value.numel() != 1:
+            raise ValueError(f"{target}: only per-tensor static input scales are supported, got {value.numel()} values")
+        # Fused parts share one input; the largest calibrated scale keeps every part's range within 448.
+        value = value.reshape(())
+        module.input_scale = value if module.input_scale is None else torch.maximum(module.input_scale, value)
+        return
+    if part_index is None and value.numel() == 1:
+        module.weight_scale = value  # (1,) per-tensor layout, kept as stored
+        return
+    offset = sum(part_sizes[:part_index]) if part_index is not None else 0
+    size = part_sizes[part_index] if part_index is not None else module.out_features
+    if value.numel() not in (1, size):
+        raise ValueError(f"{target}: weight_scale has {value.numel()} values; expected 1 or {size}")
+    if module.weight_scale.numel() != module.out_features:  # a fused layer always holds one row per channel
+        module.weight_scale = torch.full((module.out_features,), float("nan"), device=value.device)
+    module.weight_scale[offset:offset + size] = value  # a per-tensor value broadcasts over its part's rows
+
+
+def check_fp8_scales_loaded(model: nn.Module) -> None:
+    """Every Fp8Linear must have had all its weight scales set by the checkpoint."""
+    for name, module in model.named_modules():
+        if isinstance(module, Fp8Linear) and torch.isnan(module.weight_scale).any():
+            raise ValueError(f"the FP8 checkpoint is missing weight_scale for (part of) {name}")

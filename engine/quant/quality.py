@@ -1,0 +1,132 @@
+"""FP8 quality benchmark: how far the FP8 model's next-token distributions drift from the unquantized model's.
+
+On the committed chat prompts, the unquantized model writes greedy reference completions. Both models
+then read prompt + reference (teacher forcing), and over the completion positions only we report:
+- top1_agreement: share of positions where both models' most likely next token is the same;
+- mean_kl: mean KL(P_ref || P_fp8) per position, in nats;
+- greedy_exact_match / greedy_token_agreement: the FP8 model's own greedy completion equals the
+  reference / share of reference tokens reproduced before the first divergence.
+
+Both models are the modules the engine runs: the FP8 one is the loaded float model quantized by
+quantize_model_fp8 exactly as at load, so one checkpoint read serves every mode.
+
+CLI: python -m batchgen.engine.quant.quality [--model M] [--num-prompts N] [--max-tokens T] [--fp8-mode w8a16 ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import logging
+
+import torch
+
+from batchgen.engine.config import EngineConfig
+from batchgen.engine.quant.direct_runner import greedy_generate, teacher_forced_logits
+from batchgen.engine.quant.fp8 import quantize_model_fp8
+from batchgen.engine.quant.fp8_linear import Fp8Linear
+from batchgen.engine.quant.quality_prompts import QUALITY_PROMPTS
+
+log = logging.getLogger("batchgen.engine")
+
+
+def compare_logits(ref: list[torch.Tensor], test: list[torch.Tensor]) -> dict:
+    """Top-1 agreement and mean KL(ref || test) over all rows of per-prompt (C, V) logits."""
+    ref_all, test_all = torch.cat(ref).double(), torch.cat(test).double()  # (P, V)
+    ref_logp, test_logp = ref_all.log_softmax(-1), test_all.log_softmax(-1)
+    kl = (ref_logp.exp() * (ref_logp - test_logp)).sum(-1)  # (P,)
+    agree = ref_all.argmax(-1) == test_all.argmax(-1)
+    return {"num_positions": int(agree.numel()), "top1_agreement": agree.double().mean().item(),
+            "mean_kl": kl.mean().item(), "max_kl": kl.max().item()}
+
+
+def compare_greedy(ref: list[list[int]], test: list[list[int]]) -> dict:
+    def num_common_prefix(a: list[int], b: list[int]) -> int:
+        return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+    return {"greedy_exact_match": sum(a == b for a, b in zip(ref, test)) / len(ref),
+            "greedy_token_agreement": sum(num_common_prefix(a, b) for a, b in zip(ref, test)) / sum(map(len, ref))}
+
+
+def linear_bytes_ratio(float_model: torch.nn.Module, fp8_model: torch.nn.Module) -> dict:
+    """Storage bytes of the FP8 layers (weights + scales) over those of the same layers in the float model."""
+    from batchgen.engine.loader.model_loader import unique_storage_bytes
+
+    fp8_layers = {n: m for n, m in fp8_model.named_modules() if isinstance(m, Fp8Linear)}
+    float_bytes = sum(unique_storage_bytes(float_model.get_submodule(n)) for n in fp8_layers)
+    fp8_bytes = sum(unique_storage_bytes(m) for m in fp8_layers.values())
+    return {"num_fp8_layers": len(fp8_layers), "linear_float_bytes": float_bytes, "linear_fp8_bytes": fp8_bytes,
+            "linear_bytes_ratio": fp8_bytes / float_bytes}
+
+
+def run_quality_bench(model: str = "smollm2-135m-instruct", prompts: list | None = None, max_tokens: int = 32,
+                      fp8_mode: str | list[str] = ("w8a16", "w8a8"), num_prompts: int | None = None,
+                      dtype: str = "float32", device: str = "cpu", quantize_lm_head: bool = False) -> dict:
+    """Compare the FP8 model (one entry per fp8_mode) with the unquantized one; returns a JSON-able dict.
+
+    prompts: chat message lists or raw strings (default: the committed QUALITY_PROMPTS, first num_prompts).
+    """
+    from batchgen.engine.loader.model_loader import load_model, unique_storage_bytes
+    from batchgen.engine.tokenizer import Tokenizer
+
+    modes = [fp8_mode] if isinstance(fp8_mode, str) else list(fp8_mode)
+    prompts = list(prompts if prompts is not None else QUALITY_PROMPTS)[:num_prompts]
+    config = EngineConfig(model=model, dtype=dtype, device=device, max_model_len=2048)
+    loaded = load_model(config)
+    tokenizer = Tokenizer(loaded.source)
+    prompt_ids = [tokenizer.encode(p) if isinstance(p, str) else tokenizer.encode_messages(p) for p in prompts]
+    eos = tuple(sorted(set(loaded.model_cfg.eos_token_ids) | {tokenizer.eos_token_id} - {None}))
+    ref_model = loaded.model
+    references = greedy_generate(ref_model, prompt_ids, max_tokens, eos)
+    ref_logits = teacher_forced_logits(ref_model, prompt_ids, references)
+    # Sanity check of the harness: the reference's own argmax reproduces its greedy tokens.
+    ref_self = sum((lg.argmax(-1).tolist() == r) for lg, r in zip(ref_logits, references)) / len(references)
+    result = {"model": model, "dtype": str(config.torch_dtype).removeprefix("torch."), "device": device,
+              "num_prompts": len(prompts), "max_tokens": max_tokens,
+              "num_completion_tokens": sum(map(len, references)), "reference_self_consistency": ref_self,
+              "float_weight_bytes": unique_storage_bytes(ref_model), "results": []}
+    for mode in modes:
+        fp8_model = copy.deepcopy(ref_model)
+        quantize_model_fp8(fp8_model, config.replace(quantization="fp8", fp8_mode=mode,
+                                                      quantize_lm_head=quantize_lm_head))
+        entry = {"fp8_mode": mode, "fp8_weight_bytes": unique_storage_bytes(fp8_model),
+                 **linear_bytes_ratio(ref_model, fp8_model),
+                 **compare_logits(ref_logits, teacher_forced_logits(fp8_model, prompt_ids, references)),
+                 **compare_greedy(references, greedy_generate(fp8_model, prompt_ids, max_tokens, eos))}
+        log.info("fp8 quality %s: top-1 agreement %.2f%%, mean KL %.4f, greedy exact %.2f%%", mode,
+                 100 * entry["top1_agreement"], entry["mean_kl"], 100 * entry["greedy_exact_match"])
+        result["results"].append(entry)
+        del fp8_model
+    return result
+
+
+def format_quality_table(result: dict) -> str:
+    lines = [f"{result['model']} ({result['dtype']}, {result['device']}): {result['num_prompts']} prompts, "
+             f"{result['num_completion_tokens']} reference tokens",
+             "mode    linear bytes  top-1 agree  mean KL   greedy exact  greedy tokens"]
+    for r in result["results"]:
+        lines.append(f"{r['fp8_mode']:<7} {r['linear_bytes_ratio']:>11.1%}  {r['top1_agreement']:>10.2%}  "
+                     f"{r['mean_kl']:>7.4f}  {r['greedy_exact_match']:>12.1%}  {r['greedy_token_agreement']:>12.1%}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="FP8 vs unquantized: teacher-forced top-1 agreement and KL")
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--num-prompts", type=int, default=None)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--fp8-mode", action="append", choices=["w8a16", "w8a8"])
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--quantize-lm-head", action="store_true")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON")
+    args = parser.parse_args(argv)
+    result = run_quality_bench(args.model, max_tokens=args.max_tokens, fp8_mode=args.fp8_mode or ["w8a16", "w8a8"],
+                               num_prompts=args.num_prompts, dtype=args.dtype, device=args.device,
+                               quantize_lm_head=args.quantize_lm_head)
+    print(json.dumps(result, indent=2) if args.json else format_quality_table(result))
+
+
+if __name__ == "__main__":
+    main()
