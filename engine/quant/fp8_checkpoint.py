@@ -54,13 +54,15 @@ def _check_compressed_tensors(folder: Path, qcfg: dict) -> None:
         raise ValueError(f"{folder}: compressed-tensors quantization_config has no config_groups")
     for name, group in groups.items():
         weights = group.get("weights") or {}
+        if (weights.get("num_bits"), weights.get("type")) != (8, "float"):
+            raise ValueError(f"{folder}: compressed-tensors group {name!r} is not FP8 ({weights}); "
+                             "only FP8 weights with per-tensor or per-channel scales are supported")
         if weights.get("strategy") in ("block", "group"):
             raise ValueError(f"{folder}: " + _BLOCKWISE_HINT.format(
                 what=f"compressed-tensors strategy {weights['strategy']!r} in {name}"))
-        if (weights.get("num_bits"), weights.get("type"), weights.get("strategy")) not in (
-                (8, "float", "tensor"), (8, "float", "channel")):
-            raise ValueError(f"{folder}: compressed-tensors group {name!r} is not FP8 with per-tensor or "
-                             f"per-channel scales ({weights}); only those are supported")
+        if weights.get("strategy") not in ("tensor", "channel"):
+            raise ValueError(f"{folder}: compressed-tensors group {name!r} has FP8 scale strategy "
+                             f"{weights.get('strategy')!r}; only tensor and channel are supported")
 
 
 def prepare_fp8_checkpoint(model: nn.Module, folder: Path) -> bool:

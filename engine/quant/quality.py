@@ -23,6 +23,7 @@ import logging
 import torch
 
 from batchgen.engine.config import EngineConfig
+from batchgen.engine.loader.model_loader import unique_storage_bytes
 from batchgen.engine.quant.direct_runner import greedy_generate, teacher_forced_logits
 from batchgen.engine.quant.fp8 import quantize_model_fp8
 from batchgen.engine.quant.fp8_linear import Fp8Linear
@@ -51,8 +52,6 @@ def compare_greedy(ref: list[list[int]], test: list[list[int]]) -> dict:
 
 def linear_bytes_ratio(float_model: torch.nn.Module, fp8_model: torch.nn.Module) -> dict:
     """Storage bytes of the FP8 layers (weights + scales) over those of the same layers in the float model."""
-    from batchgen.engine.loader.model_loader import unique_storage_bytes
-
     fp8_layers = {n: m for n, m in fp8_model.named_modules() if isinstance(m, Fp8Linear)}
     float_bytes = sum(unique_storage_bytes(float_model.get_submodule(n)) for n in fp8_layers)
     fp8_bytes = sum(unique_storage_bytes(m) for m in fp8_layers.values())
@@ -62,22 +61,30 @@ def linear_bytes_ratio(float_model: torch.nn.Module, fp8_model: torch.nn.Module)
 
 def run_quality_bench(model: str = "smollm2-135m-instruct", prompts: list | None = None, max_tokens: int = 32,
                       fp8_mode: str | list[str] = ("w8a16", "w8a8"), num_prompts: int | None = None,
-                      dtype: str = "float32", device: str = "cpu", quantize_lm_head: bool = False) -> dict:
+                      dtype: str = "float32", device: str = "cpu", quantize_lm_head: bool = False,
+                      engine=None) -> dict:
     """Compare the FP8 model (one entry per fp8_mode) with the unquantized one; returns a JSON-able dict.
 
     prompts: chat message lists or raw strings (default: the committed QUALITY_PROMPTS, first num_prompts).
+    engine: an unquantized LLMEngine whose loaded weights and tokenizer to reuse (then model, dtype and
+    device are its own); None loads `model` once.
     """
-    from batchgen.engine.loader.model_loader import load_model, unique_storage_bytes
-    from batchgen.engine.tokenizer import Tokenizer
-
     modes = [fp8_mode] if isinstance(fp8_mode, str) else list(fp8_mode)
     prompts = list(prompts if prompts is not None else QUALITY_PROMPTS)[:num_prompts]
-    config = EngineConfig(model=model, dtype=dtype, device=device, max_model_len=2048)
-    loaded = load_model(config)
-    tokenizer = Tokenizer(loaded.source)
+    if engine is None:
+        from batchgen.engine.loader.model_loader import load_model
+        from batchgen.engine.tokenizer import Tokenizer
+
+        config = EngineConfig(model=model, dtype=dtype, device=device, max_model_len=2048)
+        loaded = load_model(config)
+        ref_model, tokenizer = loaded.model, Tokenizer(loaded.source)
+        eos = tuple(sorted(set(loaded.model_cfg.eos_token_ids) | {tokenizer.eos_token_id} - {None}))
+    else:
+        config, ref_model, tokenizer, eos = engine.config, engine.runner.model, engine.tokenizer, engine.eos_token_ids
+        model, device = config.model, str(config.torch_device)
+        if any(isinstance(m, Fp8Linear) for m in ref_model.modules()):
+            raise ValueError("the reference engine must run the unquantized model")
     prompt_ids = [tokenizer.encode(p) if isinstance(p, str) else tokenizer.encode_messages(p) for p in prompts]
-    eos = tuple(sorted(set(loaded.model_cfg.eos_token_ids) | {tokenizer.eos_token_id} - {None}))
-    ref_model = loaded.model
     references = greedy_generate(ref_model, prompt_ids, max_tokens, eos)
     ref_logits = teacher_forced_logits(ref_model, prompt_ids, references)
     # Sanity check of the harness: the reference's own argmax reproduces its greedy tokens.
