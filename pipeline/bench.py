@@ -137,13 +137,21 @@ def _machine() -> dict:
             "python": platform.python_version(), "git_commit": _git_commit()}
 
 
-def _git_commit() -> str | None:
+def _git(*args: str) -> str | None:
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).parent,
-                             capture_output=True, text=True, timeout=5, check=False)
-        return out.stdout.strip() or None
+        out = subprocess.run(["git", *args], cwd=Path(__file__).parent, capture_output=True, text=True,
+                             timeout=5, check=False)
     except (OSError, subprocess.SubprocessError):
         return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def _git_commit() -> str | None:
+    """The source commit, with '+dirty' when tracked files differ from it (recorded results must say)."""
+    commit = _git("rev-parse", "--short", "HEAD")
+    if commit and _git("status", "--porcelain", "--untracked-files=no"):
+        commit += "+dirty"
+    return commit
 
 
 def _fairness(workload: Workload, sides: list[RunResult]) -> list[str]:

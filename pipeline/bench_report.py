@@ -4,8 +4,8 @@ from __future__ import annotations
 
 
 def _row(label: str, side: dict) -> str:
-    return (f"  {label:<34} {side['prompt_tokens']:>12,} {side['completion_tokens']:>16,} "
-            f"{side['seconds']:>9.2f} {side['completion_tokens_per_s']:>14.1f}")
+    return (f"  {label:<34} {side['prompt_tokens']:>14,} {side['completion_tokens']:>18,} "
+            f"{side['seconds']:>9.2f} {side['completion_tokens_per_s']:>17.1f}")
 
 
 def format_report(result: dict) -> str:
@@ -17,7 +17,7 @@ def format_report(result: dict) -> str:
         (f"  model {result['model']} (float32), {m['num_threads']} torch threads on {m['cpu']} "
         f"({m['num_cpus']} CPUs)"),
         "",
-        f"  {'':<34} {'prompt tokens':>12} {'completion tokens':>16} {'seconds':>9} {'completion tok/s':>14}",
+        f"  {'':<34} {'prompt tokens':>14} {'completion tokens':>18} {'seconds':>9} {'completion tok/s':>17}",
     ]
     engines = result["engine_runs"]
     for side in engines.values():
@@ -42,6 +42,8 @@ def format_report(result: dict) -> str:
     lines.append(f"  roofline: {r['num_flops'] / 1e12:.3f} TFLOP of linears -> {r['seconds']:.2f} s, "
                  f"{r['completion_tokens_per_s']:.1f} completion tokens/s; engine at "
                  f"{result['fraction_of_roofline']:.1%} of roofline")
+    if "ratio_prefix_caching" in result:
+        lines.append("  (the roofline counts every prompt token, as if nothing were cached)")
     for label, a in result.get("agreement", {}).items():
         lines.append(f"  greedy agreement {label}: {a['num_exact']}/{a['num_requests']} requests identical, "
                      f"mean matching prefix {a['mean_prefix_len']:.1f} of {a['mean_output_len']:.1f} tokens")
