@@ -66,6 +66,8 @@ def load_model(config: EngineConfig) -> LoadedModel:
     model.rotary = RotaryEmbedding(model_cfg.head_dim, max_model_len, model_cfg.rope_theta,
                                    model_cfg.rope_scaling).to(device)
     model.eval()
+    if config.compile:
+        model.enable_compile()
     if config.quantization == "fp8" or is_fp8_checkpoint:
         from batchgen.engine.quant.fp8 import quantize_model_fp8
 

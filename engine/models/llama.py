@@ -10,12 +10,13 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from batchgen.engine.attention import AttentionMetadata
 from batchgen.engine.models.config import ModelConfig
-from batchgen.engine.models.rotary import RotaryEmbedding, apply_rotary
+from batchgen.engine.models import ops as eager
+from batchgen.engine.models.ops import compiled_ops, eager_ops
+from batchgen.engine.models.rotary import RotaryEmbedding
 
 
 class RMSNorm(nn.Module):
@@ -25,11 +26,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Same op order as HF (normalize in float32, scale in the model dtype) for matching logits.
-        input_dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(input_dtype)
+        return eager.rms_norm(x, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -44,7 +41,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], backend,
-                kv_cache: tuple, meta: AttentionMetadata) -> torch.Tensor:
+                kv_cache: tuple, meta: AttentionMetadata, ops) -> torch.Tensor:
         cfg = self.cfg
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)  # (T, q_size + 2 * kv_size)
@@ -53,8 +50,9 @@ class Attention(nn.Module):
         k = k.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
         v = v.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
         if cfg.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, k, *rope)
+            q = ops.rms_norm(q, self.q_norm.weight, self.q_norm.eps)
+            k = ops.rms_norm(k, self.k_norm.weight, self.k_norm.eps)
+        q, k = ops.rotary(q, k, *rope)
         out = backend.forward(q, k, v, kv_cache, meta)  # (T, H, D)
         return self.o_proj(out.reshape(num_tokens, cfg.q_size))
 
@@ -62,13 +60,11 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.intermediate_size = cfg.intermediate_size
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, ops) -> torch.Tensor:
+        return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -95,6 +91,11 @@ class LlamaForCausalLM(nn.Module):
         self.tie_weights()
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
         self.backend = attention_backend
+        self.ops = eager_ops()
+
+    def enable_compile(self) -> None:
+        """Fuse the elementwise passes with torch.compile (compiles on first use, once per op)."""
+        self.ops = compiled_ops()
 
     def tie_weights(self) -> None:
         # Re-run after to_empty()/to(): those make fresh tensors and would untie the pair.
@@ -104,22 +105,22 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple],
                 meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: (T,); returns logits (N, V) for the N rows in logits_indices only."""
+        ops = self.ops
         hidden = self.embed_tokens(input_ids)  # (T, hidden)
         rope = self.rotary.lookup(positions, hidden.dtype)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
+            norm = layer.input_layernorm
             if residual is None:
                 residual = hidden
-                hidden = layer.input_layernorm(hidden)
+                x = ops.rms_norm(hidden, norm.weight, norm.eps)
             else:
-                hidden = hidden + residual
-                residual = hidden
-                hidden = layer.input_layernorm(hidden)
-            hidden = layer.self_attn(hidden, rope, self.backend, kv_cache, meta)
-            hidden = hidden + residual
-            residual = hidden
-            hidden = layer.mlp(layer.post_attention_layernorm(hidden))
-        hidden = (hidden + residual)[logits_indices]  # only rows that will be sampled
+                x, residual = ops.add_rms_norm(hidden, residual, norm.weight, norm.eps)
+            x = layer.self_attn(x, rope, self.backend, kv_cache, meta, ops)
+            norm = layer.post_attention_layernorm
+            x, residual = ops.add_rms_norm(x, residual, norm.weight, norm.eps)
+            hidden = layer.mlp(x, ops)
+        hidden = (hidden + residual).index_select(0, logits_indices)  # only rows that will be sampled
         return self.lm_head(self.norm(hidden)).float()
 
     @torch.no_grad()
