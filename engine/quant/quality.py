@@ -59,6 +59,11 @@ def linear_bytes_ratio(float_model: torch.nn.Module, fp8_model: torch.nn.Module)
             "linear_bytes_ratio": fp8_bytes / float_bytes}
 
 
+def model_weight_bytes(model: torch.nn.Module) -> int:
+    """The engine's weight bytes: unique tensor storage, less the computed rotary tables."""
+    return unique_storage_bytes(model) - unique_storage_bytes(model.rotary)
+
+
 def run_quality_bench(model: str = "smollm2-135m-instruct", prompts: list | None = None, max_tokens: int = 32,
                       fp8_mode: str | list[str] = ("w8a16", "w8a8"), num_prompts: int | None = None,
                       dtype: str = "float32", device: str = "cpu", quantize_lm_head: bool = False,
@@ -92,12 +97,12 @@ def run_quality_bench(model: str = "smollm2-135m-instruct", prompts: list | None
     result = {"model": model, "dtype": str(config.torch_dtype).removeprefix("torch."), "device": device,
               "num_prompts": len(prompts), "max_tokens": max_tokens,
               "num_completion_tokens": sum(map(len, references)), "reference_self_consistency": ref_self,
-              "float_weight_bytes": unique_storage_bytes(ref_model), "results": []}
+              "float_weight_bytes": model_weight_bytes(ref_model), "results": []}
     for mode in modes:
         fp8_model = copy.deepcopy(ref_model)
         quantize_model_fp8(fp8_model, config.replace(quantization="fp8", fp8_mode=mode,
                                                       quantize_lm_head=quantize_lm_head))
-        entry = {"fp8_mode": mode, "fp8_weight_bytes": unique_storage_bytes(fp8_model),
+        entry = {"fp8_mode": mode, "fp8_weight_bytes": model_weight_bytes(fp8_model),
                  **linear_bytes_ratio(ref_model, fp8_model),
                  **compare_logits(ref_logits, teacher_forced_logits(fp8_model, prompt_ids, references)),
                  **compare_greedy(references, greedy_generate(fp8_model, prompt_ids, max_tokens, eos))}
