@@ -31,26 +31,32 @@ class AttentionGroup:
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # (T,) cache slot for each new token
     groups: list[AttentionGroup]
-    staging: StagingStep | None = None  # set when the decode group reads dense staging rows
+    staging: StagingStep | None = None  # set when the decodes read dense staging rows
+    num_decodes: int = 0  # the first tokens, one per decoding sequence
 
 
 def build_attention_metadata(query_lens: list[int], context_lens: list[int], block_tables: list[list[int]],
-                             num_decodes: int, block_size: int, device: torch.device) -> AttentionMetadata:
-    """context_lens[i] = tokens already in the cache before this step; query_lens[i] = new tokens."""
+                             num_decodes: int, block_size: int, device: torch.device,
+                             staging: StagingStep | None = None) -> AttentionMetadata:
+    """context_lens[i] = tokens already in the cache before this step; query_lens[i] = new tokens.
+
+    The first `num_decodes` sequences have one query each; with `staging` they read dense staging
+    rows instead of a gathered group.
+    """
     slots: list[int] = []
     for q, c, table in zip(query_lens, context_lens, block_tables):
         for pos in range(c, c + q):
             slots.append(table[pos // block_size] * block_size + pos % block_size)
     slot_mapping = torch.tensor(slots, dtype=torch.long, device=device)
     groups = []
-    start = 0
-    for lo, hi in ((0, num_decodes), (num_decodes, len(query_lens))):
+    start = num_decodes if staging is not None else 0
+    for lo, hi in ((start, num_decodes), (num_decodes, len(query_lens))):
         if hi > lo:
             group = _build_group(query_lens[lo:hi], context_lens[lo:hi], block_tables[lo:hi],
                                  start, block_size, device)
             groups.append(group)
             start += group.num_tokens
-    return AttentionMetadata(slot_mapping, groups)
+    return AttentionMetadata(slot_mapping, groups, staging, num_decodes)
 
 
 def _build_group(query_lens, context_lens, block_tables, token_start, block_size, device) -> AttentionGroup:
@@ -101,13 +107,10 @@ class TorchAttention:
         k_cache.index_copy_(0, meta.slot_mapping, k)
         v_cache.index_copy_(0, meta.slot_mapping, v)
         out = torch.empty_like(q)
-        groups = meta.groups
-        if meta.staging is not None and len(layer_kv) > 2:
-            decode = groups[0]
-            end = decode.num_tokens
+        if meta.staging is not None:
+            end = meta.num_decodes
             out[:end] = self._staged_decode(q[:end], k[:end], v[:end], k_cache, v_cache, layer_kv[2], meta.staging)
-            groups = groups[1:]
-        for g in groups:
+        for g in meta.groups:
             num_seqs, max_q = g.query_index.shape
             q_group = q[g.token_start:g.token_start + g.num_tokens]
             if max_q == 1:  # decodes: one query per sequence, already in order

@@ -76,8 +76,7 @@ class ModelRunner:
                 sampling.append(s)
         meta = build_attention_metadata(
             [s.num_new_tokens for s in order], [s.seq.num_computed_tokens for s in order],
-            [s.seq.block_ids for s in order], num_decodes, self.block_size, self.device)
-        meta.staging = staging
+            [s.seq.block_ids for s in order], num_decodes, self.block_size, self.device, staging)
         device = self.device
         logits = self.model(
             torch.tensor(input_ids, dtype=torch.long, device=device),

@@ -41,8 +41,11 @@ def test_staged_decode_matches_gather_across_joins_and_departures():
         k = torch.randn(len(order), num_kv_heads, head_dim)
         v = torch.randn(len(order), num_kv_heads, head_dim)
         expected = backend.forward(q, k, v, (k_cache.clone(), v_cache.clone()), meta)
-        meta.staging = step
-        staged = backend.forward(q, k, v, (k_cache, v_cache, buffers), meta)
+        staged_meta = build_attention_metadata([1] * len(order), [s.num_computed_tokens for s in order],
+                                               [s.block_ids for s in order], len(order), block_size,
+                                               torch.device("cpu"), staging=step)
+        assert staged_meta.groups == []
+        staged = backend.forward(q, k, v, (k_cache, v_cache, buffers), staged_meta)
         torch.testing.assert_close(staged, expected, rtol=1e-5, atol=1e-5)
         assert [id(s) for s in order] == [id(s) for s in rows.row_seqs]
         for s in order:
