@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 from batchgen.pipeline.errors import JobError
 from batchgen.pipeline.storage import Storage
 
-BATCH_SIZE = 4096  # rows per decoded batch: bounds memory whatever the files' row group sizes
+BATCH_SIZE = 1024  # rows per decoded batch: bounds memory whatever the files' row group sizes
 
 
 @dataclass(frozen=True)
