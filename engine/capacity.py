@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from batchgen.engine.config import EngineConfig, parse_memory_size
@@ -46,3 +48,120 @@ def kv_cache_budget_bytes(config: EngineConfig, device: torch.device) -> int:
 
 def num_kv_blocks(budget_bytes: int, cfg: ModelConfig, kv_dtype: torch.dtype, block_size: int) -> int:
     return budget_bytes // (kv_bytes_per_token(cfg, kv_dtype) * block_size)
+
+
+# ---- planning (`batchgen plan`): the same arithmetic, from a ModelConfig alone ---------------------
+
+# Margin on top of weights + KV, shown separately by the planner:
+# - fragmentation: 10% of the KV bytes. A paged pool wastes under one block per sequence, but the
+#   allocator, the CUDA context and uneven request lengths take their share too.
+# - activations: the transient tensors of one step (see activation_workspace_bytes).
+KV_FRAGMENTATION_FRACTION = 0.10
+
+
+def weight_bytes(cfg: ModelConfig, dtype: torch.dtype, quantization: str = "none",
+                 quantize_lm_head: bool = False) -> int:
+    """Weights as the engine holds them, from the config's shapes alone (no weights read).
+
+    FP8: 1 byte per linear weight plus a float32 scale per output channel; embeddings, norms and
+    (unless quantize_lm_head) lm_head stay in `dtype`; a tied lm_head shares the embeddings.
+    """
+    from batchgen.engine.quant.weight_bytes import estimate_weight_bytes
+
+    return estimate_weight_bytes(cfg, dtype, quantization, quantize_lm_head)
+
+
+def activation_workspace_bytes(cfg: ModelConfig, dtype: torch.dtype, max_num_batched_tokens: int,
+                               max_num_seqs: int) -> int:
+    """Peak transient memory of one step beyond weights and KV (an estimate, not a measurement).
+
+    Per batched token, in `dtype`: the residual and its normed copy (2 x hidden), the fused q/k/v
+    output, the attention output (q_size) and the fused gate/up output plus its activated half
+    (3 x intermediate). Per sampled sequence: float32 logits and their softmax (2 x vocab x 4).
+    """
+    per_token = 2 * cfg.hidden_size + cfg.q_size + 2 * cfg.kv_size + cfg.q_size + 3 * cfg.intermediate_size
+    return max_num_batched_tokens * per_token * dtype_bytes(dtype) + max_num_seqs * logits_bytes_per_seq(cfg)
+
+
+def logits_bytes_per_seq(cfg: ModelConfig) -> int:
+    return 2 * cfg.vocab_size * 4
+
+
+@dataclass(frozen=True)
+class CapacityPlan:
+    """Memory for `concurrency` requests of `max_model_len` tokens each; sizes in bytes."""
+
+    dtype: torch.dtype
+    quantization: str
+    max_model_len: int
+    concurrency: int
+    block_size: int
+    max_num_batched_tokens: int
+    weight_bytes: int
+    kv_bytes_per_token: int
+    step_activation_bytes: int  # activations of max_num_batched_tokens, without the logits
+    logits_bytes_per_seq: int
+    memory_bytes: int | None = None  # the device memory to fit into, when given
+
+    @property
+    def kv_tokens_per_request(self) -> int:
+        """A request's context rounded up to whole blocks: what the paged pool reserves for it."""
+        return -(-self.max_model_len // self.block_size) * self.block_size
+
+    @property
+    def kv_bytes_per_request(self) -> int:
+        return self.kv_bytes_per_token * self.kv_tokens_per_request
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.concurrency * self.kv_bytes_per_request
+
+    @property
+    def activation_bytes(self) -> int:
+        return self.step_activation_bytes + self.concurrency * self.logits_bytes_per_seq
+
+    @property
+    def total_bytes_before_margin(self) -> int:
+        return self.weight_bytes + self.kv_bytes
+
+    @property
+    def fragmentation_bytes(self) -> int:
+        return int(KV_FRAGMENTATION_FRACTION * self.kv_bytes)
+
+    @property
+    def margin_bytes(self) -> int:
+        return self.fragmentation_bytes + self.activation_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        return self.total_bytes_before_margin + self.margin_bytes
+
+    @property
+    def max_concurrency(self) -> int | None:
+        """The most requests of max_model_len whose total with margin fits memory_bytes."""
+        if self.memory_bytes is None:
+            return None
+        room = self.memory_bytes - self.weight_bytes - self.step_activation_bytes
+        per_request = self.kv_bytes_per_request * (1 + KV_FRAGMENTATION_FRACTION) + self.logits_bytes_per_seq
+        return max(0, int(room // per_request))
+
+    def to_dict(self) -> dict:
+        names = ("max_model_len", "concurrency", "block_size", "max_num_batched_tokens", "weight_bytes",
+                 "kv_bytes_per_token", "kv_tokens_per_request", "kv_bytes_per_request", "kv_bytes",
+                 "total_bytes_before_margin", "fragmentation_bytes", "activation_bytes", "margin_bytes",
+                 "total_bytes", "memory_bytes", "max_concurrency")
+        return {"dtype": str(self.dtype).removeprefix("torch."), "quantization": self.quantization,
+                **{name: getattr(self, name) for name in names}}
+
+
+def plan_capacity(cfg: ModelConfig, dtype: torch.dtype, max_model_len: int, concurrency: int = 1,
+                  quantization: str = "none", memory_bytes: int | None = None, block_size: int = 16,
+                  max_num_batched_tokens: int = 4096, quantize_lm_head: bool = False) -> CapacityPlan:
+    """The capacity arithmetic `batchgen plan` prints; KV per token is the pool's own kv_bytes_per_token."""
+    return CapacityPlan(
+        dtype=dtype, quantization=quantization, max_model_len=max_model_len, concurrency=concurrency,
+        block_size=block_size, max_num_batched_tokens=max_num_batched_tokens,
+        weight_bytes=weight_bytes(cfg, dtype, quantization, quantize_lm_head),
+        kv_bytes_per_token=kv_bytes_per_token(cfg, dtype),
+        step_activation_bytes=activation_workspace_bytes(cfg, dtype, max_num_batched_tokens, 0),
+        logits_bytes_per_seq=logits_bytes_per_seq(cfg), memory_bytes=memory_bytes)

@@ -1,0 +1,188 @@
+"""`batchgen plan MODEL_OR_JOB`: weights, KV cache and concurrency arithmetic without loading weights.
+
+The numbers come from batchgen.engine.capacity (the engine sizes its KV pool with the same
+kv_bytes_per_token); this module only finds the model's config and prints.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Optional
+
+import torch
+import typer
+
+from batchgen.engine.capacity import KV_FRAGMENTATION_FRACTION, CapacityPlan, plan_capacity
+from batchgen.engine.config import EngineConfig, parse_memory_size
+from batchgen.engine.models.config import ModelConfig
+from batchgen.pipeline.errors import JobError
+
+EXIT_BAD_INPUT = 2
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+AUTO_DTYPE = "bfloat16"  # `auto` is bfloat16 on a GPU, where capacity planning matters
+
+
+@dataclass(frozen=True)
+class PlanTarget:
+    """What a MODEL_OR_JOB argument names: the model's config and the settings to plan with."""
+
+    name: str
+    model_cfg: ModelConfig
+    dtype: str = "auto"
+    quantization: str = "none"
+    max_model_len: int | None = None
+    concurrency: int = 1
+    block_size: int = 16
+    max_num_batched_tokens: int = EngineConfig.max_num_batched_tokens
+
+
+def read_target(model_or_job: str) -> PlanTarget:
+    """A job file (.yaml/.yml) gives its model and engine settings; anything else names a model."""
+    if model_or_job.endswith((".yaml", ".yml")):
+        from batchgen.pipeline.config import load_job
+
+        job = load_job(model_or_job)
+        cfg, is_fp8_checkpoint = read_model(job.model.path)
+        return PlanTarget(
+            name=f"{job.name} ({job.model.path})", model_cfg=cfg, dtype=job.model.dtype,
+            quantization="fp8" if is_fp8_checkpoint else job.model.quantization,
+            max_model_len=job.model.max_model_len, concurrency=job.engine.max_num_seqs,
+            block_size=job.engine.block_size, max_num_batched_tokens=job.engine.max_num_batched_tokens)
+    cfg, is_fp8_checkpoint = read_model(model_or_job)
+    return PlanTarget(name=model_or_job, model_cfg=cfg, quantization="fp8" if is_fp8_checkpoint else "none")
+
+
+def read_model(path: str) -> tuple[ModelConfig, bool]:
+    """(config, is an FP8 checkpoint) from an alias, an HF folder (config.json is enough) or a .gguf."""
+    from batchgen.engine.loader.hf_loader import read_hf_config
+    from batchgen.engine.loader.model_loader import read_model_config
+    from batchgen.engine.loader.source import resolve_model
+
+    try:
+        if "://" in path and not path.startswith("file://") and not path.endswith(".gguf"):
+            return _read_remote_config(path)  # only config.json travels, never the weights
+        source = resolve_model(path)
+        if source.is_gguf:
+            return read_model_config(source), False
+        return read_hf_config(source.folder), _is_fp8_checkpoint(source.folder)
+    except (FileNotFoundError, ValueError) as exc:
+        raise JobError(str(exc)) from None
+
+
+def _is_fp8_checkpoint(folder: Path) -> bool:
+    # The engine loads an FP8 checkpoint as FP8 whatever model.quantization says.
+    from batchgen.engine.quant.fp8_checkpoint import read_fp8_quant_config
+
+    return read_fp8_quant_config(folder) is not None
+
+
+def _read_remote_config(uri: str) -> tuple[ModelConfig, bool]:
+    import fsspec
+
+    config_uri = uri.rstrip("/") + "/config.json"
+    try:
+        with fsspec.open(config_uri, "r") as f:
+            raw = json.load(f)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"cannot read {config_uri}: {exc}") from exc
+    quant_method = (raw.get("quantization_config") or {}).get("quant_method")
+    return ModelConfig.from_hf_dict(raw), quant_method in ("fp8", "compressed-tensors")
+
+
+def make_plan(target: PlanTarget, max_model_len: int | None = None, concurrency: int | None = None,
+              dtype: str | None = None, quantization: str | None = None,
+              memory: str | None = None) -> CapacityPlan:
+    """Command-line values override the job's; unset ones fall back to the job, then the model."""
+    dtype_name = dtype or target.dtype
+    if dtype_name == "auto":
+        dtype_name = AUTO_DTYPE
+    if dtype_name not in _DTYPES:
+        raise JobError(f"--dtype must be one of auto, {', '.join(_DTYPES)}; got {dtype_name!r}")
+    quant = quantization or target.quantization
+    if quant not in ("none", "fp8"):
+        raise JobError(f"--quantization must be none or fp8; got {quant!r}")
+    memory_bytes = None
+    if memory is not None:
+        try:
+            memory_bytes = parse_memory_size(memory)
+        except ValueError as exc:
+            raise JobError(f"--memory: {exc}") from None
+        if isinstance(memory_bytes, float):
+            raise JobError(f"--memory is a size such as 80GB or 141GiB, not a fraction; got {memory!r}")
+    length = max_model_len or target.max_model_len or target.model_cfg.max_position_embeddings
+    return plan_capacity(
+        target.model_cfg, _DTYPES[dtype_name], length, concurrency or target.concurrency, quant,
+        memory_bytes, target.block_size, target.max_num_batched_tokens)
+
+
+def _gb(num_bytes: int) -> str:
+    return f"{num_bytes / 1e9:,.2f} GB"
+
+
+def format_plan(target: PlanTarget, plan: CapacityPlan) -> str:
+    cfg = target.model_cfg
+    dtype = str(plan.dtype).removeprefix("torch.")
+    weights_note = dtype if plan.quantization == "none" else (
+        f"fp8 linear weights + per-channel float32 scales; embeddings, norms, lm_head {dtype}")
+    rows = [
+        ("weights", _gb(plan.weight_bytes), weights_note),
+        ("KV cache per token", f"{plan.kv_bytes_per_token:,} B",
+         f"2 x {cfg.num_layers} layers x {cfg.num_kv_heads} KV heads x {cfg.head_dim} head_dim x "
+         f"{plan.kv_bytes_per_token // (2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim)} bytes"),
+        ("KV cache per request", _gb(plan.kv_bytes_per_request), f"{plan.kv_tokens_per_request:,} tokens"),
+        (f"KV cache x {plan.concurrency}", _gb(plan.kv_bytes), f"{plan.concurrency} concurrent request" + ("s" if plan.concurrency != 1 else "")),
+        ("total before margin", _gb(plan.total_bytes_before_margin), "weights + KV"),
+        ("  fragmentation margin", _gb(plan.fragmentation_bytes), f"{KV_FRAGMENTATION_FRACTION:.0%} of KV"),
+        ("  activation workspace", _gb(plan.activation_bytes),
+         f"{plan.max_num_batched_tokens:,} batched tokens, {plan.concurrency} sampled rows"),
+        ("total with margin", _gb(plan.total_bytes), ""),
+    ]
+    lines = [f"model    {target.name}: {cfg.model_type}, {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
+             f"{cfg.num_heads} heads / {cfg.num_kv_heads} KV heads",
+             f"plan     {dtype}" + (", fp8 weights" if plan.quantization == "fp8" else "")
+             + f", context {plan.max_model_len:,} tokens, {plan.concurrency} concurrent; "
+             "sizes in decimal GB (1 GB = 10^9 bytes)", ""]
+    width = max(len(r[0]) for r in rows)
+    lines += [f"{label:<{width}}  {size:>12}  {note}".rstrip() for label, size, note in rows]
+    if plan.memory_bytes is not None:
+        lines += ["", f"fits in {_gb(plan.memory_bytes)}: {plan.max_concurrency} concurrent requests of "
+                  f"{plan.max_model_len:,} tokens (after weights, activations and the KV margin)"]
+    return "\n".join(lines)
+
+
+def plan_command(
+    model_or_job: Annotated[str, typer.Argument(
+        metavar="MODEL_OR_JOB", show_default=False,
+        help="A model (alias, HF folder - config.json is enough -, .gguf file) or a job file (.yaml).")],
+    max_model_len: Annotated[Optional[int], typer.Option(
+        "--max-model-len", min=1, help="Context length per request (default: the job's, else the model's).")] = None,
+    concurrency: Annotated[Optional[int], typer.Option(
+        "--concurrency", min=1, help="Concurrent requests (default: the job's engine.max_num_seqs, else 1).")] = None,
+    dtype: Annotated[Optional[str], typer.Option(
+        "--dtype", help="auto | float32 | bfloat16 | float16 (auto plans for bfloat16, the GPU default).")] = None,
+    quantization: Annotated[Optional[str], typer.Option(
+        "--quantization", help="none | fp8 (FP8 linear weights; embeddings and lm_head stay in dtype).")] = None,
+    memory: Annotated[Optional[str], typer.Option(
+        "--memory", help="Device memory to fit, e.g. 80GB or 141GiB: prints how many requests fit.")] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Print JSON, sizes in bytes.")] = False,
+) -> None:
+    """Capacity plan: weights, KV cache per token and per request, total for a concurrency, what fits.
+
+    Reads only the model's config (no weights). Text sizes are decimal GB; --json gives bytes.
+    """
+    try:
+        target = read_target(model_or_job)
+        plan = make_plan(target, max_model_len, concurrency, dtype, quantization, memory)
+    except JobError as exc:
+        typer.echo(f"batchgen: bad input: {exc}", err=True)
+        raise typer.Exit(EXIT_BAD_INPUT) from None
+    if json_out:
+        typer.echo(json.dumps({"model": target.name, **plan.to_dict()}, indent=2))
+    else:
+        typer.echo(format_plan(target, plan))
+
+
+if __name__ == "__main__":
+    typer.run(plan_command)
