@@ -21,23 +21,25 @@ _PART_RE = re.compile(r"part-\d{5,}\.parquet")
 
 @dataclass(frozen=True)
 class FolderState:
-    """What a run would do with this folder: new, resume, complete, or refuse (with why)."""
+    """What the folder holds for this job: finished unit files, _SUCCESS, or someone else's output."""
 
     done_names: frozenset[str]  # unit files already there
-    is_complete: bool  # _SUCCESS present for this very config
+    has_success: bool  # _SUCCESS present (written by this very config)
     refusal: str | None  # why this folder holds someone else's output (None: it is ours or empty)
 
-    @property
-    def is_resume(self) -> bool:
-        return bool(self.done_names) and not self.is_complete
+    def is_complete(self, unit_names: list[str]) -> bool:
+        """_SUCCESS and every unit's file: the folder is the truth, so a deleted file is work to redo."""
+        return self.has_success and all(name in self.done_names for name in unit_names)
 
-    def describe(self, num_units: int) -> str:
+    def describe(self, unit_names: list[str]) -> str:
+        num_units = len(unit_names)
+        num_done = sum(name in self.done_names for name in unit_names)
         if self.refusal:
             return f"refused without --overwrite: {self.refusal}"
-        if self.is_complete:
+        if self.is_complete(unit_names):
             return "complete (_SUCCESS present): a run has nothing to do"
-        if self.done_names:
-            return f"resume: {len(self.done_names)} of {num_units} units done, {num_units - len(self.done_names)} to run"
+        if num_done:
+            return f"resume: {num_done} of {num_units} units done, {num_units - num_done} to run"
         return "new"
 
 
@@ -67,8 +69,11 @@ class OutputFolder:
                                              f"(config_hash {previous[:12]}, this job {config_hash[:12]})")
         return FolderState(parts, SUCCESS_NAME in names, None)
 
-    def prepare(self, job_name: str, config_hash: str, overwrite: bool) -> FolderState:
-        """Check the folder (JobError when it is someone else's), clear it on overwrite, write the manifest."""
+    def prepare(self, job_name: str, config_hash: str, unit_names: list[str], overwrite: bool) -> FolderState:
+        """Check the folder (JobError when it is someone else's), clear it on overwrite, write the manifest.
+
+        A _SUCCESS beside missing unit files is removed: the run that follows redoes them.
+        """
         state = self.state(config_hash)
         if state.refusal and not overwrite:
             raise JobError(f"output.path: {state.refusal}; pass --overwrite to replace it, "
@@ -76,8 +81,11 @@ class OutputFolder:
         if overwrite:
             self.clear()
             state = FolderState(frozenset(), False, None)
-        if state.is_complete:
+        if state.is_complete(unit_names):
             return state
+        if state.has_success:
+            self.storage.remove(SUCCESS_NAME)
+            state = FolderState(state.done_names, False, None)
         self.storage.remove_stale_temps()
         self.storage.write_text_atomic(MANIFEST_NAME, json.dumps({"job": job_name, "config_hash": config_hash}))
         return state

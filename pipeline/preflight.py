@@ -36,9 +36,15 @@ class JobPlan:
         return sum(u.num_rows for u in self.units)
 
     @property
+    def unit_names(self) -> list[str]:
+        return [u.output_name for u in self.units]
+
+    @property
+    def is_complete(self) -> bool:
+        return self.state.is_complete(self.unit_names)
+
+    @property
     def pending_units(self) -> list[WorkUnit]:
-        if self.state.is_complete:
-            return []
         return [u for u in self.units if u.output_name not in self.state.done_names]
 
 
@@ -91,5 +97,5 @@ def format_plan(plan: JobPlan, max_units_shown: int = 20) -> str:
         lines.append(f"  {unit.output_name}  {unit.file.display} rows {unit.start:,}-{unit.stop - 1:,}{done}")
     if len(plan.units) > max_units_shown:
         lines.append(f"  ... {len(plan.units) - max_units_shown} more")
-    lines.append(f"output   {job.output.path}: {plan.state.describe(len(plan.units))}")
+    lines.append(f"output   {job.output.path}: {plan.state.describe(plan.unit_names)}")
     return "\n".join(lines)

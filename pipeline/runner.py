@@ -42,10 +42,10 @@ def run_job(job: JobConfig, *, engine: LLMEngine | None = None, limit: int | Non
     None builds one from the job's model and engine sections.
     """
     plan = plan_job(job, limit)
-    state = plan.output.prepare(job.name, plan.config_hash, overwrite)
+    state = plan.output.prepare(job.name, plan.config_hash, plan.unit_names, overwrite)
     plan.state = state
     success_path = plan.output.storage.join(SUCCESS_NAME)
-    if state.is_complete:
+    if plan.is_complete:
         log.info("%s is complete (_SUCCESS present); nothing to do", job.output.path)
         return RunResult(plan.output.read_success(), success_path, 0, len(plan.units))
     pending = plan.pending_units

@@ -110,3 +110,14 @@ def test_a_different_config_is_refused_unless_overwrite(tmp_path):
     stranger = make_job(tmp_path, str(path), output={"path": str(foreign)})
     with pytest.raises(JobError, match="not a batchgen output folder"):
         run_job(stranger, engine=FakeEngine(stranger.engine_config()), progress=False)
+
+
+def test_the_folder_is_the_truth_a_deleted_unit_file_is_redone(tmp_path):
+    path = write_parquet(tmp_path / "in.parquet", {"id": list(range(6)), "prompt": ["p"] * 6})
+    job = make_job(tmp_path, str(path), input={"rows_per_unit": 2})
+    run_job(job, engine=FakeEngine(job.engine_config()), progress=False)
+    (tmp_path / "out" / "part-00001.parquet").unlink()
+    result = run_job(job, engine=FakeEngine(job.engine_config()), progress=False)
+    assert (result.num_units_run, result.num_units_skipped) == (1, 2)
+    assert read_output(tmp_path / "out").column("id").to_pylist() == list(range(6))
+    assert result.record["resumed"] is True and result.record["num_rows"] == 6
