@@ -8,7 +8,7 @@ import logging
 import sys
 import traceback
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -29,11 +29,11 @@ app = typer.Typer(
 
 JobArg = Annotated[Path, typer.Argument(help="The job file (YAML); see the README's job reference.",
                                         show_default=False)]
-SetOpt = Annotated[Optional[list[str]], typer.Option(
+SetOpt = Annotated[list[str] | None, typer.Option(
     "--set", metavar="SECTION.KEY=VALUE",
     help="Override a job key, e.g. --set sampling.temperature=0.7 (repeatable; the value is read as YAML; "
          "paths given here are relative to the current directory).")]
-LimitOpt = Annotated[Optional[int], typer.Option(
+LimitOpt = Annotated[int | None, typer.Option(
     "--limit", min=1, help="Only the first N input rows (a limited run writes to its own config hash).")]
 
 

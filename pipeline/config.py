@@ -56,7 +56,7 @@ class EngineSection(_Section):
 
     @field_validator("kv_cache_memory")
     @classmethod
-    def _check_kv_cache_memory(cls, value: str | int | float) -> str | int | float:
+    def _check_kv_cache_memory(cls, value: str | float) -> str | float:
         if value != "auto":
             parse_memory_size(value)  # raises ValueError with the accepted forms
         return value

@@ -13,6 +13,8 @@ prompts end up sorted by length.
 
 from __future__ import annotations
 
+import itertools
+
 from batchgen.pipeline.requests import RowTask
 
 
@@ -25,7 +27,7 @@ def order_window(tasks: list[RowTask], sort_by_length: bool, block_size: int = 1
     num_common = num_shared_prefix(trie[0].token_ids, trie[-1].token_ids)
     threshold = num_common + block_size
     groups: list[list[RowTask]] = [[trie[0]]]
-    for prev, cur in zip(trie, trie[1:]):
+    for prev, cur in itertools.pairwise(trie):
         if num_shared_prefix(prev.token_ids, cur.token_ids, cap=threshold) >= threshold:
             groups[-1].append(cur)
         else:

@@ -89,8 +89,8 @@ def format_plan(plan: JobPlan, max_units_shown: int = 20) -> str:
         f"model    {job.model.path}" + ("" if plan.model_location == job.model.path else f" -> {plan.model_location}"),
         f"input    {job.input.path}: {len(plan.files)} file(s), {sum(f.num_rows for f in plan.files):,} rows"
         + (f" (--limit {plan.limit:,})" if plan.limit is not None else ""),
-        f"units    {len(plan.units)} of <= {job.input.rows_per_unit:,} rows; "
-        f"{plan.num_rows * job.sampling.n:,} output rows (n={job.sampling.n})",
+        (f"units    {len(plan.units)} of <= {job.input.rows_per_unit:,} rows; "
+         f"{plan.num_rows * job.sampling.n:,} output rows (n={job.sampling.n})"),
     ]
     for unit in plan.units[:max_units_shown]:
         done = "  (done)" if unit.output_name in plan.state.done_names else ""

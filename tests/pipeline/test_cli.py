@@ -23,7 +23,7 @@ def job_file(tmp_path):
 @pytest.fixture
 def no_engine(monkeypatch):
     """validate (and a run of a bad job) must never load weights."""
-    import batchgen.engine.llm_engine as llm_engine
+    from batchgen.engine import llm_engine
 
     def refuse(*args, **kwargs):
         raise AssertionError("weights were loaded")

@@ -62,7 +62,7 @@ def test_read_rows_covers_exactly_the_range_across_row_groups(tmp_path):
     batches = list(read_rows(storage, file, 5, 23, ["id"], batch_size=4))
     assert all(b.num_rows <= 4 for b in batches)
     assert [i for b in batches for i in b.column("id").to_pylist()] == list(range(5, 23))
-    assert list(read_rows(storage, file, 49, 50, ["id"]))[0].column("id").to_pylist() == [49]
+    assert next(read_rows(storage, file, 49, 50, ["id"])).column("id").to_pylist() == [49]
 
 
 def test_listing_files_folders_globs_and_memory(tmp_path):
@@ -70,7 +70,10 @@ def test_listing_files_folders_globs_and_memory(tmp_path):
         write_parquet(tmp_path / "in" / name, {"id": [1]})
     (tmp_path / "in" / "_SUCCESS").write_text("{}")
     write_parquet(tmp_path / "in" / ".hidden.parquet", {"id": [1]})
-    names = lambda paths: [p.rsplit("/", 1)[-1] for p in paths]  # noqa: E731
+
+    def names(paths: list[str]) -> list[str]:
+        return [p.rsplit("/", 1)[-1] for p in paths]
+
     assert names(list_input_files(Storage(str(tmp_path / "in")))) == ["a.parquet", "b.parquet", "c.parquet"]
     assert names(list_input_files(Storage(str(tmp_path / "in" / "*.parquet")))) == ["a.parquet", "b.parquet"]
     fs = fsspec.filesystem("memory")

@@ -57,7 +57,7 @@ def read_remote_output(url: str, options: dict | None = None) -> tuple[list[str]
 def test_memory_and_s3_give_identical_rows(tmp_path, engine, s3_options):
     put_parquet("memory://storage-test/in/prompts.parquet", PROMPTS)
     put_parquet("s3://batchgen-test/in/prompts.parquet", PROMPTS, s3_options)
-    sections = dict(input={"rows_per_unit": 2}, sampling={"temperature": 0.7, "seed": 5, "max_tokens": 3})
+    sections = {"input": {"rows_per_unit": 2}, "sampling": {"temperature": 0.7, "seed": 5, "max_tokens": 3}}
     memory_job = make_job(tmp_path, "memory://storage-test/in/", output={"path": "memory://storage-test/out"},
                           **sections)
     s3_job = make_job(tmp_path, "s3://batchgen-test/in/*.parquet",
