@@ -60,20 +60,49 @@ def quantize_model_fp8(model: nn.Module, config: EngineConfig, source=None) -> d
                 num_float_bytes += module.weight.numel() * module.weight.element_size()
                 _replace_module(model, name, Fp8Linear.from_linear(module))
     layers = [m for m in model.modules() if isinstance(m, Fp8Linear)]
+    use_triton = mode == "w8a16" and can_use_triton_w8a16(config.torch_device, config.torch_dtype)
     for m in layers:
         m.set_mode(mode)
+        m.use_triton = use_triton
     num_fp8_bytes = sum(fp8_layer_bytes(m) for m in layers)
     num_fallback = sum(m.mode != mode for m in layers)
-    summary = {"fp8_mode": mode, "reason": why, "from_checkpoint": from_checkpoint, "num_layers": len(layers),
+    summary = {"fp8_mode": mode, "reason": why, "uses_triton": use_triton, "from_checkpoint": from_checkpoint, "num_layers": len(layers),
                "num_float_bytes": num_float_bytes, "num_fp8_bytes": num_fp8_bytes,
                "num_w8a16_fallback_layers": num_fallback}
     origin = f"read from the checkpoint {getattr(source, 'display_name', '')}".rstrip() if from_checkpoint \
         else "quantized at load"
     ratio = f" ({num_fp8_bytes / num_float_bytes:.1%} of {num_float_bytes / 1e6:.1f} MB)" if num_float_bytes else ""
-    log.info("fp8: %d linear layers %s, %.1f MB with scales%s; matmul path %s (%s)%s", len(layers), origin,
-             num_fp8_bytes / 1e6, ratio, mode, why,
+    log.info("fp8: %d linear layers %s, %.1f MB with scales%s; matmul path %s%s (%s)%s", len(layers), origin,
+             num_fp8_bytes / 1e6, ratio, mode, " (Triton kernel)" if use_triton else "", why,
              f"; {num_fallback} layers with K or N not divisible by 16 use w8a16" if num_fallback else "")
     return summary
+
+
+def can_use_triton_w8a16(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the Triton weight-only kernel compiles and matches its reference here (CUDA only).
+
+    A probe rather than a capability table: if Triton is missing or cannot build the kernel for this
+    GPU, w8a16 falls back to dequantize-then-matmul instead of failing mid-run.
+    """
+    if device.type != "cuda":
+        return False
+    try:
+        from batchgen.kernels.fp8_matmul import fp8_w8a16_matmul
+        from batchgen.kernels.reference import fp8_w8a16_matmul_ref
+        from batchgen.engine.quant.fp8_tensor import quantize_fp8
+
+        gen = torch.Generator(device=device).manual_seed(0)
+        q, scale = quantize_fp8(torch.randn(96, 80, device=device, generator=gen))
+        x = torch.randn(5, 80, device=device, generator=gen).to(dtype)
+        out, ref = fp8_w8a16_matmul(x, q, scale).float(), fp8_w8a16_matmul_ref(x, q, scale).float()
+        is_ok = bool(((out - ref).norm() / ref.norm()) < 1e-2)
+    except Exception as exc:  # noqa: BLE001 - any failure means: use the torch path
+        log.warning("fp8: Triton w8a16 kernel unavailable (%s: %s); using dequantize-then-matmul",
+                    type(exc).__name__, exc)
+        return False
+    if not is_ok:
+        log.warning("fp8: Triton w8a16 kernel disagrees with its reference here; using dequantize-then-matmul")
+    return is_ok
 
 
 def fp8_layer_bytes(module: Fp8Linear) -> int:

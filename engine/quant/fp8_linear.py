@@ -5,6 +5,8 @@ Two matmul paths, chosen per module by `mode`:
   one torch._scaled_mm (FP8 tensor cores on compute capability >= 8.9; it also runs on the CPU).
 - "w8a16": weight-only; the E4M3 weight is widened to the activation dtype and the scale is applied
   to the output, (x @ q^T) * s == x @ (q * s)^T, which saves scaling N x K weight elements per call.
+  On CUDA, where the Triton kernel passed its probe (fp8.py), the widening happens tile by tile in
+  registers instead of in a full-size temporary.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ class Fp8Linear(nn.Module):
         self.in_features = in_features
         self.out_features = out_features
         self.mode = mode
+        self.use_triton = False  # w8a16 through batchgen.kernels.fp8_matmul (CUDA only; set by quantize_model_fp8)
         # Parameters (not buffers) so the model's loader finds and shape-checks them like nn.Linear's.
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=FP8_DTYPE, device=device),
                                    requires_grad=False)
@@ -73,6 +76,10 @@ class Fp8Linear(nn.Module):
         return y.reshape(*lead, self.out_features)
 
     def _forward_w8a16(self, x: torch.Tensor) -> torch.Tensor:
+        if self.use_triton:
+            from batchgen.kernels.fp8_matmul import fp8_w8a16_matmul
+
+            return fp8_w8a16_matmul(x, self.weight, self.weight_scale)
         # E4M3 values are exact in bf16/fp16/fp32, so the widening cast loses nothing.
         return F.linear(x, self.weight.to(x.dtype)) * self.weight_scale.to(x.dtype)
 
@@ -96,5 +103,6 @@ class Fp8Linear(nn.Module):
     def extra_repr(self) -> str:
         layout = "per-tensor" if self.is_per_tensor else "per-channel"
         static = ", static input_scale" if self.input_scale is not None else ""
+        static += ", triton" if self.use_triton and self.mode == "w8a16" else ""
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, {layout}, mode={self.mode}{static}")
