@@ -4,7 +4,8 @@
    activation scales) and FP8 w8a16 against a float32 matmul of the same weights.
 2. GEMM time per layer shape: bf16 torch.mm vs FP8 _scaled_mm (decode-sized and prefill-sized M).
 3. Decode throughput of a random-weight model of Llama-3-8B shape (all 32 layers unless --layers):
-   bf16, then the same weights quantized in place to FP8 (auto mode = w8a8 on >= 8.9, and w8a16),
+   bf16, then the same weights quantized in place to FP8 (auto mode = w8a8 on >= 8.9; w8a16 with
+   dequantize-then-matmul, and with the Triton kernel where its probe passes),
    through the engine's own model and torch attention (no CUDA graphs yet), side by side.
 
 `--tiny` runs all of it at toy sizes on any device (the test suite runs it on the CPU).
@@ -28,7 +29,7 @@ from batchgen.engine.config import EngineConfig  # noqa: E402
 from batchgen.engine.models.config import ModelConfig  # noqa: E402
 from batchgen.engine.models.llama import LlamaForCausalLM  # noqa: E402
 from batchgen.engine.quant.direct_runner import DirectRunner  # noqa: E402
-from batchgen.engine.quant.fp8 import quantize_model_fp8  # noqa: E402
+from batchgen.engine.quant.fp8 import can_use_triton_w8a16, quantize_model_fp8  # noqa: E402
 from batchgen.engine.quant.fp8_linear import Fp8Linear  # noqa: E402
 
 # Rounding to E4M3 moves a weight by <= 2**-4 of itself, RMS <= 2**-4/sqrt(3); activations too: x sqrt(2).
@@ -186,14 +187,18 @@ def run(args: argparse.Namespace) -> dict:
     decode = {info["dtype"]: {b: decode_throughput(model, b, args.context, args.steps) for b in args.batch_sizes}}
     summary = quantize_model_fp8(model, EngineConfig(model="random", device=str(device), quantization="fp8",
                                                      fp8_mode="auto"))
-    modes = [summary["fp8_mode"]] + [m for m in ("w8a16",) if m != summary["fp8_mode"]]
+    # (mode, Triton kernel for w8a16): the auto choice first, then the other weight-only variants here.
+    variants = [(summary["fp8_mode"], summary["uses_triton"])]
+    variants += [v for v in (("w8a16", False), ("w8a16", can_use_triton_w8a16(device, dtype))) if v not in variants]
     drift = {}
-    for mode in modes:
+    for mode, use_triton in variants:
         for m in model.modules():
             if isinstance(m, Fp8Linear):
                 m.set_mode(mode)
-        drift[mode] = logits_drift(model, reference_logits, probe)
-        decode[f"fp8 {mode}"] = {b: decode_throughput(model, b, args.context, args.steps) for b in args.batch_sizes}
+                m.use_triton = use_triton
+        name = f"{mode}{' triton' if use_triton else ''}"
+        drift[name] = logits_drift(model, reference_logits, probe)
+        decode[f"fp8 {name}"] = {b: decode_throughput(model, b, args.context, args.steps) for b in args.batch_sizes}
     say(f"\ndecode tokens/s, context {args.context}, {args.steps} steps; fp8 linear bytes "
         f"{summary['num_fp8_bytes'] / 1e9:.2f} GB ({summary['num_fp8_bytes'] / summary['num_float_bytes']:.1%} "
         f"of {info['dtype']}); auto mode: {summary['fp8_mode']} ({summary['reason']})")
