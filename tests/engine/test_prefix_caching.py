@@ -7,35 +7,16 @@ other's cache and the tests pay for one model load.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from batchgen.engine import LLM, SamplingParams
 from batchgen.engine.kv_cache_manager import KVCacheManager
 from batchgen.engine.scheduler import Scheduler
+from tests.engine.prefix_prompts import (
+    NUM_SHARED_TOKENS, OTHER_SYSTEM, chat, shared_prefix_blocks_tokens, user_message)
 
 MODEL = "smollm2-135m-instruct"
-BLOCK_SIZE = 16
 NUM_KV_BLOCKS = 256
-# 312 tokens; with the chat template the 128 prompts share their first 320 tokens (20 blocks).
-SYSTEM = (
-    "You are a careful, friendly assistant for a busy data team. Always follow these rules in every "
-    "single answer. " + " ".join(
-        f"Rule {i}: keep answer number {i} short, factual and polite, and never invent sources."
-        for i in range(1, 15))
-)
-# A second, shorter system prompt whose requests push the first one's blocks out of a small pool.
-OTHER_SYSTEM = "You are a terse math tutor. " + " ".join(f"Step {i}: check the arithmetic twice." for i in range(1, 12))
-WORDS = ["red", "blue", "green", "gold", "grey", "pink", "teal", "navy"]
-
-
-def chat(user: str, system: str = SYSTEM) -> list[dict]:
-    return [{"role": "system", "content": system}, {"role": "user", "content": user}]
-
-
-def user_message(i: int) -> str:
-    return f"{WORDS[i % len(WORDS)].title()} {i // len(WORDS)}?"
 
 
 @pytest.fixture(scope="module")
@@ -71,9 +52,8 @@ def token_ids(outputs) -> list[list[list[int]]]:
 def test_shared_system_prompt_is_computed_once(engine):
     prompts = [chat(user_message(i)) for i in range(128)]
     outputs = generate(engine, prompts, SamplingParams(temperature=0.8, seed=3, n=2, max_tokens=4))
-    shared = len(os.path.commonprefix([out.prompt_token_ids for out in outputs]))
-    assert shared >= 300
-    expected = shared // BLOCK_SIZE * BLOCK_SIZE
+    expected = shared_prefix_blocks_tokens([out.prompt_token_ids for out in outputs])
+    assert expected == NUM_SHARED_TOKENS >= 300
     assert outputs[0].num_cached_tokens == 0
     for out in outputs[1:]:
         assert out.num_cached_tokens >= 0.95 * expected, (out.request_id, out.num_cached_tokens, expected)
@@ -101,7 +81,7 @@ def sampled_without_cache(engine):
 
 def test_sampled_outputs_same_with_caching_off(engine, sampled_without_cache):
     outputs = generate(engine, MIXED_PROMPTS, SAMPLED)
-    assert outputs[2].num_cached_tokens == 320
+    assert outputs[2].num_cached_tokens == NUM_SHARED_TOKENS
     assert token_ids(outputs) == sampled_without_cache
 
 
@@ -112,13 +92,17 @@ def test_evicted_prefix_blocks_keep_outputs(engine, sampled_without_cache):
     outputs = generate(engine, MIXED_PROMPTS, SAMPLED, num_blocks=23, max_num_seqs=2)
     stats = engine.stats
     assert stats["num_evictions"] > 0 and stats["num_preemptions"] > 0
-    assert 0 < outputs[2].num_cached_tokens < 320
+    assert 0 < outputs[2].num_cached_tokens < NUM_SHARED_TOKENS
     assert token_ids(outputs) == sampled_without_cache
 
 
 def test_greedy_outputs_same_with_caching_off(engine):
-    prompts = [chat(user_message(0)), chat(user_message(2))]
+    first, other = engine.encode(chat(user_message(0))), engine.encode(chat(user_message(2)))
+    # The middle prompt is the first one's shared blocks plus one token: admitted in the same step,
+    # its single new token runs as a one-token query over 320 cached tokens written in that step.
+    prompts = [first, first[:NUM_SHARED_TOKENS + 1], other]
     params = SamplingParams(temperature=0.0, max_tokens=8)
     cached = generate(engine, prompts, params)
-    assert cached[1].num_cached_tokens == 320
+    assert [out.num_cached_tokens for out in cached] == [0, NUM_SHARED_TOKENS, NUM_SHARED_TOKENS]
+    assert len({out.metrics.first_scheduled_time for out in cached}) == 1
     assert token_ids(cached) == token_ids(generate(engine, prompts, params, enable_prefix_caching=False))
