@@ -105,12 +105,13 @@ def _warm_up_engine(engine: LLMEngine, opts: BenchOptions) -> None:
     run_engine(engine, warmup, "warmup")
 
 
-def _timed_engine_run(engine: LLMEngine, workload: Workload, opts: BenchOptions, name: str) -> RunResult:
+def _timed_engine_run(engine: LLMEngine, workload: Workload, opts: BenchOptions, name: str,
+                      say: Callable[[str], None]) -> RunResult:
     if opts.is_warmup:
         _warm_up_engine(engine, opts)
-    _say(f"{name}: {workload.num_requests} requests")
+    say(f"{name}: {workload.num_requests} requests")
     result = run_engine(engine, workload, name)
-    _say(f"{name}: {result.completion_tokens_per_s:.1f} completion tokens/s")
+    say(f"{name}: {result.completion_tokens_per_s:.1f} completion tokens/s")
     return result
 
 
@@ -222,13 +223,13 @@ def run_bench(opts: BenchOptions, engine: LLMEngine | None = None, peer_model=No
     if opts.workload == "shared-prefix":
         # Caching on and off over the same prompts, each in a fresh engine (no cache carried over).
         on = engine_with(engine, enable_prefix_caching=True)
-        engine_runs["engine"] = _timed_engine_run(on, workload, opts, "engine (prefix caching on)")
+        engine_runs["engine"] = _timed_engine_run(on, workload, opts, "engine (prefix caching on)", say)
         off = engine_with(engine, enable_prefix_caching=False)
         engine_runs["engine_no_prefix_caching"] = _timed_engine_run(off, workload, opts,
-                                                                    "engine (prefix caching off)")
+                                                                    "engine (prefix caching off)", say)
         del on, off, engine
     else:
-        engine_runs["engine"] = _timed_engine_run(engine, workload, opts, "engine")
+        engine_runs["engine"] = _timed_engine_run(engine, workload, opts, "engine", say)
         del engine
     gc.collect()
 
