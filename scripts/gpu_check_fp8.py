@@ -104,8 +104,8 @@ def time_gemms(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, token
         fp8 = Fp8Linear.from_linear(linear, mode="w8a8")
         for m in token_counts:
             x = torch.randn(m, k, device=device, dtype=dtype)
-            t_dense = _time(lambda: linear(x), device, repeats)
-            t_fp8 = _time(lambda: fp8(x), device, repeats)
+            t_dense = _time(lambda x=x: linear(x), device, repeats)
+            t_fp8 = _time(lambda x=x: fp8(x), device, repeats)
             rows.append({"layer": name, "tokens": m, "dense_us": t_dense * 1e6, "fp8_us": t_fp8 * 1e6,
                          "speedup": t_dense / t_fp8})
     return rows
