@@ -18,6 +18,8 @@ from batchgen.engine.models import ops as eager
 from batchgen.engine.models.ops import compiled_ops, eager_ops
 from batchgen.engine.models.rotary import RotaryEmbedding
 
+# FP8 checkpoints' per-layer scales; quant/fp8_checkpoint.py places (or, for KV-cache scales, skips) them.
+_FP8_SCALE_SUFFIXES = (".weight_scale", ".input_scale", ".output_scale", ".k_scale", ".v_scale")
 
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float):
@@ -145,7 +147,7 @@ class LlamaForCausalLM(nn.Module):
                     break
             if target == "lm_head.weight" and cfg.tie_word_embeddings:
                 continue
-            if target.endswith((".weight_scale", ".input_scale")):  # FP8 checkpoints: scales of Fp8Linear layers
+            if target.endswith(_FP8_SCALE_SUFFIXES):  # FP8 checkpoints: scales of Fp8Linear layers (and KV)
                 from batchgen.engine.quant.fp8_checkpoint import load_fp8_scale
 
                 load_fp8_scale(self, target, tensor, part_index, fused_sizes.get(target.split(".")[-2]))

@@ -13,6 +13,8 @@ rows, which represents every part exactly.
 
 from __future__ import annotations
 
+import functools
+import logging
 from pathlib import Path
 
 import torch
@@ -20,7 +22,11 @@ from torch import nn
 
 from batchgen.engine.quant.fp8_linear import Fp8Linear
 
-SCALE_SUFFIXES = ("weight_scale", "input_scale")
+log = logging.getLogger("batchgen.engine")
+
+# Scales for an FP8 KV cache (AutoFP8's kv_cache_scheme): the KV cache stays in the model dtype for
+# now, so the checkpoint loads and these are left unused.
+KV_CACHE_SCALES = ("output_scale", "k_scale", "v_scale")
 _BLOCKWISE_HINT = ("block-wise FP8 checkpoints ({what}) are not supported yet; use a per-tensor or "
                    "per-channel FP8 checkpoint, or the unquantized checkpoint with quantization: fp8")
 
@@ -110,6 +116,9 @@ def load_fp8_scale(model: nn.Module, target: str, tensor: torch.Tensor, part_ind
     part_index / part_sizes locate q/k/v or gate/up inside a fused layer (None for unfused layers).
     """
     module_name, kind = target.rsplit(".", 1)
+    if kind in KV_CACHE_SCALES:
+        _note_kv_cache_scales_skipped()
+        return
     module = model.get_submodule(module_name)
     if not isinstance(module, Fp8Linear):
         raise ValueError(f"checkpoint tensor {target!r} belongs to {module_name!r}, which is not an FP8 layer")
@@ -131,6 +140,11 @@ def load_fp8_scale(model: nn.Module, target: str, tensor: torch.Tensor, part_ind
     if module.weight_scale.numel() != module.out_features:  # a fused layer always holds one row per channel
         module.weight_scale = torch.full((module.out_features,), float("nan"), device=value.device)
     module.weight_scale[offset:offset + size] = value  # a per-tensor value broadcasts over its part's rows
+
+
+@functools.lru_cache(maxsize=1)
+def _note_kv_cache_scales_skipped() -> None:
+    log.info("fp8: the checkpoint's KV-cache scales are not used (the KV cache stays in the model dtype)")
 
 
 def check_fp8_scales_loaded(model: nn.Module) -> None:

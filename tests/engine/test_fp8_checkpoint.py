@@ -178,3 +178,14 @@ def test_compressed_tensors_fp8_config_is_accepted(tiny, tmp_path):
                               "num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True}}}})
     assert fp8_checkpoint.read_fp8_quant_config(folder)["quant_method"] == "compressed-tensors"
     assert len(fp8_layers(load(folder))) == 8
+
+
+def test_kv_cache_scales_are_accepted_and_left_unused(tiny, tmp_path):
+    folder = shutil.copytree(tiny["channel"], tmp_path / "ckpt")
+    tensors = load_file(str(folder / "model.safetensors"))
+    for i in range(2):  # both spellings AutoFP8 / llm-compressor have used for KV-cache scales
+        tensors[f"model.layers.{i}.self_attn.k_proj.output_scale"] = torch.tensor(0.5)
+        tensors[f"model.layers.{i}.self_attn.k_scale"] = torch.tensor(0.5)
+        tensors[f"model.layers.{i}.self_attn.v_scale"] = torch.tensor(0.5)
+    save_file(tensors, str(folder / "model.safetensors"))
+    assert torch.equal(logits(load(folder)), logits(load(tiny["channel"])))
