@@ -21,6 +21,7 @@ from batchgen.engine.models.rotary import RotaryEmbedding
 # FP8 checkpoints' per-layer scales; quant/fp8_checkpoint.py places (or, for KV-cache scales, skips) them.
 _FP8_SCALE_SUFFIXES = (".weight_scale", ".input_scale", ".output_scale", ".k_scale", ".v_scale")
 
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float):
         super().__init__()
