@@ -66,8 +66,8 @@ def quantize_model_fp8(model: nn.Module, config: EngineConfig, source=None) -> d
         m.use_triton = use_triton
     num_fp8_bytes = sum(fp8_layer_bytes(m) for m in layers)
     num_fallback = sum(m.mode != mode for m in layers)
-    summary = {"fp8_mode": mode, "reason": why, "uses_triton": use_triton, "from_checkpoint": from_checkpoint, "num_layers": len(layers),
-               "num_float_bytes": num_float_bytes, "num_fp8_bytes": num_fp8_bytes,
+    summary = {"fp8_mode": mode, "reason": why, "uses_triton": use_triton, "from_checkpoint": from_checkpoint,
+               "num_layers": len(layers), "num_float_bytes": num_float_bytes, "num_fp8_bytes": num_fp8_bytes,
                "num_w8a16_fallback_layers": num_fallback}
     origin = f"read from the checkpoint {getattr(source, 'display_name', '')}".rstrip() if from_checkpoint \
         else "quantized at load"
