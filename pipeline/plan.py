@@ -13,7 +13,6 @@ from typing import Annotated, Optional
 
 import torch
 import typer
-
 from batchgen.engine.capacity import KV_FRAGMENTATION_FRACTION, CapacityPlan, plan_capacity
 from batchgen.engine.config import EngineConfig, parse_memory_size
 from batchgen.engine.models.config import ModelConfig
@@ -126,29 +125,32 @@ def format_plan(target: PlanTarget, plan: CapacityPlan) -> str:
     dtype = str(plan.dtype).removeprefix("torch.")
     weights_note = dtype if plan.quantization == "none" else (
         f"fp8 linear weights + per-channel float32 scales; embeddings, norms, lm_head {dtype}")
+    num_kv_values = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim
+    requests = f"{plan.concurrency} concurrent request" + ("s" if plan.concurrency != 1 else "")
     rows = [
         ("weights", _gb(plan.weight_bytes), weights_note),
         ("KV cache per token", f"{plan.kv_bytes_per_token:,} B",
-         f"2 x {cfg.num_layers} layers x {cfg.num_kv_heads} KV heads x {cfg.head_dim} head_dim x "
-         f"{plan.kv_bytes_per_token // (2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim)} bytes"),
+         (f"2 x {cfg.num_layers} layers x {cfg.num_kv_heads} KV heads x {cfg.head_dim} head_dim x "
+          f"{plan.kv_bytes_per_token // num_kv_values} bytes")),
         ("KV cache per request", _gb(plan.kv_bytes_per_request), f"{plan.kv_tokens_per_request:,} tokens"),
-        (f"KV cache x {plan.concurrency}", _gb(plan.kv_bytes), f"{plan.concurrency} concurrent request" + ("s" if plan.concurrency != 1 else "")),
+        (f"KV cache x {plan.concurrency}", _gb(plan.kv_bytes), requests),
         ("total before margin", _gb(plan.total_bytes_before_margin), "weights + KV"),
         ("  fragmentation margin", _gb(plan.fragmentation_bytes), f"{KV_FRAGMENTATION_FRACTION:.0%} of KV"),
         ("  activation workspace", _gb(plan.activation_bytes),
          f"{plan.max_num_batched_tokens:,} batched tokens, {plan.concurrency} sampled rows"),
         ("total with margin", _gb(plan.total_bytes), ""),
     ]
-    lines = [f"model    {target.name}: {cfg.model_type}, {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
-             f"{cfg.num_heads} heads / {cfg.num_kv_heads} KV heads",
-             f"plan     {dtype}" + (", fp8 weights" if plan.quantization == "fp8" else "")
-             + f", context {plan.max_model_len:,} tokens, {plan.concurrency} concurrent; "
-             "sizes in decimal GB (1 GB = 10^9 bytes)", ""]
+    weights = ", fp8 weights" if plan.quantization == "fp8" else ""
+    lines = [(f"model    {target.name}: {cfg.model_type}, {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
+              f"{cfg.num_heads} heads / {cfg.num_kv_heads} KV heads"),
+             (f"plan     {dtype}{weights}, context {plan.max_model_len:,} tokens, "
+              f"{plan.concurrency} concurrent; sizes in decimal GB (1 GB = 10^9 bytes)"),
+             ""]
     width = max(len(r[0]) for r in rows)
     lines += [f"{label:<{width}}  {size:>12}  {note}".rstrip() for label, size, note in rows]
     if plan.memory_bytes is not None:
-        lines += ["", f"fits in {_gb(plan.memory_bytes)}: {plan.max_concurrency} concurrent requests of "
-                  f"{plan.max_model_len:,} tokens (after weights, activations and the KV margin)"]
+        lines += ["", (f"fits in {_gb(plan.memory_bytes)}: {plan.max_concurrency} concurrent requests of "
+                       f"{plan.max_model_len:,} tokens (after weights, activations and the KV margin)")]
     return "\n".join(lines)
 
 
@@ -157,13 +159,17 @@ def plan_command(
         metavar="MODEL_OR_JOB", show_default=False,
         help="A model (alias, HF folder - config.json is enough -, .gguf file) or a job file (.yaml).")],
     max_model_len: Annotated[Optional[int], typer.Option(
-        "--max-model-len", min=1, help="Context length per request (default: the job's, else the model's).")] = None,
+        "--max-model-len", min=1,
+        help="Context length per request (default: the job's, else the model's).")] = None,
     concurrency: Annotated[Optional[int], typer.Option(
-        "--concurrency", min=1, help="Concurrent requests (default: the job's engine.max_num_seqs, else 1).")] = None,
+        "--concurrency", min=1,
+        help="Concurrent requests (default: the job's engine.max_num_seqs, else 1).")] = None,
     dtype: Annotated[Optional[str], typer.Option(
-        "--dtype", help="auto | float32 | bfloat16 | float16 (auto plans for bfloat16, the GPU default).")] = None,
+        "--dtype",
+        help="auto | float32 | bfloat16 | float16 (auto plans for bfloat16, the GPU default).")] = None,
     quantization: Annotated[Optional[str], typer.Option(
-        "--quantization", help="none | fp8 (FP8 linear weights; embeddings and lm_head stay in dtype).")] = None,
+        "--quantization",
+        help="none | fp8 (FP8 linear weights; embeddings and lm_head stay in dtype).")] = None,
     memory: Annotated[Optional[str], typer.Option(
         "--memory", help="Device memory to fit, e.g. 80GB or 141GiB: prints how many requests fit.")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print JSON, sizes in bytes.")] = False,

@@ -14,7 +14,8 @@ SYSTEM = (
 )
 NUM_SHARED_TOKENS = 320
 # A second, shorter system prompt whose requests push the first one's blocks out of a small pool.
-OTHER_SYSTEM = "You are a terse math tutor. " + " ".join(f"Step {i}: check the arithmetic twice." for i in range(1, 12))
+OTHER_SYSTEM = "You are a terse math tutor. " + " ".join(
+    f"Step {i}: check the arithmetic twice." for i in range(1, 12))
 _WORDS = ["red", "blue", "green", "gold", "grey", "pink", "teal", "navy"]
 
 

@@ -57,7 +57,8 @@ def _simulate(seed: int, num_blocks: int, enable_caching: bool) -> tuple[int, in
         for s in out.scheduled:
             seq, start = s.seq, s.seq.num_computed_tokens
             for pos in range(start, start + s.num_new_tokens):
-                slots[seq.block_ids[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE] = tuple(seq.token_ids[:pos + 1])
+                slot = seq.block_ids[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE
+                slots[slot] = tuple(seq.token_ids[:pos + 1])
         for s in out.scheduled:
             seq = s.seq
             for pos in range(seq.num_computed_tokens + s.num_new_tokens):

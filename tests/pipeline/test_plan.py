@@ -6,13 +6,12 @@ import json
 
 import pytest
 import torch
-from typer.testing import CliRunner
-
 from batchgen.engine import capacity
 from batchgen.engine.capacity import num_kv_blocks, plan_capacity
 from batchgen.engine.config import parse_memory_size
 from batchgen.pipeline.cli import app
 from batchgen.pipeline.plan import make_plan, read_model, read_target
+from typer.testing import CliRunner
 
 MISTRAL_7B_SHAPE = {
     "architectures": ["MistralForCausalLM"], "model_type": "mistral", "hidden_size": 4096,
@@ -42,7 +41,8 @@ def assert_near(value: float, expected: float, rel: float = 0.03) -> None:
 
 
 def test_mistral_7b_worked_example(mistral_dir):
-    plan = plan_json(str(mistral_dir), "--max-model-len", str(CONTEXT), "--concurrency", "32", "--dtype", "bfloat16")
+    plan = plan_json(str(mistral_dir), "--max-model-len", str(CONTEXT), "--concurrency", "32",
+                     "--dtype", "bfloat16")
     assert plan["kv_bytes_per_token"] == 2 * 32 * 8 * 128 * 2
     assert_near(plan["kv_bytes_per_request"], 4.29e9)  # 2 x 32 x 8 x 128 x 32768 x 2 bytes
     assert_near(plan["weight_bytes"], 14.5e9)
@@ -91,7 +91,8 @@ def test_job_file_settings_and_overrides(mistral_dir, tmp_path):
     assert (override["max_model_len"], override["quantization"], override["concurrency"]) == (4096, "none", 2)
 
 
-@pytest.mark.parametrize("args", [["/no/such/model"], ["{model}", "--memory", "0.5"], ["{model}", "--dtype", "int4"]])
+@pytest.mark.parametrize("args", [
+    ["/no/such/model"], ["{model}", "--memory", "0.5"], ["{model}", "--dtype", "int4"]])
 def test_bad_input_exits_2(mistral_dir, args):
     result = CliRunner().invoke(app, ["plan", *[a.format(model=mistral_dir) for a in args]])
     assert result.exit_code == 2, result.output
@@ -106,7 +107,7 @@ def test_pool_sizing_and_plan_share_kv_bytes_per_token(mistral_dir, monkeypatch)
 
 
 def test_engine_pool_matches_plan(llm):
-    """The loaded engine's pool (256 MiB budget in the test config) and weights, planned from GGUF metadata."""
+    """The loaded engine's pool (a 256 MiB budget in the test config) and weights, planned from GGUF."""
     engine = llm.engine
     cfg, _ = read_model("smollm2-135m-instruct")
     plan = plan_capacity(cfg, engine.config.torch_dtype, engine.max_model_len)
