@@ -15,12 +15,9 @@ from safetensors.torch import save_file
 HIDDEN, INTERMEDIATE, NUM_LAYERS, NUM_HEADS, NUM_KV_HEADS = 32, 64, 2, 4, 2
 
 
-def write_tiny_model(folder: Path, tokenizer_source: Path) -> Path:
-    """`tokenizer_source`: a .gguf file whose tokenizer (and chat template) the tiny model reuses."""
-    from transformers import AutoTokenizer
-
+def write_tiny_model(folder: Path, tokenizer) -> Path:
+    """`tokenizer`: a transformers tokenizer (with its chat template) that the tiny model reuses."""
     folder.mkdir(parents=True, exist_ok=True)
-    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_source.parent), gguf_file=tokenizer_source.name)
     tokenizer.save_pretrained(folder)
     vocab = len(tokenizer)
     config = {
