@@ -23,7 +23,7 @@ _PART_RE = re.compile(r"part-\d{5,}\.parquet")
 class FolderState:
     """What the folder holds for this job: finished unit files, _SUCCESS, or someone else's output."""
 
-    done_names: frozenset[str]  # unit files already there
+    done_names: frozenset[str]  # unit files already there (none counted in a refused folder)
     has_success: bool  # _SUCCESS present (written by this very config)
     refusal: str | None  # why this folder holds someone else's output (None: it is ours or empty)
 
@@ -57,15 +57,15 @@ class OutputFolder:
         if not names:
             return FolderState(frozenset(), False, None)
         if MANIFEST_NAME not in names:
-            return FolderState(parts, False, f"{self.display} is not empty and holds no {MANIFEST_NAME} "
+            return FolderState(frozenset(), False, f"{self.display} is not empty and holds no {MANIFEST_NAME} "
                                              "(not a batchgen output folder)")
         try:
             manifest = json.loads(self.storage.read_text(MANIFEST_NAME))
             previous = manifest["config_hash"]
         except (OSError, ValueError, KeyError, TypeError) as exc:
-            return FolderState(parts, False, f"{self.display}/{MANIFEST_NAME} is unreadable ({exc})")
+            return FolderState(frozenset(), False, f"{self.display}/{MANIFEST_NAME} is unreadable ({exc})")
         if previous != config_hash:
-            return FolderState(parts, False, f"{self.display} holds the output of a different job config "
+            return FolderState(frozenset(), False, f"{self.display} holds the output of a different job config "
                                              f"(config_hash {previous[:12]}, this job {config_hash[:12]})")
         return FolderState(parts, SUCCESS_NAME in names, None)
 
