@@ -17,6 +17,7 @@ import os
 import platform
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -138,6 +139,23 @@ def _machine() -> dict:
             "python": platform.python_version(), "git_commit": _git_commit()}
 
 
+def _cpu_busy_fraction(window_s: float = 0.5) -> float | None:
+    """Share of all CPUs' time spent busy over a short window while this process idles (Linux)."""
+    def sample() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            values = [int(v) for v in f.readline().split()[1:]]
+        idle = values[3] + (values[4] if len(values) > 4 else 0)  # idle + iowait
+        return sum(values) - idle, sum(values)
+
+    try:
+        busy0, total0 = sample()
+        time.sleep(window_s)
+        busy1, total1 = sample()
+    except (OSError, ValueError, IndexError):
+        return None
+    return (busy1 - busy0) / (total1 - total0) if total1 > total0 else None
+
+
 def _git(*args: str) -> str | None:
     try:
         out = subprocess.run(["git", *args], cwd=Path(__file__).parent, capture_output=True, text=True,
@@ -204,6 +222,7 @@ def run_bench(opts: BenchOptions, engine: LLMEngine | None = None, peer_model=No
     `engine` and `peer_model` may be given already loaded (tests share session fixtures); the
     engine must be float32 on the CPU like the peer.
     """
+    busy_before = _cpu_busy_fraction()  # before our own work: is the machine busy with someone else's?
     if opts.num_threads:
         torch.set_num_threads(opts.num_threads)
     if opts.is_peer and peer_model is None:
@@ -255,7 +274,7 @@ def run_bench(opts: BenchOptions, engine: LLMEngine | None = None, peer_model=No
     result: dict = {
         "model": opts.model,
         "workload": workload.describe(),
-        "machine": _machine(),
+        "machine": {**_machine(), "cpu_busy_before": busy_before},
         "engine_runs": {key: run.as_dict() for key, run in engine_runs.items()},
         "peer": peer.as_dict() if peer else None,
         "gemm": {"prefill": prefill.as_dict(), "decode": decode.as_dict()},

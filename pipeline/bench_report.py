@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+BUSY_CPU_FRACTION = 0.25  # of all CPUs, busy while the bench idled just before starting
+
 
 def _row(label: str, side: dict) -> str:
     return (f"  {label:<34} {side['prompt_tokens']:>14,} {side['completion_tokens']:>18,} "
@@ -47,6 +49,12 @@ def format_report(result: dict) -> str:
     for label, a in result.get("agreement", {}).items():
         lines.append(f"  greedy agreement {label}: {a['num_exact']}/{a['num_requests']} requests identical, "
                      f"mean matching prefix {a['mean_prefix_len']:.1f} of {a['mean_output_len']:.1f} tokens")
+    busy = m.get("cpu_busy_before")
+    if busy is not None and busy > BUSY_CPU_FRACTION:
+        # Other processes' threads fight ours for the cores (OpenMP threads spin at barriers): the
+        # figures above then say more about the neighbours than about either side.
+        lines.append(f"  WARNING: {busy:.0%} of the CPUs were busy with other work just before the run; "
+                     "rerun on a quiet machine before recording these figures")
     if not result["is_fair"]:
         lines.append("  WARNING: the sides did not process the same tokens: " + "; ".join(result["unfair_reasons"]))
     return "\n".join(lines)
