@@ -50,13 +50,34 @@ def build_attention_metadata(query_lens: list[int], context_lens: list[int], blo
     slot_mapping = torch.tensor(slots, dtype=torch.long, device=device)
     groups = []
     start = num_decodes if staging is not None else 0
-    for lo, hi in ((start, num_decodes), (num_decodes, len(query_lens))):
-        if hi > lo:
-            group = _build_group(query_lens[lo:hi], context_lens[lo:hi], block_tables[lo:hi],
-                                 start, block_size, device)
-            groups.append(group)
-            start += group.num_tokens
+    ranges = [(start, num_decodes)] if num_decodes > start else []
+    seq_lens = [q + c for q, c in zip(query_lens, context_lens)]
+    ranges += _split_by_padding(query_lens, seq_lens, num_decodes, len(query_lens))
+    for lo, hi in ranges:
+        group = _build_group(query_lens[lo:hi], context_lens[lo:hi], block_tables[lo:hi],
+                             start, block_size, device)
+        groups.append(group)
+        start += group.num_tokens
     return AttentionMetadata(slot_mapping, groups, staging, num_decodes)
+
+
+def _split_by_padding(query_lens: list[int], seq_lens: list[int], lo: int, hi: int,
+                      max_waste: float = 2.0, slack: int = 4096) -> list[tuple[int, int]]:
+    """Cut [lo, hi) into contiguous groups whose padded (B x Q x K) attention stays within
+    `max_waste` x the useful work, so one long prompt never pads many short ones to its length.
+    Callers order sequences by query length so that neighbours pad little."""
+    ranges = []
+    start, max_q, max_k, useful = lo, 0, 0, 0
+    for i in range(lo, hi):
+        q, k = query_lens[i], seq_lens[i]
+        new_q, new_k, new_useful = max(max_q, q), max(max_k, k), useful + q * k
+        if i > start and (i - start + 1) * new_q * new_k > max_waste * new_useful + slack:
+            ranges.append((start, i))
+            start, new_q, new_k, new_useful = i, q, k, q * k
+        max_q, max_k, useful = new_q, new_k, new_useful
+    if hi > start:
+        ranges.append((start, hi))
+    return ranges
 
 
 def _build_group(query_lens, context_lens, block_tables, token_start, block_size, device) -> AttentionGroup:

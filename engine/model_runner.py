@@ -52,7 +52,9 @@ class ModelRunner:
         # Decodes first (in staging-row order when staged), then prefill chunks: each group is
         # attended as one batch.
         decodes = [s for s in scheduled if s.num_new_tokens == 1]
-        prefills = [s for s in scheduled if s.num_new_tokens != 1]
+        # Similar chunk lengths side by side, so attention groups pad little (see _split_by_padding).
+        prefills = sorted((s for s in scheduled if s.num_new_tokens != 1),
+                          key=lambda s: (s.num_new_tokens, s.seq.num_computed_tokens))
         staging = None
         if self.decode_rows is not None:
             if decodes and self.decode_rows.can_stage([s.seq for s in decodes]):

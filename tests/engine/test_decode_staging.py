@@ -75,3 +75,39 @@ def test_engine_outputs_identical_with_and_without_staging(llm):
 
     staged_engine = LLMEngine(llm.engine.config, weights_from=llm.engine)
     assert run(staged_engine) == run(gather_engine)
+
+
+def test_prefill_groups_split_when_one_long_chunk_would_pad_the_rest():
+    from batchgen.engine.attention import _split_by_padding
+
+    short, long_ = [20] * 8, [2000]
+    query_lens = short + long_
+    ranges = _split_by_padding(query_lens, query_lens, 0, len(query_lens))
+    assert ranges == [(0, 8), (8, 9)]
+    # Similar lengths stay together.
+    similar = [100, 110, 120, 130]
+    assert _split_by_padding(similar, similar, 0, 4) == [(0, 4)]
+
+
+def test_padded_groups_give_the_same_attention_as_one_group():
+    torch.manual_seed(0)
+    block_size, num_heads, num_kv_heads, head_dim = 4, 4, 2, 8
+    k_cache = torch.zeros(64 * block_size, num_kv_heads, head_dim)
+    v_cache = torch.zeros_like(k_cache)
+    backend = TorchAttention(num_heads, num_kv_heads, head_dim)
+    query_lens, context_lens = [3, 3, 200], [0, 5, 2]
+    tables = [[0, 1, 2], [3, 4, 5], list(range(6, 57))]
+    num_tokens = sum(query_lens)
+    q = torch.randn(num_tokens, num_heads, head_dim)
+    k = torch.randn(num_tokens, num_kv_heads, head_dim)
+    v = torch.randn(num_tokens, num_kv_heads, head_dim)
+    meta = build_attention_metadata(query_lens, context_lens, tables, 0, block_size, torch.device("cpu"))
+    assert len(meta.groups) == 2
+    split = backend.forward(q, k, v, (k_cache, v_cache), meta)
+    # Reference: each sequence alone (a group of one cannot pad).
+    start = 0
+    for i, n in enumerate(query_lens):
+        alone = build_attention_metadata([n], [context_lens[i]], [tables[i]], 0, block_size, torch.device("cpu"))
+        ref = backend.forward(q[start:start + n], k[start:start + n], v[start:start + n], (k_cache, v_cache), alone)
+        torch.testing.assert_close(split[start:start + n], ref)
+        start += n
