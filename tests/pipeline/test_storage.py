@@ -26,12 +26,8 @@ def s3_options():
         port = s.getsockname()[1]
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
-    options = {"key": "testing", "secret": "testing",
-               "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{port}", "region_name": "us-east-1"}}
-    import boto3
-
-    boto3.client("s3", aws_access_key_id="testing", aws_secret_access_key="testing",
-                 **options["client_kwargs"]).create_bucket(Bucket="batchgen-test")
+    options = {"key": "testing", "secret": "testing", "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{port}"}}
+    fsspec.filesystem("s3", **options).mkdir("batchgen-test")
     yield options
     server.stop()
 
