@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import time
 
 from tqdm.auto import tqdm
@@ -12,7 +13,10 @@ REFRESH_SECONDS = 0.5  # engine.stats builds a dict; no need to ask more often t
 class Progress:
     def __init__(self, engine, total: int, desc: str, enabled: bool = True):
         self.engine = engine
-        self.bar = tqdm(total=total, desc=desc, unit="req", disable=not enabled, dynamic_ncols=True)
+        # In a log file (no terminal) a line per redraw would flood it: redraw every 30 s there instead.
+        mininterval = 0.1 if sys.stderr.isatty() else 30.0
+        self.bar = tqdm(total=total, desc=desc, unit="req", disable=not enabled, dynamic_ncols=True,
+                        mininterval=mininterval)
         self.start = time.monotonic()
         self.num_completion_tokens = 0
         self.last_refresh = 0.0
