@@ -28,6 +28,17 @@ class StagingStep:
     positions: torch.Tensor  # (B,) where each row's new token goes
     mask: torch.Tensor  # (B, 1, 1, L) key position < row length
     max_len: int  # L: longest row after this step's token
+    capacity: tuple[int, int]  # (rows, length) every layer's buffers must have
+
+
+def staging_rows(num_rows: int) -> int:
+    """Row capacity for `num_rows` rows: grows in steps of 16."""
+    return -(-num_rows // 16) * 16
+
+
+def staging_length(length: int) -> int:
+    """Length capacity: grows in steps of 64 tokens (one reallocation every 64 decode steps)."""
+    return -(-length // 64) * 64
 
 
 class DecodeRows:
@@ -37,17 +48,26 @@ class DecodeRows:
         self.block_size = block_size
         self.max_tokens = max_tokens  # rows x capacity allowed (memory cap); beyond it, no staging
         self.row_seqs: list[Sequence] = []
+        self.capacity = (0, 0)  # (rows, length) the buffers hold; grows until reset
+        self.num_resets = 0  # times staging switched off for lack of memory
 
     def can_stage(self, decodes: list[Sequence]) -> bool:
+        rows, length = self._capacity_for(decodes)
+        return rows * length <= self.max_tokens
+
+    def _capacity_for(self, decodes: list[Sequence]) -> tuple[int, int]:
         longest = max(s.num_computed_tokens + 1 for s in decodes)
-        # Buffers grow by doubling in both dimensions: leave room for that within the cap.
-        return 4 * len(decodes) * longest <= self.max_tokens
+        return (max(self.capacity[0], staging_rows(len(decodes))),
+                max(self.capacity[1], staging_length(longest)))
 
     def reset(self) -> None:
         self.row_seqs = []
+        self.capacity = (0, 0)
+        self.num_resets += 1
 
     def plan(self, decodes: list[Sequence], device: torch.device) -> tuple[list[Sequence], StagingStep]:
         """Rows for this step's decodes; returns them in row order with the step's staging plan."""
+        self.capacity = self._capacity_for(decodes)
         current = {id(s) for s in decodes}
         rows = self.row_seqs
         moves: list[tuple[int, int]] = []
@@ -85,6 +105,7 @@ class DecodeRows:
             positions=torch.tensor(positions, dtype=torch.long, device=device),
             mask=mask[:, None, None, :].to(device),
             max_len=max_len,
+            capacity=self.capacity,
         )
         return list(rows), step
 
@@ -96,23 +117,23 @@ class StagingBuffers:
         self.k = torch.zeros((0, num_kv_heads, 0, head_dim), dtype=dtype, device=device)
         self.v = torch.zeros_like(self.k)
 
-    def ensure_capacity(self, num_rows: int, length: int) -> None:
+    def resize(self, num_rows: int, length: int) -> None:
+        """Make the buffers (num_rows, Hkv, length, D), keeping what fits (a no-op when they are)."""
         rows, capacity = self.k.shape[0], self.k.shape[2]
-        if num_rows <= rows and length <= capacity:
+        if (num_rows, length) == (rows, capacity):
             return
-        new_rows = max(num_rows, rows) if num_rows <= rows else max(num_rows, 2 * rows)
-        new_capacity = capacity if length <= capacity else max(length, 2 * capacity, 64)
+        keep_rows, keep_len = min(rows, num_rows), min(capacity, length)
         for name in ("k", "v"):
             old = getattr(self, name)
             # Zeros, not empty: masked keys still meet V in the weighted sum, and 0 * NaN is NaN.
-            new = old.new_zeros(new_rows, old.shape[1], new_capacity, old.shape[3])
-            new[:rows, :, :capacity] = old
+            new = old.new_zeros(num_rows, old.shape[1], length, old.shape[3])
+            new[:keep_rows, :, :keep_len] = old[:keep_rows, :, :keep_len]
             setattr(self, name, new)
 
     def update(self, step: StagingStep, k_cache: torch.Tensor, v_cache: torch.Tensor,
                k_new: torch.Tensor, v_new: torch.Tensor) -> None:
         """Apply moves and fills, then append this step's token. k_new, v_new: (B, Hkv, D)."""
-        self.ensure_capacity(k_new.shape[0], step.max_len)
+        self.resize(*step.capacity)
         for src, dst in step.moves:
             self.k[dst] = self.k[src]
             self.v[dst] = self.v[src]

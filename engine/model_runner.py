@@ -61,8 +61,10 @@ class ModelRunner:
                 by_seq = {id(s.seq): s for s in decodes}
                 row_seqs, staging = self.decode_rows.plan([s.seq for s in decodes], self.device)
                 decodes = [by_seq[id(seq)] for seq in row_seqs]
-            else:
+            elif self.decode_rows.capacity != (0, 0):
                 self.decode_rows.reset()
+                for layer_kv in self.kv_caches:
+                    layer_kv[2].resize(0, 0)  # give the memory back; rows refill when staging resumes
         order = decodes + prefills
         num_decodes = len(decodes)
         input_ids: list[int] = []

@@ -54,11 +54,12 @@ def test_staged_decode_matches_gather_across_joins_and_departures():
 
 
 def test_engine_outputs_identical_with_and_without_staging(llm):
-    """Mixed lengths and max_tokens make rows leave and join mid-run."""
+    """Mixed lengths and max_tokens make rows leave and join mid-run; a tight memory cap makes
+    staging switch off mid-run (rows cross 64 tokens) and the gather path take over."""
     from batchgen.engine.llm_engine import LLMEngine
 
     rng = random.Random(1)
-    prompts = [[rng.randrange(100, 40000) for _ in range(rng.randint(5, 40))] for _ in range(10)]
+    prompts = [[rng.randrange(100, 40000) for _ in range(rng.randint(5, 60))] for _ in range(10)]
     params = [SamplingParams(temperature=0, max_tokens=rng.randint(2, 12), ignore_eos=True) for _ in prompts]
     gather_engine = LLMEngine(llm.engine.config, weights_from=llm.engine)
     gather_engine.runner.decode_rows = None
@@ -74,7 +75,12 @@ def test_engine_outputs_identical_with_and_without_staging(llm):
         return [outs[str(i)] for i in range(len(prompts))]
 
     staged_engine = LLMEngine(llm.engine.config, weights_from=llm.engine)
-    assert run(staged_engine) == run(gather_engine)
+    capped_engine = LLMEngine(llm.engine.config, weights_from=llm.engine)
+    capped_engine.runner.decode_rows.max_tokens = 16 * 64  # 16 rows of at most 64 tokens
+    expected = run(gather_engine)
+    assert run(staged_engine) == expected
+    assert run(capped_engine) == expected
+    assert capped_engine.runner.decode_rows.num_resets > 0  # it did fall back to the gather path
 
 
 def test_prefill_groups_split_when_one_long_chunk_would_pad_the_rest():
