@@ -19,6 +19,15 @@ class LLM:
         self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
         self._next_id = 0
 
+    def with_engine_settings(self, **changes) -> LLM:
+        """A new LLM over this one's loaded weights and tokenizer with other KV/scheduling settings
+        (block_size, max_num_seqs, max_num_batched_tokens, enable_prefix_caching, kv_cache_memory,
+        num_kv_blocks, a smaller max_model_len): its own KV pool, scheduler and counters."""
+        other = object.__new__(LLM)
+        other.engine = LLMEngine(self.engine.config.replace(**changes), weights_from=self.engine)
+        other._next_id = 0
+        return other
+
     @property
     def tokenizer(self):
         return self.engine.tokenizer

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -33,15 +34,31 @@ class _RequestState:
     prompt: str | None
 
 
+# Settings that shape only the KV pool and the scheduling, not the loaded model: an engine that differs
+# from another in these alone can share its weights (`weights_from`). max_model_len may only shrink.
+RUNTIME_SETTINGS = ("block_size", "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching",
+                    "kv_cache_memory", "num_kv_blocks", "max_model_len")
+
+
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, *, weights_from: LLMEngine | None = None):
+        """Load the model named by `config`, or share the loaded weights and tokenizer of `weights_from`
+        (an engine whose config differs only in RUNTIME_SETTINGS) with a fresh KV pool, scheduler,
+        runner and counters: tests and sweeps of engine settings pay for one load."""
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        loaded = load_model(config)
+        if weights_from is None:
+            loaded = load_model(config)
+            tokenizer = Tokenizer(loaded.source)
+        else:
+            _check_shares_weights(weights_from, config)
+            loaded, tokenizer = weights_from.loaded, weights_from.tokenizer
+        self.loaded = loaded
         self.model_cfg = loaded.model_cfg
-        self.tokenizer = Tokenizer(loaded.source)
-        self.max_model_len = loaded.max_model_len
+        self.tokenizer = tokenizer
+        # The rotary tables cover loaded.max_model_len positions; a sharing engine may use fewer.
+        self.max_model_len = min(config.max_model_len or loaded.max_model_len, loaded.max_model_len)
         self.weight_bytes = loaded.weight_bytes
         eos = set(self.model_cfg.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
@@ -180,3 +197,16 @@ class LLMEngine:
             "num_free_blocks": pool.num_free_blocks, "num_blocks": pool.num_blocks,
             "prefix_cache_hit_rate": pool.num_hit_blocks / pool.num_queried_blocks if pool.num_queried_blocks else 0.0,
         }
+
+
+def _check_shares_weights(other: LLMEngine, config: EngineConfig) -> None:
+    base = other.config
+    differing = [f.name for f in dataclasses.fields(EngineConfig)
+                 if f.compare and getattr(base, f.name) != getattr(config, f.name)
+                 and f.name not in RUNTIME_SETTINGS]
+    if differing:
+        raise ValueError(f"an engine sharing loaded weights may change only {', '.join(RUNTIME_SETTINGS)}; "
+                         f"got different {', '.join(differing)}")
+    if config.max_model_len is not None and config.max_model_len > other.loaded.max_model_len:
+        raise ValueError(f"max_model_len {config.max_model_len} exceeds the shared model's "
+                         f"{other.loaded.max_model_len}")

@@ -137,20 +137,21 @@ def test_preemption_recomputes_and_gives_the_same_outputs():
 
 
 def test_preemption_takes_the_newest_running_sequence():
-    sched = make_scheduler(num_blocks=4, max_num_batched_tokens=64)
-    old = make_seq("old", [1, 2, 3, 4, 5, 6, 7, 8], 20)  # 2 full blocks
-    new = make_seq("new", [9, 8, 7, 6, 5, 4, 3, 2], 20)  # 2 full blocks
-    sched.add(old)
-    sched.add(new)
+    sched = make_scheduler(num_blocks=6, max_num_batched_tokens=64)
+    seqs = [make_seq(name, [base + i for i in range(8)], 20)  # 2 full blocks each
+            for name, base in (("old", 0), ("mid", 100), ("new", 200))]
+    for seq in seqs:
+        sched.add(seq)
     out = sched.schedule()
-    assert [s.seq.request_id for s in out.scheduled] == ["old", "new"]
+    assert [s.seq.request_id for s in out.scheduled] == ["old", "mid", "new"]
     for s in out.scheduled:
         s.seq.num_computed_tokens += s.num_new_tokens
         s.seq.token_ids.append(0)
     # Each now has 9 tokens; computing the 9th needs a third block each, and none is free.
     out = sched.schedule()
-    assert [s.seq.request_id for s in out.scheduled] == ["old"]
+    assert [s.seq.request_id for s in out.scheduled] == ["old", "mid"]
     assert out.num_preempted == 1
+    new = seqs[2]
     assert new.status == SequenceStatus.WAITING and new.block_ids == [] and new.num_computed_tokens == 0
     assert list(sched.waiting) == [new]
     check_invariants(sched)

@@ -1,0 +1,38 @@
+"""Engine-test fixtures on the real model: variant engines sharing the session's weights, HF references.
+
+Variant engines come from `llm.with_engine_settings(...)`: their own KV pool, scheduler and counters
+over the already-loaded weights, so a test that needs a small step budget or a tiny pool pays for
+no extra model load.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.engine.helpers import GREEDY, NUM_GREEDY_TOKENS, hf_greedy, run_requests
+from tests.engine.prompts import CHAT_PROMPTS
+
+
+@pytest.fixture(scope="session")
+def chunked_llm(llm):
+    """Small step budget: long prompts prefill in chunks, mixed with other requests' decodes."""
+    return llm.with_engine_settings(max_num_batched_tokens=64)
+
+
+@pytest.fixture(scope="session")
+def chat_prompt_ids(llm) -> list[list[int]]:
+    return [llm.engine.encode(messages) for messages in CHAT_PROMPTS]
+
+
+@pytest.fixture(scope="session")
+def hf_chat_greedy(hf_model, hf_tokenizer, llm, chat_prompt_ids) -> list[list[int]]:
+    """HF generate's greedy continuations of CHAT_PROMPTS (48 tokens, our EOS set)."""
+    return hf_greedy(hf_model, chat_prompt_ids, NUM_GREEDY_TOKENS, llm.engine.eos_token_ids,
+                     pad_token_id=hf_tokenizer.pad_token_id)
+
+
+@pytest.fixture(scope="session")
+def llm_chat_greedy(llm) -> list[list[int]]:
+    """Our engine's greedy continuations of CHAT_PROMPTS with default settings, all in one batch."""
+    outputs = run_requests(llm.engine, {f"chat-{i}": (m, GREEDY) for i, m in enumerate(CHAT_PROMPTS)})
+    return [outputs[f"chat-{i}"].outputs[0].token_ids for i in range(len(CHAT_PROMPTS))]

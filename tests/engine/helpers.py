@@ -1,0 +1,80 @@
+"""Helpers shared by the engine tests on the real model: explicit request ids, logits capture, HF reference."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+
+from batchgen.engine import LLMEngine, RequestOutput, SamplingParams
+
+NUM_GREEDY_TOKENS = 48  # the issue's continuation length for the HF comparisons
+GREEDY = SamplingParams(temperature=0, max_tokens=NUM_GREEDY_TOKENS)
+
+
+def run_requests(engine: LLMEngine, requests: dict[str, tuple[object, SamplingParams]]) -> dict[str, RequestOutput]:
+    """Add every request under its own id (ids seed the samples), step until all finish."""
+    for request_id, (prompt, params) in requests.items():
+        engine.add_request(request_id, prompt, params)
+    outputs: dict[str, RequestOutput] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            outputs[out.request_id] = out
+    assert set(outputs) == set(requests)
+    return outputs
+
+
+@contextmanager
+def captured_logits(engine: LLMEngine):
+    """Record the raw logits the sampler is handed, keyed (request id, sample index, output index)."""
+    runner = engine.runner
+    sampler = runner.sampler
+    records: dict[tuple[str, int, int], torch.Tensor] = {}
+
+    def recording_sampler(logits, seqs):
+        for row, seq in enumerate(seqs):
+            records[(seq.request_id, seq.sample_index, seq.num_output_tokens)] = logits[row].detach().clone()
+        return sampler(logits, seqs)
+
+    runner.sampler = recording_sampler
+    try:
+        yield records
+    finally:
+        runner.sampler = sampler
+
+
+def relative_error(ours: torch.Tensor, reference: torch.Tensor) -> float:
+    """max|ours - reference| / max|reference|: the issue's logits criterion."""
+    return ((ours.float() - reference.float()).abs().max() / reference.float().abs().max()).item()
+
+
+def truncate_at_eos(token_ids: list[int], eos_token_ids: tuple[int, ...]) -> list[int]:
+    """HF pads finished rows after EOS; our outputs end with the EOS token itself."""
+    for i, token in enumerate(token_ids):
+        if token in eos_token_ids:
+            return token_ids[:i + 1]
+    return token_ids
+
+
+@torch.no_grad()
+def hf_greedy(hf_model, prompts: list[list[int]], max_new_tokens: int, eos_token_ids: tuple[int, ...],
+              pad_token_id: int) -> list[list[int]]:
+    """HF generate, greedy, all prompts in one left-padded batch (one pass over the weights per token)."""
+    width = max(len(p) for p in prompts)
+    input_ids = torch.tensor([[pad_token_id] * (width - len(p)) + p for p in prompts])
+    attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    out = hf_model.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=False,
+                            max_new_tokens=max_new_tokens, eos_token_id=list(eos_token_ids),
+                            pad_token_id=pad_token_id)
+    return [truncate_at_eos(row[width:].tolist(), eos_token_ids) for row in out]
+
+
+@torch.no_grad()
+def divergence_report(hf_model, prompt: list[int], ours: list[int], reference: list[int]) -> str:
+    """Where two greedy continuations part, and HF's top-2 logit gap there (a near-tie or a real bug?)."""
+    index = next((i for i, (a, b) in enumerate(zip(ours, reference)) if a != b), min(len(ours), len(reference)))
+    logits = hf_model(torch.tensor([prompt + reference[:index]])).logits[0, -1].float()
+    top = logits.topk(2)
+    return (f"first difference at output token {index} (ours {ours[index:index + 1]}, HF "
+            f"{reference[index:index + 1]}); HF top-2 {top.indices.tolist()} logit gap "
+            f"{(top.values[0] - top.values[1]).item():.3g}")
