@@ -61,6 +61,8 @@ def test_engine_outputs_identical_with_and_without_staging(llm):
     rng = random.Random(1)
     prompts = [[rng.randrange(100, 40000) for _ in range(rng.randint(5, 60))] for _ in range(10)]
     params = [SamplingParams(temperature=0, max_tokens=rng.randint(2, 12), ignore_eos=True) for _ in prompts]
+    prompts[0] = prompts[0][:1] * 60  # this one grows past 64 tokens while others still decode
+    params[0] = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     gather_engine = LLMEngine(llm.engine.config, weights_from=llm.engine)
     gather_engine.runner.decode_rows = None
     gather_engine.runner.kv_caches = [kv[:2] for kv in gather_engine.runner.kv_caches]
