@@ -49,11 +49,11 @@ def read_output(folder: Path | str) -> pa.Table:
 
 
 @pytest.fixture(scope="session")
-def engine():
-    """The bundled model, once for every pipeline test whose job uses `engine_sections()`."""
-    from batchgen.engine import LLMEngine
-
-    return LLMEngine(EngineConfig(model=MODEL, **PIPELINE_ENGINE_KWARGS))
+def engine(llm):
+    """The session model's weights with a 256-token context: the engine of every job built by make_job."""
+    engine = llm.with_engine_settings(max_model_len=PIPELINE_ENGINE_KWARGS["max_model_len"]).engine
+    assert engine.config == EngineConfig(model=MODEL, **PIPELINE_ENGINE_KWARGS)
+    return engine
 
 
 class _FakeTokenizer:
