@@ -32,19 +32,24 @@ def test_prompts_have_the_intended_token_counts(llm, hf_tokenizer, chat_prompt_i
 def test_logits_match_hf(llm, chunked_llm, hf_model):
     num_tokens = 6
     params = SamplingParams(temperature=0, max_tokens=num_tokens, ignore_eos=True)
-    cases = [  # (engine, prompt): the long one goes through the chunked engine's 64-token chunks
-        (llm, "The three primary colors are"),
-        (llm, BOUNDARY_CHATS[17]),
-        (llm, CHAT_PROMPTS[7]),
-        (chunked_llm, LONG_CHAT),
+    cases = [  # (engine, prompt, cached prompt tokens expected or None)
+        (llm, "The three primary colors are", None),
+        (llm, [1], 0),  # a one-token prompt: its prefill looks like a decode
+        (llm, BOUNDARY_CHATS[17], None),
+        (llm, CHAT_PROMPTS[7], None),
+        (llm, BOUNDARY_CHATS[33], None),
+        (llm, BOUNDARY_CHATS[33], 32),  # again: two blocks from the prefix cache, one token computed
+        (chunked_llm, LONG_CHAT, None),  # through the chunked engine's 64-token chunks
     ]
     worst = 0.0
-    for i, (engine_llm, prompt) in enumerate(cases):
+    for i, (engine_llm, prompt, num_cached) in enumerate(cases):
         engine = engine_llm.engine
         with captured_logits(engine) as records:
             out = run_requests(engine, {f"logits-{i}": (prompt, params)})[f"logits-{i}"]
         prompt_ids, output_ids = out.prompt_token_ids, out.outputs[0].token_ids
         assert len(output_ids) == num_tokens
+        if num_cached is not None:
+            assert out.num_cached_tokens == num_cached
         reference = hf_model(torch.tensor([prompt_ids + output_ids])).logits[0].float()  # (T, V)
         for j in range(num_tokens):
             ours = records[(f"logits-{i}", 0, j)]

@@ -19,14 +19,16 @@ GREEDY_INDICES = list(range(7)) + [LONG_INDEX]
 
 
 def test_tiny_pool_preempts_and_still_gives_the_same_outputs(llm, llm_chat_greedy):
-    small = llm.with_engine_settings(num_kv_blocks=NUM_BLOCKS, max_model_len=NUM_BLOCKS * 16)
+    # A 48-token step budget as well: sequences are also preempted in the middle of a chunked prefill.
+    small = llm.with_engine_settings(num_kv_blocks=NUM_BLOCKS, max_model_len=NUM_BLOCKS * 16,
+                                     max_num_batched_tokens=48)
     engine = small.engine
     requests = {f"greedy-{i}": (CHAT_PROMPTS[i], GREEDY) for i in GREEDY_INDICES}
     sampled = {f"sampled-{i}": (CHAT_PROMPTS[i], SAMPLED) for i in (9, 10)}
     outputs = run_requests(engine, {**requests, **sampled})
 
     stats = engine.stats
-    assert stats["num_preemptions"] > 0
+    assert stats["num_preemptions"] > 0 and stats["num_partial_prefills"] > 0
     for i in GREEDY_INDICES:
         assert outputs[f"greedy-{i}"].outputs[0].token_ids == llm_chat_greedy[i], f"prompt {i}"
     # Seeded samples survive preemption too: same as on the roomy engine (same request ids).

@@ -74,3 +74,13 @@ def test_stop_token_ids_min_max_tokens_and_ignore_eos(llm, baseline):
     ignored = outputs["ignore_eos"]
     assert len(ignored.token_ids) == eos_index + 6 and ignored.finish_reason == "length"
     assert ignored.token_ids[:eos_index + 1] == short.token_ids  # EOS is emitted, and generation goes on
+
+
+def test_generation_stops_at_max_model_len(llm):
+    short_context = llm.with_engine_settings(max_model_len=64)
+    prompt = list(range(1000, 1060))  # 60 tokens: room for 4 more
+    out = run_requests(short_context.engine, {"ctx": (prompt, SamplingParams(temperature=0, max_tokens=10,
+                                                                              ignore_eos=True))})["ctx"]
+    assert len(out.outputs[0].token_ids) == 4 and out.outputs[0].finish_reason == "length"
+    with pytest.raises(ValueError, match="max_model_len"):
+        short_context.engine.add_request("too-long", list(range(1000, 1064)), SamplingParams())
