@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-
 from batchgen.pipeline.errors import JobError
 
 EXIT_FAILURE = 1

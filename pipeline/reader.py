@@ -13,7 +13,6 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-
 from batchgen.pipeline.errors import JobError
 from batchgen.pipeline.storage import Storage
 

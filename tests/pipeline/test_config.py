@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from batchgen.pipeline.config import load_job
 from batchgen.pipeline.errors import JobError
 
