@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,10 +22,17 @@ _TENSOR_NAMES = {
 
 
 def _reader(path: Path):
+    stat = path.stat()
+    return _cached_reader(str(path), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=2)
+def _cached_reader(path: str, mtime_ns: int, size: int):
+    """Parsing the metadata (49k-entry vocab arrays) takes seconds: config and weights share one parse."""
     import gguf
 
     try:
-        return gguf.GGUFReader(str(path))
+        return gguf.GGUFReader(path)
     except Exception as exc:  # corrupt or truncated file
         raise ValueError(f"cannot read GGUF file {path}: {exc}") from exc
 
