@@ -13,6 +13,7 @@ from batchgen.engine.loader.gguf_loader import iter_gguf_weights, read_gguf_conf
 from batchgen.engine.loader.hf_loader import iter_hf_weights, read_hf_config
 from batchgen.engine.loader.source import ModelSource, resolve_model
 from batchgen.engine.models.config import ModelConfig
+from batchgen.engine.models.cpu_linear import can_pack, pack_linears
 from batchgen.engine.models.llama import LlamaForCausalLM
 from batchgen.engine.models.rotary import RotaryEmbedding
 
@@ -36,6 +37,9 @@ def unique_storage_bytes(module: torch.nn.Module) -> int:
     """Bytes of the distinct storages behind parameters and buffers (tied weights counted once)."""
     seen: dict[int, int] = {}
     for t in list(module.parameters()) + list(module.buffers()):
+        if t.layout == torch._mkldnn:  # opaque oneDNN tensor (packed weight): no storage to look at
+            seen[id(t)] = t.numel() * t.element_size()
+            continue
         storage = t.untyped_storage()
         seen[storage.data_ptr()] = storage.nbytes()
     return sum(seen.values())
@@ -72,6 +76,8 @@ def load_model(config: EngineConfig) -> LoadedModel:
         from batchgen.engine.quant.fp8 import quantize_model_fp8
 
         quantize_model_fp8(model, config, source)
+    if can_pack(device, dtype):  # after FP8, which leaves only the layers it did not quantize
+        log.info("packed %d linear layers for oneDNN", pack_linears(model))
     weight_bytes = unique_storage_bytes(model) - model.rotary.cos.nbytes - model.rotary.sin.nbytes
     log.info("loaded %s (%s, %d layers) as %s on %s", source.display_name, model_cfg.model_type,
              model_cfg.num_layers, dtype, device)
