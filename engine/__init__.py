@@ -6,5 +6,12 @@ from batchgen.engine.llm_engine import LLMEngine
 from batchgen.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from batchgen.engine.sampling_params import SamplingParams
 
-__all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput",
-           "RequestMetrics"]
+__all__ = [
+           "LLM",
+           "CompletionOutput",
+           "EngineConfig",
+           "LLMEngine",
+           "RequestMetrics",
+           "RequestOutput",
+           "SamplingParams",
+]

@@ -25,6 +25,7 @@ from typing import Annotated
 
 import torch
 import typer
+
 from batchgen.engine import LLMEngine
 from batchgen.pipeline.bench_engine import build_engine, parse_engine_overrides, run_engine
 from batchgen.pipeline.bench_peer import (

@@ -6,6 +6,7 @@ import dataclasses
 import time
 
 import yaml
+
 from batchgen.engine import EngineConfig, LLMEngine, SamplingParams
 from batchgen.pipeline.bench_result import RunResult
 from batchgen.pipeline.bench_workloads import Workload

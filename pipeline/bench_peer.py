@@ -11,6 +11,7 @@ import importlib.util
 import time
 
 import torch
+
 from batchgen.pipeline.bench_result import RunResult
 from batchgen.pipeline.bench_workloads import BenchRequest, Workload
 
@@ -32,8 +33,9 @@ def require_peer_dependencies() -> None:
 def load_peer_model(model: str):
     """transformers' own model class on the same checkpoint, float32, sdpa attention, eval mode."""
     require_peer_dependencies()
-    from batchgen.engine.loader.source import resolve_model
     from transformers import AutoModelForCausalLM
+
+    from batchgen.engine.loader.source import resolve_model
 
     source = resolve_model(model)
     kwargs = {"gguf_file": source.gguf_file} if source.is_gguf else {}

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import json
 import logging
 import sys
@@ -11,7 +10,10 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+
+from batchgen.pipeline.bench import bench_command
 from batchgen.pipeline.errors import JobError
+from batchgen.pipeline.plan import plan_command
 
 EXIT_FAILURE = 1
 EXIT_BAD_JOB = 2  # also click's code for usage errors
@@ -97,19 +99,8 @@ def validate(job: JobArg, set_: SetOpt = None, limit: LimitOpt = None) -> None:
     typer.echo("ok")
 
 
-def _register_optional(name: str, module: str, attr: str) -> None:
-    # TODO(lead): import directly once batchgen.pipeline.bench / .plan have landed.
-    try:
-        command = getattr(importlib.import_module(module), attr)
-    except ModuleNotFoundError as exc:
-        if exc.name != module:
-            raise
-        return
-    app.command(name)(command)
-
-
-_register_optional("bench", "batchgen.pipeline.bench", "bench_command")
-_register_optional("plan", "batchgen.pipeline.plan", "plan_command")
+app.command("bench")(bench_command)
+app.command("plan")(plan_command)
 
 
 def _setup_logging() -> None:

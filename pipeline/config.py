@@ -10,10 +10,11 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
 from batchgen.engine.config import EngineConfig, parse_memory_size
 from batchgen.engine.loader.source import BUNDLED_ALIASES
 from batchgen.pipeline.errors import JobError
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 # SamplingParams fields a per-row column may override (n, seed and logprobs change the job's shape
 # or its reproducibility contract, so they stay job-wide).

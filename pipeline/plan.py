@@ -9,10 +9,11 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import torch
 import typer
+
 from batchgen.engine.capacity import KV_FRAGMENTATION_FRACTION, CapacityPlan, plan_capacity
 from batchgen.engine.config import EngineConfig, parse_memory_size
 from batchgen.engine.models.config import ModelConfig
@@ -158,19 +159,19 @@ def plan_command(
     model_or_job: Annotated[str, typer.Argument(
         metavar="MODEL_OR_JOB", show_default=False,
         help="A model (alias, HF folder - config.json is enough -, .gguf file) or a job file (.yaml).")],
-    max_model_len: Annotated[Optional[int], typer.Option(
+    max_model_len: Annotated[int | None, typer.Option(
         "--max-model-len", min=1,
         help="Context length per request (default: the job's, else the model's).")] = None,
-    concurrency: Annotated[Optional[int], typer.Option(
+    concurrency: Annotated[int | None, typer.Option(
         "--concurrency", min=1,
         help="Concurrent requests (default: the job's engine.max_num_seqs, else 1).")] = None,
-    dtype: Annotated[Optional[str], typer.Option(
+    dtype: Annotated[str | None, typer.Option(
         "--dtype",
         help="auto | float32 | bfloat16 | float16 (auto plans for bfloat16, the GPU default).")] = None,
-    quantization: Annotated[Optional[str], typer.Option(
+    quantization: Annotated[str | None, typer.Option(
         "--quantization",
         help="none | fp8 (FP8 linear weights; embeddings and lm_head stay in dtype).")] = None,
-    memory: Annotated[Optional[str], typer.Option(
+    memory: Annotated[str | None, typer.Option(
         "--memory", help="Device memory to fit, e.g. 80GB or 141GiB: prints how many requests fit.")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print JSON, sizes in bytes.")] = False,
 ) -> None:

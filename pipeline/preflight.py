@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import fsspec
+
 from batchgen.engine.loader.source import BUNDLED_ALIASES, bundled_model_path, resolve_model
 from batchgen.pipeline.config import JobConfig
 from batchgen.pipeline.errors import JobError

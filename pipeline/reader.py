@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+
 from batchgen.pipeline.errors import JobError
 from batchgen.pipeline.storage import Storage
 

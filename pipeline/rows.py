@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pyarrow as pa
+
 from batchgen.pipeline.config import JobConfig
 from batchgen.pipeline.reader import binary_type
 

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pyarrow.parquet as pq
+
 from batchgen.engine import EngineConfig, LLMEngine, RequestOutput
 from batchgen.pipeline.config import JobConfig
 from batchgen.pipeline.errors import JobError

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pyarrow as pa
+
 from batchgen.pipeline.config import OVERRIDABLE_SAMPLING_KEYS, JobConfig
 from batchgen.pipeline.errors import JobError
 from batchgen.pipeline.reader import InputFile

@@ -8,8 +8,9 @@ from collections.abc import Callable
 from typing import Any
 
 import fsspec
-from batchgen.pipeline.errors import JobError
 from fsspec.implementations.local import LocalFileSystem
+
+from batchgen.pipeline.errors import JobError
 
 TEMP_PREFIX = "."  # temp files are hidden: pyarrow/polars dataset readers skip names starting with . or _
 TEMP_SUFFIX = ".tmp"

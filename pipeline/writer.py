@@ -7,6 +7,7 @@ from collections.abc import Callable
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+
 from batchgen.engine import RequestOutput
 from batchgen.pipeline.requests import RowTask
 from batchgen.pipeline.schema import generated_fields, output_schema

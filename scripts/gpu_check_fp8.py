@@ -22,15 +22,15 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # noqa: E402 - run from a checkout, uninstalled
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from batchgen.engine.attention import make_attention_backend  # noqa: E402
-from batchgen.engine.config import EngineConfig  # noqa: E402
-from batchgen.engine.models.config import ModelConfig  # noqa: E402
-from batchgen.engine.models.llama import LlamaForCausalLM  # noqa: E402
-from batchgen.engine.quant.direct_runner import DirectRunner  # noqa: E402
-from batchgen.engine.quant.fp8 import can_use_triton_w8a16, quantize_model_fp8  # noqa: E402
-from batchgen.engine.quant.fp8_linear import Fp8Linear  # noqa: E402
+from batchgen.engine.attention import make_attention_backend
+from batchgen.engine.config import EngineConfig
+from batchgen.engine.models.config import ModelConfig
+from batchgen.engine.models.llama import LlamaForCausalLM
+from batchgen.engine.quant.direct_runner import DirectRunner
+from batchgen.engine.quant.fp8 import can_use_triton_w8a16, quantize_model_fp8
+from batchgen.engine.quant.fp8_linear import Fp8Linear
 
 # Rounding to E4M3 moves a weight by <= 2**-4 of itself, RMS <= 2**-4/sqrt(3); activations too: x sqrt(2).
 W8A16_REL_BOUND = 2.0**-4 / 3**0.5

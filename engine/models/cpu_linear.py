@@ -32,6 +32,14 @@ class PackedLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
+    def __deepcopy__(self, memo: dict) -> PackedLinear:
+        # Opaque oneDNN tensors cannot be deep-copied; repack from the dense weight instead.
+        plain = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device="meta")
+        plain.weight = nn.Parameter(self.weight, requires_grad=False)
+        if self.bias is not None:
+            plain.bias = nn.Parameter(self.bias.detach().clone(), requires_grad=False)
+        return PackedLinear(plain)
+
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
     """oneDNN packing is available and gives F.linear's results on a small probe."""

@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from batchgen.engine.attention import AttentionMetadata
-from batchgen.engine.models.config import ModelConfig
 from batchgen.engine.models import ops as eager
+from batchgen.engine.models.config import ModelConfig
 from batchgen.engine.models.ops import compiled_ops, eager_ops
 from batchgen.engine.models.rotary import RotaryEmbedding
 

@@ -48,7 +48,7 @@ class DirectRunner:
         positions = [p for c, n in zip(context_lens, lens) for p in range(c, c + n)]
         meta = build_attention_metadata(lens, context_lens, self.block_tables[:len(lens)], num_decodes,
                                         self.block_size, self.device)
-        as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
+        as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)
         return self.model(as_tensor(ids), as_tensor(positions), self.kv_caches, meta, as_tensor(logits_rows))
 
 

@@ -76,8 +76,9 @@ def prepare_fp8_checkpoint(model: nn.Module, folder: Path) -> bool:
 
     Returns whether it is one. Refuses block-wise checkpoints (their `weight_scale_inv` tensors).
     """
-    from batchgen.engine.loader.hf_loader import safetensors_files
     from safetensors import safe_open
+
+    from batchgen.engine.loader.hf_loader import safetensors_files
 
     if read_fp8_quant_config(folder) is None:
         return False

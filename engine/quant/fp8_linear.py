@@ -15,7 +15,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from batchgen.engine.quant.fp8_tensor import FP8_DTYPE, quantize_fp8, quantize_fp8_per_token, quantize_fp8_static
+from batchgen.engine.quant.fp8_tensor import (
+    FP8_DTYPE,
+    quantize_fp8,
+    quantize_fp8_per_token,
+    quantize_fp8_static,
+)
 
 FP8_MODES = ("w8a8", "w8a16")
 

@@ -119,3 +119,20 @@ def test_padded_groups_give_the_same_attention_as_one_group():
         ref = backend.forward(q[start:start + n], k[start:start + n], v[start:start + n], (k_cache, v_cache), alone)
         torch.testing.assert_close(split[start:start + n], ref)
         start += n
+
+
+def test_packed_linear_matches_torch_linear_and_survives_deepcopy():
+    import copy
+
+    from batchgen.engine.models.cpu_linear import PackedLinear, can_pack
+
+    assert can_pack(torch.device("cpu"), torch.float32)  # CI's torch build has oneDNN
+    torch.manual_seed(0)
+    plain = torch.nn.Linear(48, 80)
+    packed = PackedLinear(plain)
+    x = torch.randn(37, 48)
+    torch.testing.assert_close(packed(x), plain(x), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(packed(x[:5]), packed(x)[:5], rtol=0, atol=0)  # rows independent of batch
+    twin = copy.deepcopy(packed)
+    torch.testing.assert_close(twin(x), packed(x), rtol=0, atol=0)
+    torch.testing.assert_close(packed.weight, plain.weight, rtol=0, atol=0)

@@ -5,8 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from batchgen.engine.quant.fp8_tensor import (FP8_DTYPE, FP8_MAX, dequantize_fp8, quantize_fp8,
-                                              quantize_fp8_per_token)
+from batchgen.engine.quant.fp8_tensor import (
+    FP8_DTYPE,
+    FP8_MAX,
+    dequantize_fp8,
+    quantize_fp8,
+    quantize_fp8_per_token,
+)
 
 # E4M3: 3 mantissa bits, so rounding a normal value (|v| >= 2**-6) moves it by at most half an ulp,
 # 2**-4 of its magnitude; below that, subnormals are spaced 2**-9 apart (error <= 2**-10).

@@ -79,8 +79,14 @@ def test_sharded_hf_folder_gives_the_gguf_outputs(llm, smollm_folder):
 
 def tiny_model(arch: str):
     """(HF model, HF model of the same weights without rope scaling or None) for one architecture."""
-    from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
-                              Qwen3ForCausalLM)
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
 
     # vocab_size matches the SmolLM2 tokenizer saved next to the weights.
     common = {"vocab_size": 49152, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,

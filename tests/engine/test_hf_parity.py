@@ -11,8 +11,14 @@ from __future__ import annotations
 import torch
 
 from batchgen.engine import SamplingParams
-from tests.engine.helpers import (GREEDY, NUM_GREEDY_TOKENS, captured_logits, divergence_report, relative_error,
-                                  run_requests)
+from tests.engine.helpers import (
+    GREEDY,
+    NUM_GREEDY_TOKENS,
+    captured_logits,
+    divergence_report,
+    relative_error,
+    run_requests,
+)
 from tests.engine.prompts import BOUNDARY_CHATS, CHAT_PROMPTS, LONG_CHAT, LONG_INDEX
 
 LOGITS_TOLERANCE = 1e-3  # max|ours - HF| / max|HF|, per row

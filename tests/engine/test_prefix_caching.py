@@ -8,10 +8,10 @@ other's cache and the tests pay for one model load.
 from __future__ import annotations
 
 import pytest
+
 from batchgen.engine import LLM, SamplingParams
 from batchgen.engine.kv_cache_manager import KVCacheManager
 from batchgen.engine.scheduler import Scheduler
-
 from tests.engine.prefix_prompts import (
     NUM_SHARED_TOKENS,
     OTHER_SYSTEM,

@@ -10,11 +10,11 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernel module is imported: jit reads it then
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
-from batchgen.kernels.fp8_matmul import fp8_w8a16_matmul  # noqa: E402
-from batchgen.kernels.reference import fp8_w8a16_matmul_ref  # noqa: E402
+from batchgen.kernels.fp8_matmul import fp8_w8a16_matmul
+from batchgen.kernels.reference import fp8_w8a16_matmul_ref
 
 
 def quantized(n: int, k: int, per_channel: bool, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

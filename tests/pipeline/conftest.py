@@ -8,9 +8,9 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+
 from batchgen.engine import CompletionOutput, EngineConfig, RequestMetrics, RequestOutput
 from batchgen.pipeline.config import JobConfig, validate_job
-
 from tests.conftest import MODEL, TEST_ENGINE_KWARGS
 
 # A short context keeps overlong/truncation cases cheap (a 250-token prefill, not a 4000-token one).

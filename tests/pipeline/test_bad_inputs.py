@@ -6,9 +6,9 @@ import json
 
 import pyarrow as pa
 import pytest
+
 from batchgen.pipeline.errors import JobError
 from batchgen.pipeline.runner import run_job
-
 from tests.pipeline.conftest import make_job, read_output, write_parquet
 
 OVERLONG = "Tell me about the history of tea. " * 40  # ~320 tokens: over max_model_len 256 with the template

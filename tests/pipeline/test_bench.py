@@ -9,6 +9,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import typer
+from typer.testing import CliRunner
+
 from batchgen.engine.models.config import ModelConfig
 from batchgen.pipeline.bench import BenchOptions, bench_command, run_bench
 from batchgen.pipeline.bench_engine import parse_engine_overrides
@@ -26,7 +28,6 @@ from batchgen.pipeline.roofline import (
     num_lm_head_flops_per_token,
     workload_roofline,
 )
-from typer.testing import CliRunner
 
 TINY = ModelConfig(model_type="llama", vocab_size=10, hidden_size=4, intermediate_size=8, num_layers=2,
                    num_heads=2, num_kv_heads=1, head_dim=2, rms_norm_eps=1e-6, rope_theta=1e4,

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import yaml
-from batchgen.pipeline import cli
 from typer.testing import CliRunner
 
+from batchgen.pipeline import cli
 from tests.pipeline.conftest import engine_sections, write_parquet
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+
 from batchgen.pipeline.config import load_job
 from batchgen.pipeline.errors import JobError
 

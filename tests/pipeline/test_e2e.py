@@ -8,12 +8,12 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
+
 from batchgen.engine import SamplingParams
 from batchgen.pipeline.config import load_job
 from batchgen.pipeline.preflight import plan_job
 from batchgen.pipeline.runner import run_job
 from batchgen.pipeline.summary import SUCCESS_KEYS
-
 from tests.pipeline.conftest import engine_sections, make_job, read_output, write_parquet
 
 REPO = Path(__file__).resolve().parents[2]

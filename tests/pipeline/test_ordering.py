@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pyarrow.parquet as pq
+
 from batchgen.pipeline.ordering import order_window
 from batchgen.pipeline.requests import RowTask
 from batchgen.pipeline.runner import run_job
-
 from tests.pipeline.conftest import make_job, read_output, write_parquet
 
 

@@ -6,12 +6,13 @@ import json
 
 import pytest
 import torch
+from typer.testing import CliRunner
+
 from batchgen.engine import capacity
 from batchgen.engine.capacity import num_kv_blocks, plan_capacity
 from batchgen.engine.config import parse_memory_size
 from batchgen.pipeline.cli import app
 from batchgen.pipeline.plan import make_plan, read_model, read_target
-from typer.testing import CliRunner
 
 MISTRAL_7B_SHAPE = {
     "architectures": ["MistralForCausalLM"], "model_type": "mistral", "hidden_size": 4096,

@@ -12,9 +12,9 @@ from collections import Counter
 
 import pytest
 import yaml
+
 from batchgen.pipeline.errors import JobError
 from batchgen.pipeline.runner import run_job
-
 from tests.pipeline.conftest import FakeEngine, make_job, read_output, write_parquet
 from tests.pipeline.tiny_model import write_tiny_model
 

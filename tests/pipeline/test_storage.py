@@ -8,9 +8,9 @@ import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+
 from batchgen.pipeline.runner import run_job
 from batchgen.pipeline.storage import Storage
-
 from tests.pipeline.conftest import FakeEngine, make_job
 
 PROMPTS = pa.table({"id": [7, 8, 9], "prompt": ["Name a color.", "Name a fruit.", "Name a tree."]})
