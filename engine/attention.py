@@ -24,7 +24,7 @@ class AttentionGroup:
     query_index: torch.Tensor  # (B, Q) flat token index per padded query slot (num_tokens: padding)
     query_valid: torch.Tensor  # (B, Q) bool
     key_slots: torch.Tensor  # (B * K,) cache slot per key position, flattened (0 for padding)
-    mask: torch.Tensor  # (B, 1, Q, K) bool, True = attend
+    mask: torch.Tensor | None  # (B, 1, Q, K) bool, True = attend; None: plain causal (no cached context)
 
 
 @dataclass
@@ -101,13 +101,20 @@ def _build_group(query_lens, context_lens, block_tables, token_start, block_size
     key_slots = tables[:, k_pos // block_size] * block_size + (k_pos % block_size)[None, :]  # (B, K)
     # Query i of sequence b sits at absolute position c_b + i and sees keys 0..c_b + i.
     abs_q = c_lens[:, None] + q_pos[None, :]  # (B, Q)
-    mask = k_pos[None, None, :] <= abs_q[:, :, None]  # (B, Q, K)
-    mask &= query_valid[:, :, None]
-    mask |= ~query_valid[:, :, None] & (k_pos[None, None, :] == 0)  # padding rows: avoid all-masked NaN
+    if not any(context_lens):
+        # Fresh prompts: query i sees keys 0..i, exactly SDPA's top-left causal mask, which lets the
+        # kernel skip the masked half. Padded queries (past a prompt's end) are dropped afterwards and
+        # padded keys sit past every real query.
+        mask = None
+    else:
+        mask = k_pos[None, None, :] <= abs_q[:, :, None]  # (B, Q, K)
+        mask &= query_valid[:, :, None]
+        mask |= ~query_valid[:, :, None] & (k_pos[None, None, :] == 0)  # padding rows: avoid all-masked NaN
+        mask = mask[:, None]
     return AttentionGroup(
         token_start=token_start, num_tokens=num_tokens,
         query_index=query_index.to(device), query_valid=query_valid.to(device),
-        key_slots=key_slots.flatten().to(device), mask=mask[:, None].to(device),
+        key_slots=key_slots.flatten().to(device), mask=None if mask is None else mask.to(device),
     )
 
 
@@ -144,7 +151,8 @@ class TorchAttention:
             values = v_cache.index_select(0, g.key_slots).view(num_seqs, -1, *v_cache.shape[1:])
             attn = F.scaled_dot_product_attention(
                 q_pad.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
-                attn_mask=g.mask, scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads,
+                attn_mask=g.mask, is_causal=g.mask is None, scale=self.scale,
+                enable_gqa=self.num_heads != self.num_kv_heads,
             )  # (B, H, Q, D)
             attn = attn.transpose(1, 2)[g.query_valid]  # (num_tokens, H, D), flat token order
             out[g.token_start:g.token_start + g.num_tokens] = attn
