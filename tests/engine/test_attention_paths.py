@@ -1,4 +1,4 @@
-"""Decode staging (dense per-sequence KV mirror) must give exactly what the paged gather path gives."""
+"""Attention paths: decode staging == paged gather, padded prefill groups, the causal kernel, oneDNN linears."""
 
 from __future__ import annotations
 
