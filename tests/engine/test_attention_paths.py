@@ -97,12 +97,16 @@ def test_prefill_groups_split_when_one_long_chunk_would_pad_the_rest():
     assert _split_by_padding(similar, similar, 0, 4) == [(0, 4)]
 
 
-def test_padded_groups_give_the_same_attention_as_one_group():
+def _small_attention(num_heads: int, num_kv_heads: int = 2, head_dim: int = 8, block_size: int = 4):
+    """A torch backend and a 64-block zeroed paged cache for kernel-level tests."""
     torch.manual_seed(0)
-    block_size, num_heads, num_kv_heads, head_dim = 4, 4, 2, 8
     k_cache = torch.zeros(64 * block_size, num_kv_heads, head_dim)
-    v_cache = torch.zeros_like(k_cache)
-    backend = TorchAttention(num_heads, num_kv_heads, head_dim)
+    return TorchAttention(num_heads, num_kv_heads, head_dim), k_cache, torch.zeros_like(k_cache)
+
+
+def test_padded_groups_give_the_same_attention_as_one_group():
+    block_size, num_heads, num_kv_heads, head_dim = 4, 4, 2, 8
+    backend, k_cache, v_cache = _small_attention(num_heads)
     query_lens, context_lens = [3, 3, 200], [0, 5, 2]
     tables = [[0, 1, 2], [3, 4, 5], list(range(6, 57))]
     num_tokens = sum(query_lens)
@@ -151,11 +155,8 @@ def _naive_attention(q, k, v, num_context: int):
 
 
 def test_fresh_prompts_use_the_causal_kernel_and_match_a_naive_reference():
-    torch.manual_seed(0)
     block_size, num_heads, num_kv_heads, head_dim = 4, 6, 2, 8
-    k_cache = torch.zeros(64 * block_size, num_kv_heads, head_dim)
-    v_cache = torch.zeros_like(k_cache)
-    backend = TorchAttention(num_heads, num_kv_heads, head_dim)
+    backend, k_cache, v_cache = _small_attention(num_heads)
     for context_lens in ([0, 0, 0], [0, 3, 0]):
         query_lens = [5, 9, 7]
         tables = [list(range(0, 4)), list(range(4, 8)), list(range(8, 12))]
