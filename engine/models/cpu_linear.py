@@ -41,6 +41,19 @@ class PackedLinear(nn.Linear):
         return PackedLinear(plain)
 
 
+class OneDNNLinear(nn.Linear):
+    """nn.Linear (same parameters, e.g. a tied lm_head sharing the embedding) computed by oneDNN on
+    the dense weight: no packed copy, and still ~1.7x MKL for the 64 x 576 x 49152 lm_head."""
+
+    def __init__(self, linear: nn.Linear):
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight, self.bias = linear.weight, linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+
+
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
     """oneDNN packing is available and gives F.linear's results on a small probe."""
     if device.type != "cpu" or dtype != torch.float32 or not torch.backends.mkldnn.is_available():
@@ -57,12 +70,13 @@ def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def pack_linears(model: nn.Module) -> int:
-    """Swap every plain nn.Linear for a PackedLinear; a tied lm_head stays (its weight is the embedding)."""
+    """Swap every plain nn.Linear for a PackedLinear; a tied lm_head keeps the embedding's dense
+    weight (packing it would copy it) and runs through oneDNN unpacked."""
     tied = getattr(model, "lm_head", None) if getattr(getattr(model, "cfg", None), "tie_word_embeddings", False) else None
     num_packed = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear and child is not tied:
-                setattr(parent, name, PackedLinear(child))
+            if type(child) is nn.Linear:
+                setattr(parent, name, OneDNNLinear(child) if child is tied else PackedLinear(child))
                 num_packed += 1
     return num_packed

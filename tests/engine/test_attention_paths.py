@@ -142,6 +142,18 @@ def test_packed_linear_matches_torch_linear_and_survives_deepcopy():
     torch.testing.assert_close(packed.weight, plain.weight, rtol=0, atol=0)
 
 
+def test_tied_lm_head_runs_through_onednn_on_the_embedding_itself(llm):
+    from batchgen.engine.models.cpu_linear import OneDNNLinear
+
+    model = llm.engine.runner.model
+    assert isinstance(model.lm_head, OneDNNLinear)
+    assert model.lm_head.weight is model.embed_tokens.weight  # still tied: no second copy
+    x = torch.randn(9, model.cfg.hidden_size)
+    expected = torch.nn.functional.linear(x, model.embed_tokens.weight)
+    torch.testing.assert_close(model.lm_head(x), expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(model.lm_head(x[:2]), model.lm_head(x)[:2], rtol=0, atol=0)
+
+
 def _naive_attention(q, k, v, num_context: int):
     """float64 reference for one sequence: q (Q, H, D) attends k, v (C + Q, Hkv, D) causally."""
     num_q, num_heads, head_dim = q.shape
