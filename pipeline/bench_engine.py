@@ -17,7 +17,7 @@ FIXED_ENGINE_KEYS = {"model": "--model", "dtype": "float32", "device": "cpu", "n
 
 def parse_engine_overrides(items: list[str] | None) -> dict:
     """['max_num_seqs=64', 'enable_prefix_caching=false'] -> typed EngineConfig keywords."""
-    allowed = {f.name for f in dataclasses.fields(EngineConfig)} - {"extra"} - set(FIXED_ENGINE_KEYS)
+    allowed = {f.name for f in dataclasses.fields(EngineConfig)} - set(FIXED_ENGINE_KEYS)
     overrides: dict = {}
     for item in items or []:
         key, sep, raw = item.partition("=")
