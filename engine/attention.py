@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from batchgen.engine.decode_staging import StagingStep
+from batchgen.engine.kv_cache_manager import cache_slots
 
 
 @dataclass
@@ -45,8 +46,7 @@ def build_attention_metadata(query_lens: list[int], context_lens: list[int], blo
     """
     slots: list[int] = []
     for q, c, table in zip(query_lens, context_lens, block_tables):
-        for pos in range(c, c + q):
-            slots.append(table[pos // block_size] * block_size + pos % block_size)
+        slots.extend(cache_slots(table, c, c + q, block_size))
     slot_mapping = torch.tensor(slots, dtype=torch.long, device=device)
     groups = []
     start = num_decodes if staging is not None else 0

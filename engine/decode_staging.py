@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from batchgen.engine.kv_cache_manager import cache_slots
 from batchgen.engine.sequence import Sequence
 
 
@@ -91,8 +92,7 @@ class DecodeRows:
         fill_slots = []
         for s in joining:
             ctx = s.num_computed_tokens
-            slots = [s.block_ids[p // self.block_size] * self.block_size + p % self.block_size for p in range(ctx)]
-            fill_slots.extend(slots + [0] * (fill_len - ctx))
+            fill_slots.extend(cache_slots(s.block_ids, 0, ctx, self.block_size) + [0] * (fill_len - ctx))
         positions = [s.num_computed_tokens for s in rows]
         lengths = torch.tensor(positions) + 1
         max_len = int(lengths.max())

@@ -6,6 +6,11 @@ from batchgen.engine.block_pool import NO_PARENT, BlockPool, hash_block
 from batchgen.engine.sequence import Sequence
 
 
+def cache_slots(block_ids: list[int], start: int, end: int, block_size: int) -> list[int]:
+    """Flat cache slots (block * block_size + offset) of token positions start..end-1."""
+    return [block_ids[pos // block_size] * block_size + pos % block_size for pos in range(start, end)]
+
+
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool):
         self.block_size = block_size
