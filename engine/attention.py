@@ -1,8 +1,11 @@
 """Paged attention behind a backend interface; `torch` is the reference that runs on any device.
 
-The model runner orders a step's sequences decodes first, then prefill chunks, and builds one
-AttentionMetadata per step; every layer reuses it. Each group is attended as a padded batch
-whose keys are gathered from the paged cache through the block tables.
+The model runner orders a step's sequences decodes first, then prefill chunks that continue a
+cached context, then fresh prompts, and builds one AttentionMetadata per step; every layer reuses
+it. A fresh prompt (nothing cached before this step) attends only to its own new tokens, so it is
+attended in place on its slice of the step's q/k/v: no gather, no padding. Everything else is
+attended in groups, padded batches whose keys are gathered from the paged cache through the
+block tables.
 """
 
 from __future__ import annotations
@@ -25,13 +28,14 @@ class AttentionGroup:
     query_index: torch.Tensor  # (B, Q) flat token index per padded query slot (num_tokens: padding)
     query_valid: torch.Tensor  # (B, Q) bool
     key_slots: torch.Tensor  # (B * K,) cache slot per key position, flattened (0 for padding)
-    mask: torch.Tensor | None  # (B, 1, Q, K) bool, True = attend; None: plain causal (no cached context)
+    mask: torch.Tensor  # (B, 1, Q, K) bool, True = attend
 
 
 @dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # (T,) cache slot for each new token
     groups: list[AttentionGroup]
+    fresh: list[tuple[int, int]]  # (first flat token, num_tokens) of each fresh prompt, attended in place
     staging: StagingStep | None = None  # set when the decodes read dense staging rows
     num_decodes: int = 0  # the first tokens, one per decoding sequence
 
@@ -42,23 +46,31 @@ def build_attention_metadata(query_lens: list[int], context_lens: list[int], blo
     """context_lens[i] = tokens already in the cache before this step; query_lens[i] = new tokens.
 
     The first `num_decodes` sequences have one query each; with `staging` they read dense staging
-    rows instead of a gathered group.
+    rows instead of a gathered group. Prefill sequences with no cached context are attended in
+    place; the others form padded groups (runs of them, in the caller's order).
     """
     slots: list[int] = []
     for q, c, table in zip(query_lens, context_lens, block_tables):
         slots.extend(cache_slots(table, c, c + q, block_size))
     slot_mapping = torch.tensor(slots, dtype=torch.long, device=device)
-    groups = []
-    start = num_decodes if staging is not None else 0
-    ranges = [(start, num_decodes)] if num_decodes > start else []
     seq_lens = [q + c for q, c in zip(query_lens, context_lens)]
-    ranges += _split_by_padding(query_lens, seq_lens, num_decodes, len(query_lens))
-    for lo, hi in ranges:
-        group = _build_group(query_lens[lo:hi], context_lens[lo:hi], block_tables[lo:hi],
-                             start, block_size, device)
-        groups.append(group)
-        start += group.num_tokens
-    return AttentionMetadata(slot_mapping, groups, staging, num_decodes)
+    token_starts = [0]
+    for q in query_lens:
+        token_starts.append(token_starts[-1] + q)
+    first_gathered = num_decodes if staging is not None else 0
+    ranges = [(first_gathered, num_decodes)] if num_decodes > first_gathered else []
+    fresh: list[tuple[int, int]] = []
+    run_start = num_decodes  # first sequence of the current run of prefills that gather
+    for i in range(num_decodes, len(query_lens) + 1):
+        if i < len(query_lens) and context_lens[i] > 0:
+            continue
+        ranges += _split_by_padding(query_lens, seq_lens, run_start, i)
+        if i < len(query_lens):
+            fresh.append((token_starts[i], query_lens[i]))
+        run_start = i + 1
+    groups = [_build_group(query_lens[lo:hi], context_lens[lo:hi], block_tables[lo:hi],
+                           token_starts[lo], block_size, device) for lo, hi in ranges]
+    return AttentionMetadata(slot_mapping, groups, fresh, staging, num_decodes)
 
 
 def _split_by_padding(query_lens: list[int], seq_lens: list[int], lo: int, hi: int,
@@ -101,20 +113,13 @@ def _build_group(query_lens, context_lens, block_tables, token_start, block_size
     key_slots = tables[:, k_pos // block_size] * block_size + (k_pos % block_size)[None, :]  # (B, K)
     # Query i of sequence b sits at absolute position c_b + i and sees keys 0..c_b + i.
     abs_q = c_lens[:, None] + q_pos[None, :]  # (B, Q)
-    if not any(context_lens):
-        # Fresh prompts: query i sees keys 0..i, exactly SDPA's top-left causal mask, which lets the
-        # kernel skip the masked half. Padded queries (past a prompt's end) are dropped afterwards and
-        # padded keys sit past every real query.
-        mask = None
-    else:
-        mask = k_pos[None, None, :] <= abs_q[:, :, None]  # (B, Q, K)
-        mask &= query_valid[:, :, None]
-        mask |= ~query_valid[:, :, None] & (k_pos[None, None, :] == 0)  # padding rows: avoid all-masked NaN
-        mask = mask[:, None]
+    mask = k_pos[None, None, :] <= abs_q[:, :, None]  # (B, Q, K)
+    mask &= query_valid[:, :, None]
+    mask |= ~query_valid[:, :, None] & (k_pos[None, None, :] == 0)  # padding rows: avoid all-masked NaN
     return AttentionGroup(
         token_start=token_start, num_tokens=num_tokens,
         query_index=query_index.to(device), query_valid=query_valid.to(device),
-        key_slots=key_slots.flatten().to(device), mask=None if mask is None else mask.to(device),
+        key_slots=key_slots.flatten().to(device), mask=mask[:, None].to(device),
     )
 
 
@@ -134,10 +139,22 @@ class TorchAttention:
         k_cache, v_cache = layer_kv[0], layer_kv[1]
         k_cache.index_copy_(0, meta.slot_mapping, k)
         v_cache.index_copy_(0, meta.slot_mapping, v)
+        if meta.staging is not None and meta.num_decodes == q.shape[0]:  # a decode-only step
+            return self._staged_decode(q, k, v, k_cache, v_cache, layer_kv[2], meta.staging)
         out = torch.empty_like(q)
         if meta.staging is not None:
             end = meta.num_decodes
             out[:end] = self._staged_decode(q[:end], k[:end], v[:end], k_cache, v_cache, layer_kv[2], meta.staging)
+        is_gqa = self.num_heads != self.num_kv_heads
+        for start, num_tokens in meta.fresh:
+            # (1, heads, L, D) strided views of the sequence's own rows: SDPA's causal kernel reads
+            # them in place and skips the masked half.
+            end = start + num_tokens
+            attn = F.scaled_dot_product_attention(
+                q[start:end].transpose(0, 1)[None], k[start:end].transpose(0, 1)[None],
+                v[start:end].transpose(0, 1)[None], is_causal=True, scale=self.scale, enable_gqa=is_gqa,
+            )  # (1, H, L, D)
+            out[start:end] = attn[0].transpose(0, 1)
         for g in meta.groups:
             num_seqs, max_q = g.query_index.shape
             q_group = q[g.token_start:g.token_start + g.num_tokens]
@@ -151,8 +168,7 @@ class TorchAttention:
             values = v_cache.index_select(0, g.key_slots).view(num_seqs, -1, *v_cache.shape[1:])
             attn = F.scaled_dot_product_attention(
                 q_pad.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
-                attn_mask=g.mask, is_causal=g.mask is None, scale=self.scale,
-                enable_gqa=self.num_heads != self.num_kv_heads,
+                attn_mask=g.mask, scale=self.scale, enable_gqa=is_gqa,
             )  # (B, H, Q, D)
             attn = attn.transpose(1, 2)[g.query_valid]  # (num_tokens, H, D), flat token order
             out[g.token_start:g.token_start + g.num_tokens] = attn
@@ -164,11 +180,15 @@ class TorchAttention:
         buffers.update(step, k_cache, v_cache, k, v)
         group = self.num_heads // self.num_kv_heads
         # A kv head's query heads act as `group` queries against it: GQA without expanding K/V.
-        attn = F.scaled_dot_product_attention(
-            q.view(num_seqs, self.num_kv_heads, group, self.head_dim),
-            buffers.k[:num_seqs, :, :step.max_len], buffers.v[:num_seqs, :, :step.max_len],
-            attn_mask=step.mask, scale=self.scale,
-        )  # (B, Hkv, group, D)
+        q_rows = q.view(num_seqs, self.num_kv_heads, group, self.head_dim)
+        parts = [
+            F.scaled_dot_product_attention(
+                q_rows[r.first:r.end], buffers.k[r.first:r.end, :, :r.max_len],
+                buffers.v[r.first:r.end, :, :r.max_len], attn_mask=r.mask, scale=self.scale,
+            )  # (b, Hkv, group, D)
+            for r in step.ranges
+        ]
+        attn = parts[0] if len(parts) == 1 else torch.cat(parts)
         return attn.reshape(num_seqs, self.num_heads, self.head_dim)
 
 

@@ -11,6 +11,7 @@ import torch
 
 from batchgen.engine.capacity import kv_bytes_per_token, kv_cache_budget_bytes, num_kv_blocks
 from batchgen.engine.config import EngineConfig
+from batchgen.engine.cpu_allocator import keep_freed_memory
 from batchgen.engine.kv_cache_manager import KVCacheManager
 from batchgen.engine.loader.model_loader import load_model
 from batchgen.engine.model_runner import ModelRunner
@@ -48,6 +49,8 @@ class LLMEngine:
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
+        if config.torch_device.type == "cpu":
+            keep_freed_memory()
         if weights_from is None:
             loaded = load_model(config)
             tokenizer = Tokenizer(loaded.source)
@@ -125,7 +128,9 @@ class LLMEngine:
             if self.scheduler.waiting and not self.scheduler.running:
                 raise RuntimeError("the scheduler cannot admit any waiting request: the KV cache is too small")
             return []
-        results = self.runner.execute(out.scheduled)
+        # Sequences that may decode soon: the runner sizes its decode staging for them at once.
+        num_live = min(len(self.scheduler.running) + len(self.scheduler.waiting), self.config.max_num_seqs)
+        results = self.runner.execute(out.scheduled, num_live)
         for s in out.scheduled:
             s.seq.num_computed_tokens += s.num_new_tokens
         finished: list[RequestOutput] = []

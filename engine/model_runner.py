@@ -11,7 +11,7 @@ import torch
 
 from batchgen.engine.attention import build_attention_metadata
 from batchgen.engine.config import EngineConfig
-from batchgen.engine.decode_staging import DecodeRows, StagingBuffers
+from batchgen.engine.decode_staging import DecodeRows, StagingPool
 from batchgen.engine.models.config import ModelConfig
 from batchgen.engine.models.llama import LlamaForCausalLM
 from batchgen.engine.sampler import Sampler
@@ -40,31 +40,33 @@ class ModelRunner:
         # The torch backend decodes from dense staging rows (see decode_staging.py), capped at the
         # pool's own size so staging never more than doubles KV memory.
         self.decode_rows: DecodeRows | None = None
+        self.staging_pool: StagingPool | None = None
         if config.resolved_attention_backend == "torch":
-            self.decode_rows = DecodeRows(config.block_size, max_tokens=num_slots)
-            self.kv_caches = [
-                (k, v, StagingBuffers(model_cfg.num_kv_heads, model_cfg.head_dim, config.torch_dtype, self.device))
-                for k, v in self.kv_caches]
+            self.decode_rows = DecodeRows(config.block_size, model_cfg.num_kv_heads, max_tokens=num_slots)
+            self.staging_pool = StagingPool(model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim,
+                                            config.torch_dtype, self.device)
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[ScheduledSeq]) -> list[tuple[ScheduledSeq, int, float]]:
-        """Run one step; returns (scheduled seq, token, raw logprob) for each sequence that samples."""
+    def execute(self, scheduled: list[ScheduledSeq], num_live_seqs: int = 0) -> list[tuple[ScheduledSeq, int, float]]:
+        """Run one step; returns (scheduled seq, token, raw logprob) for each sequence that samples.
+        `num_live_seqs`: unfinished sequences that may decode soon (sizes the decode staging rows)."""
         # Decodes first (in staging-row order when staged), then prefill chunks: each group is
         # attended as one batch.
         decodes = [s for s in scheduled if s.num_new_tokens == 1]
-        # Similar chunk lengths side by side, so attention groups pad little (see _split_by_padding).
+        # Chunks that continue a cached context first, similar lengths side by side so their attention
+        # groups pad little (see _split_by_padding); fresh prompts last (attended in place).
         prefills = sorted((s for s in scheduled if s.num_new_tokens != 1),
-                          key=lambda s: (s.num_new_tokens, s.seq.num_computed_tokens))
+                          key=lambda s: (s.seq.num_computed_tokens == 0, s.num_new_tokens, s.seq.num_computed_tokens))
         staging = None
         if self.decode_rows is not None:
-            if decodes and self.decode_rows.can_stage([s.seq for s in decodes]):
+            if decodes and self.decode_rows.can_stage([s.seq for s in decodes], num_live_seqs):
                 by_seq = {id(s.seq): s for s in decodes}
-                row_seqs, staging = self.decode_rows.plan([s.seq for s in decodes], self.device)
+                row_seqs, staging = self.decode_rows.plan([s.seq for s in decodes], self.device, num_live_seqs)
                 decodes = [by_seq[id(seq)] for seq in row_seqs]
+                self.staging_pool.resize(*staging.capacity)
             elif self.decode_rows.capacity != (0, 0):
                 self.decode_rows.reset()
-                for layer_kv in self.kv_caches:
-                    layer_kv[2].resize(0, 0)  # give the memory back; rows refill when staging resumes
+                self.staging_pool.resize(0, 0)  # give the memory back; rows refill when staging resumes
         order = decodes + prefills
         num_decodes = len(decodes)
         input_ids: list[int] = []
@@ -81,11 +83,14 @@ class ModelRunner:
         meta = build_attention_metadata(
             [s.num_new_tokens for s in order], [s.seq.num_computed_tokens for s in order],
             [s.seq.block_ids for s in order], num_decodes, self.block_size, self.device, staging)
+        layer_kvs = self.kv_caches
+        if staging is not None:
+            layer_kvs = [(k, v, buffers) for (k, v), buffers in zip(self.kv_caches, self.staging_pool.layers)]
         device = self.device
         logits = self.model(
             torch.tensor(input_ids, dtype=torch.long, device=device),
             torch.tensor(positions, dtype=torch.long, device=device),
-            self.kv_caches, meta, torch.tensor(logits_rows, dtype=torch.long, device=device),
+            layer_kvs, meta, torch.tensor(logits_rows, dtype=torch.long, device=device),
         )  # (N, V)
         if not sampling:
             return []

@@ -48,14 +48,14 @@ class Attention(nn.Module):
         cfg = self.cfg
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)  # (T, q_size + 2 * kv_size)
-        q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-        q = q.view(num_tokens, cfg.num_heads, cfg.head_dim)
-        k = k.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
-        v = v.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+        num_qk_heads = cfg.num_heads + cfg.num_kv_heads
+        qk = qkv[:, :cfg.q_size + cfg.kv_size].view(num_tokens, num_qk_heads, cfg.head_dim)
+        v = qkv[:, cfg.q_size + cfg.kv_size:].view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
         if cfg.qk_norm:
-            q = ops.rms_norm(q, self.q_norm.weight, self.q_norm.eps)
-            k = ops.rms_norm(k, self.k_norm.weight, self.k_norm.eps)
-        q, k = ops.rotary(q, k, *rope)
+            q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
+            qk = torch.cat([ops.rms_norm(q, self.q_norm.weight, self.q_norm.eps),
+                            ops.rms_norm(k, self.k_norm.weight, self.k_norm.eps)], dim=1)
+        q, k = ops.rotary(qk, *rope).split([cfg.num_heads, cfg.num_kv_heads], dim=1)  # (T, H, D), (T, Hkv, D)
         out = backend.forward(q, k, v, kv_cache, meta)  # (T, H, D)
         return self.o_proj(out.reshape(num_tokens, cfg.q_size))
 

@@ -13,6 +13,9 @@ import torch.nn.functional as F
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.dtype == torch.float32:
+        # One fused op; in float32 it computes HF's expression below bit for bit (checked in tests).
+        return F.rms_norm(x, weight.shape, weight, eps)
     # HF's op order (normalize in float32, scale in the model dtype), for matching logits.
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
@@ -26,19 +29,16 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     return rms_norm(total, weight, eps), total
 
 
-def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    # q: (T, H, D); k: (T, Hkv, D); cos, sin: (T, 1, D), rotate-half layout
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+def rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """HF's rotate-half rotary, x * cos + rotate_half(x) * sin, as x * cos + swap_halves(x) * signed_sin
+    (signed_sin = sin with its first half negated): two passes fewer. x: (T, heads, D); cos,
+    signed_sin: (T, 1, D). q and k go through together as one (T, H + Hkv, D) tensor."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    return F.silu(gate).mul_(up)
 
 
 _NAMES = ("rms_norm", "add_rms_norm", "rotary", "silu_mul")

@@ -42,10 +42,11 @@ class RotaryEmbedding(torch.nn.Module):
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)  # (P, D/2)
         emb = torch.cat([freqs, freqs], dim=-1)  # (P, D)
         self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        # sin with its first half negated: what ops.rotary multiplies the half-swapped input by.
+        self.register_buffer("sin", torch.cat([-freqs.sin(), freqs.sin()], dim=-1), persistent=False)
 
     def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin for a step's positions (T,) as (T, 1, D); computed once per step, used by every layer."""
+        """cos, signed sin for a step's positions (T,) as (T, 1, D); computed once per step, used by every layer."""
         cos = self.cos.index_select(0, positions).unsqueeze(1).to(dtype)
         sin = self.sin.index_select(0, positions).unsqueeze(1).to(dtype)
         return cos, sin

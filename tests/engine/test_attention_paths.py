@@ -1,4 +1,4 @@
-"""Attention paths: decode staging == paged gather, padded prefill groups, the causal kernel, oneDNN linears."""
+"""Attention paths: decode staging == paged gather, padded prefill groups, fresh prompts in place, oneDNN linears."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 
 from batchgen.engine import SamplingParams
 from batchgen.engine.attention import TorchAttention, build_attention_metadata
-from batchgen.engine.decode_staging import DecodeRows, StagingBuffers
+from batchgen.engine.decode_staging import DecodeRows, StagingPool
 from batchgen.engine.sequence import Sequence
 
 
@@ -26,8 +26,8 @@ def test_staged_decode_matches_gather_across_joins_and_departures():
     k_cache = torch.randn(num_slots, num_kv_heads, head_dim)
     v_cache = torch.randn(num_slots, num_kv_heads, head_dim)
     backend = TorchAttention(num_heads, num_kv_heads, head_dim)
-    rows = DecodeRows(block_size, max_tokens=10_000)
-    buffers = StagingBuffers(num_kv_heads, head_dim, torch.float32, torch.device("cpu"))
+    rows = DecodeRows(block_size, num_kv_heads, max_tokens=10_000)
+    pool = StagingPool(1, num_kv_heads, head_dim, torch.float32, torch.device("cpu"))
     free_blocks = list(range(64))
     random.Random(0).shuffle(free_blocks)
     seqs = [_seq(n, [free_blocks.pop() for _ in range(6)], i) for i, n in enumerate([3, 9, 14, 5, 1, 17])]
@@ -35,6 +35,7 @@ def test_staged_decode_matches_gather_across_joins_and_departures():
     for active in ([0, 1, 2, 3, 4], [0, 2, 3, 4], [0, 2, 4, 5], [5, 2]):
         decodes = [seqs[i] for i in active]
         order, step = rows.plan(decodes, torch.device("cpu"))
+        pool.resize(*step.capacity)
         meta = build_attention_metadata([1] * len(order), [s.num_computed_tokens for s in order],
                                         [s.block_ids for s in order], len(order), block_size, torch.device("cpu"))
         q = torch.randn(len(order), num_heads, head_dim)
@@ -45,7 +46,7 @@ def test_staged_decode_matches_gather_across_joins_and_departures():
                                                [s.block_ids for s in order], len(order), block_size,
                                                torch.device("cpu"), staging=step)
         assert staged_meta.groups == []
-        staged = backend.forward(q, k, v, (k_cache, v_cache, buffers), staged_meta)
+        staged = backend.forward(q, k, v, (k_cache, v_cache, pool.layers[0]), staged_meta)
         torch.testing.assert_close(staged, expected, rtol=1e-5, atol=1e-5)
         assert [id(s) for s in order] == [id(s) for s in rows.row_seqs]
         for s in order:
@@ -65,7 +66,6 @@ def test_engine_outputs_identical_with_and_without_staging(llm):
     params[0] = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     gather_engine = LLMEngine(llm.engine.config, weights_from=llm.engine)
     gather_engine.runner.decode_rows = None
-    gather_engine.runner.kv_caches = [kv[:2] for kv in gather_engine.runner.kv_caches]
 
     def run(engine):
         for i, (p, sp) in enumerate(zip(prompts, params)):
@@ -107,7 +107,7 @@ def _small_attention(num_heads: int, num_kv_heads: int = 2, head_dim: int = 8, b
 def test_padded_groups_give_the_same_attention_as_one_group():
     block_size, num_heads, num_kv_heads, head_dim = 4, 4, 2, 8
     backend, k_cache, v_cache = _small_attention(num_heads)
-    query_lens, context_lens = [3, 3, 200], [0, 5, 2]
+    query_lens, context_lens = [3, 3, 200], [1, 5, 2]  # all continue a context: all gathered
     tables = [[0, 1, 2], [3, 4, 5], list(range(6, 57))]
     num_tokens = sum(query_lens)
     q = torch.randn(num_tokens, num_heads, head_dim)
@@ -166,7 +166,7 @@ def _naive_attention(q, k, v, num_context: int):
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).float()
 
 
-def test_fresh_prompts_use_the_causal_kernel_and_match_a_naive_reference():
+def test_fresh_prompts_attended_in_place_and_chunks_with_context_match_a_naive_reference():
     block_size, num_heads, num_kv_heads, head_dim = 4, 6, 2, 8
     backend, k_cache, v_cache = _small_attention(num_heads)
     for context_lens in ([0, 0, 0], [0, 3, 0]):
@@ -179,7 +179,9 @@ def test_fresh_prompts_use_the_causal_kernel_and_match_a_naive_reference():
         k_cache.normal_()
         v_cache.normal_()
         meta = build_attention_metadata(query_lens, context_lens, tables, 0, block_size, torch.device("cpu"))
-        assert (meta.groups[0].mask is None) == (not any(context_lens))
+        # Fresh prompts are attended in place; only the chunk with cached context is gathered.
+        assert [n for _, n in meta.fresh] == [n for n, c in zip(query_lens, context_lens) if c == 0]
+        assert [g.num_tokens for g in meta.groups] == [n for n, c in zip(query_lens, context_lens) if c > 0]
         out = backend.forward(q, k, v, (k_cache, v_cache), meta)
         start = 0
         for n, c, table in zip(query_lens, context_lens, tables):
