@@ -78,6 +78,7 @@ class DecodeRows:
         self.row_seqs: list[Sequence] = []
         self.capacity = (0, 0)  # (rows, length) the buffers hold; grows until reset
         self.num_resets = 0  # times staging switched off for lack of memory
+        self.range_max_waste, self.range_slack = 1.1, 512  # row_ranges() rule
 
     def can_stage(self, decodes: list[Sequence], num_expected_rows: int = 0) -> bool:
         rows, length = self._capacity_for(decodes, num_expected_rows)
@@ -138,7 +139,7 @@ class DecodeRows:
         row_heads = torch.arange(len(rows) * self.num_kv_heads)  # row * Hkv + head
         append_index = row_heads * capacity_len + positions.repeat_interleave(self.num_kv_heads)
         ranges = []
-        for first, end in row_ranges(lengths):
+        for first, end in row_ranges(lengths, self.range_max_waste, self.range_slack):
             range_len = max(lengths[first:end])
             mask = torch.arange(range_len)[None, :] < torch.tensor(lengths[first:end])[:, None]  # (b, L)
             ranges.append(RowRange(first, end, range_len, mask[:, None, None, :].to(device)))

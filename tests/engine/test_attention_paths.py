@@ -54,6 +54,44 @@ def test_staged_decode_matches_gather_across_joins_and_departures():
             s.num_computed_tokens += 1
 
 
+def test_row_ranges_cut_where_padding_would_exceed_the_waste_limit():
+    from batchgen.engine.decode_staging import row_ranges
+
+    # Length-ordered rows: a long head, then short rows; the short ones must not pad to 2000.
+    lengths = [2000, 1990, 300, 290, 280, 40, 35]
+    ranges = row_ranges(lengths)
+    assert ranges[0] == (0, 2) and ranges[-1][1] == len(lengths)
+    assert all(lo < hi for lo, hi in ranges) and all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+    for lo, hi in ranges:  # every range within the waste rule (a single row always is)
+        part = lengths[lo:hi]
+        assert hi - lo == 1 or len(part) * max(part) <= 1.1 * sum(part) + 512
+    assert row_ranges([100, 101, 99, 100]) == [(0, 4)]  # similar rows stay one batch
+
+
+def test_staged_decode_in_several_row_ranges_matches_gather():
+    """Rows of very different lengths are attended in separate ranges; same result as one gather."""
+    torch.manual_seed(0)
+    block_size, num_heads, num_kv_heads, head_dim = 4, 6, 2, 8
+    k_cache = torch.randn(64 * block_size, num_kv_heads, head_dim)
+    v_cache = torch.randn(64 * block_size, num_kv_heads, head_dim)
+    backend = TorchAttention(num_heads, num_kv_heads, head_dim)
+    rows = DecodeRows(block_size, num_kv_heads, max_tokens=10_000)
+    rows.range_max_waste, rows.range_slack = 1.0, 0  # cut wherever rows differ in length
+    pool = StagingPool(1, num_kv_heads, head_dim, torch.float32, torch.device("cpu"))
+    seqs = [_seq(n, list(range(8 * i, 8 * i + 8)), i) for i, n in enumerate([30, 2, 17, 9])]
+    order, step = rows.plan(seqs, torch.device("cpu"))
+    pool.resize(*step.capacity)
+    assert len(step.ranges) > 1
+    q = torch.randn(len(order), num_heads, head_dim)
+    k = torch.randn(len(order), num_kv_heads, head_dim)
+    v = torch.randn(len(order), num_kv_heads, head_dim)
+    args = ([1] * len(order), [s.num_computed_tokens for s in order], [s.block_ids for s in order],
+            len(order), block_size, torch.device("cpu"))
+    expected = backend.forward(q, k, v, (k_cache.clone(), v_cache.clone()), build_attention_metadata(*args))
+    staged = backend.forward(q, k, v, (k_cache, v_cache, pool.layers[0]), build_attention_metadata(*args, staging=step))
+    torch.testing.assert_close(staged, expected, rtol=1e-5, atol=1e-5)
+
+
 def test_engine_outputs_identical_with_and_without_staging(llm):
     """Mixed lengths and max_tokens make rows leave and join mid-run; a tight memory cap makes
     staging switch off mid-run (rows cross 64 tokens) and the gather path take over."""
