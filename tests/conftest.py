@@ -8,6 +8,9 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Triton kernels run under the interpreter on the CPU. Set before any test module imports triton:
+# transformers' model modules may import it first, and triton reads the variable at import.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 MODEL = "smollm2-135m-instruct"
 # Small KV pool for tests: the design's CPU default (4 GiB) is more than a test needs. 256 MiB holds
