@@ -106,7 +106,7 @@ class DecodeRows:
     def plan(self, decodes: list[Sequence], device: torch.device,
              num_expected_rows: int = 0) -> tuple[list[Sequence], StagingStep]:
         """Rows for this step's decodes; returns them in row order with the step's staging plan.
-        `num_expected_rows`: sequences that may decode soon (this step's decodes and prefills)."""
+        `num_expected_rows`: sequences that may decode soon (the engine passes its unfinished ones)."""
         self.capacity = self._capacity_for(decodes, num_expected_rows)
         current = {id(s) for s in decodes}
         rows = self.row_seqs

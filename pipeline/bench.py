@@ -27,6 +27,7 @@ import torch
 import typer
 
 from batchgen.engine import LLMEngine
+from batchgen.engine.cpu_allocator import keep_freed_memory
 from batchgen.pipeline.bench_engine import build_engine, parse_engine_overrides, run_engine
 from batchgen.pipeline.bench_peer import (
     DEFAULT_BATCH_SIZES,
@@ -137,7 +138,8 @@ def _machine() -> dict:
 
     return {"cpu": cpu, "num_cpus": os.cpu_count(), "num_threads": torch.get_num_threads(),
             "torch": torch.__version__, "transformers": transformers.__version__,
-            "python": platform.python_version(), "git_commit": _git_commit()}
+            "python": platform.python_version(), "git_commit": _git_commit(),
+            "glibc_malloc_tuned": keep_freed_memory()}  # both sides, see run_bench
 
 
 def _cpu_busy_fraction(window_s: float = 0.5) -> float | None:
@@ -226,6 +228,9 @@ def run_bench(opts: BenchOptions, engine: LLMEngine | None = None, peer_model=No
     busy_before = _cpu_busy_fraction()  # before our own work: is the machine busy with someone else's?
     if opts.num_threads:
         torch.set_num_threads(opts.num_threads)
+    # The engine raises glibc's malloc thresholds at start; it is process-wide, so set it before
+    # either side runs: engine and peer measure under the same allocator (the peer gains from it too).
+    keep_freed_memory()
     if opts.is_peer and peer_model is None:
         from batchgen.pipeline.bench_peer import require_peer_dependencies
 
