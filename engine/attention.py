@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from batchgen.engine.decode_staging import StagingStep
+from batchgen.kernels import cpu_decode_attention
 from batchgen.engine.kv_cache_manager import cache_slots
 
 
@@ -131,6 +132,9 @@ class TorchAttention:
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = head_dim ** -0.5
+        # Staged decodes on the CPU in float32 go through kernels/cpu_decode_attention.py when it
+        # builds (twice SDPA's speed there); tests switch it off to compare against SDPA.
+        self.can_use_cpu_decode_kernel = True
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_kv: tuple,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -181,6 +185,10 @@ class TorchAttention:
         group = self.num_heads // self.num_kv_heads
         # A kv head's query heads act as `group` queries against it: GQA without expanding K/V.
         q_rows = q.view(num_seqs, self.num_kv_heads, group, self.head_dim)
+        if (self.can_use_cpu_decode_kernel and q.device.type == "cpu" and q.dtype == torch.float32
+                and cpu_decode_attention.is_available()):
+            attn = cpu_decode_attention.decode_attention(q_rows, buffers.k, buffers.v, step.lengths, self.scale)
+            return attn.view(num_seqs, self.num_heads, self.head_dim)
         parts = [
             F.scaled_dot_product_attention(
                 q_rows[r.first:r.end], buffers.k[r.first:r.end, :, :r.max_len],

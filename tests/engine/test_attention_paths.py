@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 
 from batchgen.engine import SamplingParams
@@ -19,13 +20,15 @@ def _seq(num_tokens: int, block_ids: list[int], index: int) -> Sequence:
     return seq
 
 
-def test_staged_decode_matches_gather_across_joins_and_departures():
+@pytest.mark.parametrize("can_use_cpu_decode_kernel", [True, False])
+def test_staged_decode_matches_gather_across_joins_and_departures(can_use_cpu_decode_kernel):
     torch.manual_seed(0)
     block_size, num_heads, num_kv_heads, head_dim = 4, 6, 2, 8
     num_slots = 64 * block_size
     k_cache = torch.randn(num_slots, num_kv_heads, head_dim)
     v_cache = torch.randn(num_slots, num_kv_heads, head_dim)
     backend = TorchAttention(num_heads, num_kv_heads, head_dim)
+    backend.can_use_cpu_decode_kernel = can_use_cpu_decode_kernel  # the C kernel or SDPA on the staged rows
     rows = DecodeRows(block_size, num_kv_heads, max_tokens=10_000)
     pool = StagingPool(1, num_kv_heads, head_dim, torch.float32, torch.device("cpu"))
     free_blocks = list(range(64))
@@ -75,6 +78,7 @@ def test_staged_decode_in_several_row_ranges_matches_gather():
     k_cache = torch.randn(64 * block_size, num_kv_heads, head_dim)
     v_cache = torch.randn(64 * block_size, num_kv_heads, head_dim)
     backend = TorchAttention(num_heads, num_kv_heads, head_dim)
+    backend.can_use_cpu_decode_kernel = False  # row ranges are SDPA's path (the C kernel needs none)
     rows = DecodeRows(block_size, num_kv_heads, max_tokens=10_000)
     rows.range_max_waste, rows.range_slack = 1.0, 0  # cut wherever rows differ in length
     pool = StagingPool(1, num_kv_heads, head_dim, torch.float32, torch.device("cpu"))
