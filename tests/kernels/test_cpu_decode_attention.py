@@ -56,3 +56,16 @@ def test_refuses_rows_longer_than_the_capacity():
     k = torch.randn(2, 1, 4, 8)
     with pytest.raises(ValueError, match="longer than the staged"):
         cpu_decode_attention.decode_attention(q, k, k, torch.tensor([4, 5], dtype=torch.int32), 1.0)
+
+
+def test_without_a_compiler_it_is_unavailable_and_says_so(monkeypatch, tmp_path, caplog):
+    monkeypatch.setattr(cpu_decode_attention, "_library", None)
+    monkeypatch.setattr(cpu_decode_attention, "_is_tried", False)
+    monkeypatch.setenv("BATCHGEN_CACHE_DIR", str(tmp_path))  # nothing cached there
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    with caplog.at_level("WARNING", logger="batchgen.kernels"):
+        assert not cpu_decode_attention.is_available()
+    assert "using SDPA" in caplog.text
+    with pytest.raises(RuntimeError, match="not available"):
+        cpu_decode_attention.decode_attention(torch.zeros(1, 1, 1, 4), torch.zeros(1, 1, 2, 4),
+                                              torch.zeros(1, 1, 2, 4), torch.tensor([1], dtype=torch.int32), 1.0)
