@@ -105,7 +105,10 @@ int decode_attention(const float *q, const float *k, const float *v, const int *
 }
 """
 
-_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fPIC", "-shared", "-fopenmp"]
+# -ffast-math only when compiling (vectorized reductions and expf); linking without it keeps GCC's
+# crtfastmath out of the library, whose constructor would switch the loading thread to flush-to-zero.
+_COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fPIC", "-fopenmp"]
+_LINK_FLAGS = ["-shared", "-fopenmp"]
 _library: ctypes.CDLL | None = None
 _is_tried = False
 
@@ -133,8 +136,10 @@ def _build(path: Path) -> None:
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
         source = Path(tmp) / "decode_attention.c"
         source.write_text(_SOURCE)
-        built = Path(tmp) / path.name
-        subprocess.run([compiler, *_FLAGS, str(source), "-o", str(built), "-lm"],
+        obj, built = Path(tmp) / "decode_attention.o", Path(tmp) / path.name
+        subprocess.run([compiler, *_COMPILE_FLAGS, "-c", str(source), "-o", str(obj)],
+                       check=True, capture_output=True, timeout=120)
+        subprocess.run([compiler, *_LINK_FLAGS, str(obj), "-o", str(built), "-lm"],
                        check=True, capture_output=True, timeout=120)
         os.replace(built, path)  # atomic: concurrent builders never load a half-written file
 
@@ -146,7 +151,8 @@ def _load() -> ctypes.CDLL | None:
     _is_tried = True
     if not sys.platform.startswith("linux"):
         return None
-    key = hashlib.sha256((_SOURCE + " ".join(_FLAGS) + _cpu_fingerprint()).encode()).hexdigest()[:16]
+    flags = " ".join(_COMPILE_FLAGS + _LINK_FLAGS)
+    key = hashlib.sha256((_SOURCE + flags + _cpu_fingerprint()).encode()).hexdigest()[:16]
     path = _cache_dir() / f"decode_attention-{key}.so"
     try:
         if not path.exists():

@@ -69,3 +69,11 @@ def test_without_a_compiler_it_is_unavailable_and_says_so(monkeypatch, tmp_path,
     with pytest.raises(RuntimeError, match="not available"):
         cpu_decode_attention.decode_attention(torch.zeros(1, 1, 1, 4), torch.zeros(1, 1, 2, 4),
                                               torch.zeros(1, 1, 2, 4), torch.tensor([1], dtype=torch.int32), 1.0)
+
+
+def test_loading_the_kernel_leaves_denormals_alone():
+    """The library is linked without -ffast-math: GCC's crtfastmath would switch this thread to
+    flush-to-zero when it is loaded."""
+    assert cpu_decode_attention.is_available()
+    tiny = torch.tensor([1e-39], dtype=torch.float32)  # a float32 denormal
+    assert (tiny * 1.0).item() != 0.0
