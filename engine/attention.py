@@ -125,7 +125,9 @@ def _build_group(query_lens, context_lens, block_tables, token_start, block_size
 
 
 class TorchAttention:
-    """Reference paged attention: gather keys/values per group, masked SDPA, scatter back."""
+    """Reference paged attention: fresh prompts in place (causal SDPA), other prefill chunks and
+    unstaged decodes as gathered groups (masked SDPA), staged decodes from their dense rows (the C
+    kernel on the CPU in float32, SDPA otherwise)."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
         self.num_heads = num_heads

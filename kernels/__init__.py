@@ -1,1 +1,2 @@
-"""batchgen.kernels: Triton kernels and their pure-torch references (imports only torch/triton)."""
+"""batchgen.kernels: Triton kernels with their pure-torch references, and the CPU decode-attention
+kernel (C, built on first use; see cpu_decode_attention.py). Imports only torch/triton."""
