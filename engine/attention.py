@@ -2,7 +2,8 @@
 
 The model runner orders a step's sequences decodes first, then prefill chunks that continue a
 cached context, then fresh prompts, and builds one AttentionMetadata per step; every layer reuses
-it. A fresh prompt (nothing cached before this step) attends only to its own new tokens, so it is
+it. On the CPU in float32, decodes are attended in place in the paged cache by a C kernel
+(kernels/cpu_decode_attention.py); elsewhere they read dense staging rows. A fresh prompt (nothing cached before this step) attends only to its own new tokens, so it is
 attended in place on its slice of the step's q/k/v: no gather, no padding. Everything else is
 attended in groups, padded batches whose keys are gathered from the paged cache through the
 block tables.
@@ -33,21 +34,33 @@ class AttentionGroup:
 
 
 @dataclass
+class PagedDecode:
+    """The decodes' block tables, for the CPU kernel that reads them in place."""
+
+    block_tables: torch.Tensor  # (B, max_blocks) int32, padded with block 0
+    lengths: torch.Tensor  # (B,) int32 keys per row, this step's token included
+    block_size: int
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # (T,) cache slot for each new token
     groups: list[AttentionGroup]
     fresh: list[tuple[int, int]]  # (first flat token, num_tokens) of each fresh prompt, attended in place
     staging: StagingStep | None = None  # set when the decodes read dense staging rows
     num_decodes: int = 0  # the first tokens, one per decoding sequence
+    paged_decode: PagedDecode | None = None  # set when the decodes are read in place by the CPU kernel
 
 
 def build_attention_metadata(query_lens: list[int], context_lens: list[int], block_tables: list[list[int]],
                              num_decodes: int, block_size: int, device: torch.device,
-                             staging: StagingStep | None = None) -> AttentionMetadata:
+                             staging: StagingStep | None = None,
+                             is_paged_decode: bool = False) -> AttentionMetadata:
     """context_lens[i] = tokens already in the cache before this step; query_lens[i] = new tokens.
 
     The first `num_decodes` sequences have one query each; with `staging` they read dense staging
-    rows instead of a gathered group. Prefill sequences with no cached context are attended in
+    rows, with `is_paged_decode` the CPU kernel reads their blocks in place, and otherwise they
+    form a gathered group. Prefill sequences with no cached context are attended in
     place; the others form padded groups (runs of them, in the caller's order).
     """
     slots: list[int] = []
@@ -58,7 +71,9 @@ def build_attention_metadata(query_lens: list[int], context_lens: list[int], blo
     token_starts = [0]
     for q in query_lens:
         token_starts.append(token_starts[-1] + q)
-    first_gathered = num_decodes if staging is not None else 0
+    paged_decode = _paged_decode(context_lens[:num_decodes], block_tables[:num_decodes], block_size, device) \
+        if is_paged_decode and num_decodes else None
+    first_gathered = num_decodes if staging is not None or paged_decode is not None else 0
     ranges = [(first_gathered, num_decodes)] if num_decodes > first_gathered else []
     fresh: list[tuple[int, int]] = []
     run_start = num_decodes  # first sequence of the current run of prefills that gather
@@ -71,7 +86,17 @@ def build_attention_metadata(query_lens: list[int], context_lens: list[int], blo
         run_start = i + 1
     groups = [_build_group(query_lens[lo:hi], context_lens[lo:hi], block_tables[lo:hi],
                            token_starts[lo], block_size, device) for lo, hi in ranges]
-    return AttentionMetadata(slot_mapping, groups, fresh, staging, num_decodes)
+    return AttentionMetadata(slot_mapping, groups, fresh, staging, num_decodes, paged_decode)
+
+
+def _paged_decode(context_lens: list[int], block_tables: list[list[int]], block_size: int,
+                  device: torch.device) -> PagedDecode:
+    lengths = [c + 1 for c in context_lens]
+    num_blocks = [-(-n // block_size) for n in lengths]
+    max_blocks = max(num_blocks)
+    tables = [table[:n] + [0] * (max_blocks - n) for table, n in zip(block_tables, num_blocks)]
+    return PagedDecode(torch.tensor(tables, dtype=torch.int32, device=device),
+                       torch.tensor(lengths, dtype=torch.int32, device=device), block_size)
 
 
 def _split_by_padding(query_lens: list[int], seq_lens: list[int], lo: int, hi: int,
@@ -126,17 +151,14 @@ def _build_group(query_lens, context_lens, block_tables, token_start, block_size
 
 class TorchAttention:
     """Reference paged attention: fresh prompts in place (causal SDPA), other prefill chunks and
-    unstaged decodes as gathered groups (masked SDPA), staged decodes from their dense rows (the C
-    kernel on the CPU in float32, SDPA otherwise)."""
+    unstaged decodes as gathered groups (masked SDPA); decodes in place in the paged cache (the C
+    kernel, on the CPU in float32) or from dense staging rows (SDPA)."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = head_dim ** -0.5
-        # Staged decodes on the CPU in float32 go through kernels/cpu_decode_attention.py when it
-        # builds (twice SDPA's speed there); tests switch it off to compare against SDPA.
-        self.can_use_cpu_decode_kernel = True
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_kv: tuple,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -145,11 +167,16 @@ class TorchAttention:
         k_cache, v_cache = layer_kv[0], layer_kv[1]
         k_cache.index_copy_(0, meta.slot_mapping, k)
         v_cache.index_copy_(0, meta.slot_mapping, v)
-        if meta.staging is not None and meta.num_decodes == q.shape[0]:  # a decode-only step
+        is_decode_only = meta.num_decodes == q.shape[0]
+        if meta.paged_decode is not None and is_decode_only:
+            return self._paged_decode(q, k_cache, v_cache, meta.paged_decode)
+        if meta.staging is not None and is_decode_only:
             return self._staged_decode(q, k, v, k_cache, v_cache, layer_kv[2], meta.staging)
         out = torch.empty_like(q)
-        if meta.staging is not None:
-            end = meta.num_decodes
+        end = meta.num_decodes
+        if meta.paged_decode is not None:
+            out[:end] = self._paged_decode(q[:end], k_cache, v_cache, meta.paged_decode)
+        elif meta.staging is not None:
             out[:end] = self._staged_decode(q[:end], k[:end], v[:end], k_cache, v_cache, layer_kv[2], meta.staging)
         is_gqa = self.num_heads != self.num_kv_heads
         for start, num_tokens in meta.fresh:
@@ -180,6 +207,14 @@ class TorchAttention:
             out[g.token_start:g.token_start + g.num_tokens] = attn
         return out
 
+    def _paged_decode(self, q, k_cache, v_cache, paged: PagedDecode) -> torch.Tensor:
+        # q: (B, H, D); a KV head's query heads go to the kernel together: GQA without expanding K/V.
+        num_seqs = q.shape[0]
+        q_rows = q.view(num_seqs, self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim)
+        attn = cpu_decode_attention.paged_decode_attention(
+            q_rows, k_cache, v_cache, paged.block_tables, paged.lengths, paged.block_size, self.scale)
+        return attn.view(num_seqs, self.num_heads, self.head_dim)
+
     def _staged_decode(self, q, k, v, k_cache, v_cache, buffers, step: StagingStep) -> torch.Tensor:
         # q: (B, H, D) in staging-row order; k, v: (B, Hkv, D)
         num_seqs = q.shape[0]
@@ -187,10 +222,6 @@ class TorchAttention:
         group = self.num_heads // self.num_kv_heads
         # A kv head's query heads act as `group` queries against it: GQA without expanding K/V.
         q_rows = q.view(num_seqs, self.num_kv_heads, group, self.head_dim)
-        if (self.can_use_cpu_decode_kernel and q.device.type == "cpu" and q.dtype == torch.float32
-                and cpu_decode_attention.is_available()):
-            attn = cpu_decode_attention.decode_attention(q_rows, buffers.k, buffers.v, step.lengths, self.scale)
-            return attn.view(num_seqs, self.num_heads, self.head_dim)
         parts = [
             F.scaled_dot_product_attention(
                 q_rows[r.first:r.end], buffers.k[r.first:r.end, :, :r.max_len],

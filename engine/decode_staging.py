@@ -33,7 +33,7 @@ class StagingStep:
     """What every layer does to its staging buffers in one step (decodes in row order 0..B-1)."""
 
     moves: list[tuple[int, int]]  # (src row, dst row), applied in order, before fills
-    fill_rows: torch.Tensor  # (F,) rows that joined this step
+    fill_rows: tuple[int, int]  # [first, end): rows that joined this step (always the last F rows)
     fill_slots: torch.Tensor  # (F * Lf,) paged-cache slots of their context (padded with slot 0)
     fill_len: int  # Lf
     append_index: torch.Tensor  # (B * Hkv,) flat (row, head, position) index of each row's new token
@@ -146,7 +146,7 @@ class DecodeRows:
             ranges.append(RowRange(first, end, range_len, mask[:, None, None, :].to(device)))
         step = StagingStep(
             moves=moves,
-            fill_rows=torch.arange(first_new, len(rows), device=device),
+            fill_rows=(first_new, len(rows)),
             fill_slots=torch.tensor(fill_slots, dtype=torch.long, device=device),
             fill_len=fill_len,
             append_index=append_index.to(device),
@@ -182,13 +182,15 @@ class StagingBuffers:
             if new_valid > valid:
                 buf[:num_rows, :, valid:new_valid] = 0
         self.valid_len = new_valid
-        num_fills = step.fill_rows.numel()
-        if num_fills:
+        first_fill, end_fill = step.fill_rows
+        if end_fill > first_fill:
+            # Row slices, not an index tensor: a strided copy runs several times faster than index_put_.
             for buf, cache in ((self.k, k_cache), (self.v, v_cache)):
+                rows = buf[first_fill:end_fill]
                 if step.fill_len:
-                    ctx = cache.index_select(0, step.fill_slots).view(num_fills, step.fill_len, *cache.shape[1:])
-                    buf[step.fill_rows, :, :step.fill_len] = ctx.transpose(1, 2)  # (F, Hkv, Lf, D)
-                buf[step.fill_rows, :, step.fill_len:self.valid_len] = 0  # a joined row's stale tail
+                    ctx = cache.index_select(0, step.fill_slots).view(end_fill - first_fill, step.fill_len, *cache.shape[1:])
+                    rows[:, :, :step.fill_len] = ctx.transpose(1, 2)  # (F, Hkv, Lf, D)
+                rows[:, :, step.fill_len:self.valid_len] = 0  # a joined row's stale tail
         head_dim = self.k.shape[-1]
         self.k.view(-1, head_dim).index_copy_(0, step.append_index, k_new.reshape(-1, head_dim))
         self.v.view(-1, head_dim).index_copy_(0, step.append_index, v_new.reshape(-1, head_dim))

@@ -16,6 +16,7 @@ from batchgen.engine.models.config import ModelConfig
 from batchgen.engine.models.llama import LlamaForCausalLM
 from batchgen.engine.sampler import Sampler
 from batchgen.engine.scheduler import ScheduledSeq
+from batchgen.kernels import cpu_decode_attention
 
 log = logging.getLogger("batchgen.engine")
 
@@ -37,11 +38,14 @@ class ModelRunner:
              torch.zeros(shape, dtype=config.torch_dtype, device=self.device))
             for _ in range(model_cfg.num_layers)
         ]
-        # The torch backend decodes from dense staging rows (see decode_staging.py), capped at the
-        # pool's own size so staging never more than doubles KV memory.
+        # The torch backend decodes in place in the paged cache with the C kernel on the CPU in
+        # float32; otherwise from dense staging rows (see decode_staging.py), capped at the pool's
+        # own size so staging never more than doubles KV memory.
+        self.is_paged_decode = (config.resolved_attention_backend == "torch" and self.device.type == "cpu"
+                                and config.torch_dtype == torch.float32 and cpu_decode_attention.is_available())
         self.decode_rows: DecodeRows | None = None
         self.staging_pool: StagingPool | None = None
-        if config.resolved_attention_backend == "torch":
+        if config.resolved_attention_backend == "torch" and not self.is_paged_decode:
             self.decode_rows = DecodeRows(config.block_size, model_cfg.num_kv_heads, max_tokens=num_slots)
             self.staging_pool = StagingPool(model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim,
                                             config.torch_dtype, self.device)
@@ -82,7 +86,8 @@ class ModelRunner:
                 sampling.append(s)
         meta = build_attention_metadata(
             [s.num_new_tokens for s in order], [s.seq.num_computed_tokens for s in order],
-            [s.seq.block_ids for s in order], num_decodes, self.block_size, self.device, staging)
+            [s.seq.block_ids for s in order], num_decodes, self.block_size, self.device, staging,
+            is_paged_decode=self.is_paged_decode)
         layer_kvs = self.kv_caches
         if staging is not None:
             layer_kvs = [(k, v, buffers) for (k, v), buffers in zip(self.kv_caches, self.staging_pool.layers)]

@@ -20,15 +20,13 @@ def _seq(num_tokens: int, block_ids: list[int], index: int) -> Sequence:
     return seq
 
 
-@pytest.mark.parametrize("can_use_cpu_decode_kernel", [True, False])
-def test_staged_decode_matches_gather_across_joins_and_departures(can_use_cpu_decode_kernel):
+def test_staged_and_paged_decodes_match_gather_across_joins_and_departures():
     torch.manual_seed(0)
     block_size, num_heads, num_kv_heads, head_dim = 4, 6, 2, 8
     num_slots = 64 * block_size
     k_cache = torch.randn(num_slots, num_kv_heads, head_dim)
     v_cache = torch.randn(num_slots, num_kv_heads, head_dim)
     backend = TorchAttention(num_heads, num_kv_heads, head_dim)
-    backend.can_use_cpu_decode_kernel = can_use_cpu_decode_kernel  # the C kernel or SDPA on the staged rows
     rows = DecodeRows(block_size, num_kv_heads, max_tokens=10_000)
     pool = StagingPool(1, num_kv_heads, head_dim, torch.float32, torch.device("cpu"))
     free_blocks = list(range(64))
@@ -49,8 +47,14 @@ def test_staged_decode_matches_gather_across_joins_and_departures(can_use_cpu_de
                                                [s.block_ids for s in order], len(order), block_size,
                                                torch.device("cpu"), staging=step)
         assert staged_meta.groups == []
-        staged = backend.forward(q, k, v, (k_cache, v_cache, pool.layers[0]), staged_meta)
+        paged_meta = build_attention_metadata([1] * len(order), [s.num_computed_tokens for s in order],
+                                              [s.block_ids for s in order], len(order), block_size,
+                                              torch.device("cpu"), is_paged_decode=True)
+        assert paged_meta.groups == [] and paged_meta.paged_decode is not None
+        paged = backend.forward(q, k, v, (k_cache.clone(), v_cache.clone()), paged_meta)  # the C kernel
+        staged = backend.forward(q, k, v, (k_cache, v_cache, pool.layers[0]), staged_meta)  # SDPA on dense rows
         torch.testing.assert_close(staged, expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(paged, expected, rtol=1e-5, atol=1e-5)
         assert [id(s) for s in order] == [id(s) for s in rows.row_seqs]
         for s in order:
             s.token_ids.append(0)
@@ -78,7 +82,6 @@ def test_staged_decode_in_several_row_ranges_matches_gather():
     k_cache = torch.randn(64 * block_size, num_kv_heads, head_dim)
     v_cache = torch.randn(64 * block_size, num_kv_heads, head_dim)
     backend = TorchAttention(num_heads, num_kv_heads, head_dim)
-    backend.can_use_cpu_decode_kernel = False  # row ranges are SDPA's path (the C kernel needs none)
     rows = DecodeRows(block_size, num_kv_heads, max_tokens=10_000)
     rows.range_max_waste, rows.range_slack = 1.0, 0  # cut wherever rows differ in length
     pool = StagingPool(1, num_kv_heads, head_dim, torch.float32, torch.device("cpu"))
@@ -96,10 +99,11 @@ def test_staged_decode_in_several_row_ranges_matches_gather():
     torch.testing.assert_close(staged, expected, rtol=1e-5, atol=1e-5)
 
 
-def test_engine_outputs_identical_with_and_without_staging(llm):
+def test_engine_outputs_identical_with_paged_staged_and_gathered_decodes(llm, monkeypatch):
     """Mixed lengths and max_tokens make rows leave and join mid-run; a tight memory cap makes
     staging switch off mid-run (rows cross 64 tokens) and the gather path take over."""
     from batchgen.engine.llm_engine import LLMEngine
+    from batchgen.kernels import cpu_decode_attention
 
     rng = random.Random(1)
     prompts = [[rng.randrange(100, 40000) for _ in range(rng.randint(5, 60))] for _ in range(10)]
@@ -107,7 +111,7 @@ def test_engine_outputs_identical_with_and_without_staging(llm):
     prompts[0] = prompts[0][:1] * 60  # this one grows past 64 tokens while others still decode
     params[0] = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     gather_engine = LLMEngine(llm.engine.config, weights_from=llm.engine)
-    gather_engine.runner.decode_rows = None
+    gather_engine.runner.is_paged_decode, gather_engine.runner.decode_rows = False, None  # decodes gathered
 
     def run(engine):
         for i, (p, sp) in enumerate(zip(prompts, params)):
@@ -118,10 +122,15 @@ def test_engine_outputs_identical_with_and_without_staging(llm):
                 outs[o.request_id] = o.outputs[0].token_ids
         return [outs[str(i)] for i in range(len(prompts))]
 
+    paged_engine = LLMEngine(llm.engine.config, weights_from=llm.engine)
+    assert paged_engine.runner.is_paged_decode  # the C kernel, in place in the paged cache
+    monkeypatch.setattr(cpu_decode_attention, "is_available", lambda: False)  # as without a compiler
     staged_engine = LLMEngine(llm.engine.config, weights_from=llm.engine)
     capped_engine = LLMEngine(llm.engine.config, weights_from=llm.engine)
+    assert not staged_engine.runner.is_paged_decode
     capped_engine.runner.decode_rows.max_tokens = 16 * 64  # 16 rows of at most 64 tokens
     expected = run(gather_engine)
+    assert run(paged_engine) == expected
     assert run(staged_engine) == expected
     assert run(capped_engine) == expected
     assert capped_engine.runner.decode_rows.num_resets > 0  # it did fall back to the gather path

@@ -1,4 +1,4 @@
-"""The C decode-attention kernel against a float64 reference and against SDPA, on staging-shaped views."""
+"""The C paged decode-attention kernel against a float64 reference and SDPA, on blocks scattered through the cache."""
 
 from __future__ import annotations
 
@@ -9,12 +9,30 @@ import torch.nn.functional as F
 from batchgen.kernels import cpu_decode_attention
 
 
-def _reference(q, k, v, lengths, scale):
-    """float64: row b's group queries attend keys [0, lengths[b]) of its KV head."""
+def _paged(lengths: list[int], num_kv_heads: int, head_dim: int, block_size: int, seed: int):
+    """Caches full of NaN except the rows' own tokens, in blocks scattered through the cache."""
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks = [-(-n // block_size) for n in lengths]
+    order = torch.randperm(sum(num_blocks) + 5, generator=gen).tolist()  # 5 blocks nobody owns
+    tables, keys, values = [], [], []
+    k_cache = torch.full(((sum(num_blocks) + 5) * block_size, num_kv_heads, head_dim), float("nan"))
+    v_cache = k_cache.clone()
+    for n, nb in zip(lengths, num_blocks):
+        table = [order.pop() for _ in range(nb)]
+        slots = torch.tensor([b * block_size + i for b in table for i in range(block_size)][:n])
+        keys.append(torch.randn(n, num_kv_heads, head_dim, generator=gen) * 2)
+        values.append(torch.randn(n, num_kv_heads, head_dim, generator=gen))
+        k_cache[slots], v_cache[slots] = keys[-1], values[-1]
+        tables.append(table + [0] * (max(num_blocks) - nb))
+    return k_cache, v_cache, torch.tensor(tables, dtype=torch.int32), keys, values
+
+
+def _reference(q, keys, values, scale):
+    """float64: row b's group queries attend its own keys (n, Hkv, D)."""
     out = torch.empty_like(q, dtype=torch.float64)
-    for b, n in enumerate(lengths.tolist()):
-        scores = torch.einsum("hgd,hld->hgl", q[b].double(), k[b, :, :n].double()) * scale
-        out[b] = torch.einsum("hgl,hld->hgd", scores.softmax(-1), v[b, :, :n].double())
+    for b, (k, v) in enumerate(zip(keys, values)):
+        scores = torch.einsum("hgd,lhd->hgl", q[b].double(), k.double()) * scale
+        out[b] = torch.einsum("hgl,lhd->hgd", scores.softmax(-1), v.double())
     return out.float()
 
 
@@ -22,40 +40,39 @@ def test_the_kernel_builds_here():
     assert cpu_decode_attention.is_available()  # CI has a C compiler; the engine would fall back to SDPA
 
 
-@pytest.mark.parametrize("num_kv_heads,group,head_dim", [(3, 3, 64), (2, 4, 32), (1, 1, 16)])
-def test_matches_float64_reference_on_strided_staging_views(num_kv_heads, group, head_dim):
-    torch.manual_seed(0)
-    num_rows, capacity = 7, 48
-    # Staging-like storage: more rows and more capacity than this step uses, rows of unequal length.
-    storage = torch.randn(2, num_rows + 3, num_kv_heads, capacity, head_dim) * 2
-    k, v = storage[0], storage[1]
-    lengths = torch.tensor([1, 5, 48, 17, 33, 2, 40], dtype=torch.int32)
-    k[3, :, 17:] = float("nan")  # past a row's length nothing is read
-    q = torch.randn(num_rows, num_kv_heads, group, head_dim)
+@pytest.mark.parametrize("num_kv_heads,group,head_dim,block_size", [(3, 3, 64, 16), (2, 4, 32, 4), (1, 1, 16, 1)])
+def test_matches_float64_reference_on_scattered_blocks(num_kv_heads, group, head_dim, block_size):
+    lengths = [1, 5, 48, 17, 33, 2, 40, 16]  # block-aligned, one past, one short of a block
+    k_cache, v_cache, tables, keys, values = _paged(lengths, num_kv_heads, head_dim, block_size, seed=0)
+    q = torch.randn(len(lengths), num_kv_heads, group, head_dim)
     scale = head_dim ** -0.5
-    got = cpu_decode_attention.decode_attention(q, k, v, lengths, scale)
-    torch.testing.assert_close(got, _reference(q, k, v, lengths, scale), rtol=1e-5, atol=1e-5)
+    got = cpu_decode_attention.paged_decode_attention(
+        q, k_cache, v_cache, tables, torch.tensor(lengths, dtype=torch.int32), block_size, scale)
+    torch.testing.assert_close(got, _reference(q, keys, values, scale), rtol=1e-5, atol=1e-5)
 
 
-def test_matches_sdpa_with_a_length_mask_at_smollm_shapes():
-    torch.manual_seed(1)
-    num_rows, num_kv_heads, group, head_dim, capacity = 64, 3, 3, 64, 320
-    k = torch.randn(num_rows, num_kv_heads, capacity, head_dim)
-    v = torch.randn(num_rows, num_kv_heads, capacity, head_dim)
-    lengths = torch.randint(100, 300, (num_rows,), dtype=torch.int32)
-    longest = int(lengths.max())
-    q = torch.randn(num_rows, num_kv_heads, group, head_dim)
-    mask = (torch.arange(longest)[None, :] < lengths[:, None])[:, None, None, :]
-    expected = F.scaled_dot_product_attention(q, k[:, :, :longest], v[:, :, :longest], attn_mask=mask)
-    got = cpu_decode_attention.decode_attention(q, k, v, lengths, head_dim ** -0.5)
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+def test_matches_sdpa_at_smollm_shapes():
+    num_kv_heads, group, head_dim, block_size = 3, 3, 64, 16
+    lengths = torch.randint(100, 300, (64,), generator=torch.Generator().manual_seed(1)).tolist()
+    k_cache, v_cache, tables, keys, values = _paged(lengths, num_kv_heads, head_dim, block_size, seed=1)
+    q = torch.randn(len(lengths), num_kv_heads, group, head_dim)
+    got = cpu_decode_attention.paged_decode_attention(
+        q, k_cache, v_cache, tables, torch.tensor(lengths, dtype=torch.int32), block_size, head_dim ** -0.5)
+    for b, (k, v) in enumerate(zip(keys, values)):  # SDPA per row: (Hkv, G, D) queries, (Hkv, n, D) keys
+        expected = F.scaled_dot_product_attention(q[b], k.transpose(0, 1), v.transpose(0, 1))
+        torch.testing.assert_close(got[b], expected, rtol=1e-5, atol=1e-5)
 
 
-def test_refuses_rows_longer_than_the_capacity():
+def test_refuses_tables_that_do_not_cover_the_rows_or_leave_the_cache():
+    cache = torch.zeros(4 * 2, 1, 8)  # 4 blocks of 2 slots
     q = torch.randn(2, 1, 1, 8)
-    k = torch.randn(2, 1, 4, 8)
-    with pytest.raises(ValueError, match="longer than the staged"):
-        cpu_decode_attention.decode_attention(q, k, k, torch.tensor([4, 5], dtype=torch.int32), 1.0)
+    run = cpu_decode_attention.paged_decode_attention
+    with pytest.raises(ValueError, match="longer than its block table"):
+        run(q, cache, cache, torch.tensor([[0], [1]], dtype=torch.int32), torch.tensor([2, 3], dtype=torch.int32), 2, 1.0)
+    with pytest.raises(ValueError, match="past the end of the cache"):
+        run(q, cache, cache, torch.tensor([[0], [4]], dtype=torch.int32), torch.tensor([2, 2], dtype=torch.int32), 2, 1.0)
+    with pytest.raises(ValueError, match="contiguous"):
+        run(q, cache[::2], cache[::2], torch.tensor([[0], [1]], dtype=torch.int32), torch.tensor([1, 1], dtype=torch.int32), 2, 1.0)
 
 
 def test_without_a_compiler_it_is_unavailable_and_says_so(monkeypatch, tmp_path, caplog):
@@ -67,8 +84,9 @@ def test_without_a_compiler_it_is_unavailable_and_says_so(monkeypatch, tmp_path,
         assert not cpu_decode_attention.is_available()
     assert "using SDPA" in caplog.text
     with pytest.raises(RuntimeError, match="not available"):
-        cpu_decode_attention.decode_attention(torch.zeros(1, 1, 1, 4), torch.zeros(1, 1, 2, 4),
-                                              torch.zeros(1, 1, 2, 4), torch.tensor([1], dtype=torch.int32), 1.0)
+        cpu_decode_attention.paged_decode_attention(
+            torch.zeros(1, 1, 1, 4), torch.zeros(2, 1, 4), torch.zeros(2, 1, 4),
+            torch.zeros(1, 1, dtype=torch.int32), torch.tensor([1], dtype=torch.int32), 2, 1.0)
 
 
 def test_loading_the_kernel_leaves_denormals_alone():
