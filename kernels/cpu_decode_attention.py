@@ -10,28 +10,18 @@ in float32 over the row's own length (no padding, no mask), then reads V the sam
 the next block. No staging copy: no fills, appends or first-touch page faults, no second copy of
 the KV. Rows are split over threads by OpenMP, in torch's own thread pool.
 
-It is C compiled on first use with the system compiler (`cc`, -O3 -march=native) into a per-user
-cache keyed by source and CPU flags, and loaded with ctypes: no torch headers, so it builds in
-about a second. Without a compiler (or on anything but Linux x86/arm) `is_available()` is False
-and the engine stages decodes for SDPA.
+Built on first use (kernels/c_library.py). Without a compiler (or off Linux) `is_available()` is
+False and the engine stages decodes for SDPA.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import sys
-import tempfile
-from pathlib import Path
 
 import torch
 
-log = logging.getLogger("batchgen.kernels")
+from batchgen.kernels.c_library import CLibrary
+
 
 _SOURCE = r"""
 #include <float.h>
@@ -135,73 +125,15 @@ int paged_decode_attention(const float *q, const float *k_cache, const float *v_
 }
 """
 
-# -ffast-math only when compiling (vectorized reductions and expf); linking without it keeps GCC's
-# crtfastmath out of the library, whose constructor would switch the loading thread to flush-to-zero.
-_COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fPIC", "-fopenmp"]
-_LINK_FLAGS = ["-shared", "-fopenmp"]
-_library: ctypes.CDLL | None = None
-_is_tried = False
-
-
-def _cpu_fingerprint() -> str:
-    """-march=native code is only valid on the CPU that built it: key the cache by its flags."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith(("flags", "Features"))), platform.machine())
-    except OSError:
-        return platform.machine()
-
-
-def _cache_dir() -> Path:
-    root = os.environ.get("BATCHGEN_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "batchgen")
-    return Path(root) / "kernels"
-
-
-def _build(path: Path) -> None:
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        raise FileNotFoundError("no C compiler (cc/gcc) on PATH")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-        source = Path(tmp) / "paged_decode_attention.c"
-        source.write_text(_SOURCE)
-        obj, built = Path(tmp) / "paged_decode_attention.o", Path(tmp) / path.name
-        subprocess.run([compiler, *_COMPILE_FLAGS, "-c", str(source), "-o", str(obj)],
-                       check=True, capture_output=True, timeout=120)
-        subprocess.run([compiler, *_LINK_FLAGS, str(obj), "-o", str(built), "-lm"],
-                       check=True, capture_output=True, timeout=120)
-        os.replace(built, path)  # atomic: concurrent builders never load a half-written file
-
-
-def _load() -> ctypes.CDLL | None:
-    global _library, _is_tried
-    if _is_tried:
-        return _library
-    _is_tried = True
-    if not sys.platform.startswith("linux"):
-        return None
-    flags = " ".join(_COMPILE_FLAGS + _LINK_FLAGS)
-    key = hashlib.sha256((_SOURCE + flags + _cpu_fingerprint()).encode()).hexdigest()[:16]
-    path = _cache_dir() / f"paged_decode_attention-{key}.so"
-    try:
-        if not path.exists():
-            _build(path)
-        lib = ctypes.CDLL(str(path))
-    except (OSError, subprocess.SubprocessError) as exc:
-        detail = getattr(exc, "stderr", b"") or b""
-        log.warning("CPU decode-attention kernel unavailable (%s %s); using SDPA", exc, detail.decode()[:200])
-        return None
-    fn = lib.paged_decode_attention
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int]
-    _library = lib
-    return lib
+_LIBRARY = CLibrary(
+    "paged_decode_attention", _SOURCE,
+    {"paged_decode_attention": (ctypes.c_int, [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int])},
+    fallback="decodes are staged for SDPA")
 
 
 def is_available() -> bool:
     """True once the kernel is built (or found in the cache) and loaded."""
-    return _load() is not None
+    return _LIBRARY.load() is not None
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -213,7 +145,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     float32, contiguous, slot = block * block_size + offset; block_tables: (B, max_blocks) int32;
     lengths: (B,) int32, row b attends slots of tokens [0, lengths[b]). Returns (B, Hkv, G, D).
     """
-    lib = _load()
+    lib = _LIBRARY.load()
     if lib is None:
         raise RuntimeError("the CPU decode-attention kernel is not available (see is_available())")
     num_rows, num_kv_heads, group, head_dim = q.shape

@@ -14,6 +14,7 @@ from batchgen.engine.loader.hf_loader import iter_hf_weights, read_hf_config
 from batchgen.engine.loader.source import ModelSource, resolve_model
 from batchgen.engine.models.config import ModelConfig
 from batchgen.engine.models.cpu_linear import can_pack, pack_linears
+from batchgen.kernels import cpu_elementwise
 from batchgen.engine.models.llama import LlamaForCausalLM
 from batchgen.engine.models.rotary import RotaryEmbedding
 
@@ -72,6 +73,8 @@ def load_model(config: EngineConfig) -> LoadedModel:
     model.eval()
     if config.compile:
         model.enable_compile()
+    elif device.type == "cpu" and dtype == torch.float32 and cpu_elementwise.is_available():
+        model.enable_cpu_kernels()
     if config.quantization == "fp8" or is_fp8_checkpoint:
         from batchgen.engine.quant.fp8 import quantize_model_fp8
 

@@ -15,7 +15,7 @@ from torch import nn
 from batchgen.engine.attention import AttentionMetadata
 from batchgen.engine.models import ops as eager
 from batchgen.engine.models.config import ModelConfig
-from batchgen.engine.models.ops import compiled_ops, eager_ops
+from batchgen.engine.models.ops import compiled_ops, cpu_kernel_ops, eager_ops
 from batchgen.engine.models.rotary import RotaryEmbedding
 
 # FP8 checkpoints' per-layer scales; quant/fp8_checkpoint.py places (or, for KV-cache scales, skips) them.
@@ -99,6 +99,10 @@ class LlamaForCausalLM(nn.Module):
     def enable_compile(self) -> None:
         """Fuse the elementwise passes with torch.compile (compiles on first use, once per op)."""
         self.ops = compiled_ops()
+
+    def enable_cpu_kernels(self) -> None:
+        """Fused C elementwise kernels (CPU, float32): rotary and the residual add then work in place."""
+        self.ops = cpu_kernel_ops()
 
     def tie_weights(self) -> None:
         # Re-run after to_empty()/to(): those make fresh tensors and would untie the pair.

@@ -1,7 +1,8 @@
-"""The model's elementwise pieces, eager or fused by torch.compile (`engine.compile: true`).
+"""The model's elementwise pieces: eager torch, fused C kernels on the CPU in float32, or fused by
+torch.compile (`engine.compile: true`).
 
-Linear layers stay ordinary modules (so FP8 can swap them); what compiling buys is fusing the
-memory-bound passes around them: residual add + RMSNorm, rotary on q and k, SiLU(gate) * up.
+Linear layers stay ordinary modules (so FP8 can swap them); what fusing buys is one pass for each
+memory-bound step around them: residual add + RMSNorm, rotary on q and k, SiLU(gate) * up.
 """
 
 from __future__ import annotations
@@ -51,3 +52,15 @@ def eager_ops() -> SimpleNamespace:
 def compiled_ops() -> SimpleNamespace:
     """One compiled kernel per op for every layer (tensors are arguments, so no per-layer recompiles)."""
     return SimpleNamespace(**{name: torch.compile(globals()[name], dynamic=True) for name in _NAMES})
+
+
+def cpu_kernel_ops() -> SimpleNamespace:
+    """The C kernels of kernels/cpu_elementwise.py (CPU, float32; rotary and the residual add work
+    in place); norms of other shapes (Qwen3's per-head q/k norms) stay eager."""
+    from batchgen.kernels import cpu_elementwise as fused
+
+    def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return fused.rms_norm(x, weight, eps) if x.dim() == 2 else rms_norm(x, weight, eps)
+
+    return SimpleNamespace(rms_norm=rms_norm_rows, add_rms_norm=fused.add_rms_norm, rotary=fused.rotary,
+                           silu_mul=fused.silu_mul)
