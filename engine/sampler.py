@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from batchgen.engine.sequence import Sequence
+from batchgen.kernels import cpu_sampling
 
 
 def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
@@ -33,11 +34,16 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
 
 
 def apply_min_tokens(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: tuple[int, ...]) -> torch.Tensor:
+    """Bans EOS and stop tokens in rows below their min_tokens, in place: one index_put for the batch."""
+    rows: list[int] = []
+    cols: list[int] = []
     for row, seq in enumerate(seqs):
         if seq.num_output_tokens < seq.params.min_tokens:
             banned = list(eos_token_ids) + seq.params.stop_token_ids
-            if banned:
-                logits[row, banned] = float("-inf")
+            rows.extend([row] * len(banned))
+            cols.extend(banned)
+    if rows:
+        logits[torch.tensor(rows), torch.tensor(cols)] = float("-inf")
     return logits
 
 
@@ -70,11 +76,24 @@ class Sampler:
 
     @torch.no_grad()
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[float]]:
-        """logits: (N, V) float32 raw model logits, one row per sequence. Returns tokens, raw logprobs."""
-        raw_logprobs = logits.log_softmax(dim=-1)  # (N, V): reported log-probabilities are the model's own
-        logits = apply_penalties(logits.clone(), seqs)
-        logits = apply_min_tokens(logits, seqs, self.eos_token_ids)
-        tokens = logits.argmax(dim=-1)  # greedy rows keep this
+        """logits: (N, V) float32 raw model logits, one row per sequence (the sampler may edit them in
+        place). Returns tokens and their raw log-probabilities (the model's own, before any penalty)."""
+        can_use_kernel = logits.device.type == "cpu" and logits.dtype == torch.float32 and cpu_sampling.is_available()
+        if can_use_kernel:
+            tokens, log_z = cpu_sampling.argmax_log_z(logits)  # (N,), (N,): one pass over the raw logits
+        else:
+            tokens, log_z = None, torch.logsumexp(logits, dim=-1)
+        # Penalties change logits a token could be drawn at: keep the raw ones. min_tokens only bans
+        # tokens (to -inf), which are then never drawn, so the chosen tokens' raw logits survive it.
+        raw = logits
+        if any(s.params.has_penalties for s in seqs):
+            logits = apply_penalties(logits.clone(), seqs)
+            tokens = None
+        if any(s.num_output_tokens < s.params.min_tokens for s in seqs):
+            logits = apply_min_tokens(logits, seqs, self.eos_token_ids)
+            tokens = None
+        if tokens is None:  # greedy rows keep these
+            tokens = cpu_sampling.argmax_log_z(logits)[0] if can_use_kernel else logits.argmax(dim=-1)
         random_rows = [i for i, s in enumerate(seqs) if not s.params.is_greedy]
         if random_rows:
             rows = torch.tensor(random_rows, device=logits.device)
@@ -91,5 +110,5 @@ class Sampler:
                 torch.empty(vocab, device=logits.device).exponential_(generator=seqs[i].get_generator(logits.device))
                 for i in random_rows])
             tokens[rows] = (probs / noise).argmax(dim=-1)
-        chosen_logprobs = raw_logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+        chosen_logprobs = raw.gather(-1, tokens[:, None]).squeeze(-1) - log_z
         return tokens.tolist(), chosen_logprobs.tolist()

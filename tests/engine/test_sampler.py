@@ -147,6 +147,21 @@ def test_greedy_rows_take_the_argmax_and_report_raw_logprobs():
     assert logprobs == pytest.approx([raw[i, t].item() for i, t in enumerate(tokens)], abs=1e-6)
 
 
+def test_min_tokens_bans_eos_and_still_reports_raw_logprobs():
+    """min_tokens edits the logits in place (no copy); the chosen tokens' raw log-probabilities survive."""
+    gen = torch.Generator().manual_seed(10)
+    logits = torch.randn(2, VOCAB, generator=gen)
+    logits[:, EOS] = 50.0  # EOS is every row's argmax
+    seqs = [make_seq(SamplingParams(temperature=0, min_tokens=3)), make_seq(SamplingParams(temperature=0))]
+    raw = logits.log_softmax(-1)
+    tokens, logprobs = Sampler(eos_token_ids=(EOS,))(logits.clone(), seqs)
+    assert tokens[1] == EOS and tokens[0] != EOS
+    without_eos = logits[0].clone()
+    without_eos[EOS] = float("-inf")
+    assert tokens[0] == int(without_eos.argmax())
+    assert logprobs == pytest.approx([raw[i, t].item() for i, t in enumerate(tokens)], abs=1e-5)
+
+
 # ---- penalties and min_tokens ----------------------------------------------------------------------
 
 def test_penalties_follow_vllm_semantics():

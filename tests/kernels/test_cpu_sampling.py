@@ -1,0 +1,29 @@
+"""The C greedy pick and log-normalizer against torch (argmax's first-maximum rule, float64 logsumexp)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from batchgen.kernels import cpu_sampling
+
+
+@pytest.mark.parametrize("num_rows,vocab", [(1, 7), (5, 1000), (64, 49152)])  # the last runs on both threads
+def test_matches_torch_argmax_and_float64_logsumexp(num_rows, vocab):
+    torch.manual_seed(0)
+    storage = torch.randn(num_rows, vocab + 3) * 6  # rows strided past the vocab
+    logits = storage[:, :vocab]
+    logits[0, vocab // 2] = logits[0, vocab - 1] = logits[0].max() + 1  # a tie: the first one wins
+    if num_rows > 1:
+        logits[1, : vocab // 3] = float("-inf")  # banned tokens (min_tokens) stay out
+    argmax, log_z = cpu_sampling.argmax_log_z(logits)
+    assert torch.equal(argmax, logits.argmax(dim=-1))
+    assert argmax[0].item() == vocab // 2
+    torch.testing.assert_close(log_z, torch.logsumexp(logits.double(), dim=-1).float(), rtol=1e-6, atol=1e-5)
+
+
+def test_refuses_what_it_cannot_read():
+    with pytest.raises(ValueError, match="float32"):
+        cpu_sampling.argmax_log_z(torch.zeros(2, 8, dtype=torch.float64))
+    with pytest.raises(ValueError, match="contiguous rows"):
+        cpu_sampling.argmax_log_z(torch.zeros(8, 2).t())
