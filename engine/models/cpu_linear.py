@@ -41,6 +41,38 @@ class PackedLinear(nn.Linear):
         return PackedLinear(plain)
 
 
+class PackedSiluMulLinear(nn.Linear):
+    """An MLP's fused gate_up_proj (out_features = 2 x intermediate) that also applies the SiLU(gate) * up
+    after it: two oneDNN GEMMs on the packed halves, SiLU in the gate GEMM's epilogue and the
+    multiply in the up GEMM's, so the (T, 2 x intermediate) product never goes through memory.
+    forward returns (T, intermediate); MLP.forward sees `applies_silu_mul` and skips its own.
+    Measured on the 2-core CI machine: 83 -> 72 ms per 4096-token layer, about even at 64 rows.
+    """
+
+    applies_silu_mul = True
+
+    def __init__(self, linear: nn.Linear):
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        gate, up = linear.weight.detach().chunk(2, dim=0)
+        self.register_buffer("packed_gate", torch.ops.mkldnn._reorder_linear_weight(gate.contiguous(), None))
+        self.register_buffer("packed_up", torch.ops.mkldnn._reorder_linear_weight(up.contiguous(), None))
+        self.bias = None
+
+    @property
+    def weight(self) -> torch.Tensor:  # (out, in), dense: gate rows then up rows
+        return torch.cat([self.packed_gate.to_dense(), self.packed_up.to_dense()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate = torch.ops.mkldnn._linear_pointwise(x, self.packed_gate, None, "swish", [], "")  # silu(x W_gate^T)
+        return torch.ops.mkldnn._linear_pointwise.binary(x, gate, self.packed_up, None, "mul")  # (x W_up^T) * gate
+
+    def __deepcopy__(self, memo: dict) -> PackedSiluMulLinear:
+        plain = nn.Linear(self.in_features, self.out_features, bias=False, device="meta")
+        plain.weight = nn.Parameter(self.weight, requires_grad=False)
+        return PackedSiluMulLinear(plain)
+
+
 class OneDNNLinear(nn.Linear):
     """nn.Linear (same parameters, e.g. a tied lm_head sharing the embedding) computed by oneDNN on
     the dense weight: no packed copy, and still ~1.7x MKL for the 64 x 576 x 49152 lm_head."""
@@ -69,14 +101,36 @@ def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
         return False
 
 
+def can_fuse_silu_mul() -> bool:
+    """oneDNN's swish and binary-mul epilogues are there and give SiLU(gate) * up on a small probe."""
+    try:
+        probe = nn.Linear(24, 80, bias=False)
+        x = torch.randn(5, 24)
+        gate, up = (x @ probe.weight.t()).chunk(2, dim=-1)
+        got = PackedSiluMulLinear(probe)(x)
+        return bool(torch.allclose(got, torch.nn.functional.silu(gate) * up, rtol=1e-5, atol=1e-5))
+    except (RuntimeError, AttributeError) as exc:  # post-ops missing in this torch build
+        log.info("oneDNN SiLU*up epilogues unavailable (%s); the MLP multiplies separately", exc)
+        return False
+
+
 def pack_linears(model: nn.Module) -> int:
-    """Swap every plain nn.Linear for a PackedLinear; a tied lm_head keeps the embedding's dense
+    """Swap every plain nn.Linear for a PackedLinear (an MLP's bias-free gate_up_proj for a
+    PackedSiluMulLinear when oneDNN's epilogues work); a tied lm_head keeps the embedding's dense
     weight (packing it would copy it) and runs through oneDNN unpacked."""
     tied = getattr(model, "lm_head", None) if getattr(getattr(model, "cfg", None), "tie_word_embeddings", False) else None
+    can_fuse = can_fuse_silu_mul()
     num_packed = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear:
-                setattr(parent, name, OneDNNLinear(child) if child is tied else PackedLinear(child))
-                num_packed += 1
+            if type(child) is not nn.Linear:
+                continue
+            if child is tied:
+                packed = OneDNNLinear(child)
+            elif name == "gate_up_proj" and child.bias is None and can_fuse:
+                packed = PackedSiluMulLinear(child)
+            else:
+                packed = PackedLinear(child)
+            setattr(parent, name, packed)
+            num_packed += 1
     return num_packed

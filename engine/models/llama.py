@@ -67,6 +67,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, ops) -> torch.Tensor:
+        if getattr(self.gate_up_proj, "applies_silu_mul", False):  # CPU: fused into the GEMMs' epilogues
+            return self.down_proj(self.gate_up_proj(x))
         return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
 
 

@@ -193,6 +193,26 @@ def test_packed_linear_matches_torch_linear_and_survives_deepcopy():
     torch.testing.assert_close(packed.weight, plain.weight, rtol=0, atol=0)
 
 
+def test_gate_up_with_silu_mul_epilogues_matches_hf_mlp_activation(llm):
+    import copy
+
+    from transformers.activations import ACT2FN
+
+    from batchgen.engine.models.cpu_linear import PackedSiluMulLinear, can_fuse_silu_mul
+
+    assert can_fuse_silu_mul()  # CI's torch build has oneDNN's swish and binary-mul post-ops
+    assert isinstance(llm.engine.runner.model.layers[0].mlp.gate_up_proj, PackedSiluMulLinear)
+    torch.manual_seed(0)
+    plain = torch.nn.Linear(48, 2 * 40, bias=False)
+    fused = PackedSiluMulLinear(plain)
+    x = torch.randn(37, 48)
+    gate, up = plain(x).chunk(2, dim=-1)
+    torch.testing.assert_close(fused(x), ACT2FN["silu"](gate) * up, rtol=1e-5, atol=1e-5)  # LlamaMLP's
+    torch.testing.assert_close(fused(x[:5]), fused(x)[:5], rtol=0, atol=0)  # rows independent of batch
+    torch.testing.assert_close(copy.deepcopy(fused)(x), fused(x), rtol=0, atol=0)
+    torch.testing.assert_close(fused.weight, plain.weight, rtol=0, atol=0)
+
+
 def test_tied_lm_head_runs_through_onednn_on_the_embedding_itself(llm):
     from batchgen.engine.models.cpu_linear import OneDNNLinear
 
