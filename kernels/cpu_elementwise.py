@@ -24,7 +24,7 @@ _SOURCE = r"""
 #include <math.h>
 
 /* Below this many elements one thread does the op: waking the pool costs more than it saves. */
-#define PARALLEL_MIN 65536
+#define PARALLEL_MIN 4096
 
 /* out[t] = weight * normalize(x[t] (+ residual[t])); with add, residual[t] becomes x[t] + residual[t]. */
 void add_rms_norm(const float *x, long x_stride, float *residual, long residual_stride,
