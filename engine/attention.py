@@ -2,11 +2,11 @@
 
 The model runner orders a step's sequences decodes first, then prefill chunks that continue a
 cached context, then fresh prompts, and builds one AttentionMetadata per step; every layer reuses
-it. On the CPU in float32, decodes are attended in place in the paged cache by a C kernel
-(kernels/cpu_decode_attention.py); elsewhere they read dense staging rows. A fresh prompt (nothing cached before this step) attends only to its own new tokens, so it is
-attended in place on its slice of the step's q/k/v: no gather, no padding. Everything else is
-attended in groups, padded batches whose keys are gathered from the paged cache through the
-block tables.
+it. On the CPU in float32, the C kernels of kernels/cpu_paged_attention.py attend every sequence in
+place in the paged cache (decodes one query per row, prefill chunks causally over their context).
+Elsewhere (SDPA): decodes read dense staging rows; a fresh prompt (nothing cached before this
+step) is attended in place on its slice of the step's q/k/v, no gather, no padding; everything
+else is attended in groups, padded batches whose keys are gathered through the block tables.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from batchgen.engine.decode_staging import StagingStep
-from batchgen.kernels import cpu_decode_attention
+from batchgen.kernels import cpu_paged_attention
 from batchgen.engine.kv_cache_manager import cache_slots
 
 
@@ -43,6 +43,18 @@ class PagedDecode:
 
 
 @dataclass
+class PagedPrefill:
+    """The prefill chunks (fresh prompts and chunks with cached context alike), for the CPU kernel
+    that reads their keys in place from the paged cache."""
+
+    token_starts: torch.Tensor  # (S,) int32 first flat token of each chunk
+    query_lens: torch.Tensor  # (S,) int32
+    context_lens: torch.Tensor  # (S,) int32 tokens cached before this step
+    block_tables: torch.Tensor  # (S, max_blocks) int32, padded with block 0
+    block_size: int
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # (T,) cache slot for each new token
     groups: list[AttentionGroup]
@@ -50,18 +62,19 @@ class AttentionMetadata:
     staging: StagingStep | None = None  # set when the decodes read dense staging rows
     num_decodes: int = 0  # the first tokens, one per decoding sequence
     paged_decode: PagedDecode | None = None  # set when the decodes are read in place by the CPU kernel
+    paged_prefill: PagedPrefill | None = None  # set when the prefill chunks are, too
 
 
 def build_attention_metadata(query_lens: list[int], context_lens: list[int], block_tables: list[list[int]],
                              num_decodes: int, block_size: int, device: torch.device,
                              staging: StagingStep | None = None,
-                             is_paged_decode: bool = False) -> AttentionMetadata:
+                             is_paged: bool = False) -> AttentionMetadata:
     """context_lens[i] = tokens already in the cache before this step; query_lens[i] = new tokens.
 
-    The first `num_decodes` sequences have one query each; with `staging` they read dense staging
-    rows, with `is_paged_decode` the CPU kernel reads their blocks in place, and otherwise they
-    form a gathered group. Prefill sequences with no cached context are attended in
-    place; the others form padded groups (runs of them, in the caller's order).
+    With `is_paged`, the CPU kernels read every sequence's keys in place from the paged cache.
+    Otherwise: the first `num_decodes` sequences have one query each; with `staging` they read
+    dense staging rows, else they form a gathered group. Prefill sequences with no cached context
+    are attended in place; the others form padded groups (runs of them, in the caller's order).
     """
     slots: list[int] = []
     for q, c, table in zip(query_lens, context_lens, block_tables):
@@ -71,8 +84,15 @@ def build_attention_metadata(query_lens: list[int], context_lens: list[int], blo
     token_starts = [0]
     for q in query_lens:
         token_starts.append(token_starts[-1] + q)
-    paged_decode = _paged_decode(context_lens[:num_decodes], block_tables[:num_decodes], block_size, device) \
-        if is_paged_decode and num_decodes else None
+    if is_paged:
+        return AttentionMetadata(
+            slot_mapping, [], [], None, num_decodes,
+            _paged_decode(context_lens[:num_decodes], block_tables[:num_decodes], block_size, device)
+            if num_decodes else None,
+            _paged_prefill(token_starts[num_decodes:-1], query_lens[num_decodes:], context_lens[num_decodes:],
+                           block_tables[num_decodes:], block_size, device)
+            if len(query_lens) > num_decodes else None)
+    paged_decode = None
     first_gathered = num_decodes if staging is not None or paged_decode is not None else 0
     ranges = [(first_gathered, num_decodes)] if num_decodes > first_gathered else []
     fresh: list[tuple[int, int]] = []
@@ -89,14 +109,31 @@ def build_attention_metadata(query_lens: list[int], context_lens: list[int], blo
     return AttentionMetadata(slot_mapping, groups, fresh, staging, num_decodes, paged_decode)
 
 
-def _paged_decode(context_lens: list[int], block_tables: list[list[int]], block_size: int,
-                  device: torch.device) -> PagedDecode:
-    lengths = [c + 1 for c in context_lens]
+def _padded_tables(block_tables: list[list[int]], lengths: list[int], block_size: int,
+                   device: torch.device) -> torch.Tensor:
+    """(S, max_blocks) int32: the blocks covering each sequence's first lengths[i] tokens, 0-padded."""
     num_blocks = [-(-n // block_size) for n in lengths]
     max_blocks = max(num_blocks)
     tables = [table[:n] + [0] * (max_blocks - n) for table, n in zip(block_tables, num_blocks)]
-    return PagedDecode(torch.tensor(tables, dtype=torch.int32, device=device),
+    return torch.tensor(tables, dtype=torch.int32, device=device)
+
+
+def _paged_decode(context_lens: list[int], block_tables: list[list[int]], block_size: int,
+                  device: torch.device) -> PagedDecode:
+    lengths = [c + 1 for c in context_lens]
+    return PagedDecode(_padded_tables(block_tables, lengths, block_size, device),
                        torch.tensor(lengths, dtype=torch.int32, device=device), block_size)
+
+
+def _paged_prefill(token_starts: list[int], query_lens: list[int], context_lens: list[int],
+                   block_tables: list[list[int]], block_size: int, device: torch.device) -> PagedPrefill:
+    lengths = [c + q for c, q in zip(context_lens, query_lens)]
+
+    def as_tensor(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int32, device=device)
+
+    return PagedPrefill(as_tensor(token_starts), as_tensor(query_lens), as_tensor(context_lens),
+                        _padded_tables(block_tables, lengths, block_size, device), block_size)
 
 
 def _split_by_padding(query_lens: list[int], seq_lens: list[int], lo: int, hi: int,
@@ -150,9 +187,9 @@ def _build_group(query_lens, context_lens, block_tables, token_start, block_size
 
 
 class TorchAttention:
-    """Reference paged attention: fresh prompts in place (causal SDPA), other prefill chunks and
-    unstaged decodes as gathered groups (masked SDPA); decodes in place in the paged cache (the C
-    kernel, on the CPU in float32) or from dense staging rows (SDPA)."""
+    """Reference paged attention. On the CPU in float32 (metadata built with is_paged): the C kernels,
+    in place in the paged cache. Otherwise SDPA: fresh prompts in place (causal), other prefill
+    chunks and unstaged decodes as gathered groups (masked), staged decodes from dense rows."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
         self.num_heads = num_heads
@@ -172,8 +209,15 @@ class TorchAttention:
             return self._paged_decode(q, k_cache, v_cache, meta.paged_decode)
         if meta.staging is not None and is_decode_only:
             return self._staged_decode(q, k, v, k_cache, v_cache, layer_kv[2], meta.staging)
-        out = torch.empty_like(q)
+        out = q.new_empty(q.shape)  # (T, H, D) contiguous
         end = meta.num_decodes
+        if meta.paged_prefill is not None:
+            p = meta.paged_prefill
+            cpu_paged_attention.paged_prefill_attention(q, k_cache, v_cache, p.token_starts, p.query_lens,
+                                                        p.context_lens, p.block_tables, p.block_size, self.scale, out)
+            if meta.paged_decode is not None:
+                out[:end] = self._paged_decode(q[:end], k_cache, v_cache, meta.paged_decode)
+            return out
         if meta.paged_decode is not None:
             out[:end] = self._paged_decode(q[:end], k_cache, v_cache, meta.paged_decode)
         elif meta.staging is not None:
@@ -211,7 +255,7 @@ class TorchAttention:
         # q: (B, H, D); a KV head's query heads go to the kernel together: GQA without expanding K/V.
         num_seqs = q.shape[0]
         q_rows = q.view(num_seqs, self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim)
-        attn = cpu_decode_attention.paged_decode_attention(
+        attn = cpu_paged_attention.paged_decode_attention(
             q_rows, k_cache, v_cache, paged.block_tables, paged.lengths, paged.block_size, self.scale)
         return attn.view(num_seqs, self.num_heads, self.head_dim)
 

@@ -16,7 +16,7 @@ from batchgen.engine.models.config import ModelConfig
 from batchgen.engine.models.llama import LlamaForCausalLM
 from batchgen.engine.sampler import Sampler
 from batchgen.engine.scheduler import ScheduledSeq
-from batchgen.kernels import cpu_decode_attention
+from batchgen.kernels import cpu_paged_attention
 
 log = logging.getLogger("batchgen.engine")
 
@@ -38,14 +38,15 @@ class ModelRunner:
              torch.zeros(shape, dtype=config.torch_dtype, device=self.device))
             for _ in range(model_cfg.num_layers)
         ]
-        # The torch backend decodes in place in the paged cache with the C kernel on the CPU in
-        # float32; otherwise from dense staging rows (see decode_staging.py), capped at the pool's
-        # own size so staging never more than doubles KV memory.
-        self.is_paged_decode = (config.resolved_attention_backend == "torch" and self.device.type == "cpu"
-                                and config.torch_dtype == torch.float32 and cpu_decode_attention.is_available())
+        # On the CPU in float32 the torch backend attends in place in the paged cache with the C
+        # kernels; otherwise decodes read dense staging rows (see decode_staging.py), capped at the
+        # pool's own size so staging never more than doubles KV memory.
+        self.is_paged = (config.resolved_attention_backend == "torch" and self.device.type == "cpu"
+                         and config.torch_dtype == torch.float32 and model_cfg.head_dim % 16 == 0
+                         and cpu_paged_attention.is_available())
         self.decode_rows: DecodeRows | None = None
         self.staging_pool: StagingPool | None = None
-        if config.resolved_attention_backend == "torch" and not self.is_paged_decode:
+        if config.resolved_attention_backend == "torch" and not self.is_paged:
             self.decode_rows = DecodeRows(config.block_size, model_cfg.num_kv_heads, max_tokens=num_slots)
             self.staging_pool = StagingPool(model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim,
                                             config.torch_dtype, self.device)
@@ -87,7 +88,7 @@ class ModelRunner:
         meta = build_attention_metadata(
             [s.num_new_tokens for s in order], [s.seq.num_computed_tokens for s in order],
             [s.seq.block_ids for s in order], num_decodes, self.block_size, self.device, staging,
-            is_paged_decode=self.is_paged_decode)
+            is_paged=self.is_paged)
         layer_kvs = self.kv_caches
         if staging is not None:
             layer_kvs = [(k, v, buffers) for (k, v), buffers in zip(self.kv_caches, self.staging_pool.layers)]

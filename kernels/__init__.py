@@ -1,3 +1,4 @@
 """batchgen.kernels: Triton kernels with their pure-torch references, and the CPU decode-attention
-kernel that reads the paged KV cache in place (C, built on first use; see cpu_decode_attention.py).
+kernels that read the paged KV cache in place, fused elementwise ops and the greedy pick
+(C, built on first use; see c_library.py).
 Imports only torch/triton."""

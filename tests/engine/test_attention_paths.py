@@ -49,7 +49,7 @@ def test_staged_and_paged_decodes_match_gather_across_joins_and_departures():
         assert staged_meta.groups == []
         paged_meta = build_attention_metadata([1] * len(order), [s.num_computed_tokens for s in order],
                                               [s.block_ids for s in order], len(order), block_size,
-                                              torch.device("cpu"), is_paged_decode=True)
+                                              torch.device("cpu"), is_paged=True)
         assert paged_meta.groups == [] and paged_meta.paged_decode is not None
         paged = backend.forward(q, k, v, (k_cache.clone(), v_cache.clone()), paged_meta)  # the C kernel
         staged = backend.forward(q, k, v, (k_cache, v_cache, pool.layers[0]), staged_meta)  # SDPA on dense rows
@@ -103,7 +103,7 @@ def test_engine_outputs_identical_with_paged_staged_and_gathered_decodes(llm, mo
     """Mixed lengths and max_tokens make rows leave and join mid-run; a tight memory cap makes
     staging switch off mid-run (rows cross 64 tokens) and the gather path take over."""
     from batchgen.engine.llm_engine import LLMEngine
-    from batchgen.kernels import cpu_decode_attention
+    from batchgen.kernels import cpu_paged_attention
 
     rng = random.Random(1)
     prompts = [[rng.randrange(100, 40000) for _ in range(rng.randint(5, 60))] for _ in range(10)]
@@ -111,7 +111,7 @@ def test_engine_outputs_identical_with_paged_staged_and_gathered_decodes(llm, mo
     prompts[0] = prompts[0][:1] * 60  # this one grows past 64 tokens while others still decode
     params[0] = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     gather_engine = LLMEngine(llm.engine.config, weights_from=llm.engine)
-    gather_engine.runner.is_paged_decode, gather_engine.runner.decode_rows = False, None  # decodes gathered
+    gather_engine.runner.is_paged, gather_engine.runner.decode_rows = False, None  # SDPA, decodes gathered
 
     def run(engine):
         for i, (p, sp) in enumerate(zip(prompts, params)):
@@ -123,11 +123,11 @@ def test_engine_outputs_identical_with_paged_staged_and_gathered_decodes(llm, mo
         return [outs[str(i)] for i in range(len(prompts))]
 
     paged_engine = LLMEngine(llm.engine.config, weights_from=llm.engine)
-    assert paged_engine.runner.is_paged_decode  # the C kernel, in place in the paged cache
-    monkeypatch.setattr(cpu_decode_attention, "is_available", lambda: False)  # as without a compiler
+    assert paged_engine.runner.is_paged  # the C kernels, in place in the paged cache
+    monkeypatch.setattr(cpu_paged_attention, "is_available", lambda: False)  # as without a compiler
     staged_engine = LLMEngine(llm.engine.config, weights_from=llm.engine)
     capped_engine = LLMEngine(llm.engine.config, weights_from=llm.engine)
-    assert not staged_engine.runner.is_paged_decode
+    assert not staged_engine.runner.is_paged
     capped_engine.runner.decode_rows.max_tokens = 16 * 64  # 16 rows of at most 64 tokens
     expected = run(gather_engine)
     assert run(paged_engine) == expected
