@@ -202,8 +202,11 @@ class TorchAttention:
         """layer_kv = (k_cache, v_cache[, StagingBuffers]); caches: (num_blocks * block_size, Hkv, D)."""
         # q: (T, H, D); k, v: (T, Hkv, D)
         k_cache, v_cache = layer_kv[0], layer_kv[1]
-        k_cache.index_copy_(0, meta.slot_mapping, k)
-        v_cache.index_copy_(0, meta.slot_mapping, v)
+        if meta.paged_decode is not None or meta.paged_prefill is not None:  # the C kernels' path
+            cpu_paged_attention.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        else:
+            k_cache.index_copy_(0, meta.slot_mapping, k)
+            v_cache.index_copy_(0, meta.slot_mapping, v)
         is_decode_only = meta.num_decodes == q.shape[0]
         if meta.paged_decode is not None and is_decode_only:
             return self._paged_decode(q, k_cache, v_cache, meta.paged_decode)

@@ -143,3 +143,19 @@ def test_prefill_refuses_head_dims_it_has_no_tiles_for():
         cpu_paged_attention.paged_prefill_attention(
             q, cache, cache, torch.tensor([0], dtype=torch.int32), torch.tensor([2], dtype=torch.int32),
             torch.tensor([0], dtype=torch.int32), torch.tensor([[0]], dtype=torch.int32), 2, 1.0, torch.zeros_like(q))
+
+
+def test_store_kv_writes_strided_rows_into_their_slots_like_index_copy():
+    torch.manual_seed(0)
+    num_tokens, num_kv_heads, head_dim = 40, 3, 16  # 40 x 48 floats: split over both threads
+    qkv = torch.randn(num_tokens, 5 * num_kv_heads * head_dim)
+    k = qkv[:, 3 * 48:4 * 48].view(num_tokens, num_kv_heads, head_dim)
+    v = qkv[:, 4 * 48:].view(num_tokens, num_kv_heads, head_dim)
+    slots = torch.randperm(100)[:num_tokens]
+    k_cache, v_cache = torch.randn(100, num_kv_heads, head_dim), torch.randn(100, num_kv_heads, head_dim)
+    expected_k, expected_v = k_cache.clone().index_copy_(0, slots, k), v_cache.clone().index_copy_(0, slots, v)
+    cpu_paged_attention.store_kv(k, v, k_cache, v_cache, slots)
+    torch.testing.assert_close(k_cache, expected_k, rtol=0, atol=0)
+    torch.testing.assert_close(v_cache, expected_v, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="outside the cache"):
+        cpu_paged_attention.store_kv(k, v, k_cache, v_cache, slots + 100)
