@@ -287,13 +287,13 @@ int paged_prefill_attention(const float *q, long q_token_stride, const float *k_
 /* ---- cache writes: a step's new keys and values into their slots ---------------------------- */
 
 /* k, v: (T, Hkv * D) rows with token strides (views into a fused qkv output); slot_mapping: (T,). */
-void store_kv(const float *k, const float *v, long token_stride, float *k_cache, float *v_cache,
-              const long *slot_mapping, int num_tokens, int row_size, int num_threads) {
+void store_kv(const float *k, long k_token_stride, const float *v, long v_token_stride, float *k_cache,
+              float *v_cache, const long *slot_mapping, int num_tokens, int row_size, int num_threads) {
     #pragma omp parallel for num_threads(num_threads) schedule(static) if ((long)num_tokens * row_size >= 4096)
     for (int t = 0; t < num_tokens; t++) {
         const long slot = slot_mapping[t];
-        __builtin_memcpy(k_cache + slot * row_size, k + t * token_stride, sizeof(float) * row_size);
-        __builtin_memcpy(v_cache + slot * row_size, v + t * token_stride, sizeof(float) * row_size);
+        __builtin_memcpy(k_cache + slot * row_size, k + t * k_token_stride, sizeof(float) * row_size);
+        __builtin_memcpy(v_cache + slot * row_size, v + t * v_token_stride, sizeof(float) * row_size);
     }
 }
 """
@@ -302,7 +302,7 @@ _P, _L, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
 _LIBRARY = CLibrary("paged_attention", _SOURCE, {
     "paged_decode_attention": (_I, [_P] * 6 + [_I] * 6 + [ctypes.c_float, _I]),
     "paged_prefill_attention": (_I, [_P, _L, _P, _P, _P, _L] + [_P] * 4 + [_I] * 6 + [ctypes.c_float, _I]),
-    "store_kv": (None, [_P, _P, _L, _P, _P, _P, _I, _I, _I]),
+    "store_kv": (None, [_P, _L, _P, _L, _P, _P, _P, _I, _I, _I]),
 }, fallback="attention runs through SDPA (decodes staged)")
 
 
@@ -333,24 +333,23 @@ def _check_tables(block_tables: torch.Tensor, lengths: torch.Tensor, block_size:
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """k_cache[slot_mapping] = k and v_cache[slot_mapping] = v in one pass (index_copy_ twice, without
-    its per-call dispatch). k, v: (T, Hkv, D) float32 with contiguous (Hkv, D) rows and equal strides
-    (views into the qkv output); caches (slots, Hkv, D) contiguous; slot_mapping (T,) int64, each slot
-    inside the cache."""
+    its per-call dispatch). k, v: (T, Hkv, D) float32 with contiguous (Hkv, D) rows (views into the
+    qkv output); caches (slots, Hkv, D) contiguous; slot_mapping (T,) int64, each slot inside the cache."""
     lib = _LIBRARY.load()
     if lib is None:
         raise RuntimeError("the CPU paged-attention kernels are not available (see is_available())")
     _check_caches(k, k_cache, v_cache)
     num_tokens = k.shape[0]
     row_size = k_cache.shape[1] * k_cache.shape[2]
-    if (k.shape != v.shape or k.shape[1:] != k_cache.shape[1:] or k.stride() != v.stride()
-            or k.stride(2) != 1 or k.stride(1) != k.shape[2] or slot_mapping.shape != (num_tokens,)):
-        raise ValueError("k and v need the caches' (Hkv, D) rows, contiguous, with equal strides, one slot each")
+    if (k.shape != v.shape or k.shape[1:] != k_cache.shape[1:] or slot_mapping.shape != (num_tokens,)
+            or any(t.stride(2) != 1 or t.stride(1) != t.shape[2] for t in (k, v))):
+        raise ValueError("k and v need the caches' (Hkv, D) rows, contiguous, and one slot each")
     if not num_tokens:
         return
     slot_mapping = slot_mapping.to(torch.long).contiguous()
     if int(slot_mapping.min()) < 0 or int(slot_mapping.max()) >= k_cache.shape[0]:
         raise ValueError("a slot lies outside the cache")
-    lib.store_kv(k.data_ptr(), v.data_ptr(), k.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+    lib.store_kv(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
                  slot_mapping.data_ptr(), num_tokens, row_size, torch.get_num_threads())
 
 

@@ -159,3 +159,7 @@ def test_store_kv_writes_strided_rows_into_their_slots_like_index_copy():
     torch.testing.assert_close(v_cache, expected_v, rtol=0, atol=0)
     with pytest.raises(ValueError, match="outside the cache"):
         cpu_paged_attention.store_kv(k, v, k_cache, v_cache, slots + 100)
+    # One token: its views' token strides differ (a size-1 dim's stride is arbitrary), the write must not.
+    one_k, one_v = qkv[:1, 3 * 48:4 * 48].view(1, num_kv_heads, head_dim), v.contiguous()[:1]
+    cpu_paged_attention.store_kv(one_k, one_v, k_cache, v_cache, slots[:1])
+    assert torch.equal(k_cache[slots[0]], one_k[0]) and torch.equal(v_cache[slots[0]], one_v[0])
