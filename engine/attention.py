@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from batchgen.engine.decode_staging import StagingStep
-from batchgen.kernels import cpu_paged_attention
 from batchgen.engine.kv_cache_manager import cache_slots
+from batchgen.kernels import cpu_paged_attention
 
 
 @dataclass
@@ -92,8 +92,7 @@ def build_attention_metadata(query_lens: list[int], context_lens: list[int], blo
             _paged_prefill(token_starts[num_decodes:-1], query_lens[num_decodes:], context_lens[num_decodes:],
                            block_tables[num_decodes:], block_size, device)
             if len(query_lens) > num_decodes else None)
-    paged_decode = None
-    first_gathered = num_decodes if staging is not None or paged_decode is not None else 0
+    first_gathered = num_decodes if staging is not None else 0
     ranges = [(first_gathered, num_decodes)] if num_decodes > first_gathered else []
     fresh: list[tuple[int, int]] = []
     run_start = num_decodes  # first sequence of the current run of prefills that gather
@@ -106,7 +105,7 @@ def build_attention_metadata(query_lens: list[int], context_lens: list[int], blo
         run_start = i + 1
     groups = [_build_group(query_lens[lo:hi], context_lens[lo:hi], block_tables[lo:hi],
                            token_starts[lo], block_size, device) for lo, hi in ranges]
-    return AttentionMetadata(slot_mapping, groups, fresh, staging, num_decodes, paged_decode)
+    return AttentionMetadata(slot_mapping, groups, fresh, staging, num_decodes)
 
 
 def _padded_tables(block_tables: list[list[int]], lengths: list[int], block_size: int,

@@ -14,9 +14,9 @@ from batchgen.engine.loader.hf_loader import iter_hf_weights, read_hf_config
 from batchgen.engine.loader.source import ModelSource, resolve_model
 from batchgen.engine.models.config import ModelConfig
 from batchgen.engine.models.cpu_linear import can_pack, pack_linears
-from batchgen.kernels import cpu_elementwise
 from batchgen.engine.models.llama import LlamaForCausalLM
 from batchgen.engine.models.rotary import RotaryEmbedding
+from batchgen.kernels import cpu_elementwise
 
 log = logging.getLogger("batchgen.engine")
 
