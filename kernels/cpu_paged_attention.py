@@ -134,7 +134,7 @@ int paged_decode_attention(const float *q, const float *k_cache, const float *v_
 /* ---- prefill: query chunks that attend their context and themselves causally ---------------- */
 
 #define QK_ROWS 6     /* query rows per register tile of scores (6 x 16 accumulators) */
-#define PV_ROWS 6     /* query rows per register tile of outputs (6 x 16 accumulators) */
+#define PV_ROWS 6     /* query rows per register tile of outputs (6 x 64 lanes for 64-dim heads) */
 #define LANES 16      /* keys (for scores) or head dims (for outputs) per vector */
 #define ROW_TILE 96   /* query rows whose scores are kept at once */
 
@@ -149,7 +149,7 @@ typedef struct {
     float *out;
     long q_token_stride, out_token_stride;
     const int *token_starts, *query_lens, *context_lens, *block_tables;
-    int max_blocks, num_kv_heads, group, head_dim, block_size, num_splits;
+    int max_blocks, num_kv_heads, group, head_dim, block_size;
     float scale;
 } prefill_job_t;
 
@@ -260,7 +260,7 @@ int paged_prefill_attention(const float *q, long q_token_stride, const float *k_
     const int num_splits = num_pairs >= 4 * num_threads ? 1 : (4 * num_threads + num_pairs - 1) / num_pairs;
     const prefill_job_t j = {q, k_cache, v_cache, out, q_token_stride, out_token_stride, token_starts,
                              query_lens, context_lens, block_tables, max_blocks, num_kv_heads, group, head_dim,
-                             block_size, num_splits, scale};
+                             block_size, scale};
     int failed = 0;
     #pragma omp parallel num_threads(num_threads) reduction(|:failed)
     {
