@@ -4,11 +4,12 @@ In a 64-sequence decode step each of these ops works on a few hundred KB, so tor
 dispatch and its multi-kernel compositions (RMSNorm is pow, mean, add, rsqrt and two muls; rotary a
 roll, a mul and an addcmul) cost more than the arithmetic: ~20 ms of a ~145 ms step on the 2-core
 CI machine. Here each is one loop over rows: residual add + RMSNorm, SiLU(gate) * up, and rotary
-applied in place on the q/k block. Rows are split over torch's OpenMP threads when the op is big
-enough to pay for waking them (prefill); small ones run on the calling thread.
+applied in place on the q/k block. Rows are split over torch's OpenMP threads from 4096 elements
+on (a 64 x 576 decode norm included: torch's worker is still spinning after the GEMM before it, so
+waking it costs less than it saves); tinier ops run on the calling thread.
 
 Results equal torch's float32 ops to within a few ulp (summation order, libmvec's expf);
-tests/kernels/test_cpu_elementwise.py checks them against HF's own modules. Built on first use
+tests/engine/test_ops.py checks them against HF's own modules. Built on first use
 (kernels/c_library.py); without a compiler the model keeps its torch ops.
 """
 
