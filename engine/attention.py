@@ -213,17 +213,15 @@ class TorchAttention:
             return self._staged_decode(q, k, v, k_cache, v_cache, layer_kv[2], meta.staging)
         out = q.new_empty(q.shape)  # (T, H, D) contiguous
         end = meta.num_decodes
-        if meta.paged_prefill is not None:
-            p = meta.paged_prefill
-            cpu_paged_attention.paged_prefill_attention(q, k_cache, v_cache, p.token_starts, p.query_lens,
-                                                        p.context_lens, p.block_tables, p.block_size, self.scale, out)
-            if meta.paged_decode is not None:
-                out[:end] = self._paged_decode(q[:end], k_cache, v_cache, meta.paged_decode)
-            return out
         if meta.paged_decode is not None:
             out[:end] = self._paged_decode(q[:end], k_cache, v_cache, meta.paged_decode)
         elif meta.staging is not None:
             out[:end] = self._staged_decode(q[:end], k[:end], v[:end], k_cache, v_cache, layer_kv[2], meta.staging)
+        if meta.paged_prefill is not None:  # every prefill chunk in one call; no fresh list, no groups
+            p = meta.paged_prefill
+            cpu_paged_attention.paged_prefill_attention(q, k_cache, v_cache, p.token_starts, p.query_lens,
+                                                        p.context_lens, p.block_tables, p.block_size, self.scale, out)
+            return out
         is_gqa = self.num_heads != self.num_kv_heads
         for start, num_tokens in meta.fresh:
             # (1, heads, L, D) strided views of the sequence's own rows: SDPA's causal kernel reads

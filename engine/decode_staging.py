@@ -37,7 +37,6 @@ class StagingStep:
     fill_slots: torch.Tensor  # (F * Lf,) paged-cache slots of their context (padded with slot 0)
     fill_len: int  # Lf
     append_index: torch.Tensor  # (B * Hkv,) flat (row, head, position) index of each row's new token
-    lengths: torch.Tensor  # (B,) int32 keys per row after this step's token
     ranges: list[RowRange]  # row ranges of similar length, attended separately (less padding)
     max_len: int  # L: longest row after this step's token
     capacity: tuple[int, int]  # (rows, length) every layer's buffers must have
@@ -150,7 +149,6 @@ class DecodeRows:
             fill_slots=torch.tensor(fill_slots, dtype=torch.long, device=device),
             fill_len=fill_len,
             append_index=append_index.to(device),
-            lengths=torch.tensor(lengths, dtype=torch.int32, device=device),
             ranges=ranges,
             max_len=max(lengths),
             capacity=self.capacity,

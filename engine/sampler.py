@@ -93,7 +93,7 @@ class Sampler:
             logits = apply_min_tokens(logits, seqs, self.eos_token_ids)
             tokens = None
         if tokens is None:  # greedy rows keep these
-            tokens = cpu_sampling.argmax_log_z(logits)[0] if can_use_kernel else logits.argmax(dim=-1)
+            tokens = cpu_sampling.argmax(logits) if can_use_kernel else logits.argmax(dim=-1)
         random_rows = [i for i, s in enumerate(seqs) if not s.params.is_greedy]
         if random_rows:
             rows = torch.tensor(random_rows, device=logits.device)

@@ -22,7 +22,8 @@ _SOURCE = r"""
 #define CHUNK 64
 #define PARALLEL_MIN 65536
 
-/* argmax[r]: first index of row r's maximum; log_z[r] = log(sum(exp(x[r]))). */
+/* argmax[r]: first index of row r's maximum; log_z[r] = log(sum(exp(x[r]))), skipped (the exp
+   pass is most of the cost) when log_z is NULL. */
 void argmax_log_z(const float *x, long row_stride, int num_rows, int vocab, long *argmax, float *log_z,
                   int num_threads) {
     #pragma omp parallel for num_threads(num_threads) schedule(static) if ((long)num_rows * vocab >= PARALLEL_MIN)
@@ -30,9 +31,11 @@ void argmax_log_z(const float *x, long row_stride, int num_rows, int vocab, long
         const float *row = x + r * row_stride;
         float m = -INFINITY;
         for (int v = 0; v < vocab; v++) m = row[v] > m ? row[v] : m;
-        float sum = 0.f;
-        for (int v = 0; v < vocab; v++) sum += expf(row[v] - m);
-        log_z[r] = m + logf(sum);
+        if (log_z) {
+            float sum = 0.f;
+            for (int v = 0; v < vocab; v++) sum += expf(row[v] - m);
+            log_z[r] = m + logf(sum);
+        }
         long first = 0;
         for (int c = 0; c < vocab; c += CHUNK) {  /* the first chunk holding the max, then its index */
             const int end = c + CHUNK < vocab ? c + CHUNK : vocab;
@@ -60,13 +63,22 @@ def is_available() -> bool:
     return _LIBRARY.load() is not None
 
 
-def argmax_log_z(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits: (N, V) float32 on the CPU with contiguous rows. Returns (argmax (N,) int64, log Z (N,))."""
+def _run(logits: torch.Tensor, log_z: torch.Tensor | None) -> torch.Tensor:
     if logits.dtype != torch.float32 or logits.device.type != "cpu" or logits.stride(-1) != 1 or logits.dim() != 2:
         raise ValueError(f"expected (N, V) float32 CPU logits with contiguous rows, got {logits.dtype} {tuple(logits.shape)}")
     num_rows, vocab = logits.shape
     argmax = torch.empty(num_rows, dtype=torch.long)
-    log_z = torch.empty(num_rows, dtype=torch.float32)
     _LIBRARY.load().argmax_log_z(logits.data_ptr(), logits.stride(0), num_rows, vocab, argmax.data_ptr(),
-                                 log_z.data_ptr(), torch.get_num_threads())
-    return argmax, log_z
+                                 None if log_z is None else log_z.data_ptr(), torch.get_num_threads())
+    return argmax
+
+
+def argmax_log_z(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits: (N, V) float32 on the CPU with contiguous rows. Returns (argmax (N,) int64, log Z (N,))."""
+    log_z = torch.empty(logits.shape[0], dtype=torch.float32)
+    return _run(logits, log_z), log_z
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """argmax_log_z's argmax alone, without the exp pass: (N,) int64."""
+    return _run(logits, None)

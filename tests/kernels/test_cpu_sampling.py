@@ -18,6 +18,7 @@ def test_matches_torch_argmax_and_float64_logsumexp(num_rows, vocab):
         logits[1, : vocab // 3] = float("-inf")  # banned tokens (min_tokens) stay out
     argmax, log_z = cpu_sampling.argmax_log_z(logits)
     assert torch.equal(argmax, logits.argmax(dim=-1))
+    assert torch.equal(cpu_sampling.argmax(logits), argmax)  # the pass without log Z
     assert argmax[0].item() == vocab // 2
     torch.testing.assert_close(log_z, torch.logsumexp(logits.double(), dim=-1).float(), rtol=1e-6, atol=1e-5)
 
