@@ -71,4 +71,5 @@ def _check_names(settings: dict) -> None:
     names = [f.name for f in dataclasses.fields(EngineConfig) if f.name != "model"]
     unknown = sorted(set(settings) - set(names))
     if unknown:
-        raise TypeError(f"unknown engine setting(s) {', '.join(unknown)}; EngineConfig's are: {', '.join(names)}")
+        raise TypeError(f"unknown engine setting(s) {', '.join(unknown)}; "
+                        f"EngineConfig's are: {', '.join(names)}")
