@@ -1,21 +1,57 @@
-"""The engine's one typed config, passed whole (keywords = the job file's `model` and `engine` keys)."""
+"""The engine's one typed config, passed whole, and the checks every setting goes through.
+
+EngineConfig's fields own the names, defaults and allowed values of the job file's `model` and
+`engine` keys: the job schema is derived from them (pipeline/job_settings.py says which field sits
+in which section and where a job's default deliberately differs).
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # the one table
+DTYPE_CHOICES = ("auto", *DTYPES)
+QUANTIZATIONS = ("none", "fp8")
+FP8_MODES = ("auto", "w8a8", "w8a16")
+# Names only: the attention selector resolves them at engine start (torch: cpu on the CPU, sdpa elsewhere).
+ATTENTION_BACKENDS = ("auto", "cpu", "sdpa", "torch")
+_DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 _SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
                "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
+class SettingError(ValueError):
+    """A setting outside its allowed values: `name` is the field, `rule` says what is allowed.
+
+    The job file turns it into `section.name: rule (got value)`; from Python it reads
+    `Owner.name rule; got value`.
+    """
+
+    def __init__(self, owner: str, name: str, rule: str, value: Any):
+        super().__init__(f"{owner}.{name} {rule}; got {value!r}")
+        self.name, self.rule, self.value = name, rule, value
+
+
+def check_settings(obj: Any, checks: list[tuple[str, bool, str]]) -> None:
+    """Raise SettingError for the first (field name, is ok, rule) that is not ok."""
+    for name, is_ok, rule in checks:
+        if not is_ok:
+            raise SettingError(type(obj).__name__, name, rule, getattr(obj, name))
+
+
+def _one_of(name: str, value: Any, choices: tuple[str, ...]) -> tuple[str, bool, str]:
+    return name, value in choices, f"must be one of {', '.join(choices)}"
+
+
 def parse_memory_size(value: str | int | float) -> int | float:
     """'8GiB' -> bytes (int); a float in (0, 1] -> that fraction (float); an int -> bytes."""
-    if isinstance(value, bool):
+    if isinstance(value, bool) or (isinstance(value, float) and not math.isfinite(value)):
         raise ValueError(f"memory size must be bytes, a size like '8GiB' or a fraction, got {value!r}")
     if isinstance(value, (int, float)):
         if isinstance(value, float) and 0 < value <= 1:
@@ -32,18 +68,26 @@ def parse_memory_size(value: str | int | float) -> int | float:
     return int(number * _SIZE_UNITS[unit])
 
 
+def is_memory_size(value: Any) -> bool:
+    try:
+        parse_memory_size(value)
+    except (ValueError, TypeError):
+        return False
+    return True
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs to know, resolved once. Derived values are properties."""
 
     model: str
-    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    dtype: str = "auto"  # auto (float32 on CPU, bfloat16 on GPU) | float32 | bfloat16 | float16
     quantization: str = "none"  # none | fp8
     fp8_mode: str = "auto"  # auto | w8a8 | w8a16
-    quantize_lm_head: bool = False
+    quantize_lm_head: bool = False  # with fp8: lm_head too (the logits' last matmul stays in dtype otherwise)
     max_model_len: int | None = None  # None: the model's own context length
     device: str = "auto"  # auto | cpu | cuda[:N]
-    attention_backend: str = "auto"  # auto | torch | triton
+    attention_backend: str = "auto"  # auto | cpu | sdpa | torch
     block_size: int = 16
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 4096
@@ -54,19 +98,22 @@ class EngineConfig:
     compile: bool = False  # torch.compile the elementwise ops (measured: no gain on the 2-core CPU)
 
     def __post_init__(self) -> None:
-        _check_choice("dtype", self.dtype, ["auto", *_DTYPES])
-        _check_choice("quantization", self.quantization, ["none", "fp8"])
-        _check_choice("fp8_mode", self.fp8_mode, ["auto", "w8a8", "w8a16"])
-        _check_choice("attention_backend", self.attention_backend, ["auto", "torch", "triton"])
-        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
-            raise ValueError(f"device must be one of auto, cpu, cuda, cuda:N; got {self.device!r}")
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
-        if self.kv_cache_memory != "auto":
-            parse_memory_size(self.kv_cache_memory)
+        check_settings(self, [
+            _one_of("dtype", self.dtype, DTYPE_CHOICES),
+            _one_of("quantization", self.quantization, QUANTIZATIONS),
+            _one_of("fp8_mode", self.fp8_mode, FP8_MODES),
+            ("max_model_len", self.max_model_len is None or self.max_model_len >= 2, "must be >= 2 or null"),
+            ("device", isinstance(self.device, str) and _DEVICE.fullmatch(self.device) is not None,
+             "must be one of auto, cpu, cuda, cuda:N"),
+            _one_of("attention_backend", self.attention_backend, ATTENTION_BACKENDS),
+            ("block_size", self.block_size >= 1, "must be >= 1"),
+            ("max_num_seqs", self.max_num_seqs >= 1, "must be >= 1"),
+            ("max_num_batched_tokens", self.max_num_batched_tokens >= 1, "must be >= 1"),
+            ("kv_cache_memory", self.kv_cache_memory == "auto" or is_memory_size(self.kv_cache_memory),
+             "must be auto, bytes, a size such as '8GiB' or '500MB', or a fraction in (0, 1] like 0.9"),
+            ("num_kv_blocks", self.num_kv_blocks is None or self.num_kv_blocks >= 1, "must be >= 1 or None"),
+            ("num_threads", self.num_threads is None or self.num_threads >= 1, "must be >= 1 or None"),
+        ])
 
     @property
     def torch_device(self) -> torch.device:
@@ -78,17 +125,7 @@ class EngineConfig:
     def torch_dtype(self) -> torch.dtype:
         if self.dtype == "auto":
             return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
-        return _DTYPES[self.dtype]
-
-    @property
-    def resolved_attention_backend(self) -> str:
-        # The Triton attention kernels are a later issue; until then torch everywhere.
-        return "torch" if self.attention_backend == "auto" else self.attention_backend
+        return DTYPES[self.dtype]
 
     def replace(self, **changes) -> EngineConfig:
         return dataclasses.replace(self, **changes)
-
-
-def _check_choice(name: str, value: str, allowed: list[str]) -> None:
-    if value not in allowed:
-        raise ValueError(f"{name} must be one of {', '.join(allowed)}; got {value!r}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence as Seq
 
 from tqdm.auto import tqdm
@@ -13,16 +14,22 @@ from batchgen.engine.sampling_params import SamplingParams
 
 
 class LLM:
-    """`LLM("smollm2-135m-instruct", dtype="float32", device="cpu")`; keywords are EngineConfig's."""
+    """`LLM("smollm2-135m-instruct", dtype="float32", device="cpu")`.
 
-    def __init__(self, model: str, **kwargs):
-        self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
+    Keywords are EngineConfig's fields (the job file's `model` and `engine` keys, plus the
+    engine-only ones); EngineConfig checks them.
+    """
+
+    def __init__(self, model: str, **settings):
+        _check_names(settings)
+        self.engine = LLMEngine(EngineConfig(model=model, **settings))
         self._next_id = 0
 
     def with_engine_settings(self, **changes) -> LLM:
         """A new LLM over this one's loaded weights and tokenizer with other KV/scheduling settings
-        (block_size, max_num_seqs, max_num_batched_tokens, enable_prefix_caching, kv_cache_memory,
-        num_kv_blocks, a smaller max_model_len): its own KV pool, scheduler and counters."""
+        (llm_engine.RUNTIME_SETTINGS; max_model_len may only shrink): its own KV pool, scheduler and
+        counters."""
+        _check_names(changes)
         other = object.__new__(LLM)
         other.engine = LLMEngine(self.engine.config.replace(**changes), weights_from=self.engine)
         other._next_id = 0
@@ -57,3 +64,12 @@ class LLM:
                     results[out.request_id] = out
                     bar.update(1)
         return [results[i] for i in ids]
+
+
+def _check_names(settings: dict) -> None:
+    # A misspelt keyword would otherwise be a bare "unexpected keyword argument" from the dataclass.
+    names = [f.name for f in dataclasses.fields(EngineConfig) if f.name != "model"]
+    unknown = sorted(set(settings) - set(names))
+    if unknown:
+        raise TypeError(f"unknown engine setting(s) {', '.join(unknown)}; "
+                        f"EngineConfig's are: {', '.join(names)}")

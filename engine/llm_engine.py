@@ -98,7 +98,8 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams,
                     prompt_token_ids: list[int] | None = None) -> None:
-        """Queue a request (n sequences). Raises ValueError for an empty or overlong prompt."""
+        """Queue a request (n sequences). Raises ValueError for an empty or overlong prompt, or stop
+        token ids outside the vocabulary."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in the engine")
         token_ids = prompt_token_ids if prompt_token_ids is not None else self.encode(prompt)
@@ -106,6 +107,9 @@ class LLMEngine:
             raise ValueError("the prompt is empty")
         if len(token_ids) >= self.max_model_len:
             raise ValueError(f"the prompt has {len(token_ids)} tokens; max_model_len is {self.max_model_len}")
+        if any(t >= self.model_cfg.vocab_size for t in params.stop_token_ids):  # an index past the logits
+            raise ValueError(f"stop_token_ids {params.stop_token_ids} reach past the vocabulary "
+                             f"({self.model_cfg.vocab_size} tokens)")
         now = time.monotonic()
         seqs = [Sequence(request_id, i, token_ids, params, now, self.max_model_len) for i in range(params.n)]
         self.requests[request_id] = _RequestState(request_id, token_ids, seqs, now,

@@ -41,12 +41,12 @@ class ModelRunner:
         # On the CPU in float32 the torch backend attends in place in the paged cache with the C
         # kernels; otherwise decodes read dense staging rows (see decode_staging.py), capped at the
         # pool's own size so staging never more than doubles KV memory.
-        self.is_paged = (config.resolved_attention_backend == "torch" and self.device.type == "cpu"
+        self.is_paged = (config.attention_backend != "sdpa" and self.device.type == "cpu"
                          and config.torch_dtype == torch.float32 and model_cfg.head_dim % 16 == 0
                          and cpu_paged_attention.is_available())
         self.decode_rows: DecodeRows | None = None
         self.staging_pool: StagingPool | None = None
-        if config.resolved_attention_backend == "torch" and not self.is_paged:
+        if not self.is_paged:
             self.decode_rows = DecodeRows(config.block_size, model_cfg.num_kv_heads, max_tokens=num_slots)
             self.staging_pool = StagingPool(model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim,
                                             config.torch_dtype, self.device)

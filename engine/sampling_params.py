@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+from batchgen.engine.config import check_settings
+
+MAX_TEMPERATURE = 100.0  # far past any useful value (near-uniform long before): keeps inf and typos out
+# Samples per request. The n sequences of a request are created when it is added and each holds KV
+# blocks and a scheduler slot, so n is bounded like any other allocation: 1024 covers best-of-n and
+# RL-style sampling (OpenAI's API stops at 128) while keeping one request's bookkeeping small.
+MAX_N = 1024
 
 
 @dataclass
@@ -11,7 +20,10 @@ class SamplingParams:
 
     Penalties follow vLLM: repetition_penalty over prompt and output tokens (divides positive
     logits, multiplies negative ones), presence/frequency penalties over output tokens only.
-    `logprobs=True` records the raw model log-probability of each chosen token.
+    `logprobs=True` records the raw model log-probability of each chosen token. Every float is
+    checked to be finite and in range (NaN fails every range). `stop_token_ids` are checked against
+    the vocabulary and `max_tokens` against max_model_len where those are known (the engine's
+    add_request, the pipeline's preflight).
     """
 
     n: int = 1
@@ -36,23 +48,22 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = [int(t) for t in (self.stop_token_ids or [])]
-        checks = [
-            ("n", self.n >= 1, "must be >= 1"),
-            ("temperature", self.temperature >= 0, "must be >= 0"),
+        check_settings(self, [
+            ("n", 1 <= self.n <= MAX_N, f"must be in [1, {MAX_N}]"),
+            ("temperature", 0 <= self.temperature <= MAX_TEMPERATURE, f"must be in [0, {MAX_TEMPERATURE:g}]"),
             ("top_p", 0 < self.top_p <= 1, "must be in (0, 1]"),
             ("top_k", self.top_k == -1 or self.top_k >= 1, "must be -1 (off) or >= 1"),
             ("min_p", 0 <= self.min_p <= 1, "must be in [0, 1]"),
-            ("repetition_penalty", self.repetition_penalty > 0, "must be > 0"),
+            ("repetition_penalty", 0 < self.repetition_penalty < math.inf, "must be > 0 and finite"),
             ("presence_penalty", -2 <= self.presence_penalty <= 2, "must be in [-2, 2]"),
             ("frequency_penalty", -2 <= self.frequency_penalty <= 2, "must be in [-2, 2]"),
             ("max_tokens", self.max_tokens >= 1, "must be >= 1"),
             ("min_tokens", 0 <= self.min_tokens <= self.max_tokens, "must be in [0, max_tokens]"),
             ("stop", all(isinstance(s, str) and s for s in self.stop), "must hold non-empty strings"),
-            ("n", not (self.n > 1 and self.is_greedy), "must be 1 with greedy sampling (temperature 0)"),
-        ]
-        for name, is_ok, rule in checks:
-            if not is_ok:
-                raise ValueError(f"SamplingParams.{name} {rule}; got {getattr(self, name)!r}")
+            ("stop_token_ids", all(t >= 0 for t in self.stop_token_ids), "must hold token ids >= 0"),
+            ("n", not (self.n > 1 and self.is_greedy),
+             "must be 1 with greedy sampling (temperature 0 gives n identical samples)"),
+        ])
 
     @property
     def is_greedy(self) -> bool:

@@ -2,27 +2,40 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
-import re
+import typing
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    create_model,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
-from batchgen.engine.config import EngineConfig, parse_memory_size
+from batchgen.engine.config import EngineConfig, SettingError
 from batchgen.engine.loader.source import BUNDLED_ALIASES
+from batchgen.engine.sampling_params import SamplingParams
 from batchgen.pipeline.errors import JobError
+from batchgen.pipeline.job_settings import (
+    ENGINE_ONLY,
+    JOB_DEFAULTS,
+    MODEL_KEYS,
+    MODEL_PATH_FIELD,
+    ROW_OVERRIDABLE,
+    SAMPLING_ONLY,
+)
 
-# SamplingParams fields a per-row column may override (n, seed and logprobs change the job's shape
-# or its reproducibility contract, so they stay job-wide).
-OVERRIDABLE_SAMPLING_KEYS = {
-    "temperature": "float", "top_p": "float", "top_k": "int", "min_p": "float",
-    "repetition_penalty": "float", "presence_penalty": "float", "frequency_penalty": "float",
-    "max_tokens": "int", "min_tokens": "int", "ignore_eos": "bool",
-}
 _PATH_KEYS = {("model", "path"), ("input", "path"), ("output", "path")}
 
 
@@ -30,36 +43,47 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class ModelSection(_Section):
+def derive_section(name: str, owner: type, section: str, keys: Iterable[str],
+                   base: type[BaseModel] = _Section) -> type[BaseModel]:
+    """A pydantic section whose keys are fields of the dataclass `owner`, with its types and defaults
+    (the job's where JOB_DEFAULTS says so). Values are checked by constructing `owner` (see JobConfig)."""
+    hints = typing.get_type_hints(owner)
+    fields = {f.name: f for f in dataclasses.fields(owner)}
+    definitions: dict[str, Any] = {}
+    for key in keys:
+        if (section, key) in JOB_DEFAULTS:
+            default = JOB_DEFAULTS[section, key][0]
+        elif fields[key].default_factory is not dataclasses.MISSING:
+            default = Field(default_factory=fields[key].default_factory)
+        else:
+            default = fields[key].default
+        definitions[key] = (hints[key], default)
+    return create_model(name, __base__=base, **definitions)
+
+
+def engine_keys(owner: type = EngineConfig) -> list[str]:
+    """EngineConfig fields under `engine:`: all but model.path, the model keys and the engine-only ones."""
+    return [f.name for f in dataclasses.fields(owner)
+            if f.name not in (MODEL_PATH_FIELD, *MODEL_KEYS, *ENGINE_ONLY)]
+
+
+def sampling_keys(owner: type = SamplingParams) -> list[str]:
+    """SamplingParams fields under `sampling:`: all but the engine-only ones."""
+    return [f.name for f in dataclasses.fields(owner) if f.name not in SAMPLING_ONLY]
+
+
+class _ModelPath(_Section):
     path: str = Field(min_length=1)
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    quantization: Literal["none", "fp8"] = "none"
-    fp8_mode: Literal["auto", "w8a8", "w8a16"] = "auto"
-    max_model_len: int | None = Field(default=4096, ge=2)  # null: the model's own context length
 
 
-class EngineSection(_Section):
-    device: str = "auto"
-    attention_backend: Literal["auto", "torch", "triton"] = "auto"
-    block_size: int = Field(default=16, ge=1)
-    max_num_seqs: int = Field(default=128, ge=1)
-    max_num_batched_tokens: int = Field(default=4096, ge=1)
-    enable_prefix_caching: bool = True
-    kv_cache_memory: str | int | float = "auto"
+ModelSection = derive_section("ModelSection", EngineConfig, "model", MODEL_KEYS, base=_ModelPath)
+EngineSection = derive_section("EngineSection", EngineConfig, "engine", engine_keys())
+SamplingSection = derive_section("SamplingSection", SamplingParams, "sampling", sampling_keys())
 
-    @field_validator("device")
-    @classmethod
-    def _check_device(cls, value: str) -> str:
-        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", value):
-            raise ValueError(f"must be one of auto, cpu, cuda, cuda:N; got {value!r}")
-        return value
-
-    @field_validator("kv_cache_memory")
-    @classmethod
-    def _check_kv_cache_memory(cls, value: str | float) -> str | float:
-        if value != "auto":
-            parse_memory_size(value)  # raises ValueError with the accepted forms
-        return value
+# sampling_columns: key -> the kind of column it needs (schema.py checks input columns against it).
+_KINDS = {float: "float", int: "int", bool: "bool"}
+_SAMPLING_TYPES = typing.get_type_hints(SamplingParams)
+OVERRIDABLE_SAMPLING_KEYS = {key: _KINDS[_SAMPLING_TYPES[key]] for key in ROW_OVERRIDABLE}
 
 
 class InputSection(_Section):
@@ -91,46 +115,6 @@ class InputSection(_Section):
     def text_column(self) -> str:
         """The column holding the prompt, whichever kind it is."""
         return self.messages_column or self.prompt_column
-
-
-class SamplingSection(_Section):
-    temperature: float = Field(default=0.0, ge=0)
-    top_p: float = Field(default=1.0, gt=0, le=1)
-    top_k: int = -1
-    min_p: float = Field(default=0.0, ge=0, le=1)
-    repetition_penalty: float = Field(default=1.0, gt=0)
-    presence_penalty: float = Field(default=0.0, ge=-2, le=2)
-    frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
-    max_tokens: int = Field(default=256, ge=1)
-    min_tokens: int = Field(default=0, ge=0)
-    n: int = Field(default=1, ge=1)
-    seed: int = 0
-    stop: list[str] = Field(default_factory=list)
-    stop_token_ids: list[int] = Field(default_factory=list)
-    ignore_eos: bool = False
-    logprobs: bool = False
-
-    @field_validator("top_k")
-    @classmethod
-    def _check_top_k(cls, value: int) -> int:
-        if value != -1 and value < 1:
-            raise ValueError(f"must be -1 (off) or >= 1; got {value}")
-        return value
-
-    @field_validator("stop")
-    @classmethod
-    def _check_stop(cls, value: list[str]) -> list[str]:
-        if any(not s for s in value):
-            raise ValueError("stop strings must be non-empty")
-        return value
-
-    @model_validator(mode="after")
-    def _check_combination(self) -> SamplingSection:
-        if self.min_tokens > self.max_tokens:
-            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
-        if self.n > 1 and self.temperature == 0:
-            raise ValueError(f"n={self.n} needs temperature > 0 (greedy sampling gives n identical samples)")
-        return self
 
 
 class BatchingSection(_Section):
@@ -166,22 +150,36 @@ class JobConfig(_Section):
         return value
 
     @model_validator(mode="after")
-    def _check_lengths(self) -> JobConfig:
-        limit = self.model.max_model_len
-        if limit is not None and self.sampling.max_tokens >= limit:
-            raise ValueError(f"sampling.max_tokens ({self.sampling.max_tokens}) must be below "
-                             f"model.max_model_len ({limit})")
+    def _check_by_constructing(self) -> JobConfig:
+        """The engine's checks are the job's: build what a run builds, and name the key that fails."""
+        errors = []
+        try:
+            self.engine_config()
+        except SettingError as exc:
+            section = "model" if exc.name in (MODEL_PATH_FIELD, *MODEL_KEYS) else "engine"
+            key = "path" if exc.name == MODEL_PATH_FIELD else exc.name
+            errors.append(_key_error((section, key), exc.rule, exc.value))
+        try:
+            params = self.sampling_params()
+        except SettingError as exc:
+            errors.append(_key_error(("sampling", exc.name), exc.rule, exc.value))
+        else:
+            if self.model.max_model_len is not None:  # null: checked against the model's own (preflight)
+                rule = max_tokens_rule(params.max_tokens, self.model.max_model_len)
+                if rule:
+                    errors.append(_key_error(("sampling", "max_tokens"), rule, params.max_tokens))
+        if errors:
+            raise ValidationError.from_exception_data(type(self).__name__, errors)
         return self
 
     def engine_config(self) -> EngineConfig:
-        """The engine's config for this job (the `model` and `engine` sections)."""
-        m, e = self.model, self.engine
-        return EngineConfig(
-            model=m.path, dtype=m.dtype, quantization=m.quantization, fp8_mode=m.fp8_mode,
-            max_model_len=m.max_model_len, device=e.device, attention_backend=e.attention_backend,
-            block_size=e.block_size, max_num_seqs=e.max_num_seqs,
-            max_num_batched_tokens=e.max_num_batched_tokens, enable_prefix_caching=e.enable_prefix_caching,
-            kv_cache_memory=e.kv_cache_memory)
+        """The engine's config for this job: the `model` section (path -> model) and the `engine` section."""
+        model = self.model.model_dump()
+        return EngineConfig(**{MODEL_PATH_FIELD: model.pop("path")}, **model, **self.engine.model_dump())
+
+    def sampling_params(self, **row_overrides: Any) -> SamplingParams:
+        """The job's SamplingParams (the `sampling` section), with a row's overrides if given."""
+        return SamplingParams(**{**self.sampling.model_dump(), **row_overrides})
 
     def config_hash(self, limit: int | None = None) -> str:
         """sha256 over what changes outputs: model, input, sampling, sampling_columns (and --limit, if set).
@@ -198,6 +196,19 @@ class JobConfig(_Section):
             payload["limit"] = limit
         blob = json.dumps(payload, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def max_tokens_rule(max_tokens: int, max_model_len: int, origin: str = "model.max_model_len") -> str | None:
+    """What is wrong with max_tokens against a context length (None: nothing): prompt + completion
+    must fit, and a prompt has at least one token."""
+    if max_tokens >= max_model_len:
+        return f"must be below {origin} ({max_model_len})"
+    return None
+
+
+def _key_error(loc: tuple[str, ...], rule: str, value: Any) -> InitErrorDetails:
+    error = PydanticCustomError("setting", "{rule}", {"rule": rule})
+    return InitErrorDetails(type=error, loc=loc, input=value)
 
 
 # ---- loading ----------------------------------------------------------------------------------------

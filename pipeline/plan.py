@@ -11,16 +11,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
 
-import torch
 import typer
 
 from batchgen.engine.capacity import KV_FRAGMENTATION_FRACTION, CapacityPlan, plan_capacity
-from batchgen.engine.config import EngineConfig, parse_memory_size
+from batchgen.engine.config import DTYPES, EngineConfig, parse_memory_size
 from batchgen.engine.models.config import ModelConfig
 from batchgen.pipeline.errors import JobError
 
 EXIT_BAD_INPUT = 2
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 AUTO_DTYPE = "bfloat16"  # `auto` is bfloat16 on a GPU, where capacity planning matters
 
 
@@ -98,8 +96,8 @@ def make_plan(target: PlanTarget, max_model_len: int | None = None, concurrency:
     dtype_name = dtype or target.dtype
     if dtype_name == "auto":
         dtype_name = AUTO_DTYPE
-    if dtype_name not in _DTYPES:
-        raise JobError(f"--dtype must be one of auto, {', '.join(_DTYPES)}; got {dtype_name!r}")
+    if dtype_name not in DTYPES:
+        raise JobError(f"--dtype must be one of auto, {', '.join(DTYPES)}; got {dtype_name!r}")
     quant = quantization or target.quantization
     if quant not in ("none", "fp8"):
         raise JobError(f"--quantization must be none or fp8; got {quant!r}")
@@ -113,7 +111,7 @@ def make_plan(target: PlanTarget, max_model_len: int | None = None, concurrency:
             raise JobError(f"--memory is a size such as 80GB or 141GiB, not a fraction; got {memory!r}")
     length = max_model_len or target.max_model_len or target.model_cfg.max_position_embeddings
     return plan_capacity(
-        target.model_cfg, _DTYPES[dtype_name], length, concurrency or target.concurrency, quant,
+        target.model_cfg, DTYPES[dtype_name], length, concurrency or target.concurrency, quant,
         memory_bytes, target.block_size, target.max_num_batched_tokens)
 
 

@@ -12,6 +12,7 @@ import fsspec
 from batchgen.engine.loader.source import BUNDLED_ALIASES, bundled_model_path, resolve_model
 from batchgen.pipeline.config import JobConfig
 from batchgen.pipeline.errors import JobError
+from batchgen.pipeline.model_limits import check_model_limits
 from batchgen.pipeline.output_folder import FolderState, OutputFolder
 from batchgen.pipeline.reader import InputFile, inspect_file, list_input_files
 from batchgen.pipeline.schema import check_input_schema
@@ -66,10 +67,12 @@ def check_model(path: str) -> str:
 
 
 def plan_job(job: JobConfig, limit: int | None = None) -> JobPlan:
-    """Check the model, every input file's footer and schema, and the output folder; plan the units."""
+    """Check the model (and the settings it bounds), every input file's footer and schema, and the
+    output folder; plan the units."""
     if limit is not None and limit < 1:
         raise JobError(f"--limit must be >= 1, got {limit}")
     model_location = check_model(job.model.path)
+    check_model_limits(job)
     input_storage = Storage(job.input.path, job.input.storage_options)
     files = [inspect_file(input_storage, p) for p in list_input_files(input_storage)]
     for file in files:

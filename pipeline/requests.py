@@ -35,8 +35,7 @@ class RequestBuilder:
     def __init__(self, job: JobConfig, engine):
         self.job = job
         self.engine = engine
-        self.defaults = job.sampling.model_dump()
-        self.default_params = SamplingParams(**self.defaults)
+        self.default_params = job.sampling_params()
 
     def build(self, row: RowInput, unit_index: int, offset: int) -> RowTask:
         task = RowTask(unit_index, offset, row.request_id, error=row.error)
@@ -54,7 +53,7 @@ class RequestBuilder:
         if not row.overrides:
             return self.default_params
         try:
-            return SamplingParams(**{**self.defaults, **row.overrides})
+            return self.job.sampling_params(**row.overrides)  # the same checks as the job's own values
         except (ValueError, TypeError) as exc:
             columns = ", ".join(f"{self.job.sampling_columns[k]}={v!r}" for k, v in row.overrides.items())
             raise RowError(f"invalid per-row sampling value ({columns}): {exc}") from None

@@ -51,7 +51,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
     model_cfg = read_model_config(source)
     max_model_len = config.max_model_len or model_cfg.max_position_embeddings
     device, dtype = config.torch_device, config.torch_dtype
-    backend = make_attention_backend(config.resolved_attention_backend, model_cfg.num_heads,
+    backend = make_attention_backend("torch", model_cfg.num_heads,
                                      model_cfg.num_kv_heads, model_cfg.head_dim)
     with torch.device("meta"):
         model = LlamaForCausalLM(model_cfg, max_model_len, backend)

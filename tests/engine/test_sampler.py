@@ -10,8 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from batchgen.engine.config import SettingError
 from batchgen.engine.sampler import Sampler, apply_min_tokens, apply_penalties, filter_logits
-from batchgen.engine.sampling_params import SamplingParams
+from batchgen.engine.sampling_params import MAX_N, SamplingParams
 from batchgen.engine.sequence import Sequence
 
 VOCAB = 64
@@ -220,13 +221,30 @@ def test_min_tokens_bans_eos_and_stop_tokens_until_reached():
     ({"stop": ["ok", ""]}, "stop"),
     ({"min_tokens": 5, "max_tokens": 4}, "min_tokens"),
     ({"repetition_penalty": 0}, "repetition_penalty"),
+    # Non-finite and out-of-range values, as vLLM refuses them (NaN fails every range).
+    ({"temperature": float("inf")}, "temperature"),
+    ({"temperature": float("nan")}, "temperature"),
+    ({"temperature": 100.01}, "temperature"),
+    ({"top_p": float("nan")}, "top_p"),
+    ({"min_p": float("nan")}, "min_p"),
+    ({"repetition_penalty": float("inf")}, "repetition_penalty"),
+    ({"repetition_penalty": float("nan")}, "repetition_penalty"),
+    ({"presence_penalty": 2.01}, "presence_penalty"),
+    ({"presence_penalty": float("-inf")}, "presence_penalty"),
+    ({"frequency_penalty": -2.01}, "frequency_penalty"),
+    ({"frequency_penalty": float("nan")}, "frequency_penalty"),
+    ({"n": MAX_N + 1, "temperature": 1.0}, "n"),
+    ({"stop_token_ids": [3, -1]}, "stop_token_ids"),
 ])
 def test_invalid_sampling_params_name_the_field(kwargs, field):
-    with pytest.raises(ValueError, match=rf"\b{field}\b"):
+    with pytest.raises(SettingError, match=rf"^SamplingParams\.{field} .*; got ") as info:
         SamplingParams(**kwargs)
+    assert info.value.name == field  # what the job file turns into `sampling.<field>`
 
 
 def test_valid_edge_values_are_accepted():
     SamplingParams(temperature=0, top_p=1.0, top_k=-1, min_p=1.0, max_tokens=1)
     SamplingParams(temperature=0.5, top_k=1, min_p=0.0, n=3, stop="###")
+    SamplingParams(temperature=100, n=MAX_N, repetition_penalty=1e-6, presence_penalty=-2, frequency_penalty=2,
+                   stop_token_ids=[0])
     assert SamplingParams(stop="###").stop == ["###"]

@@ -11,17 +11,17 @@ import pytest
 
 from batchgen.engine import CompletionOutput, EngineConfig, RequestMetrics, RequestOutput
 from batchgen.pipeline.config import JobConfig, validate_job
+from batchgen.pipeline.job_settings import MODEL_KEYS
 from tests.conftest import MODEL, TEST_ENGINE_KWARGS
 
 # A short context keeps overlong/truncation cases cheap (a 250-token prefill, not a 4000-token one).
 PIPELINE_ENGINE_KWARGS = {**TEST_ENGINE_KWARGS, "max_model_len": 256}
-_MODEL_KEYS = {"dtype", "quantization", "fp8_mode", "max_model_len"}
 
 
 def engine_sections(kwargs: dict = PIPELINE_ENGINE_KWARGS, model: str = MODEL) -> dict:
     """The job's `model` and `engine` sections that build exactly EngineConfig(model, **kwargs)."""
-    return {"model": {"path": model, **{k: v for k, v in kwargs.items() if k in _MODEL_KEYS}},
-            "engine": {k: v for k, v in kwargs.items() if k not in _MODEL_KEYS}}
+    return {"model": {"path": model, **{k: v for k, v in kwargs.items() if k in MODEL_KEYS}},
+            "engine": {k: v for k, v in kwargs.items() if k not in MODEL_KEYS}}
 
 
 def make_job(tmp_path: Path, input_path: str, **sections) -> JobConfig:

@@ -36,8 +36,9 @@ def error_of(tmp_path: Path, raw: dict, overrides: tuple[str, ...] = ()) -> str:
 
 def test_defaults_follow_the_design_contract(tmp_path):
     job = load_job(write_job(tmp_path, BASE))
-    assert (job.model.dtype, job.model.quantization, job.model.fp8_mode, job.model.max_model_len) == \
-        ("auto", "none", "auto", 4096)
+    m = job.model
+    assert (m.dtype, m.quantization, m.fp8_mode, m.quantize_lm_head, m.max_model_len) == \
+        ("auto", "none", "auto", False, 4096)
     e = job.engine
     assert (e.device, e.attention_backend, e.block_size, e.max_num_seqs, e.max_num_batched_tokens,
             e.enable_prefix_caching, e.kv_cache_memory) == ("auto", "auto", 16, 128, 4096, True, "auto")
@@ -45,8 +46,9 @@ def test_defaults_follow_the_design_contract(tmp_path):
     assert (i.id_column, i.prompt_column, i.messages_column, i.apply_chat_template, i.system_prompt,
             i.on_overlong, i.rows_per_unit) == ("id", "prompt", None, True, None, "error", 10000)
     s = job.sampling
-    assert (s.temperature, s.top_p, s.top_k, s.min_p, s.max_tokens, s.min_tokens, s.n, s.seed, s.stop,
-            s.ignore_eos, s.logprobs) == (0.0, 1.0, -1, 0.0, 256, 0, 1, 0, [], False, False)
+    assert (s.temperature, s.top_p, s.top_k, s.min_p, s.repetition_penalty, s.presence_penalty,
+            s.frequency_penalty, s.max_tokens, s.min_tokens, s.n, s.seed, s.stop, s.stop_token_ids,
+            s.ignore_eos, s.logprobs) == (0.0, 1.0, -1, 0.0, 1.0, 0.0, 0.0, 256, 0, 1, 0, [], [], False, False)
     assert (job.batching.sort_by_length, job.batching.window) == (True, 8192)
     assert job.output.keep_columns == [] and job.sampling_columns == {}
 
@@ -66,10 +68,14 @@ def test_relative_paths_are_relative_to_the_job_files_folder(tmp_path, monkeypat
 
 @pytest.mark.parametrize("section, key, bad, expected", [
     ("input", "on_overlong", "drop", ["input.on_overlong", "'error' or 'truncate_left'", "'drop'"]),
-    ("model", "dtype", "fp64", ["model.dtype", "'auto', 'float32', 'bfloat16' or 'float16'"]),
-    ("engine", "device", "tpu", ["engine.device", "auto, cpu, cuda, cuda:N"]),
+    ("model", "dtype", "fp64", ["model.dtype: must be one of auto, float32, bfloat16, float16 (got 'fp64')"]),
+    ("engine", "device", "tpu", ["engine.device", "auto, cpu, cuda, cuda:N", "(got 'tpu')"]),
+    ("engine", "attention_backend", "triton",
+     ["engine.attention_backend: must be one of auto, cpu, sdpa, torch (got 'triton')"]),
     ("engine", "kv_cache_memory", "lots", ["engine.kv_cache_memory", "8GiB"]),
-    ("sampling", "top_p", 2, ["sampling.top_p", "less than or equal to 1"]),
+    ("engine", "max_num_seqs", 0, ["engine.max_num_seqs: must be >= 1 (got 0)"]),
+    ("sampling", "top_p", 2, ["sampling.top_p: must be in (0, 1] (got 2.0)"]),
+    ("model", "quantize_lm_head", "maybe", ["model.quantize_lm_head", "valid boolean"]),
     ("sampling", "temprature", 0.5, ["sampling.temprature", "unknown key", "temperature, top_p"]),
     ("batching", "window", 0, ["batching.window", "greater than or equal to 1"]),
 ])
@@ -81,8 +87,11 @@ def test_invalid_settings_name_the_key_path_and_allowed_values(tmp_path, section
 
 
 def test_cross_key_rules_are_errors(tmp_path):
-    assert "temperature > 0" in error_of(tmp_path, with_keys(sampling={"n": 4}))
-    assert "model.max_model_len" in error_of(tmp_path, with_keys(sampling={"max_tokens": 4096}))
+    assert "sampling.n: must be 1 with greedy sampling" in error_of(tmp_path, with_keys(sampling={"n": 4}))
+    assert "sampling.max_tokens: must be below model.max_model_len (4096) (got 4096)" in \
+        error_of(tmp_path, with_keys(sampling={"max_tokens": 4096}))
+    assert "sampling.min_tokens: must be in [0, max_tokens] (got 9)" in \
+        error_of(tmp_path, with_keys(sampling={"max_tokens": 8, "min_tokens": 9}))
     message = error_of(tmp_path, with_keys(sampling_columns={"n": "n_col"}))
     assert "sampling_columns" in message and "temperature" in message  # lists what may be overridden
     assert "not both" in error_of(tmp_path, with_keys(input={"prompt_column": "p", "messages_column": "m"}))

@@ -15,18 +15,22 @@ from safetensors.torch import save_file
 HIDDEN, INTERMEDIATE, NUM_LAYERS, NUM_HEADS, NUM_KV_HEADS = 32, 64, 2, 4, 2
 
 
+def tiny_config(vocab_size: int, eos_token_id: int | None, max_position_embeddings: int = 512) -> dict:
+    """The tiny model's config.json (alone, it is a model folder that `batchgen validate` can read)."""
+    return {
+        "model_type": "llama", "vocab_size": vocab_size, "hidden_size": HIDDEN, "intermediate_size": INTERMEDIATE,
+        "num_hidden_layers": NUM_LAYERS, "num_attention_heads": NUM_HEADS, "num_key_value_heads": NUM_KV_HEADS,
+        "max_position_embeddings": max_position_embeddings, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+        "tie_word_embeddings": True, "eos_token_id": eos_token_id,
+    }
+
+
 def write_tiny_model(folder: Path, tokenizer) -> Path:
     """`tokenizer`: a transformers tokenizer (with its chat template) that the tiny model reuses."""
     folder.mkdir(parents=True, exist_ok=True)
     tokenizer.save_pretrained(folder)
     vocab = len(tokenizer)
-    config = {
-        "model_type": "llama", "vocab_size": vocab, "hidden_size": HIDDEN, "intermediate_size": INTERMEDIATE,
-        "num_hidden_layers": NUM_LAYERS, "num_attention_heads": NUM_HEADS, "num_key_value_heads": NUM_KV_HEADS,
-        "max_position_embeddings": 512, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
-        "tie_word_embeddings": True, "eos_token_id": tokenizer.eos_token_id,
-    }
-    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "config.json").write_text(json.dumps(tiny_config(vocab, tokenizer.eos_token_id)))
     gen = torch.Generator().manual_seed(0)
 
     def rand(*shape: int) -> torch.Tensor:

@@ -1,0 +1,53 @@
+"""Which engine settings are job keys, and the only places where a job differs from the engine.
+
+The job file's `model`, `engine` and `sampling` sections are EngineConfig's and SamplingParams'
+fields: names, types, defaults and checks come from those dataclasses (pipeline/config.py derives
+the sections and validates a job by constructing them). This file holds what the dataclasses cannot
+say: which EngineConfig field sits under `model:`, the fields that are not job keys and why, the job
+defaults that deliberately differ from the engine's and why, and which sampling keys a row may set.
+"""
+
+from __future__ import annotations
+
+# EngineConfig fields under `model:` (they say what is loaded); EngineConfig.model is `model.path`.
+# Every other EngineConfig field not in ENGINE_ONLY sits under `engine:`.
+MODEL_KEYS = ("dtype", "quantization", "fp8_mode", "quantize_lm_head", "max_model_len")
+MODEL_PATH_FIELD = "model"
+
+# EngineConfig fields that are not job keys, with the reason.
+ENGINE_ONLY = {
+    "num_kv_blocks": "fixes the KV pool's size by hand (tests, capacity experiments); a job sizes it "
+                     "with engine.kv_cache_memory",
+    "num_threads": "a process-wide torch setting: the CLI leaves torch's default (OMP_NUM_THREADS); "
+                   "the bench and Python callers set it",
+    "compile": "torch.compile of the elementwise ops, a Python-API experiment: nothing in the project "
+               "sets it, the CPU's C kernels replace those ops and it brought no gain there",
+}
+
+# SamplingParams fields that are not job keys, with the reason.
+SAMPLING_ONLY = {
+    "skip_special_tokens": "the completion column is always the text without special tokens; the "
+                           "token ids column keeps every token",
+}
+
+# (section, key): (the job's default, why it differs from the engine's default).
+JOB_DEFAULTS = {
+    ("model", "max_model_len"): (
+        4096, "a bounded context per request (models declare 32k-128k, which sizes KV pools and error "
+              "rows for the largest case); null: the model's own"),
+    ("sampling", "temperature"): (
+        0.0, "greedy: a job's outputs are reproducible and comparable run to run unless it asks for "
+             "sampling (the engine keeps vLLM's 1.0)"),
+    ("sampling", "max_tokens"): (
+        256, "a completion long enough to be a dataset row (the engine keeps vLLM's 16)"),
+    ("sampling", "seed"): (
+        0, "every job is reproducible: samples are keyed by (seed, request id, sample index), so "
+           "resumes, ordering and batching never change a row (the engine's None also means 0)"),
+}
+
+# SamplingParams fields a per-row column may override (sampling_columns). n, seed and logprobs
+# change the job's shape or its reproducibility contract; stop and stop_token_ids are lists (and
+# stop_token_ids are checked against the vocabulary once, before any generation): they stay job-wide.
+ROW_OVERRIDABLE = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                   "frequency_penalty", "max_tokens", "min_tokens", "ignore_eos")
+
