@@ -168,5 +168,6 @@ def _tensor_info(walk: _Walk) -> tuple[str, int, int]:
     for dim in dims:
         num_elements *= dim  # Python ints: a crafted shape cannot overflow
     if num_elements % block_size:
-        raise walk.fail(f"tensor {name!r} has {num_elements} elements, not a multiple of its block of {block_size}")
+        raise walk.fail(f"tensor {name!r} has {num_elements} elements, not a multiple of its block "
+                        f"of {block_size}")
     return name, num_elements // block_size * type_size, offset

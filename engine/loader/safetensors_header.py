@@ -73,4 +73,5 @@ def _check_tensor(name: str, info, num_data_bytes: int, fail) -> None:
         num_bits *= dim  # Python ints: a crafted shape cannot overflow
     if num_bits != 8 * (end - begin):
         needed = str(num_bits // 8) if num_bits % 8 == 0 else str(num_bits / 8)
-        raise fail(f"tensor {name!r}: {dtype} {shape} needs {needed} bytes, its data_offsets span {end - begin}")
+        raise fail(f"tensor {name!r}: {dtype} {shape} needs {needed} bytes, "
+                   f"its data_offsets span {end - begin}")
