@@ -72,6 +72,8 @@ class InputSection(_Section):
     on_overlong: Literal["error", "truncate_left"] = "error"
     rows_per_unit: int = Field(default=10000, ge=1)
     storage_options: dict[str, Any] = Field(default_factory=dict)  # fsspec options; not hashed
+    allow_special_tokens: bool = False  # false: control-token text in prompts and messages is encoded as text
+    max_prompt_bytes: int | None = Field(default=None, ge=1)  # null: max(1 MiB, 16 x max_model_len)
 
     @model_validator(mode="after")
     def _one_prompt_source(self) -> InputSection:
