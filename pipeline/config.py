@@ -236,8 +236,18 @@ def validate_job(raw: dict, base_dir: Path, source: str = "job") -> JobConfig:
         raise JobError(f"{source}: invalid job\n" + format_validation_error(exc)) from None
     job.model.path = _resolve_model_path(job.model.path, base_dir)
     job.input.path = _resolve_path(job.input.path, base_dir)
-    job.output.path = _resolve_path(job.output.path or f"out/{job.name}", base_dir)
+    job.output.path = _resolve_path(job.output.path or _default_output_path(job.name, source), base_dir)
     return job
+
+
+def _default_output_path(name: str, source: str) -> str:
+    """out/<name> when the name is one folder name. Any other name (`../../x`) is refused, not
+    rewritten: the output never lands outside out/, and its folder is the name the user wrote."""
+    if name in (".", "..") or any(c in name for c in "/\\\0"):
+        raise JobError(f"{source}: invalid job\n  name: {name!r} cannot name the default output folder "
+                       "out/<name> (it must be one folder name: no '/', '\\' or NUL, not '.' or '..'); "
+                       "rename the job or set output.path")
+    return f"out/{name}"
 
 
 def apply_override(raw: dict, item: str) -> None:
