@@ -10,6 +10,8 @@ are exactly what they were. For the others, each control token in a message's st
 in two private-use marker characters (chosen absent from the row and the template) before the
 template renders: in the rendered text a marked token is text, an unmarked one is the template's.
 The text between two of the template's tokens is then encoded with special-token matching off.
+Whole control tokens are what is found in a string: a template that glues user strings into a
+token ('<|' + role + '|>') would need its own check of those strings.
 """
 
 from __future__ import annotations
