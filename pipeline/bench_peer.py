@@ -40,7 +40,8 @@ def load_peer_model(model: str):
     source = resolve_model(model)
     kwargs = {"gguf_file": source.gguf_file} if source.is_gguf else {}
     hf_model = AutoModelForCausalLM.from_pretrained(str(source.folder), dtype=torch.float32,
-                                                    attn_implementation="sdpa", **kwargs)
+                                                    attn_implementation="sdpa", trust_remote_code=False,
+                                                    **kwargs)
     return hf_model.eval()
 
 

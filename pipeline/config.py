@@ -96,6 +96,8 @@ class InputSection(_Section):
     on_overlong: Literal["error", "truncate_left"] = "error"
     rows_per_unit: int = Field(default=10000, ge=1)
     storage_options: dict[str, Any] = Field(default_factory=dict)  # fsspec options; not hashed
+    allow_special_tokens: bool = False  # false: control-token text in prompts and messages is encoded as text
+    max_prompt_bytes: int | None = Field(default=None, ge=1)  # null: max(1 MiB, 16 x max_model_len)
 
     @model_validator(mode="after")
     def _one_prompt_source(self) -> InputSection:
@@ -245,8 +247,18 @@ def validate_job(raw: dict, base_dir: Path, source: str = "job") -> JobConfig:
         raise JobError(f"{source}: invalid job\n" + format_validation_error(exc)) from None
     job.model.path = _resolve_model_path(job.model.path, base_dir)
     job.input.path = _resolve_path(job.input.path, base_dir)
-    job.output.path = _resolve_path(job.output.path or f"out/{job.name}", base_dir)
+    job.output.path = _resolve_path(job.output.path or _default_output_path(job.name, source), base_dir)
     return job
+
+
+def _default_output_path(name: str, source: str) -> str:
+    """out/<name> when the name is one folder name. Any other name (`../../x`) is refused, not
+    rewritten: the output never lands outside out/, and its folder is the name the user wrote."""
+    if name in (".", "..") or any(c in name for c in "/\\\0"):
+        raise JobError(f"{source}: invalid job\n  name: {name!r} cannot name the default output folder "
+                       "out/<name> (it must be one folder name: no '/', '\\' or NUL, not '.' or '..'); "
+                       "rename the job or set output.path")
+    return f"out/{name}"
 
 
 def apply_override(raw: dict, item: str) -> None:

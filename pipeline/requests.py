@@ -29,6 +29,17 @@ class RowTask:
         return None if self.token_ids is None else len(self.token_ids)
 
 
+def max_prompt_bytes(job: JobConfig, max_model_len: int) -> int:
+    """input.max_prompt_bytes, by default max(1 MiB, 16 bytes per token of max_model_len).
+
+    A token is ~4 bytes of text, so the default refuses no prompt that could fit the context; what it
+    refuses is turned into an error row before the tokenizer spends seconds and gigabytes on it.
+    """
+    if job.input.max_prompt_bytes is not None:
+        return job.input.max_prompt_bytes
+    return max(1 << 20, 16 * max_model_len)
+
+
 class RequestBuilder:
     """Turns RowInputs into RowTasks with the job's defaults, the row's overrides and the engine's tokenizer."""
 
@@ -36,10 +47,15 @@ class RequestBuilder:
         self.job = job
         self.engine = engine
         self.default_params = job.sampling_params()
+        self.max_prompt_bytes = max_prompt_bytes(job, engine.max_model_len)
 
     def build(self, row: RowInput, unit_index: int, offset: int) -> RowTask:
         task = RowTask(unit_index, offset, row.request_id, error=row.error)
         if task.is_error:
+            return task
+        if row.num_prompt_bytes > self.max_prompt_bytes:
+            task.error = (f"the prompt is {row.num_prompt_bytes} bytes, over input.max_prompt_bytes "
+                          f"({self.max_prompt_bytes}); not tokenized")
             return task
         try:
             task.params = self._params(row)
@@ -60,7 +76,8 @@ class RequestBuilder:
 
     def _encode(self, row: RowInput) -> list[int]:
         try:
-            token_ids = self.engine.encode(row.prompt)
+            token_ids = self.engine.encode(row.prompt,
+                                           allow_special_tokens=self.job.input.allow_special_tokens)
         except Exception as exc:  # a template or tokenizer failure is this row's problem only
             raise RowError(f"cannot tokenize the prompt: {exc}") from None
         if not token_ids:

@@ -29,6 +29,7 @@ class RowInput:
     prompt: Prompt | None = None
     overrides: dict[str, Any] = field(default_factory=dict)
     error: str | None = None
+    num_prompt_bytes: int = 0  # the row's own text (prompt, or messages' roles and contents) as stored
 
 
 def decode_batch(batch: pa.RecordBatch, job: JobConfig) -> list[RowInput]:
@@ -52,7 +53,7 @@ def decode_batch(batch: pa.RecordBatch, job: JobConfig) -> list[RowInput]:
                 prompt = _decode_text(raw_text, "prompt")
                 if inp.apply_chat_template:
                     prompt = _with_system([{"role": "user", "content": prompt}], inp.system_prompt)
-            rows.append(RowInput(request_id, prompt, row_overrides))
+            rows.append(RowInput(request_id, prompt, row_overrides, num_prompt_bytes=_num_bytes(raw_text)))
         except RowError as exc:
             rows.append(RowInput(request_id, error=str(exc)))
     return rows
@@ -61,6 +62,12 @@ def decode_batch(batch: pa.RecordBatch, job: JobConfig) -> list[RowInput]:
 def _as_python(column: pa.Array) -> list:
     """Python values with every string left as bytes: pyarrow would raise for the whole column otherwise."""
     return column.cast(binary_type(column.type)).to_pylist()
+
+
+def _num_bytes(value: bytes | list[dict]) -> int:
+    if isinstance(value, bytes):
+        return len(value)
+    return sum(len(message.get("role") or b"") + len(message.get("content") or b"") for message in value)
 
 
 def _decode_id(value: Any) -> str:

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from batchgen.engine.loader.gguf_layout import check_gguf_layout
 from batchgen.engine.models.config import ModelConfig
 
 _ARCH_TO_MODEL_TYPE = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
@@ -31,6 +32,7 @@ def _cached_reader(path: str, mtime_ns: int, size: int):
     """Parsing the metadata (49k-entry vocab arrays) takes seconds: config and weights share one parse."""
     import gguf
 
+    check_gguf_layout(path)  # GGUFReader trusts declared counts: a crafted one makes it loop for hours
     try:
         return gguf.GGUFReader(path)
     except Exception as exc:  # corrupt or truncated file

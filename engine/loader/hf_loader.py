@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from batchgen.engine.loader.safetensors_header import check_safetensors_header
 from batchgen.engine.models.config import ModelConfig
 
 
@@ -33,11 +34,14 @@ def read_hf_config(folder: Path) -> ModelConfig:
 
 
 def safetensors_files(folder: Path) -> list[Path]:
+    """The folder's .safetensors files, each header checked against its file before anyone reads it."""
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         if list(folder.glob("*.bin")) or list(folder.glob("*.pt")):
             raise ValueError(f"{folder} holds only pickle checkpoints (.bin/.pt); batchgen loads safetensors only")
         raise FileNotFoundError(f"{folder} has no .safetensors weights")
+    for file in files:
+        check_safetensors_header(file)
     return files
 
 

@@ -80,7 +80,7 @@ class FakeEngine:
     def stats(self) -> dict:
         return {"prefix_cache_hit_rate": 0.0}
 
-    def encode(self, prompt) -> list[int]:
+    def encode(self, prompt, allow_special_tokens: bool = True) -> list[int]:
         text = prompt if isinstance(prompt, str) else "|".join(f"{m['role']}:{m['content']}" for m in prompt)
         return [ord(c) % 500 + 1 for c in text]
 
