@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -9,6 +10,8 @@ import torch
 from batchgen.engine.config import EngineConfig, parse_memory_size
 from batchgen.engine.models.config import ModelConfig
 
+# kv_cache_memory "auto": on the CPU, 20% of RAM capped at 4 GiB (the weights, activations and the
+# rest of the machine keep the remainder); on a GPU, 90% of the memory free once the weights are loaded.
 CPU_KV_CAP_BYTES = 4 * 2**30
 CPU_KV_RAM_FRACTION = 0.20
 GPU_KV_FREE_FRACTION = 0.90
@@ -25,13 +28,14 @@ def kv_bytes_per_token(cfg: ModelConfig, kv_dtype: torch.dtype) -> int:
 
 def _total_ram_bytes() -> int:
     try:
-        return __import__("os").sysconf("SC_PAGE_SIZE") * __import__("os").sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError):
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):  # no sysconf figure on this platform: assume a 16 GiB machine
         return 16 * 2**30
 
 
 def kv_cache_budget_bytes(config: EngineConfig, device: torch.device) -> int:
-    """Bytes for the KV pool: explicit size, fraction of free memory, or the design's auto rule."""
+    """Bytes for the KV pool: an explicit size, a fraction (of free GPU memory, or of RAM on the CPU),
+    or "auto" (the rule above CPU_KV_CAP_BYTES)."""
     setting = config.kv_cache_memory
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)

@@ -3,10 +3,10 @@
 glibc serves allocations above its mmap threshold (dynamic, at most 32 MiB) with a fresh mmap and
 unmaps them on free, and it trims the heap top above its trim threshold. A prefill step of a few
 thousand tokens allocates and frees tens of MiB per layer (the gate/up activations alone are
-T x 2 x intermediate x 4 bytes), so without this every layer page-faults its activations in again:
-on the 2-core CI machine a 4096-token SmolLM2 step went from 8.4 s to 5.5 s with it (the same
-reason vLLM's CPU backend asks for tcmalloc). It is process-wide: anything else in the process
-(the bench's HF peer included) runs under the same allocator settings.
+T x 2 x intermediate x 4 bytes), so without this every layer page-faults its activations in again
+(the same reason vLLM's CPU backend asks for tcmalloc; the measured gain is in benchmarks/NOTES.md).
+It is process-wide: anything else in the process (the bench's HF peer included) runs under the same
+allocator settings.
 """
 
 from __future__ import annotations

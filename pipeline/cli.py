@@ -86,13 +86,13 @@ def validate(job: JobArg, set_: SetOpt = None, limit: LimitOpt = None) -> None:
     Loads no weights.
     """
     from batchgen.pipeline.config import load_job
-    from batchgen.pipeline.preflight import format_plan, plan_job
+    from batchgen.pipeline.preflight import format_job_plan, plan_job
 
     try:
         plan = plan_job(load_job(job, set_ or []), limit)
     except Exception as exc:
         raise _fail(exc) from None
-    typer.echo(format_plan(plan))
+    typer.echo(format_job_plan(plan))
     if plan.state.refusal:
         typer.echo("batchgen: bad job: the output folder would be refused (see above)", err=True)
         raise typer.Exit(EXIT_BAD_JOB)

@@ -35,7 +35,6 @@ class Feeder:
         self.is_exhausted = False
         self.first_add_time: float | None = None
         self.last_output_time: float | None = None
-        self.max_seen_in_flight = 0  # for tests of the bound
 
     @property
     def generation_seconds(self) -> float:
@@ -76,7 +75,6 @@ class Feeder:
             if self.first_add_time is None:
                 self.first_add_time = time.monotonic()
             self.in_flight[task.request_id] = task
-            self.max_seen_in_flight = max(self.max_seen_in_flight, len(self.in_flight))
 
     def _next_task(self) -> RowTask | None:
         for i, task in enumerate(self.deferred):

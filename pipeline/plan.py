@@ -14,7 +14,7 @@ from typing import Annotated
 import typer
 
 from batchgen.engine.capacity import KV_FRAGMENTATION_FRACTION, CapacityPlan, plan_capacity
-from batchgen.engine.config import DTYPES, EngineConfig, parse_memory_size
+from batchgen.engine.config import EngineConfig, parse_memory_size
 from batchgen.engine.models.config import ModelConfig
 from batchgen.pipeline.errors import JobError
 
@@ -32,7 +32,7 @@ class PlanTarget:
     quantization: str = "none"
     max_model_len: int | None = None
     concurrency: int = 1
-    block_size: int = 16
+    block_size: int = EngineConfig.block_size
     max_num_batched_tokens: int = EngineConfig.max_num_batched_tokens
 
 
@@ -79,14 +79,15 @@ def _is_fp8_checkpoint(folder: Path) -> bool:
 def _read_remote_config(uri: str) -> tuple[ModelConfig, bool]:
     import fsspec
 
+    from batchgen.engine.quant.fp8_checkpoint import fp8_quant_config
+
     config_uri = uri.rstrip("/") + "/config.json"
     try:
         with fsspec.open(config_uri, "r") as f:
             raw = json.load(f)
     except (OSError, json.JSONDecodeError) as exc:
         raise ValueError(f"cannot read {config_uri}: {exc}") from exc
-    quant_method = (raw.get("quantization_config") or {}).get("quant_method")
-    return ModelConfig.from_hf_dict(raw), quant_method in ("fp8", "compressed-tensors")
+    return ModelConfig.from_hf_dict(raw), fp8_quant_config(raw, config_uri) is not None
 
 
 def make_plan(target: PlanTarget, max_model_len: int | None = None, concurrency: int | None = None,
@@ -94,13 +95,11 @@ def make_plan(target: PlanTarget, max_model_len: int | None = None, concurrency:
               memory: str | None = None) -> CapacityPlan:
     """Command-line values override the job's; unset ones fall back to the job, then the model."""
     dtype_name = dtype or target.dtype
-    if dtype_name == "auto":
-        dtype_name = AUTO_DTYPE
-    if dtype_name not in DTYPES:
-        raise JobError(f"--dtype must be one of auto, {', '.join(DTYPES)}; got {dtype_name!r}")
-    quant = quantization or target.quantization
-    if quant not in ("none", "fp8"):
-        raise JobError(f"--quantization must be none or fp8; got {quant!r}")
+    try:  # the engine's own config checks the names and maps the dtype
+        settings = EngineConfig(model=target.name, dtype=AUTO_DTYPE if dtype_name == "auto" else dtype_name,
+                                quantization=quantization or target.quantization)
+    except ValueError as exc:
+        raise JobError(f"--{exc}") from None
     memory_bytes = None
     if memory is not None:
         try:
@@ -111,7 +110,7 @@ def make_plan(target: PlanTarget, max_model_len: int | None = None, concurrency:
             raise JobError(f"--memory is a size such as 80GB or 141GiB, not a fraction; got {memory!r}")
     length = max_model_len or target.max_model_len or target.model_cfg.max_position_embeddings
     return plan_capacity(
-        target.model_cfg, DTYPES[dtype_name], length, concurrency or target.concurrency, quant,
+        target.model_cfg, settings.torch_dtype, length, concurrency or target.concurrency, settings.quantization,
         memory_bytes, target.block_size, target.max_num_batched_tokens)
 
 
@@ -119,7 +118,8 @@ def _gb(num_bytes: int) -> str:
     return f"{num_bytes / 1e9:,.2f} GB"
 
 
-def format_plan(target: PlanTarget, plan: CapacityPlan) -> str:
+def format_capacity_plan(target: PlanTarget, plan: CapacityPlan) -> str:
+    """What `batchgen plan` prints: the model, the settings, a table of sizes, and what fits."""
     cfg = target.model_cfg
     dtype = str(plan.dtype).removeprefix("torch.")
     weights_note = dtype if plan.quantization == "none" else (
@@ -186,7 +186,7 @@ def plan_command(
     if json_out:
         typer.echo(json.dumps({"model": target.name, **plan.to_dict()}, indent=2))
     else:
-        typer.echo(format_plan(target, plan))
+        typer.echo(format_capacity_plan(target, plan))
 
 
 if __name__ == "__main__":

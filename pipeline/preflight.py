@@ -84,7 +84,7 @@ def plan_job(job: JobConfig, limit: int | None = None) -> JobPlan:
                    output.state(config_hash), limit)
 
 
-def format_plan(plan: JobPlan, max_units_shown: int = 20) -> str:
+def format_job_plan(plan: JobPlan, max_units_shown: int = 20) -> str:
     """What `batchgen validate` prints: the job, the model, the inputs, the units, the output folder."""
     job = plan.job
     lines = [

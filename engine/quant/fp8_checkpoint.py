@@ -38,36 +38,44 @@ def read_fp8_quant_config(folder: Path) -> dict | None:
     """
     from batchgen.engine.loader.hf_loader import read_hf_config_dict
 
-    qcfg = read_hf_config_dict(folder).get("quantization_config")
+    return fp8_quant_config(read_hf_config_dict(folder), str(folder))
+
+
+def fp8_quant_config(hf_config: dict, where: str) -> dict | None:
+    """`read_fp8_quant_config` on a config.json already read (`where` names it in errors).
+
+    The one FP8-checkpoint detection: the loader and `batchgen plan` (local or remote config) use it.
+    """
+    qcfg = hf_config.get("quantization_config")
     if not qcfg:
         return None
     method = qcfg.get("quant_method")
     if method == "fp8":
         if qcfg.get("weight_block_size"):
-            raise ValueError(f"{folder}: " + _BLOCKWISE_HINT.format(
+            raise ValueError(f"{where}: " + _BLOCKWISE_HINT.format(
                 what=f"weight_block_size {qcfg['weight_block_size']}"))
         return qcfg
     if method == "compressed-tensors":
-        _check_compressed_tensors(folder, qcfg)
+        _check_compressed_tensors(where, qcfg)
         return qcfg
-    raise ValueError(f"{folder}: quantization_config.quant_method {method!r} is not supported "
+    raise ValueError(f"{where}: quantization_config.quant_method {method!r} is not supported "
                      "(only fp8 checkpoints: quant_method fp8, or compressed-tensors with 8-bit float weights)")
 
 
-def _check_compressed_tensors(folder: Path, qcfg: dict) -> None:
+def _check_compressed_tensors(where: str, qcfg: dict) -> None:
     groups = qcfg.get("config_groups") or {}
     if not groups:
-        raise ValueError(f"{folder}: compressed-tensors quantization_config has no config_groups")
+        raise ValueError(f"{where}: compressed-tensors quantization_config has no config_groups")
     for name, group in groups.items():
         weights = group.get("weights") or {}
         if (weights.get("num_bits"), weights.get("type")) != (8, "float"):
-            raise ValueError(f"{folder}: compressed-tensors group {name!r} is not FP8 ({weights}); "
+            raise ValueError(f"{where}: compressed-tensors group {name!r} is not FP8 ({weights}); "
                              "only FP8 weights with per-tensor or per-channel scales are supported")
         if weights.get("strategy") in ("block", "group"):
-            raise ValueError(f"{folder}: " + _BLOCKWISE_HINT.format(
+            raise ValueError(f"{where}: " + _BLOCKWISE_HINT.format(
                 what=f"compressed-tensors strategy {weights['strategy']!r} in {name}"))
         if weights.get("strategy") not in ("tensor", "channel"):
-            raise ValueError(f"{folder}: compressed-tensors group {name!r} has FP8 scale strategy "
+            raise ValueError(f"{where}: compressed-tensors group {name!r} has FP8 scale strategy "
                              f"{weights.get('strategy')!r}; only tensor and channel are supported")
 
 

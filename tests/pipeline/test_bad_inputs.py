@@ -7,8 +7,10 @@ import json
 import pyarrow as pa
 import pytest
 
+from batchgen.engine import SamplingParams
 from batchgen.pipeline.errors import JobError
 from batchgen.pipeline.runner import run_job
+from tests.engine.helpers import run_requests
 from tests.pipeline.conftest import make_job, read_output, write_parquet
 
 OVERLONG = "Tell me about the history of tea. " * 40  # ~320 tokens: over max_model_len 256 with the template
@@ -36,7 +38,8 @@ def test_bad_rows_become_error_rows_and_the_job_completes(tmp_path, engine):
         row = rows[row_id]
         assert row["finish_reason"] == "error" and message in row["error"], row
         assert row["completion"] is None and row["completion_tokens"] == 0 and row["ttft_s"] is None
-    assert rows[13]["prompt_tokens"] > 256  # measured before it was refused
+    # Measured before it was refused: the whole templated prompt, over max_model_len 256.
+    assert rows[13]["prompt_tokens"] == len(engine.encode([{"role": "user", "content": OVERLONG}])) > 256
     assert result.record["num_errors"] == 5 and result.record["num_requests"] == 6
     assert json.loads((tmp_path / "out" / "_SUCCESS").read_text())["num_rows"] == 6
 
@@ -47,7 +50,10 @@ def test_truncate_left_keeps_the_end_of_an_overlong_prompt(tmp_path, engine):
     run_job(job, engine=engine, progress=False)
     [row] = read_output(tmp_path / "out").to_pylist()
     assert row["error"] is None and row["prompt_tokens"] == 256 - 2  # max_model_len - max_tokens
-    assert row["completion_tokens"] >= 1
+    # The kept tokens are the last 254 of the templated prompt: the engine, given those, says the same.
+    kept = engine.encode([{"role": "user", "content": OVERLONG}])[-(256 - 2):]
+    [expected] = run_requests(engine, {"kept": (kept, SamplingParams(temperature=0, max_tokens=2))})["kept"].outputs
+    assert row["completion_token_ids"] == expected.token_ids and row["completion_tokens"] == len(expected.token_ids)
 
 
 class Tripwire:

@@ -1,25 +1,24 @@
-"""`batchgen plan`: the classic capacity arithmetic on Mistral-7B-v0.1's shape, from a config.json alone."""
+"""`batchgen plan`: the classic capacity arithmetic on Mistral-7B-v0.1's shape, from a config.json alone.
+
+The arithmetic itself is tested in tests/engine/test_capacity.py; here, the command around it.
+"""
 
 from __future__ import annotations
 
 import json
 
+import fsspec
 import pytest
-import torch
 from typer.testing import CliRunner
 
-from batchgen.engine import capacity
-from batchgen.engine.capacity import num_kv_blocks, plan_capacity
-from batchgen.engine.config import parse_memory_size
 from batchgen.pipeline.cli import app
-from batchgen.pipeline.plan import make_plan, read_model, read_target
+from batchgen.pipeline.plan import make_plan, read_target
+from tests.engine.model_shapes import (
+    MISTRAL_7B_LOGITS_BYTES_PER_SEQ,
+    MISTRAL_7B_SHAPE,
+    MISTRAL_7B_STEP_ACTIVATION_BYTES,
+)
 
-MISTRAL_7B_SHAPE = {
-    "architectures": ["MistralForCausalLM"], "model_type": "mistral", "hidden_size": 4096,
-    "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
-    "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 32000, "max_position_embeddings": 32768,
-    "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
-}
 CONTEXT = 32768
 
 
@@ -51,7 +50,8 @@ def test_mistral_7b_worked_example(mistral_dir):
     assert_near(plan["total_bytes_before_margin"], 152e9)  # weights + KV of 32 requests
     # The margin is shown separately and adds up.
     assert plan["fragmentation_bytes"] == int(0.10 * plan["kv_bytes"])
-    assert plan["margin_bytes"] == plan["fragmentation_bytes"] + plan["activation_bytes"] > 0
+    assert plan["activation_bytes"] == MISTRAL_7B_STEP_ACTIVATION_BYTES + 32 * MISTRAL_7B_LOGITS_BYTES_PER_SEQ
+    assert plan["margin_bytes"] == plan["fragmentation_bytes"] + plan["activation_bytes"]
     assert plan["total_bytes"] == plan["total_bytes_before_margin"] + plan["margin_bytes"]
 
     fp8 = plan_json(str(mistral_dir), "--max-model-len", str(CONTEXT), "--concurrency", "32",
@@ -99,20 +99,23 @@ def test_bad_input_exits_2(mistral_dir, args):
     assert result.exit_code == 2, result.output
 
 
-def test_pool_sizing_and_plan_share_kv_bytes_per_token(mistral_dir, monkeypatch):
-    cfg, _ = read_model(str(mistral_dir))
-    # Swap the one function: the pool's block count and the plan's KV figures must both follow it.
-    monkeypatch.setattr(capacity, "kv_bytes_per_token", lambda cfg, dtype: 1000)
-    assert num_kv_blocks(10**9, cfg, torch.bfloat16, 16) == 10**9 // (1000 * 16)
-    assert plan_capacity(cfg, torch.bfloat16, 4096).kv_bytes_per_request == 1000 * 4096
+@pytest.mark.parametrize("name, quantization_config, expected", [
+    ("plain", None, "none"),
+    ("fp8", {"quant_method": "fp8", "activation_scheme": "dynamic"}, "fp8"),
+    ("compressed", {"quant_method": "compressed-tensors", "config_groups": {"group_0": {
+        "weights": {"num_bits": 8, "type": "float", "strategy": "channel"}}}}, "fp8"),
+])
+def test_remote_config_names_an_fp8_checkpoint_as_the_loader_does(name, quantization_config, expected):
+    folder = f"memory://plan-test/{name}"  # only config.json is read from a remote model
+    config = {**MISTRAL_7B_SHAPE, **({"quantization_config": quantization_config} if quantization_config else {})}
+    with fsspec.open(f"{folder}/config.json", "w") as f:
+        json.dump(config, f)
+    assert plan_json(folder, "--dtype", "bfloat16")["quantization"] == expected
 
 
-def test_engine_pool_matches_plan(llm):
-    """The loaded engine's pool (a 256 MiB budget in the test config) and weights, planned from GGUF."""
-    engine = llm.engine
-    cfg, _ = read_model("smollm2-135m-instruct")
-    plan = plan_capacity(cfg, engine.config.torch_dtype, engine.max_model_len)
-    assert engine.kv_bytes_per_token == plan.kv_bytes_per_token
-    budget = parse_memory_size(engine.config.kv_cache_memory)
-    assert engine.num_kv_blocks == budget // (plan.kv_bytes_per_token * engine.config.block_size)
-    assert engine.weight_bytes == plan.weight_bytes
+def test_remote_config_with_an_unsupported_quantization_exits_2():
+    folder = "memory://plan-test/awq"
+    with fsspec.open(f"{folder}/config.json", "w") as f:
+        json.dump({**MISTRAL_7B_SHAPE, "quantization_config": {"quant_method": "awq"}}, f)
+    result = CliRunner().invoke(app, ["plan", folder])
+    assert result.exit_code == 2 and "'awq' is not supported" in result.stderr, result.output
