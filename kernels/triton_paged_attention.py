@@ -1,0 +1,361 @@
+"""Paged attention for a whole engine step in one launch: decodes, fresh prefills and prefill chunks
+over a cached prefix, mixed, read in place from the slot-major KV cache through the block tables.
+
+Layout. q (T, Hq, D) is flat over the step's tokens, sequence by sequence (cu_query_lens). The KV
+store has already written this step's keys and values, so every key a query sees is in the cache:
+seq_lens counts the cached tokens including this step's, and a query at chunk position i of a
+sequence with context c = seq_len - query_len sees keys [0, c + i]. Prefix and new tokens are read
+by the same loop, so a token's result does not depend on how its prompt was chunked.
+
+Programs. One program per (query tile of one sequence, kv head). GQA is folded into the tile's rows:
+BLOCK_M rows = BLOCK_Q queries x G query heads of one kv head (row r: query r // G, head r % G), so
+each K/V tile is loaded once for all G heads. A query tile finds its sequence on the device by binary
+search over cu_query_lens: sequence s owns tiles [cu[s] // BLOCK_Q + s, ...), which bounds the number
+of tiles by T // BLOCK_Q + S. The grid therefore depends only on T, S and the tile sizes, never on
+the query lengths (no host sync, CUDA-graph safe); tiles past their sequence's queries exit at once.
+
+Batch invariance. Tile sizes are fixed, query tiles start at each sequence's own first token, and the
+KV loop walks tiles of TILE_N keys from position 0 in order, so a row's arithmetic does not depend on
+its batch mates. A query tile stops at the last key its last query sees; for its earlier queries the
+extra keys are masked, which leaves their running max, sum and accumulator bitwise unchanged (scale
+1, additions of exact zeros): a token gives the same bits as a decode or inside a prefill chunk.
+Keep block_m and tile_n fixed for an engine's lifetime.
+
+Split-KV. Optionally (split_size), the KV loop is cut into splits of a fixed number of keys, one
+program per split, with float32 partial results merged in split order by a second kernel. The split
+size is a constant, never derived from the batch, so the result is still a function of the
+sequence alone; a sequence with seq_len <= split_size has one split and gives bitwise the unsplit
+result. It pays off for long contexts at small batch (few programs otherwise). Prefill and decode
+of one sequence agree bitwise only when both run in the same mode.
+
+FP8 caches (float8_e4m3fn / float8_e5m2) are loaded, widened to float32 and multiplied by the
+layer's fp32 k_scale / v_scale, then cast to q's dtype for the dot products.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from batchgen.kernels.triton_kv_store import check_kv_scales, is_fp8_kv
+
+_LOG2E = 1.4426950408889634
+# Default tile sizes; see the module docstring on keeping them fixed.
+DEFAULT_BLOCK_M = 16
+DEFAULT_TILE_N = 32
+
+
+@triton.jit
+def _find_seq_idx(cu_q_ptr, q_tile, num_seqs, BLOCK_Q: tl.constexpr):
+    # The last sequence s whose first query tile, cu[s] // BLOCK_Q + s, is <= q_tile.
+    lo: tl.int32 = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        first_tile = tl.load(cu_q_ptr + mid) // BLOCK_Q + mid
+        if first_tile <= q_tile:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
+    block_tables_ptr, cu_q_ptr, seq_lens_ptr, k_scale_ptr, v_scale_ptr,
+    part_acc_ptr, part_max_ptr, part_sum_ptr,
+    qk_scale,  # sm_scale * log2(e): the softmax runs in base 2
+    num_seqs,
+    stride_q_t, stride_q_h,
+    stride_k_s, stride_k_h, stride_v_s, stride_v_h,
+    stride_o_t, stride_o_h,
+    stride_bt_s,
+    stride_pa_t, stride_pa_h, stride_pa_s,  # partial acc (T, Hq, MAX_SPLITS, HEAD_PAD)
+    stride_pm_t, stride_pm_h,  # partial max / sum (T, Hq, MAX_SPLITS)
+    NUM_QUERIES_PER_KV: tl.constexpr,
+    HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr,
+    IS_FP8: tl.constexpr, IS_FP32: tl.constexpr,
+    IS_SPLIT: tl.constexpr, TILES_PER_SPLIT: tl.constexpr, MAX_SPLITS: tl.constexpr,
+):
+    q_tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq = _find_seq_idx(cu_q_ptr, q_tile, num_seqs, BLOCK_Q)
+    q_start = tl.load(cu_q_ptr + seq)
+    q_len = tl.load(cu_q_ptr + seq + 1) - q_start
+    local_tile = q_tile - (q_start // BLOCK_Q + seq)
+    if local_tile * BLOCK_Q >= q_len:
+        return  # a spare tile: the grid's bound exceeds this sequence's tiles
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context_len = seq_len - q_len
+
+    rows = tl.arange(0, BLOCK_M)
+    q_pos = local_tile * BLOCK_Q + rows // NUM_QUERIES_PER_KV  # (BLOCK_M,) query index in the chunk
+    heads = kv_head * NUM_QUERIES_PER_KV + rows % NUM_QUERIES_PER_KV  # (BLOCK_M,) query head
+    is_row = (rows < BLOCK_Q * NUM_QUERIES_PER_KV) & (q_pos < q_len)
+    tokens = (q_start + q_pos).to(tl.int64)
+    dims = tl.arange(0, HEAD_PAD)
+    is_dim = dims < HEAD_SIZE
+    q = tl.load(q_ptr + tokens[:, None] * stride_q_t + heads[:, None] * stride_q_h + dims[None, :],
+                mask=is_row[:, None] & is_dim[None, :], other=0.0)  # (BLOCK_M, HEAD_PAD)
+    last_key = context_len + q_pos  # (BLOCK_M,) the last key each row sees (causal)
+
+    # Keys this tile's last query sees; tiles past them are skipped, not masked.
+    num_keys = tl.minimum(context_len + (local_tile + 1) * BLOCK_Q, seq_len)
+    num_tiles = tl.cdiv(num_keys, TILE_N)
+    if IS_SPLIT:
+        split = tl.program_id(2)
+        tile_lo = split * TILES_PER_SPLIT
+        # The last split takes every remaining tile, so no key is lost past max_num_splits splits.
+        if split == MAX_SPLITS - 1:
+            tile_hi = num_tiles
+        else:
+            tile_hi = tl.minimum(tile_lo + TILES_PER_SPLIT, num_tiles)
+    else:
+        tile_lo = 0
+        tile_hi = num_tiles
+    if IS_FP8:
+        k_scale = tl.load(k_scale_ptr)
+        v_scale = tl.load(v_scale_ptr)
+
+    row_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    row_sum = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
+    acc = tl.full([BLOCK_M, HEAD_PAD], 0.0, dtype=tl.float32)
+    offs_n = tl.arange(0, TILE_N)
+    block_table = block_tables_ptr + seq.to(tl.int64) * stride_bt_s
+    k_head = k_cache_ptr + kv_head * stride_k_h
+    v_head = v_cache_ptr + kv_head * stride_v_h
+    for tile in range(tile_lo, tile_hi):
+        pos = tile * TILE_N + offs_n  # (TILE_N,) key positions
+        is_key = pos < seq_len
+        block = tl.load(block_table + pos // BLOCK_SIZE, mask=is_key, other=0).to(tl.int64)
+        slot = block * BLOCK_SIZE + pos % BLOCK_SIZE  # (TILE_N,) int64
+        k = tl.load(k_head + slot[None, :] * stride_k_s + dims[:, None],
+                    mask=is_key[None, :] & is_dim[:, None], other=0.0)  # (HEAD_PAD, TILE_N)
+        v = tl.load(v_head + slot[:, None] * stride_v_s + dims[None, :],
+                    mask=is_key[:, None] & is_dim[None, :], other=0.0)  # (TILE_N, HEAD_PAD)
+        if IS_FP8:
+            k = (k.to(tl.float32) * k_scale).to(q.dtype)
+            v = (v.to(tl.float32) * v_scale).to(q.dtype)
+        if IS_FP32:
+            scores = tl.dot(q, k, input_precision="ieee")  # no silent TF32 for float32 models
+        else:
+            scores = tl.dot(q, k)
+        scores = scores * qk_scale  # (BLOCK_M, TILE_N)
+        is_seen = (pos[None, :] <= last_key[:, None]) & is_key[None, :]
+        scores = tl.where(is_seen, scores, float("-inf"))
+        new_max = tl.maximum(row_max, tl.max(scores, 1))
+        # A row with no key yet (split-KV, or a spare row) keeps max -inf: exponents against 0 then
+        # give 0 instead of NaN.
+        safe_max = tl.where(new_max > float("-inf"), new_max, 0.0)
+        p = tl.exp2(scores - safe_max[:, None])
+        alpha = tl.exp2(row_max - safe_max)
+        row_sum = row_sum * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        if IS_FP32:
+            acc += tl.dot(p, v, input_precision="ieee")
+        else:
+            acc += tl.dot(p.to(v.dtype), v)
+        row_max = new_max
+
+    if IS_SPLIT:
+        split = tl.program_id(2)
+        part = tokens * stride_pm_t + heads * stride_pm_h + split  # (BLOCK_M,)
+        tl.store(part_max_ptr + part, row_max, mask=is_row)
+        tl.store(part_sum_ptr + part, row_sum, mask=is_row)
+        tl.store(part_acc_ptr + tokens[:, None] * stride_pa_t + heads[:, None] * stride_pa_h
+                 + split * stride_pa_s + dims[None, :], acc, mask=is_row[:, None])
+    else:
+        out = acc / row_sum[:, None]
+        tl.store(out_ptr + tokens[:, None] * stride_o_t + heads[:, None] * stride_o_h + dims[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=is_row[:, None] & is_dim[None, :])
+
+
+@triton.jit
+def _combine_splits_kernel(
+    part_acc_ptr, part_max_ptr, part_sum_ptr, out_ptr,
+    stride_pa_t, stride_pa_h, stride_pa_s, stride_pm_t, stride_pm_h, stride_o_t, stride_o_h,
+    NUM_QUERIES_PER_KV: tl.constexpr, GROUP_PAD: tl.constexpr,
+    HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, MAX_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+):
+    # One program per (token, kv head): the group's query heads as rows.
+    token = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    rows = tl.arange(0, GROUP_PAD)
+    heads = kv_head * NUM_QUERIES_PER_KV + rows  # (GROUP_PAD,)
+    is_row = rows < NUM_QUERIES_PER_KV
+    splits = tl.arange(0, SPLITS_PAD)
+    dims = tl.arange(0, HEAD_PAD)
+    part_row = token * stride_pm_t + heads * stride_pm_h  # (GROUP_PAD,)
+    acc_row = token * stride_pa_t + heads[:, None] * stride_pa_h + dims[None, :]  # (GROUP_PAD, HEAD_PAD)
+    maxima = tl.load(part_max_ptr + part_row[:, None] + splits[None, :],
+                     mask=is_row[:, None] & (splits[None, :] < MAX_SPLITS), other=float("-inf"))
+    total_max = tl.max(maxima, 1)  # (GROUP_PAD,)
+    total_max = tl.where(total_max > float("-inf"), total_max, 0.0)
+    # Sequential merge in split order: empty splits (max -inf, sum 0, acc 0) add exact zeros, so the
+    # result does not depend on max_num_splits, and one split gives bitwise the unsplit acc / sum.
+    num = tl.full([GROUP_PAD, HEAD_PAD], 0.0, dtype=tl.float32)
+    den = tl.full([GROUP_PAD], 0.0, dtype=tl.float32)
+    for split in range(MAX_SPLITS):
+        weight = tl.exp2(tl.load(part_max_ptr + part_row + split, mask=is_row, other=0.0) - total_max)
+        num += weight[:, None] * tl.load(part_acc_ptr + acc_row + split * stride_pa_s,
+                                         mask=is_row[:, None], other=0.0)
+        den += weight * tl.load(part_sum_ptr + part_row + split, mask=is_row, other=0.0)
+    out = num / tl.where(is_row, den, 1.0)[:, None]  # padding rows of the group: no 0 / 0
+    tl.store(out_ptr + token * stride_o_t + heads[:, None] * stride_o_h + dims[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=is_row[:, None] & (dims[None, :] < HEAD_SIZE))
+
+
+def split_kv_workspace(num_tokens: int, num_q_heads: int, head_size: int, max_num_splits: int,
+                       device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """float32 scratch for split-KV: partial acc (T, Hq, splits, head_pad), max and sum (T, Hq, splits).
+
+    Preallocate it (e.g. once per CUDA-graph batch size) and pass it as `workspace` to avoid an
+    allocation per call; its size is 4 * T * Hq * splits * (head_pad + 2) bytes.
+    """
+    head_pad = triton.next_power_of_2(head_size)
+    acc = torch.empty(num_tokens, num_q_heads, max_num_splits, head_pad, dtype=torch.float32, device=device)
+    row_max = torch.empty(num_tokens, num_q_heads, max_num_splits, dtype=torch.float32, device=device)
+    row_sum = torch.empty_like(row_max)
+    return acc, row_max, row_sum
+
+
+def num_query_tiles(num_tokens: int, num_seqs: int, num_queries_per_kv: int,
+                    block_m: int = DEFAULT_BLOCK_M) -> int:
+    """The grid's first dimension: an upper bound on the query tiles of any step of this size."""
+    return num_tokens // _block_q(num_queries_per_kv, block_m) + num_seqs
+
+
+def _block_q(num_queries_per_kv: int, block_m: int) -> int:
+    return max(block_m // num_queries_per_kv, 1)
+
+
+def paged_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    cu_query_lens: torch.Tensor, seq_lens: torch.Tensor, sm_scale: float, block_size: int, *,
+    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    split_size: int | None = None, max_num_splits: int | None = None,
+    workspace: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    block_m: int = DEFAULT_BLOCK_M, tile_n: int = DEFAULT_TILE_N,
+) -> torch.Tensor:
+    """Causal paged attention of one engine step -> (T, Hq, D) in q's dtype (written into `out` if given).
+
+    q (T, Hq, D) float16/bfloat16/float32, head size contiguous (a view of a fused qkv is fine).
+    k_cache, v_cache (num_slots, Hkv, D), slot = block * block_size + offset, in q's dtype or FP8
+    (float8_e4m3fn / float8_e5m2, then k_scale and v_scale: one float32 value each, on the device).
+    block_tables (S, max_blocks) int32: the blocks of each sequence, read only below its seq_len.
+    cu_query_lens (S+1,) int32: cu[0] = 0, sequence s owns tokens [cu[s], cu[s+1]) of q; cu[S] = T.
+    seq_lens (S,) int32: cached tokens of each sequence, this step's included (the KV store ran).
+    A sequence with zero query tokens is allowed (nothing written for it). Padding rows, e.g. of a
+    CUDA-graph batch: one query token, seq_len 1, a block table whose first entry is a valid block
+    (slot -1 in the KV store): their output is the value at that slot, finite, and ignored.
+
+    Values are not checked (that would need a device sync); only shapes, dtypes and strides are.
+
+    Split-KV: with split_size (a multiple of tile_n) the KV loop is cut into max_num_splits programs of
+    split_size keys each (the last takes any remainder) and merged by a second launch; size
+    max_num_splits from the longest possible sequence (max_model_len), not from the batch.
+    `workspace` is split_kv_workspace(T, Hq, D, max_num_splits, device) to reuse.
+    """
+    if q.dim() != 3 or k_cache.dim() != 3:
+        raise ValueError(f"expected q (T, Hq, D) and k_cache (num_slots, Hkv, D); "
+                         f"got {tuple(q.shape)} and {tuple(k_cache.shape)}")
+    num_tokens, num_q_heads, head_size = q.shape
+    num_kv_heads = k_cache.shape[1]
+    if v_cache.shape != k_cache.shape or k_cache.shape[2] != head_size:
+        raise ValueError(f"k_cache and v_cache must both be (num_slots, Hkv, {head_size}), "
+                         f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"{num_q_heads} query heads are not a multiple of {num_kv_heads} kv heads")
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"q must be float16, bfloat16 or float32, got {q.dtype}")
+    if v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"k_cache and v_cache dtypes differ: {k_cache.dtype}, {v_cache.dtype}")
+    is_fp8 = is_fp8_kv(k_cache.dtype)
+    if not is_fp8 and k_cache.dtype != q.dtype:
+        raise ValueError(f"the cache must be in q's dtype {q.dtype} or FP8, got {k_cache.dtype}")
+    if is_fp8:
+        check_kv_scales(k_scale, v_scale, q.device)
+    num_seqs = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
+    if seq_lens.dim() != 1 or seq_lens.dtype != torch.int32:
+        raise ValueError(f"seq_lens must be (S,) int32, got {tuple(seq_lens.shape)} {seq_lens.dtype}")
+    if cu_query_lens.shape != (num_seqs + 1,) or cu_query_lens.dtype != torch.int32:
+        raise ValueError(f"cu_query_lens must be ({num_seqs + 1},) int32, "
+                         f"got {tuple(cu_query_lens.shape)} {cu_query_lens.dtype}")
+    if block_tables.dim() != 2 or block_tables.shape[0] != num_seqs or block_tables.dtype != torch.int32:
+        raise ValueError(f"block_tables must be ({num_seqs}, max_blocks) int32, "
+                         f"got {tuple(block_tables.shape)} {block_tables.dtype}")
+    if not (seq_lens.is_contiguous() and cu_query_lens.is_contiguous()) or block_tables.stride(1) != 1:
+        raise ValueError("seq_lens, cu_query_lens and block_tables' rows must be contiguous")
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in head_size (stride(-1) == 1)")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("block_tables", block_tables),
+                    ("cu_query_lens", cu_query_lens), ("seq_lens", seq_lens)):
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device}, q on {q.device}")
+    if block_size <= 0 or block_size % 16:
+        raise ValueError(f"block_size must be a positive multiple of 16, got {block_size}")
+    for name, size in (("block_m", block_m), ("tile_n", tile_n)):
+        if size < 16 or size & (size - 1):
+            raise ValueError(f"{name} must be a power of two >= 16 (tl.dot), got {size}")
+    num_queries_per_kv = num_q_heads // num_kv_heads
+    if num_queries_per_kv > block_m:
+        block_m = triton.next_power_of_2(num_queries_per_kv)  # one query per tile, all its heads
+    block_q = _block_q(num_queries_per_kv, block_m)
+    if out is None:
+        out = torch.empty_like(q)
+    elif out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1 or out.device != q.device:
+        raise ValueError(f"out must be {tuple(q.shape)} {q.dtype}, contiguous in head_size, on q's device")
+    is_split = split_size is not None
+    if is_split:
+        if split_size <= 0 or split_size % tile_n:
+            raise ValueError(f"split_size must be a positive multiple of tile_n={tile_n}, got {split_size}")
+        if max_num_splits is None or max_num_splits < 1:
+            raise ValueError("split-KV needs max_num_splits >= 1 (e.g. cdiv(max_model_len, split_size))")
+        if workspace is None:
+            workspace = split_kv_workspace(num_tokens, num_q_heads, head_size, max_num_splits, q.device)
+        part_acc, part_max, part_sum = workspace
+        head_pad = triton.next_power_of_2(head_size)
+        if (part_acc.shape != (num_tokens, num_q_heads, max_num_splits, head_pad)
+                or part_max.shape != part_acc.shape[:3] or part_sum.shape != part_acc.shape[:3]
+                or any(t.dtype != torch.float32 or not t.is_contiguous() for t in workspace)):
+            raise ValueError("workspace must be split_kv_workspace(T, Hq, D, max_num_splits, device)")
+    else:
+        max_num_splits = 1
+        part_acc = part_max = part_sum = out  # never dereferenced
+    if num_tokens == 0:
+        return out
+    head_pad = triton.next_power_of_2(head_size)
+    grid = (num_query_tiles(num_tokens, num_seqs, num_queries_per_kv, block_m), num_kv_heads, max_num_splits)
+    _paged_attention_kernel[grid](
+        q, k_cache, v_cache, out, block_tables, cu_query_lens, seq_lens,
+        k_scale if is_fp8 else q, v_scale if is_fp8 else q,
+        part_acc, part_max, part_sum,
+        sm_scale * _LOG2E, num_seqs,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        out.stride(0), out.stride(1),
+        block_tables.stride(0),
+        part_acc.stride(0) if is_split else 0, part_acc.stride(1) if is_split else 0,
+        part_acc.stride(2) if is_split else 0,
+        part_max.stride(0) if is_split else 0, part_max.stride(1) if is_split else 0,
+        NUM_QUERIES_PER_KV=num_queries_per_kv, HEAD_SIZE=head_size, HEAD_PAD=head_pad,
+        BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=tile_n,
+        IS_FP8=is_fp8, IS_FP32=q.dtype == torch.float32,
+        IS_SPLIT=is_split, TILES_PER_SPLIT=(split_size // tile_n) if is_split else 1,
+        MAX_SPLITS=max_num_splits,
+    )
+    if is_split:
+        _combine_splits_kernel[(num_tokens, num_kv_heads)](
+            part_acc, part_max, part_sum, out,
+            part_acc.stride(0), part_acc.stride(1), part_acc.stride(2),
+            part_max.stride(0), part_max.stride(1), out.stride(0), out.stride(1),
+            NUM_QUERIES_PER_KV=num_queries_per_kv, GROUP_PAD=triton.next_power_of_2(num_queries_per_kv),
+            HEAD_SIZE=head_size, HEAD_PAD=head_pad, MAX_SPLITS=max_num_splits,
+            SPLITS_PAD=triton.next_power_of_2(max_num_splits),
+        )
+    return out
