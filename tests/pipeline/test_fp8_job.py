@@ -40,5 +40,9 @@ def test_fp8_job_runs_end_to_end_and_matches_the_fp8_engine(tmp_path, caplog):
     # The job's completions are the FP8 engine's own (W8A8 through torch._scaled_mm on the CPU).
     llm = LLM(str(model), dtype="float32", device="cpu", quantization="fp8", fp8_mode="w8a8",
               max_model_len=128, kv_cache_memory="16MiB")
-    expected = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
+    # The job encodes control-token text as text (input.allow_special_tokens: false); this word-level
+    # vocabulary holds its special tokens' text inside ordinary words ("t1" in "t17"), so the
+    # expected side is given the job's own prompt ids.
+    prompt_ids = [llm.engine.encode(p, allow_special_tokens=False) for p in PROMPTS]
+    expected = llm.generate(prompt_ids, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
     assert rows.column("completion_token_ids").to_pylist() == [o.outputs[0].token_ids for o in expected]
