@@ -149,8 +149,9 @@ class CLibrary:
             log.warning("cached CPU kernel %s cannot be opened safely (%s); rebuilding it", path, exc)
             return None
         try:
-            recorded = Path(f"{path}.sha256").read_text().strip()
-        except OSError:
+            with open(f"{path}.sha256", "rb") as f:
+                recorded = f.read(128).decode("ascii").strip()
+        except (OSError, UnicodeDecodeError):
             recorded = ""
         if _is_own_file(fd) and recorded and _file_sha256(fd) == recorded:
             return fd
@@ -178,6 +179,8 @@ class CLibrary:
         compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
         if compiler is None:
             raise FileNotFoundError("no C compiler (cc/gcc) on PATH")
+        if os.sep in compiler:  # a path: it must still name the compiler from inside the temp folder
+            compiler = os.path.abspath(compiler)
         with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
             objects = []
             for file_name, text in sources.items():

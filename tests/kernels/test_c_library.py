@@ -84,12 +84,14 @@ def _plant(path: Path, marker: Path, how: str) -> None:
         return
     if how == "wrong record":
         Path(f"{path}.sha256").write_text("0" * 64)
+    elif how == "unreadable record":
+        Path(f"{path}.sha256").write_bytes(b"\xff\xfe" * 1000)
     elif how == "writable by others":  # its record matches, but anyone could have rewritten it
         Path(f"{path}.sha256").write_text(sha256_of(path))
         os.chmod(path, 0o777)
 
 
-@pytest.mark.parametrize("how", ["no record", "wrong record", "writable by others", "symlink"])
+@pytest.mark.parametrize("how", ["no record", "wrong record", "unreadable record", "writable by others", "symlink"])
 def test_a_planted_library_in_the_cache_is_rebuilt_never_loaded(cache_root, tmp_path, monkeypatch, how):
     library = fresh_library(SAMPLING)
     path = library.cache_path(kernel_cache_dir())
