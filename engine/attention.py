@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from batchgen.engine.decode_staging import StagingStep
 from batchgen.engine.kv_cache_manager import cache_slots
-from batchgen.kernels import cpu_paged_attention
+from batchgen.kernels import cpu_kv_store, cpu_paged_attention
 
 
 @dataclass
@@ -202,7 +202,7 @@ class TorchAttention:
         # q: (T, H, D); k, v: (T, Hkv, D)
         k_cache, v_cache = layer_kv[0], layer_kv[1]
         if meta.paged_decode is not None or meta.paged_prefill is not None:  # the C kernels' path
-            cpu_paged_attention.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+            cpu_kv_store.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         else:
             k_cache.index_copy_(0, meta.slot_mapping, k)
             v_cache.index_copy_(0, meta.slot_mapping, v)

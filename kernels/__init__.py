@@ -1,3 +1,13 @@
-"""batchgen.kernels: Triton kernels with their pure-torch references, and C kernels for the CPU
-(paged attention in place in the KV cache, fused elementwise ops, the greedy pick), built on first
-use (see c_library.py). Imports only torch/triton."""
+"""batchgen.kernels: the engine's hand-written kernels and their torch references.
+
+- C kernels for the CPU in float32, sources in csrc/ (package data), built with the system compiler
+  on first use and loaded with ctypes by c_library.py: paged decode and prefill attention read in
+  place from the KV cache (cpu_paged_attention), the cache write (cpu_kv_store), the fused
+  elementwise ops (cpu_elementwise) and the greedy pick with log Z (cpu_sampling). Each module's
+  `is_available()` says whether its library loaded; without it the engine keeps its torch path.
+- Triton: the weight-only FP8 matmul (fp8_matmul).
+- reference.py: every kernel's pure-torch reference, which tests/kernels/ holds the kernels to.
+- cache_dir.py: the per-user cache root (`BATCHGEN_CACHE_DIR`) shared with the engine's model cache.
+
+Imports only torch and triton; never the engine.
+"""

