@@ -23,7 +23,9 @@ class PackedLinear(nn.Linear):
         nn.Module.__init__(self)
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None))
-        self.bias = linear.bias
+        # A bias that requires grad sends oneDNN's linear through another path than the fused bias
+        # add (its results differ in the last bit); inference never needs the grad.
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
 
     @property
     def weight(self) -> torch.Tensor:  # (out, in), dense
