@@ -56,6 +56,8 @@ def num_kv_blocks(budget_bytes: int, cfg: ModelConfig, kv_dtype: torch.dtype, bl
 
 # ---- planning (`batchgen plan`): the same arithmetic, from a ModelConfig alone ---------------------
 
+FP8_SCALE_BYTES = 4  # float32, one per output channel
+
 # Margin on top of weights + KV, shown separately by the planner:
 # - fragmentation: 10% of the KV bytes. A paged pool wastes under one block per sequence, but the
 #   allocator, the CUDA context and uneven request lengths take their share too.
@@ -65,14 +67,32 @@ KV_FRAGMENTATION_FRACTION = 0.10
 
 def weight_bytes(cfg: ModelConfig, dtype: torch.dtype, quantization: str = "none",
                  quantize_lm_head: bool = False) -> int:
-    """Weights as the engine holds them, from the config's shapes alone (no weights read).
+    """Bytes of the model's weights as the engine holds them (rotary tables excluded), from the
+    config's shapes alone (no weights read); equals the engine's measurement from tensor storage.
 
-    FP8: 1 byte per linear weight plus a float32 scale per output channel; embeddings, norms and
-    (unless quantize_lm_head) lm_head stay in `dtype`; a tied lm_head shares the embeddings.
+    FP8 linear layers hold 1 byte per weight plus one float32 scale per output channel; embeddings,
+    norms, biases and (unless quantize_lm_head) lm_head stay in `dtype`; a tied lm_head shares the
+    embedding's storage, but an FP8 lm_head is a copy of its own.
     """
-    from batchgen.engine.quant.weight_bytes import estimate_weight_bytes
+    elem = dtype_bytes(dtype)
+    is_fp8 = quantization == "fp8"
 
-    return estimate_weight_bytes(cfg, dtype, quantization, quantize_lm_head)
+    def linear_bytes(out_features: int, in_features: int, quantized: bool) -> int:
+        if quantized:
+            return out_features * in_features + out_features * FP8_SCALE_BYTES
+        return out_features * in_features * elem
+
+    per_layer = sum(linear_bytes(n, k, is_fp8) for n, k in cfg.linear_shapes().values())
+    per_layer += 2 * cfg.hidden_size * elem  # input and post-attention norms
+    if cfg.attention_bias:
+        per_layer += (cfg.q_size + 2 * cfg.kv_size) * elem
+    if cfg.qk_norm:
+        per_layer += 2 * cfg.head_dim * elem
+    total = cfg.num_layers * per_layer + cfg.vocab_size * cfg.hidden_size * elem + cfg.hidden_size * elem
+    is_lm_head_fp8 = is_fp8 and quantize_lm_head
+    if is_lm_head_fp8 or not cfg.tie_word_embeddings:
+        total += linear_bytes(*cfg.lm_head_shape, is_lm_head_fp8)
+    return total
 
 
 def activation_workspace_bytes(cfg: ModelConfig, dtype: torch.dtype, max_num_batched_tokens: int,

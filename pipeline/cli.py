@@ -11,7 +11,7 @@ from typing import Annotated
 
 import typer
 
-from batchgen.pipeline.bench import bench_command
+from batchgen.bench.cli import bench_command
 from batchgen.pipeline.errors import JobError
 from batchgen.pipeline.plan import plan_command
 

@@ -46,6 +46,11 @@ def unique_storage_bytes(module: torch.nn.Module) -> int:
     return sum(seen.values())
 
 
+def model_weight_bytes(model: torch.nn.Module) -> int:
+    """The weights a model holds: unique tensor storage, less the computed rotary tables."""
+    return unique_storage_bytes(model) - unique_storage_bytes(model.rotary)
+
+
 def load_model(config: EngineConfig) -> LoadedModel:
     source = resolve_model(config.model)
     model_cfg = read_model_config(source)
@@ -81,7 +86,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
         quantize_model_fp8(model, config, source)
     if can_pack(device, dtype):  # after FP8, which leaves only the layers it did not quantize
         log.info("packed %d linear layers for oneDNN", pack_linears(model))
-    weight_bytes = unique_storage_bytes(model) - model.rotary.cos.nbytes - model.rotary.sin.nbytes
+    weight_bytes = model_weight_bytes(model)
     log.info("loaded %s (%s, %d layers) as %s on %s", source.display_name, model_cfg.model_type,
              model_cfg.num_layers, dtype, device)
     return LoadedModel(source, model_cfg, model, max_model_len, weight_bytes)

@@ -35,6 +35,22 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    def linear_shapes(self) -> dict[str, tuple[int, int]]:
+        """(out_features, in_features) of one decoder layer's linear layers, by module name.
+
+        The orientation is torch's `nn.Linear.weight`: a layer maps (T, in) to (T, out) and holds an
+        (out, in) weight. q/k/v and gate/up are fused, as the engine's modules hold them.
+        """
+        return {"qkv_proj": (self.q_size + 2 * self.kv_size, self.hidden_size),
+                "o_proj": (self.hidden_size, self.q_size),
+                "gate_up_proj": (2 * self.intermediate_size, self.hidden_size),
+                "down_proj": (self.hidden_size, self.intermediate_size)}
+
+    @property
+    def lm_head_shape(self) -> tuple[int, int]:
+        """(out_features, in_features) of lm_head: (vocab_size, hidden_size)."""
+        return (self.vocab_size, self.hidden_size)
+
     @classmethod
     def from_hf_dict(cls, cfg: dict) -> ModelConfig:
         """From a parsed config.json (Llama/Mistral/Qwen2/Qwen3)."""

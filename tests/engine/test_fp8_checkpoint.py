@@ -10,14 +10,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from batchgen.bench.direct_runner import teacher_forced_logits
 from batchgen.engine import LLM, SamplingParams
+from batchgen.engine.capacity import weight_bytes
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.loader.model_loader import load_model
 from batchgen.engine.quant import fp8_checkpoint
-from batchgen.engine.quant.direct_runner import teacher_forced_logits
 from batchgen.engine.quant.fp8_linear import Fp8Linear
 from batchgen.engine.quant.fp8_writer import write_fp8_checkpoint
-from batchgen.engine.quant.weight_bytes import estimate_weight_bytes
 from tests.engine.fp8_tiny import calibrate_input_scales, write_tiny_llama
 
 ENGINE = dict(dtype="float32", device="cpu", kv_cache_memory="16MiB", max_model_len=256)
@@ -122,11 +122,11 @@ def test_llm_runs_an_fp8_checkpoint_end_to_end(tiny):
     assert stored.engine.weight_bytes == at_load.engine.weight_bytes < float_llm.engine.weight_bytes
     # The planner's arithmetic gives the same bytes as the storage measurement, FP8 lm_head included.
     cfg = stored.engine.model_cfg
-    assert estimate_weight_bytes(cfg, torch.float32) == float_llm.engine.weight_bytes
-    assert estimate_weight_bytes(cfg, torch.float32, "fp8") == stored.engine.weight_bytes
+    assert weight_bytes(cfg, torch.float32) == float_llm.engine.weight_bytes
+    assert weight_bytes(cfg, torch.float32, "fp8") == stored.engine.weight_bytes
     lm_head_too = LLM(str(tiny["float"]), quantization="fp8", quantize_lm_head=True, **ENGINE)
     assert isinstance(lm_head_too.engine.runner.model.lm_head, Fp8Linear)
-    assert estimate_weight_bytes(cfg, torch.float32, "fp8", quantize_lm_head=True) == lm_head_too.engine.weight_bytes
+    assert weight_bytes(cfg, torch.float32, "fp8", quantize_lm_head=True) == lm_head_too.engine.weight_bytes
 
 
 def write_config(folder: Path, quantization_config: dict) -> None:

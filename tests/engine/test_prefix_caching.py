@@ -60,14 +60,15 @@ def test_shared_system_prompt_is_computed_once(engine):
     expected = shared_prefix_blocks_tokens([out.prompt_token_ids for out in outputs])
     assert expected == NUM_SHARED_TOKENS >= 300
     assert outputs[0].num_cached_tokens == 0
-    for out in outputs[1:]:
-        assert out.num_cached_tokens >= 0.95 * expected, (out.request_id, out.num_cached_tokens, expected)
+    # Every later request hits every shared full block, and nothing more: the prompts differ after
+    # the shared prefix, within its next (partial) block.
+    assert [out.num_cached_tokens for out in outputs[1:]] == [expected] * (len(prompts) - 1)
     # Request 1 was admitted in the same step as request 0, whose blocks it shares before they are
     # written: the step's KV writes precede every read (see KVCacheManager.allocate_slots).
     assert outputs[1].metrics.first_scheduled_time == outputs[0].metrics.first_scheduled_time
     stats = engine.stats
     # Both samples of every request (255 sequences after the first) skip the shared blocks.
-    assert stats["num_cached_tokens"] >= 0.95 * expected * (2 * len(prompts) - 1)
+    assert stats["num_cached_tokens"] == expected * (2 * len(prompts) - 1)
     num_prompt_tokens = 2 * sum(len(out.prompt_token_ids) for out in outputs)
     assert stats["num_prefill_tokens"] == num_prompt_tokens - stats["num_cached_tokens"]
     assert stats["prefix_cache_hit_rate"] > 0.9

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
+from batchgen.bench.roofline import LinearShape, layer_linear_shapes, lm_head_shape
 from batchgen.engine.models.config import ModelConfig
 from batchgen.engine.models.cpu_linear import PackedLinear, can_pack
-from batchgen.pipeline.roofline import LinearShape, layer_linear_shapes, lm_head_shape
 
 PREFILL_NUM_TOKENS = 2048  # "a few thousand" rows: a typical large mixed step
 DECODE_NUM_TOKENS = 64  # one decode step of a full batch

@@ -12,8 +12,8 @@ import time
 
 import torch
 
-from batchgen.pipeline.bench_result import RunResult
-from batchgen.pipeline.bench_workloads import BenchRequest, Workload
+from batchgen.bench.result import TimedRun
+from batchgen.bench.workloads import BenchRequest, Workload
 
 DEFAULT_BATCH_SIZES = (16, 32, 64)
 PEER_NAME = "hf-transformers"
@@ -92,7 +92,7 @@ def warm_up_peer(hf_model, pad_token_id: int, eos_token_ids: list[int]) -> None:
 
 
 def run_peer_once(hf_model, workload: Workload, batch_size: int, pad_token_id: int,
-                  eos_token_ids: list[int]) -> RunResult:
+                  eos_token_ids: list[int]) -> TimedRun:
     """One timed pass at one batch size; padding is built before the clock starts (it is tokenizing)."""
     prepared = [(batch, *_left_padded(batch, pad_token_id),
                  _generation_config(hf_model, batch[0].output_len, pad_token_id, eos_token_ids))
@@ -112,12 +112,12 @@ def run_peer_once(hf_model, workload: Workload, batch_size: int, pad_token_id: i
             n = _num_generated(row, eos)
             num_completion += n
             token_ids[r.request_id] = row[:n]
-    return RunResult(f"{PEER_NAME} (batch {batch_size})", num_prompt, num_completion, seconds, token_ids,
+    return TimedRun(f"{PEER_NAME} (batch {batch_size})", num_prompt, num_completion, seconds, token_ids,
                      {"batch_size": batch_size, "num_batches": len(prepared)})
 
 
 def run_peer(hf_model, workload: Workload, batch_sizes: list[int], pad_token_id: int,
-             eos_token_ids: list[int]) -> tuple[RunResult, list[RunResult]]:
+             eos_token_ids: list[int]) -> tuple[TimedRun, list[TimedRun]]:
     """Every batch size once; returns the fastest run and all runs."""
     if not batch_sizes or any(b < 1 for b in batch_sizes):
         raise ValueError(f"peer batch sizes must be >= 1, got {batch_sizes}")

@@ -7,9 +7,9 @@ import time
 
 import yaml
 
+from batchgen.bench.result import TimedRun
+from batchgen.bench.workloads import Workload
 from batchgen.engine import EngineConfig, LLMEngine, SamplingParams
-from batchgen.pipeline.bench_result import RunResult
-from batchgen.pipeline.bench_workloads import Workload
 
 # The comparison is float32 on the CPU against a float32 peer: these are not overridable.
 FIXED_ENGINE_KEYS = {"model": "--model", "dtype": "float32", "device": "cpu", "num_threads": "--threads"}
@@ -44,7 +44,7 @@ def fixed_length_params(output_len: int) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=output_len, min_tokens=output_len, ignore_eos=True)
 
 
-def run_engine(engine: LLMEngine, workload: Workload, name: str = "engine") -> RunResult:
+def run_engine(engine: LLMEngine, workload: Workload, name: str = "engine") -> TimedRun:
     """Time add_request for every prompt (token ids: no tokenizing) through the last step."""
     params = {n: fixed_length_params(n) for n in set(workload.output_lens)}
     before = engine.stats
@@ -69,4 +69,4 @@ def run_engine(engine: LLMEngine, workload: Workload, name: str = "engine") -> R
                    "enable_prefix_caching": cfg.enable_prefix_caching, "compile": cfg.compile,
                    "attention_backend": cfg.attention_backend, "num_kv_blocks": engine.num_kv_blocks},
     }
-    return RunResult(name, prompt_tokens, sum(len(t) for t in token_ids.values()), seconds, token_ids, details)
+    return TimedRun(name, prompt_tokens, sum(len(t) for t in token_ids.values()), seconds, token_ids, details)

@@ -1,4 +1,4 @@
-"""FP8 on a lent GPU, one command: python scripts/gpu_check_fp8.py [--layers 32] [--json-out FILE]
+"""FP8 on a GPU, one command: python -m batchgen.bench.gpu_check [--layers 32] [--json-out FILE]
 
 1. Matmul correctness at Llama-3-8B's layer shapes: bf16, FP8 w8a8 (torch._scaled_mm, per-token
    activation scales) and FP8 w8a16 against a float32 matmul of the same weights.
@@ -6,7 +6,7 @@
 3. Decode throughput of a random-weight model of Llama-3-8B shape (all 32 layers unless --layers):
    bf16, then the same weights quantized in place to FP8 (auto mode = w8a8 on >= 8.9; w8a16 with
    dequantize-then-matmul, and with the Triton kernel where its probe passes),
-   through the engine's own model and torch attention (no CUDA graphs yet), side by side.
+   through the engine's own model and torch attention (no CUDA graphs), side by side.
 
 `--tiny` runs all of it at toy sizes on any device (the test suite runs it on the CPU).
 """
@@ -22,13 +22,11 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
+from batchgen.bench.direct_runner import DirectRunner
 from batchgen.engine.attention import make_attention_backend
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.models.config import ModelConfig
 from batchgen.engine.models.llama import LlamaForCausalLM
-from batchgen.engine.quant.direct_runner import DirectRunner
 from batchgen.engine.quant.fp8 import can_use_triton_w8a16, quantize_model_fp8
 from batchgen.engine.quant.fp8_linear import Fp8Linear
 
@@ -49,13 +47,6 @@ def tiny_config() -> ModelConfig:
                        max_position_embeddings=512, tie_word_embeddings=False)
 
 
-def layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
-    """(in_features, out_features) of each fused linear layer."""
-    return {"qkv_proj": (cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size), "o_proj": (cfg.q_size, cfg.hidden_size),
-            "gate_up_proj": (cfg.hidden_size, 2 * cfg.intermediate_size),
-            "down_proj": (cfg.intermediate_size, cfg.hidden_size)}
-
-
 def rel_error(y: torch.Tensor, ref: torch.Tensor) -> float:
     return ((y.float() - ref).norm() / ref.norm()).item()
 
@@ -65,7 +56,7 @@ def check_matmuls(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, nu
     """Relative error vs a float32 matmul for the model dtype, w8a8 and w8a16 at every layer shape."""
     rows = []
     gen = torch.Generator(device=device).manual_seed(0)
-    for name, (k, n) in layer_shapes(cfg).items():
+    for name, (n, k) in cfg.linear_shapes().items():
         linear = torch.nn.Linear(k, n, bias=False, device=device, dtype=torch.float32)
         linear.weight.normal_(0, 0.02, generator=gen)
         x = torch.randn(num_tokens, k, device=device, generator=gen)
@@ -99,7 +90,7 @@ def time_gemms(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, token
                repeats: int) -> list[dict]:
     """Model-dtype mm vs FP8 w8a8 (activation quantization included) per layer shape and token count."""
     rows = []
-    for name, (k, n) in layer_shapes(cfg).items():
+    for name, (n, k) in cfg.linear_shapes().items():
         linear = torch.nn.Linear(k, n, bias=False, device=device, dtype=dtype)
         fp8 = Fp8Linear.from_linear(linear, mode="w8a8")
         for m in token_counts:

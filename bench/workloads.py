@@ -12,6 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
+from batchgen.pipeline.ordering import num_shared_prefix
+
 WORKLOADS = ("random", "chat", "shared-prefix")
 CHAT_PROMPTS_FILE = "chat_prompts.parquet"
 
@@ -124,7 +126,7 @@ def chat_workload(tokenizer, output_len: int, path: Path | None = None, num_requ
 
 
 # ---- shared prefix --------------------------------------------------------------------------------
-# A long house-style system prompt, as synthesis jobs repeat on every request (issue 5).
+# A long house-style system prompt, as synthesis jobs repeat on every request.
 SHARED_SYSTEM_PROMPT = (
     "You are a careful writing assistant that produces training data for a customer-support model. Every "
     "answer you write will be read by a reviewer who checks it against the following house rules, so read"
@@ -175,6 +177,5 @@ def common_prefix_len(requests: list[BenchRequest]) -> int:
     first = requests[0].prompt_token_ids
     n = len(first)
     for r in requests[1:]:
-        n = next((i for i, (a, b) in enumerate(zip(first[:n], r.prompt_token_ids)) if a != b),
-                 min(n, len(r.prompt_token_ids)))
+        n = num_shared_prefix(first, r.prompt_token_ids, cap=n)
     return n

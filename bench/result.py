@@ -1,12 +1,14 @@
-"""What one side of a bench run produced, and how two sides' greedy tokens agree."""
+"""What one timed pass over a workload produced, and how two passes' greedy tokens agree."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from batchgen.pipeline.ordering import num_shared_prefix
+
 
 @dataclass
-class RunResult:
+class TimedRun:
     """One timed pass over a workload: token counts, wall seconds and each request's output tokens."""
 
     name: str
@@ -38,17 +40,13 @@ class Agreement:
                 "mean_prefix_len": self.mean_prefix_len, "mean_output_len": self.mean_output_len}
 
 
-def matching_prefix_len(a: list[int], b: list[int]) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-
-
-def compare_outputs(ours: RunResult, theirs: RunResult) -> Agreement:
+def compare_outputs(ours: TimedRun, theirs: TimedRun) -> Agreement:
     """Per request id of `ours`: is the output identical, and how long is the common prefix."""
     ids = list(ours.output_token_ids)
     missing = [i for i in ids if i not in theirs.output_token_ids]
     if missing:
         raise ValueError(f"{theirs.name} has no output for {len(missing)} requests, e.g. {missing[0]!r}")
-    prefixes = [matching_prefix_len(ours.output_token_ids[i], theirs.output_token_ids[i]) for i in ids]
+    prefixes = [num_shared_prefix(ours.output_token_ids[i], theirs.output_token_ids[i]) for i in ids]
     num_exact = sum(ours.output_token_ids[i] == theirs.output_token_ids[i] for i in ids)
     mean_len = sum(len(ours.output_token_ids[i]) for i in ids) / len(ids)
     return Agreement(len(ids), num_exact, sum(prefixes) / len(ids), mean_len)

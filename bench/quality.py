@@ -10,7 +10,7 @@ then read prompt + reference (teacher forcing), and over the completion position
 Both models are the modules the engine runs: the FP8 one is the loaded float model quantized by
 quantize_model_fp8 exactly as at load, so one checkpoint read serves every mode.
 
-CLI: python -m batchgen.engine.quant.quality [--model M] [--num-prompts N] [--max-tokens T] [--fp8-mode w8a16 ...]
+CLI: python -m batchgen.bench.quality [--model M] [--num-prompts N] [--max-tokens T] [--fp8-mode w8a16 ...]
 """
 
 from __future__ import annotations
@@ -22,14 +22,15 @@ import logging
 
 import torch
 
+from batchgen.bench.direct_runner import greedy_generate, teacher_forced_logits
+from batchgen.bench.quality_prompts import QUALITY_PROMPTS
 from batchgen.engine.config import EngineConfig
-from batchgen.engine.loader.model_loader import unique_storage_bytes
-from batchgen.engine.quant.direct_runner import greedy_generate, teacher_forced_logits
+from batchgen.engine.loader.model_loader import model_weight_bytes, unique_storage_bytes
 from batchgen.engine.quant.fp8 import quantize_model_fp8
 from batchgen.engine.quant.fp8_linear import Fp8Linear
-from batchgen.engine.quant.quality_prompts import QUALITY_PROMPTS
+from batchgen.pipeline.ordering import num_shared_prefix
 
-log = logging.getLogger("batchgen.engine")
+log = logging.getLogger("batchgen.bench")
 
 
 def compare_logits(ref: list[torch.Tensor], test: list[torch.Tensor]) -> dict:
@@ -43,11 +44,10 @@ def compare_logits(ref: list[torch.Tensor], test: list[torch.Tensor]) -> dict:
 
 
 def compare_greedy(ref: list[list[int]], test: list[list[int]]) -> dict:
-    def num_common_prefix(a: list[int], b: list[int]) -> int:
-        return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-
+    """Share of completions identical to the reference, and of reference tokens reproduced before
+    each completion's first difference."""
     return {"greedy_exact_match": sum(a == b for a, b in zip(ref, test)) / len(ref),
-            "greedy_token_agreement": sum(num_common_prefix(a, b) for a, b in zip(ref, test)) / sum(map(len, ref))}
+            "greedy_token_agreement": sum(num_shared_prefix(a, b) for a, b in zip(ref, test)) / sum(map(len, ref))}
 
 
 def linear_bytes_ratio(float_model: torch.nn.Module, fp8_model: torch.nn.Module) -> dict:
@@ -57,11 +57,6 @@ def linear_bytes_ratio(float_model: torch.nn.Module, fp8_model: torch.nn.Module)
     fp8_bytes = sum(unique_storage_bytes(m) for m in fp8_layers.values())
     return {"num_fp8_layers": len(fp8_layers), "linear_float_bytes": float_bytes, "linear_fp8_bytes": fp8_bytes,
             "linear_bytes_ratio": fp8_bytes / float_bytes}
-
-
-def model_weight_bytes(model: torch.nn.Module) -> int:
-    """The engine's weight bytes: unique tensor storage, less the computed rotary tables."""
-    return unique_storage_bytes(model) - unique_storage_bytes(model.rotary)
 
 
 def run_quality_bench(model: str = "smollm2-135m-instruct", prompts: list | None = None, max_tokens: int = 32,

@@ -1,33 +1,41 @@
-"""The bench harness: a fair comparison (same token work, agreeing greedy tokens), its roofline
-arithmetic, and deterministic workloads. Nothing here is timed; throughput is measured by hand."""
+"""The bench harness: a fair comparison (same token work, agreeing greedy tokens), its roofline and
+GEMM-rate arithmetic, and deterministic workloads. Throughput itself is measured by hand, not here."""
 
 from __future__ import annotations
 
 import json
+import time
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 import typer
 from typer.testing import CliRunner
 
-from batchgen.engine.models.config import ModelConfig
-from batchgen.pipeline.bench import BenchOptions, bench_command, run_bench
-from batchgen.pipeline.bench_engine import parse_engine_overrides
-from batchgen.pipeline.bench_report import format_report
-from batchgen.pipeline.bench_workloads import (
+from batchgen.bench import gemm_rate
+from batchgen.bench.cli import bench_command
+from batchgen.bench.engine_side import parse_engine_overrides
+from batchgen.bench.gemm_rate import measure_gemm_rate
+from batchgen.bench.options import BenchOptions
+from batchgen.bench.report import format_report
+from batchgen.bench.roofline import (
+    num_layer_flops_per_token,
+    num_lm_head_flops_per_token,
+    workload_roofline,
+)
+from batchgen.bench.runner import run_bench
+from batchgen.bench.workloads import (
     SHARED_SYSTEM_PROMPT,
+    BenchRequest,
     chat_workload,
+    common_prefix_len,
     random_workload,
     read_chat_prompts,
     shared_prefix_workload,
     special_token_ids,
 )
-from batchgen.pipeline.roofline import (
-    num_layer_flops_per_token,
-    num_lm_head_flops_per_token,
-    workload_roofline,
-)
+from batchgen.engine.models.config import ModelConfig
 
 TINY = ModelConfig(model_type="llama", vocab_size=10, hidden_size=4, intermediate_size=8, num_layers=2,
                    num_heads=2, num_kv_heads=1, head_dim=2, rms_norm_eps=1e-6, rope_theta=1e4,
@@ -53,10 +61,40 @@ def test_engine_and_peer_do_the_same_work_and_agree(llm, hf_model):
     assert agreement["num_requests"] == 4
     assert agreement["num_exact"] >= 3, agreement
     assert agreement["mean_prefix_len"] >= 6, agreement
-    assert result["gemm"]["prefill"]["gflops_per_s"] > 0 and result["gemm"]["decode"]["gflops_per_s"] > 0
-    assert 0 < result["fraction_of_roofline"]
     assert result["ratio_vs_peer"] == pytest.approx(
         engine["completion_tokens_per_s"] / peer["completion_tokens_per_s"])
+
+    # The GEMM rates were measured at the model's own linear shapes, which HF's modules confirm.
+    hf_attn, hf_mlp = hf_model.model.layers[0].self_attn, hf_model.model.layers[0].mlp
+    hidden = hf_model.config.hidden_size
+    qkv_out = sum(m.out_features for m in (hf_attn.q_proj, hf_attn.k_proj, hf_attn.v_proj))
+    expected_shapes = [("qkv", hidden, qkv_out),
+                       ("o", hf_attn.o_proj.in_features, hidden),
+                       ("gate_up", hidden, hf_mlp.gate_proj.out_features + hf_mlp.up_proj.out_features),
+                       ("down", hf_mlp.down_proj.in_features, hidden),
+                       ("lm_head", hidden, hf_model.config.vocab_size)]
+    for phase, num_tokens in (("prefill", 64), ("decode", 8)):
+        gemm = result["gemm"][phase]
+        assert gemm["num_tokens"] == num_tokens
+        assert [(s["name"], s["in_features"], s["out_features"]) for s in gemm["shapes"]] == expected_shapes
+        layer = gemm["shapes"][:4]  # the layer rate leaves lm_head out
+        rate = (sum(2 * s["num_tokens"] * s["in_features"] * s["out_features"] for s in layer)
+                / sum(s["seconds"] for s in layer))
+        assert gemm["gflops_per_s"] == pytest.approx(rate / 1e9)
+
+    # The roofline by hand from HF's own parameter count: 2 FLOPs per weight per token, through every
+    # decoder linear for each token run forward (a prompt and all but the last completion token), and
+    # through lm_head for each sampled token; at the prefill-shape layer rate.
+    num_layer_params = sum(m.weight.numel() for m in hf_model.model.layers.modules()
+                           if isinstance(m, torch.nn.Linear))
+    num_forward, num_sampled = workload["num_prompt_tokens"] + 4 * (8 - 1), 4 * 8
+    roofline = result["roofline"]
+    assert roofline["num_flops"] == (2 * num_layer_params * num_forward
+                                     + 2 * hf_model.lm_head.weight.numel() * num_sampled)
+    assert roofline["gemm_gflops_per_s"] == pytest.approx(result["gemm"]["prefill"]["gflops_per_s"])
+    assert roofline["seconds"] == pytest.approx(roofline["num_flops"] / (roofline["gemm_gflops_per_s"] * 1e9))
+    # Both produce the same 32 tokens, so the fraction of the roofline is a ratio of seconds.
+    assert result["fraction_of_roofline"] == pytest.approx(roofline["seconds"] / engine["seconds"])
     json.dumps(result)  # --json must be able to print it
     assert "ratio engine / peer" in format_report(result)
 
@@ -74,6 +112,31 @@ def test_roofline_flops_match_a_hand_computation():
     assert roof.num_flops == 14 * 576 + 8 * 80 == 8704
     assert roof.seconds == pytest.approx(8.704)
     assert roof.completion_tokens_per_s == pytest.approx(8 / 8.704)
+
+
+# ---- GEMM rate ----------------------------------------------------------------------------------
+def test_gemm_rate_is_the_layer_shapes_flops_over_their_seconds(monkeypatch):
+    seconds = {(4, 8): 1.0, (4, 4): 2.0, (4, 16): 4.0, (8, 4): 8.0, (4, 10): 16.0}  # (in, out) -> s
+    monkeypatch.setattr(gemm_rate, "_time_linear",
+                        lambda shape, *args: seconds[(shape.in_features, shape.out_features)])
+    rate = measure_gemm_rate(TINY, num_tokens=3)
+    assert [(s.name, s.in_features, s.out_features) for s in rate.shapes] == [
+        ("qkv", 4, 8), ("o", 4, 4), ("gate_up", 4, 16), ("down", 8, 4), ("lm_head", 4, 10)]
+    # 3 rows: qkv 2*3*4*8 = 192 FLOPs in 1 s, o 96 in 2 s, gate_up 384 in 4 s, down 192 in 8 s.
+    assert rate.layer_flops_per_s == (192 + 96 + 384 + 192) / (1 + 2 + 4 + 8)
+    assert rate.shapes[-1].gflops_per_s == 2 * 3 * 4 * 10 / 16.0 / 1e9  # lm_head: reported, not in the layer rate
+
+
+def test_gemm_timing_is_the_median_of_timed_calls_after_two_warmups():
+    calls = []
+
+    def nap():  # a known duration, and one that other processes on the machine cannot shorten
+        calls.append(1)
+        time.sleep(0.02)
+
+    seconds = gemm_rate._median_seconds(nap, min_seconds=0.0, min_repeats=5)
+    assert len(calls) == 2 + 5
+    assert 0.02 <= seconds < 0.2  # seconds, not milliseconds; a busy machine may oversleep a little
 
 
 # ---- workloads ----------------------------------------------------------------------------------
@@ -102,6 +165,14 @@ def test_shared_prefix_workload_shares_a_long_system_prompt(llm):
     assert len({tuple(r.prompt_token_ids) for r in workload.requests}) == 8  # each has its own message
     assert workload.params["shared_prefix_tokens"] >= 300
     assert len(tokenizer.encode(SHARED_SYSTEM_PROMPT, add_special_tokens=False)) >= 300
+
+
+def test_common_prefix_len_is_what_every_prompt_starts_with():
+    requests = [BenchRequest("a", [1, 2, 3, 4], 1), BenchRequest("b", [1, 2, 3], 1),
+                BenchRequest("c", [1, 2, 9, 4], 1)]
+    assert common_prefix_len(requests) == 2
+    assert common_prefix_len(requests[:2]) == 3  # a prompt that is a prefix of the first one
+    assert common_prefix_len([BenchRequest("d", [7], 1), BenchRequest("e", [8], 1)]) == 0
 
 
 def test_chat_workload_reads_messages_or_prompt_columns(tmp_path, llm):

@@ -1,7 +1,7 @@
 """Roofline arithmetic for a generation workload: how fast could the linear layers alone go?
 
 Only the dense layers count (attention over the KV cache, norms and rotary are left out), so the
-roofline is an upper bound on tokens/s at a given GEMM rate. Counting rules (issue 4):
+roofline is an upper bound on tokens/s at a given GEMM rate. Counting rules:
 - every token the model runs forward (every prompt token and every fed-back decode token) goes
   through each layer's q/k/v, o, gate/up and down projections: 2 * in * out FLOPs per linear;
 - the lm_head runs only on rows whose token is sampled (the last prompt position, then each decode).
@@ -18,7 +18,7 @@ from batchgen.engine.models.config import ModelConfig
 class LinearShape:
     """One weight matrix of the model as the engine multiplies it: (tokens, in) @ (in, out)."""
 
-    name: str
+    name: str  # as the bench reports it: the module name without "_proj" (qkv, o, gate_up, down, lm_head)
     in_features: int
     out_features: int
 
@@ -28,17 +28,14 @@ class LinearShape:
 
 
 def layer_linear_shapes(cfg: ModelConfig) -> list[LinearShape]:
-    """The linears of one decoder layer, fused as the engine fuses them (q/k/v and gate/up)."""
-    return [
-        LinearShape("qkv", cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size),
-        LinearShape("o", cfg.q_size, cfg.hidden_size),
-        LinearShape("gate_up", cfg.hidden_size, 2 * cfg.intermediate_size),
-        LinearShape("down", cfg.intermediate_size, cfg.hidden_size),
-    ]
+    """The linears of one decoder layer (ModelConfig.linear_shapes: q/k/v and gate/up fused)."""
+    return [LinearShape(name.removesuffix("_proj"), in_features, out_features)
+            for name, (out_features, in_features) in cfg.linear_shapes().items()]
 
 
 def lm_head_shape(cfg: ModelConfig) -> LinearShape:
-    return LinearShape("lm_head", cfg.hidden_size, cfg.vocab_size)
+    out_features, in_features = cfg.lm_head_shape
+    return LinearShape("lm_head", in_features, out_features)
 
 
 def num_layer_flops_per_token(cfg: ModelConfig) -> int:

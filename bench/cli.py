@@ -1,0 +1,85 @@
+"""`batchgen bench`: the command line (typer options to BenchOptions, the result printed or written).
+
+`python -m batchgen.bench` runs the same command.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from batchgen.bench.engine_side import parse_engine_overrides
+from batchgen.bench.gemm_rate import PREFILL_NUM_TOKENS
+from batchgen.bench.options import DEFAULT_MODEL, BenchOptions
+from batchgen.bench.peer import DEFAULT_BATCH_SIZES, PeerUnavailable
+from batchgen.bench.quality import format_quality_table
+from batchgen.bench.report import format_report
+from batchgen.bench.runner import run_bench, run_quality
+from batchgen.bench.workloads import WORKLOADS
+
+
+def _parse_batch_sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(x) for x in text.replace(" ", "").split(",") if x]
+    except ValueError:
+        raise typer.BadParameter(f"expected comma-separated integers like 16,32,64; got {text!r}") from None
+    if not sizes or any(s < 1 for s in sizes):
+        raise typer.BadParameter(f"batch sizes must be positive integers; got {text!r}")
+    return sizes
+
+
+def bench_command(
+    workload: Annotated[str, typer.Option(help=f"One of: {', '.join(WORKLOADS)}.")] = "random",
+    model: Annotated[str, typer.Option(help="Model alias, HF folder or .gguf file.")] = DEFAULT_MODEL,
+    num_requests: Annotated[int | None, typer.Option(
+        help="Requests (default 64; chat: the whole prompt set).")] = None,
+    input_len_min: Annotated[int, typer.Option(help="random: shortest prompt in tokens.")] = 100,
+    input_len_max: Annotated[int, typer.Option(help="random: longest prompt in tokens.")] = 200,
+    output_len: Annotated[int, typer.Option(help="Completion tokens per request (fixed, EOS ignored).")] = 64,
+    seed: Annotated[int, typer.Option(help="Seed for random prompts and shared-prefix messages.")] = 0,
+    peer: Annotated[bool | None, typer.Option(
+        "--peer/--no-peer", help="Also run HF transformers generate (default on; off for shared-prefix).")] = None,
+    peer_batch_sizes: Annotated[str, typer.Option(
+        help="Peer batch sizes to try; its fastest is reported.")] = ",".join(map(str, DEFAULT_BATCH_SIZES)),
+    engine: Annotated[list[str] | None, typer.Option(
+        "--engine", help="Engine setting KEY=VALUE (repeatable), e.g. max_num_seqs=64.")] = None,
+    threads: Annotated[int | None, typer.Option(help="torch threads for both sides (default: torch's).")] = None,
+    prompts: Annotated[str | None, typer.Option(
+        help="chat: Parquet prompt set (default jobs/data/chat_prompts.parquet).")] = None,
+    gemm_tokens: Annotated[int, typer.Option(help="Rows of the prefill-shape GEMM measurement.")] = PREFILL_NUM_TOKENS,
+    warmup: Annotated[bool, typer.Option("--warmup/--no-warmup", help="Warm both sides up untimed.")] = True,
+    quality: Annotated[bool, typer.Option(
+        "--quality", help="Run the FP8 quality bench (agreement and KL against float32) instead.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
+    output: Annotated[Path | None, typer.Option(
+        help="Also write the JSON result here, e.g. benchmarks/results/random-2core.json.")] = None,
+) -> None:
+    """Throughput of the engine against HF transformers on one workload, with roofline and agreement."""
+    try:
+        opts = BenchOptions(workload=workload, model=model, num_requests=num_requests, input_len_min=input_len_min,
+                            input_len_max=input_len_max, output_len=output_len, seed=seed, peer=peer,
+                            peer_batch_sizes=_parse_batch_sizes(peer_batch_sizes),
+                            engine_overrides=parse_engine_overrides(engine), num_threads=threads,
+                            prompts=prompts, prefill_gemm_tokens=gemm_tokens, is_warmup=warmup, is_quality=quality)
+        result = run_quality(opts) if opts.is_quality else run_bench(opts)
+    except (ValueError, FileNotFoundError, PeerUnavailable) as exc:
+        typer.echo(f"batchgen bench: {exc}", err=True)
+        raise typer.Exit(2) from None
+    args = sys.argv[1:]
+    args = args[1:] if args[:1] == ["bench"] else args  # the same line from `batchgen bench` and `python -m`
+    result["command"] = " ".join(["batchgen", "bench", *args])
+    text = json.dumps(result, indent=2)
+    if output:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        output.write_text(text + "\n")
+    typer.echo(text if as_json else (format_quality_table(result["quality"]) if opts.is_quality
+                                     else format_report(result)))
+
+
+def main() -> None:
+    typer.run(bench_command)
+

@@ -1,0 +1,43 @@
+"""BenchOptions: everything one `batchgen bench` run depends on, with its defaults."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from batchgen.bench.gemm_rate import DECODE_NUM_TOKENS, PREFILL_NUM_TOKENS
+from batchgen.bench.peer import DEFAULT_BATCH_SIZES
+from batchgen.bench.workloads import WORKLOADS
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+DEFAULT_NUM_REQUESTS = 64  # random and shared-prefix; chat takes the whole prompt set
+
+
+@dataclass
+class BenchOptions:
+    """Everything a bench run depends on; the CLI fills it, tests build it directly."""
+
+    workload: str = "random"
+    model: str = DEFAULT_MODEL
+    num_requests: int | None = None  # None: 64 (random, shared-prefix) or the whole set (chat)
+    input_len_min: int = 100
+    input_len_max: int = 200
+    output_len: int = 64
+    seed: int = 0
+    peer: bool | None = None  # None: on, except for shared-prefix
+    peer_batch_sizes: list[int] = field(default_factory=lambda: list(DEFAULT_BATCH_SIZES))
+    engine_overrides: dict = field(default_factory=dict)
+    num_threads: int | None = None  # None: torch's default
+    prompts: str | None = None  # chat prompt set; None: jobs/data/chat_prompts.parquet
+    prefill_gemm_tokens: int = PREFILL_NUM_TOKENS
+    decode_gemm_tokens: int = DECODE_NUM_TOKENS
+    gemm_min_seconds: float = 0.3
+    is_warmup: bool = True
+    is_quality: bool = False  # run the FP8 quality bench instead of the throughput comparison
+
+    def __post_init__(self) -> None:
+        if self.workload not in WORKLOADS:
+            raise ValueError(f"workload must be one of {', '.join(WORKLOADS)}; got {self.workload!r}")
+
+    @property
+    def is_peer(self) -> bool:
+        return self.peer if self.peer is not None else self.workload != "shared-prefix"

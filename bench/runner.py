@@ -1,0 +1,183 @@
+"""One `batchgen bench` run: a workload through the engine and, in the same run, through HF transformers.
+
+Both sides get the same model, the same prompt token ids, greedy decoding with a fixed output
+length, the same thread count; the clock covers generation only (not loading or tokenizing). The
+run also measures the machine's float32 GEMM rate at the model's shapes, derives the workload's
+roofline from it, and counts how many requests' greedy tokens agree between the two sides.
+"""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import sys
+from collections.abc import Callable
+
+import torch
+
+from batchgen.bench.engine_side import build_engine, run_engine
+from batchgen.bench.gemm_rate import measure_gemm_rate
+from batchgen.bench.machine import cpu_busy_fraction, machine_fingerprint
+from batchgen.bench.options import DEFAULT_NUM_REQUESTS, BenchOptions
+from batchgen.bench.peer import load_peer_model, require_peer_dependencies, run_peer, warm_up_peer
+from batchgen.bench.quality import run_quality_bench
+from batchgen.bench.result import TimedRun, compare_outputs
+from batchgen.bench.roofline import workload_roofline
+from batchgen.bench.workloads import (
+    Workload,
+    chat_workload,
+    random_workload,
+    shared_prefix_workload,
+    special_token_ids,
+)
+from batchgen.engine import LLMEngine
+from batchgen.engine.cpu_allocator import keep_freed_memory
+
+
+def _say(message: str) -> None:
+    print(f"[bench] {message}", file=sys.stderr, flush=True)
+
+
+# ---- pieces --------------------------------------------------------------------------------------
+def make_workload(opts: BenchOptions, engine: LLMEngine) -> Workload:
+    tokenizer = engine.tokenizer
+    if opts.workload == "random":
+        return random_workload(opts.num_requests or DEFAULT_NUM_REQUESTS, opts.input_len_min, opts.input_len_max,
+                               opts.output_len, opts.seed, engine.model_cfg.vocab_size,
+                               special_token_ids(tokenizer.hf))
+    if opts.workload == "chat":
+        return chat_workload(tokenizer, opts.output_len, opts.prompts, opts.num_requests)
+    return shared_prefix_workload(tokenizer, opts.num_requests or DEFAULT_NUM_REQUESTS, opts.output_len, opts.seed)
+
+
+def _warm_up_engine(engine: LLMEngine, opts: BenchOptions) -> None:
+    """A few short random requests (another seed: they share no prefix with the workload)."""
+    warmup = random_workload(4, 16, 48, 4, opts.seed + 7919, engine.model_cfg.vocab_size,
+                             special_token_ids(engine.tokenizer.hf))
+    run_engine(engine, warmup, "warmup")
+
+
+def _timed_engine_run(engine: LLMEngine, workload: Workload, opts: BenchOptions, name: str,
+                      say: Callable[[str], None]) -> TimedRun:
+    if opts.is_warmup:
+        _warm_up_engine(engine, opts)
+    say(f"{name}: {workload.num_requests} requests")
+    result = run_engine(engine, workload, name)
+    say(f"{name}: {result.completion_tokens_per_s:.1f} completion tokens/s")
+    return result
+
+
+def engine_with(engine: LLMEngine, **changes) -> LLMEngine:
+    """A fresh engine (empty prefix cache, zeroed counters) with `changes` to the settings, sharing
+    the loaded weights."""
+    return LLMEngine(engine.config.replace(**changes), weights_from=engine)
+
+
+def _fairness(workload: Workload, sides: list[TimedRun]) -> list[str]:
+    """Reasons the comparison is not like for like (empty: every side did the same token work)."""
+    reasons = []
+    for side in sides:
+        if side.num_prompt_tokens != workload.num_prompt_tokens:
+            reasons.append(f"{side.name} read {side.num_prompt_tokens} prompt tokens, "
+                           f"the workload has {workload.num_prompt_tokens}")
+        if side.num_completion_tokens != workload.num_completion_tokens:
+            reasons.append(f"{side.name} generated {side.num_completion_tokens} tokens, "
+                           f"the workload asks for {workload.num_completion_tokens}")
+    return reasons
+
+
+def run_quality(opts: BenchOptions) -> dict:
+    """`--quality`: FP8 against the unquantized model on the same text (top-1 agreement, KL, greedy)."""
+    if opts.num_threads:
+        torch.set_num_threads(opts.num_threads)
+    return {"model": opts.model, "quality": run_quality_bench(opts.model, num_prompts=opts.num_requests),
+            "machine": machine_fingerprint()}
+
+
+# ---- the run -------------------------------------------------------------------------------------
+def run_bench(opts: BenchOptions, engine: LLMEngine | None = None, peer_model=None,
+              say: Callable[[str], None] = _say) -> dict:
+    """Run the bench; returns the result dict (`--json` prints it as is).
+
+    `engine` and `peer_model` may be given already loaded (tests share session fixtures); the
+    engine must be float32 on the CPU like the peer.
+    """
+    busy_before = cpu_busy_fraction()  # before our own work: is the machine busy with someone else's?
+    if opts.num_threads:
+        torch.set_num_threads(opts.num_threads)
+    # The engine raises glibc's malloc thresholds at start; it is process-wide, so set it before
+    # either side runs: engine and peer measure under the same allocator (the peer gains from it too).
+    keep_freed_memory()
+    if opts.is_peer and peer_model is None:
+        require_peer_dependencies()  # fail before minutes of engine work, not after
+    if engine is None:
+        say(f"loading the engine ({opts.model})")
+        engine = build_engine(opts.model, opts.num_threads, opts.engine_overrides)
+    workload = make_workload(opts, engine)
+    model_cfg = engine.model_cfg
+    eos_token_ids = list(engine.eos_token_ids)
+    pad_token_id = engine.tokenizer.hf.pad_token_id
+    pad_token_id = eos_token_ids[0] if pad_token_id is None else pad_token_id
+
+    engine_runs: dict[str, TimedRun] = {}
+    if opts.workload == "shared-prefix":
+        # Caching on and off over the same prompts, each in a fresh engine (no cache carried over).
+        on = engine_with(engine, enable_prefix_caching=True)
+        engine_runs["engine"] = _timed_engine_run(on, workload, opts, "engine (prefix caching on)", say)
+        off = engine_with(engine, enable_prefix_caching=False)
+        engine_runs["engine_no_prefix_caching"] = _timed_engine_run(off, workload, opts,
+                                                                    "engine (prefix caching off)", say)
+        del on, off, engine
+    else:
+        engine_runs["engine"] = _timed_engine_run(engine, workload, opts, "engine", say)
+        del engine
+    gc.collect()
+
+    peer: TimedRun | None = None
+    if opts.is_peer:
+        if peer_model is None:
+            say(f"loading the peer (HF transformers, {opts.model})")
+            peer_model = load_peer_model(opts.model)
+        if opts.is_warmup:
+            warm_up_peer(peer_model, pad_token_id, eos_token_ids)
+        say(f"peer: batch sizes {opts.peer_batch_sizes}")
+        peer, _ = run_peer(peer_model, workload, opts.peer_batch_sizes, pad_token_id, eos_token_ids)
+        say(f"peer: best {peer.completion_tokens_per_s:.1f} completion tokens/s at batch {peer.details['batch_size']}")
+
+    say("measuring the float32 GEMM rate at the model's shapes")
+    prefill = measure_gemm_rate(model_cfg, opts.prefill_gemm_tokens, opts.gemm_min_seconds)
+    decode = measure_gemm_rate(model_cfg, opts.decode_gemm_tokens, opts.gemm_min_seconds)
+    roofline = workload_roofline(model_cfg, workload.prompt_lens, workload.output_lens, prefill.layer_flops_per_s)
+
+    main = engine_runs["engine"]
+    sides = list(engine_runs.values()) + ([peer] if peer else [])
+    unfair = _fairness(workload, sides)
+    result: dict = {
+        "model": opts.model,
+        "workload": workload.describe(),
+        "machine": {**machine_fingerprint(), "cpu_busy_before": busy_before},
+        "engine_runs": {key: run.as_dict() for key, run in engine_runs.items()},
+        "peer": peer.as_dict() if peer else None,
+        "gemm": {"prefill": prefill.as_dict(), "decode": decode.as_dict()},
+        "roofline": roofline.as_dict(),
+        "fraction_of_roofline": main.completion_tokens_per_s / roofline.completion_tokens_per_s,
+        "is_fair": not unfair,
+        "unfair_reasons": unfair,
+        "agreement": {},
+        "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+    if peer:
+        result["ratio_vs_peer"] = main.completion_tokens_per_s / peer.completion_tokens_per_s
+        result["agreement"]["engine vs peer"] = _agreement(main, peer)
+    if "engine_no_prefix_caching" in engine_runs:
+        off = engine_runs["engine_no_prefix_caching"]
+        result["ratio_prefix_caching"] = main.completion_tokens_per_s / off.completion_tokens_per_s
+        result["agreement"]["prefix caching on vs off"] = _agreement(main, off)
+    return result
+
+
+def _agreement(ours: TimedRun, theirs: TimedRun) -> dict:
+    agreement = compare_outputs(ours, theirs).as_dict()
+    agreement["mismatched_request_ids"] = [i for i, t in ours.output_token_ids.items()
+                                           if t != theirs.output_token_ids.get(i)][:20]
+    return agreement
