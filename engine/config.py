@@ -57,7 +57,7 @@ class EngineConfig:
         _check_choice("dtype", self.dtype, ["auto", *_DTYPES])
         _check_choice("quantization", self.quantization, ["none", "fp8"])
         _check_choice("fp8_mode", self.fp8_mode, ["auto", "w8a8", "w8a16"])
-        _check_choice("attention_backend", self.attention_backend, ["auto", "torch", "triton"])
+        _check_choice("attention_backend", self.attention_backend, ["auto", "cpu", "sdpa", "torch"])
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ValueError(f"device must be one of auto, cpu, cuda, cuda:N; got {self.device!r}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
