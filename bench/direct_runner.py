@@ -11,8 +11,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from batchgen.engine.attention import build_attention_metadata
-
 
 class DirectRunner:
     """A fixed set of `num_seqs` sequence slots of up to `max_seq_len` tokens each."""
@@ -30,6 +28,9 @@ class DirectRunner:
                            torch.zeros(shape, dtype=weight.dtype, device=self.device))
                           for _ in range(cfg.num_layers)]
         self.block_tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(num_seqs)]
+        # The model's own attention backend, as in the engine (no reordering: no decode staging).
+        self.attention = model.backend.make_metadata_builder(cfg.num_layers, num_slots, block_size,
+                                                             weight.dtype, self.device)
 
     @torch.inference_mode()
     def forward(self, new_tokens: list[list[int]], context_lens: list[int],
@@ -46,8 +47,7 @@ class DirectRunner:
             logits_rows = (ends - 1).tolist()
         ids = [t for seq in new_tokens for t in seq]
         positions = [p for c, n in zip(context_lens, lens) for p in range(c, c + n)]
-        meta = build_attention_metadata(lens, context_lens, self.block_tables[:len(lens)], num_decodes,
-                                        self.block_size, self.device)
+        meta = self.attention.build(lens, context_lens, self.block_tables[:len(lens)], num_decodes)
         as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)
         return self.model(as_tensor(ids), as_tensor(positions), self.kv_caches, meta, as_tensor(logits_rows))
 

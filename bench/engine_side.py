@@ -67,6 +67,6 @@ def run_engine(engine: LLMEngine, workload: Workload, name: str = "engine") -> T
         "prefix_cache_hit_rate": stats["num_cached_tokens"] / prompt_tokens if prompt_tokens else 0.0,
         "config": {"max_num_seqs": cfg.max_num_seqs, "max_num_batched_tokens": cfg.max_num_batched_tokens,
                    "enable_prefix_caching": cfg.enable_prefix_caching, "compile": cfg.compile,
-                   "attention_backend": cfg.attention_backend, "num_kv_blocks": engine.num_kv_blocks},
+                   "attention_backend": engine.capabilities.attention_backend, "num_kv_blocks": engine.num_kv_blocks},
     }
     return TimedRun(name, prompt_tokens, sum(len(t) for t in token_ids.values()), seconds, token_ids, details)

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from batchgen.bench.direct_runner import DirectRunner
-from batchgen.engine.attention import make_attention_backend
+from batchgen.engine.attention import select_attention_backend
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.models.config import ModelConfig
 from batchgen.engine.models.llama import LlamaForCausalLM
@@ -103,7 +103,7 @@ def time_gemms(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, token
 
 
 def build_random_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, max_len: int) -> LlamaForCausalLM:
-    backend = make_attention_backend("torch", cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+    backend = select_attention_backend("auto", device, dtype, cfg.head_dim)(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, max_len, backend)
     model = model.to_empty(device=device).to(dtype)

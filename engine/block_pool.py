@@ -85,9 +85,3 @@ class BlockPool:
             assert self.ref_counts[block_id] >= 0, f"block {block_id} freed twice"
             if self.ref_counts[block_id] == 0:
                 self.free_queue[block_id] = None
-
-    def reset_prefix_cache(self) -> None:
-        for key, block_id in list(self.cached.items()):
-            if self.ref_counts[block_id] == 0:
-                del self.cached[key]
-                self.block_keys[block_id] = None

@@ -88,6 +88,3 @@ class KVCacheManager:
         self.pool.free(list(reversed(seq.block_ids)))
         seq.block_ids = []
         seq.num_registered_blocks = 0
-
-    def can_fit(self, num_tokens: int) -> bool:
-        return -(-num_tokens // self.block_size) <= self.pool.num_blocks

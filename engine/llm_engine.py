@@ -58,6 +58,7 @@ class LLMEngine:
             _check_shares_weights(weights_from, config)
             loaded, tokenizer = weights_from.loaded, weights_from.tokenizer
         self.loaded = loaded
+        self.capabilities = loaded.capabilities  # which kernels run here, decided when the model loaded
         self.model_cfg = loaded.model_cfg
         self.tokenizer = tokenizer
         # The rotary tables cover loaded.max_model_len positions; a sharing engine may use fewer.
@@ -80,9 +81,10 @@ class LLMEngine:
         log.info("weights %.1f MB; KV %d bytes/token x %d tokens (%d blocks of %d) = %.1f MB",
                  self.weight_bytes / 1e6, self.kv_bytes_per_token, num_blocks * config.block_size,
                  num_blocks, config.block_size, self.kv_bytes_per_token * num_blocks * config.block_size / 1e6)
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(config, self.kv)
-        self.runner = ModelRunner(config, self.model_cfg, loaded.model, num_blocks, self.eos_token_ids)
+        self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.kv_cache_manager)
+        self.runner = ModelRunner(config, self.model_cfg, loaded.model, num_blocks, self.eos_token_ids,
+                                  loaded.capabilities)
         self.requests: dict[str, _RequestState] = {}
 
     # ---- requests -------------------------------------------------------------------------------
@@ -200,8 +202,9 @@ class LLMEngine:
     # ---- counters -------------------------------------------------------------------------------
     @property
     def stats(self) -> dict:
+        """Counters since the engine started, and `kernels`: the implementations that run (Capabilities)."""
         s = self.scheduler.stats
-        pool = self.kv.pool
+        pool = self.kv_cache_manager.pool
         return {
             "num_steps": s.num_steps, "num_preemptions": s.num_preemptions,
             "num_prefill_tokens": s.num_prefill_tokens, "num_decode_tokens": s.num_decode_tokens,
@@ -209,6 +212,7 @@ class LLMEngine:
             "num_cached_tokens": s.num_cached_tokens, "num_evictions": pool.num_evictions,
             "num_free_blocks": pool.num_free_blocks, "num_blocks": pool.num_blocks,
             "prefix_cache_hit_rate": pool.num_hit_blocks / pool.num_queried_blocks if pool.num_queried_blocks else 0.0,
+            "kernels": self.capabilities.as_dict(),
         }
 
 

@@ -71,15 +71,17 @@ def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
 
 
 class Sampler:
-    def __init__(self, eos_token_ids: tuple[int, ...]):
+    def __init__(self, eos_token_ids: tuple[int, ...], *, is_c_sampling: bool = False):
+        """`is_c_sampling`: greedy picks and log Z through kernels/cpu_sampling.py (the engine passes
+        its Capabilities' answer: CPU logits and the kernel built); otherwise torch's ops."""
         self.eos_token_ids = eos_token_ids
+        self.is_c_sampling = is_c_sampling
 
     @torch.no_grad()
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[float]]:
         """logits: (N, V) float32 raw model logits, one row per sequence (the sampler may edit them in
         place). Returns tokens and their raw log-probabilities (the model's own, before any penalty)."""
-        can_use_kernel = logits.device.type == "cpu" and logits.dtype == torch.float32 and cpu_sampling.is_available()
-        if can_use_kernel:
+        if self.is_c_sampling:
             tokens, log_z = cpu_sampling.argmax_log_z(logits)  # (N,), (N,): one pass over the raw logits
         else:
             tokens, log_z = None, torch.logsumexp(logits, dim=-1)
@@ -93,7 +95,7 @@ class Sampler:
             logits = apply_min_tokens(logits, seqs, self.eos_token_ids)
             tokens = None
         if tokens is None:  # greedy rows keep these
-            tokens = cpu_sampling.argmax(logits) if can_use_kernel else logits.argmax(dim=-1)
+            tokens = cpu_sampling.argmax(logits) if self.is_c_sampling else logits.argmax(dim=-1)
         random_rows = [i for i, s in enumerate(seqs) if not s.params.is_greedy]
         if random_rows:
             rows = torch.tensor(random_rows, device=logits.device)

@@ -53,9 +53,9 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, kv: KVCacheManager):
+    def __init__(self, config: EngineConfig, kv_cache_manager: KVCacheManager):
         self.config = config
-        self.kv = kv
+        self.kv_cache_manager = kv_cache_manager
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.stats = SchedulerStats()
@@ -75,7 +75,7 @@ class Scheduler:
         while queue and budget > 0:
             seq = queue.pop(0)
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            while not self.kv.allocate_slots(seq, num_new):
+            while not self.kv_cache_manager.allocate_slots(seq, num_new):
                 victim = queue.pop() if queue else seq  # newest first
                 self._preempt(victim)
                 out.num_preempted += 1
@@ -91,10 +91,10 @@ class Scheduler:
         while (self.waiting and out.num_preempted == 0 and budget > 0
                and len(running_next) < self.config.max_num_seqs):
             seq = self.waiting[0]
-            hits = self.kv.get_computed_blocks(seq)
-            num_cached = len(hits) * self.kv.block_size
+            hits = self.kv_cache_manager.get_computed_blocks(seq)
+            num_cached = len(hits) * self.kv_cache_manager.block_size
             num_new = min(seq.num_tokens - num_cached, budget)
-            if not self.kv.allocate_slots(seq, num_new, hits):
+            if not self.kv_cache_manager.allocate_slots(seq, num_new, hits):
                 break
             self.waiting.popleft()
             seq.num_computed_tokens = num_cached
@@ -112,7 +112,7 @@ class Scheduler:
         return out
 
     def _preempt(self, seq: Sequence) -> None:
-        self.kv.free(seq)
+        self.kv_cache_manager.free(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         if seq in self.running:
@@ -140,5 +140,5 @@ class Scheduler:
     def finish(self, seq: Sequence) -> None:
         """Called by the engine when `seq` is done: its blocks go back (keeping their hashes)."""
         seq.status = SequenceStatus.FINISHED
-        self.kv.free(seq)
+        self.kv_cache_manager.free(seq)
         self.running.remove(seq)

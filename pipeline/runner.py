@@ -85,7 +85,7 @@ def run_job(job: JobConfig, *, engine: LLMEngine | None = None, limit: int | Non
         with plan.output.storage.fs.open(path, "rb") as f:
             whole.add_table(pq.read_table(f, columns=SUMMARY_COLUMNS))
     record = success_record(job.name, plan.config_hash, whole, this_run, feeder.generation_seconds,
-                            resumed=bool(skipped))
+                            resumed=bool(skipped), kernels=engine.stats["kernels"])
     plan.output.write_success(record)
     return RunResult(record, success_path, len(pending), len(skipped))
 

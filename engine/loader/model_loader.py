@@ -7,16 +7,16 @@ from dataclasses import dataclass
 
 import torch
 
-from batchgen.engine.attention import make_attention_backend
+from batchgen.engine.attention import ATTENTION_BACKENDS
+from batchgen.engine.capabilities import Capabilities, detect_capabilities
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.loader.gguf_loader import iter_gguf_weights, read_gguf_config
 from batchgen.engine.loader.hf_loader import iter_hf_weights, read_hf_config
 from batchgen.engine.loader.source import ModelSource, resolve_model
 from batchgen.engine.models.config import ModelConfig
-from batchgen.engine.models.cpu_linear import can_pack, pack_linears
+from batchgen.engine.models.cpu_linear import pack_linears
 from batchgen.engine.models.llama import LlamaForCausalLM
 from batchgen.engine.models.rotary import RotaryEmbedding
-from batchgen.kernels import cpu_elementwise
 
 log = logging.getLogger("batchgen.engine")
 
@@ -28,6 +28,7 @@ class LoadedModel:
     model: LlamaForCausalLM
     max_model_len: int
     weight_bytes: int
+    capabilities: Capabilities  # what runs here, decided once before the model was built
 
 
 def read_model_config(source: ModelSource) -> ModelConfig:
@@ -56,37 +57,43 @@ def load_model(config: EngineConfig) -> LoadedModel:
     model_cfg = read_model_config(source)
     max_model_len = config.max_model_len or model_cfg.max_position_embeddings
     device, dtype = config.torch_device, config.torch_dtype
-    backend = make_attention_backend("torch", model_cfg.num_heads,
-                                     model_cfg.num_kv_heads, model_cfg.head_dim)
+    is_fp8_checkpoint = False
+    if not source.is_gguf:
+        from batchgen.engine.quant.fp8_checkpoint import read_fp8_quant_config
+
+        # FP8 checkpoints (refused: other methods, block-wise scales) load as stored, never re-quantized.
+        is_fp8_checkpoint = read_fp8_quant_config(source.folder) is not None
+    capabilities = detect_capabilities(config, model_cfg,
+                                       has_fp8_layers=config.quantization == "fp8" or is_fp8_checkpoint)
+    backend = ATTENTION_BACKENDS[capabilities.attention_backend](model_cfg.num_heads, model_cfg.num_kv_heads,
+                                                                 model_cfg.head_dim)
     with torch.device("meta"):
         model = LlamaForCausalLM(model_cfg, max_model_len, backend)
     model = model.to_empty(device=device).to(dtype)
     model.tie_weights()
-    is_fp8_checkpoint = False
     if source.is_gguf:
         weights = iter_gguf_weights(source.folder / source.gguf_file, model_cfg)
     else:
         from batchgen.engine.quant.fp8_checkpoint import prepare_fp8_checkpoint
 
-        # FP8 checkpoints (refused: other methods, block-wise scales) load as stored, never re-quantized.
-        is_fp8_checkpoint = prepare_fp8_checkpoint(model, source.folder)
+        prepare_fp8_checkpoint(model, source.folder)
         weights = iter_hf_weights(source.folder)
     model.load_weights(weights)
     # Rotary tables are computed, not loaded (they were left empty on the meta device).
     model.rotary = RotaryEmbedding(model_cfg.head_dim, max_model_len, model_cfg.rope_theta,
                                    model_cfg.rope_scaling).to(device)
     model.eval()
-    if config.compile:
+    if capabilities.elementwise_ops == "compiled":
         model.enable_compile()
-    elif device.type == "cpu" and dtype == torch.float32 and cpu_elementwise.is_available():
+    elif capabilities.elementwise_ops == "c":
         model.enable_cpu_kernels()
-    if config.quantization == "fp8" or is_fp8_checkpoint:
+    if capabilities.fp8_mode is not None:
         from batchgen.engine.quant.fp8 import quantize_model_fp8
 
-        quantize_model_fp8(model, config, source)
-    if can_pack(device, dtype):  # after FP8, which leaves only the layers it did not quantize
-        log.info("packed %d linear layers for oneDNN", pack_linears(model))
+        quantize_model_fp8(model, config, source, capabilities)
+    if capabilities.is_onednn_packed_linear:  # after FP8, which leaves only the layers it did not quantize
+        log.info("packed %d linear layers for oneDNN", pack_linears(model, capabilities.is_onednn_silu_mul))
     weight_bytes = model_weight_bytes(model)
     log.info("loaded %s (%s, %d layers) as %s on %s", source.display_name, model_cfg.model_type,
              model_cfg.num_layers, dtype, device)
-    return LoadedModel(source, model_cfg, model, max_model_len, weight_bytes)
+    return LoadedModel(source, model_cfg, model, max_model_len, weight_bytes, capabilities)

@@ -1,9 +1,9 @@
 """float32 linear layers on the CPU through oneDNN with prepacked weights.
 
-On the 2-core CI machine oneDNN with a prepacked (blocked) weight runs the model's GEMMs 30-40%
-faster than the default MKL path (220 vs 170 GFLOP/s at 2048 rows, 214 vs 151 at 64 rows), and
-its rows do not depend on the batch size (batch invariance holds). The packed weight replaces
-the plain one (no second copy); `weight` unpacks on demand for code that wants to read it.
+oneDNN with a prepacked (blocked) weight runs the model's GEMMs faster than the default MKL path
+(benchmarks/NOTES.md, change 4), and its rows do not depend on the batch size (batch invariance
+holds). The packed weight replaces the plain one (no second copy); `weight` unpacks on demand for
+code that wants to read it. Whether packing runs is decided at load (engine/capabilities.py).
 """
 
 from __future__ import annotations
@@ -47,8 +47,8 @@ class PackedSiluMulLinear(nn.Linear):
     """An MLP's fused gate_up_proj (out_features = 2 x intermediate) that also applies the SiLU(gate) * up
     after it: two oneDNN GEMMs on the packed halves, SiLU in the gate GEMM's epilogue and the
     multiply in the up GEMM's, so the (T, 2 x intermediate) product never goes through memory.
-    forward returns (T, intermediate); MLP.forward sees `applies_silu_mul` and skips its own.
-    Measured on the 2-core CI machine: 71.7 -> 69.9 ms per 4096-token layer, even at 64 rows.
+    forward returns (T, intermediate); MLP.forward sees `applies_silu_mul` and skips its own
+    (benchmarks/NOTES.md, change 17).
     """
 
     applies_silu_mul = True
@@ -77,7 +77,8 @@ class PackedSiluMulLinear(nn.Linear):
 
 class OneDNNLinear(nn.Linear):
     """nn.Linear (same parameters, e.g. a tied lm_head sharing the embedding) computed by oneDNN on
-    the dense weight: no packed copy, and still ~1.7x MKL for the 64 x 576 x 49152 lm_head."""
+    the dense weight: no packed copy, and still faster than MKL for a tied lm_head
+    (benchmarks/NOTES.md, change 7)."""
 
     def __init__(self, linear: nn.Linear):
         nn.Module.__init__(self)
@@ -116,12 +117,12 @@ def can_fuse_silu_mul() -> bool:
         return False
 
 
-def pack_linears(model: nn.Module) -> int:
+def pack_linears(model: nn.Module, can_fuse: bool) -> int:
     """Swap every plain nn.Linear for a PackedLinear (an MLP's bias-free gate_up_proj for a
-    PackedSiluMulLinear when oneDNN's epilogues work); a tied lm_head keeps the embedding's dense
-    weight (packing it would copy it) and runs through oneDNN unpacked."""
+    PackedSiluMulLinear when `can_fuse`: oneDNN's epilogues work here, see can_fuse_silu_mul); a
+    tied lm_head keeps the embedding's dense weight (packing it would copy it) and runs through
+    oneDNN unpacked. Returns how many layers it swapped."""
     tied = getattr(model, "lm_head", None) if getattr(getattr(model, "cfg", None), "tie_word_embeddings", False) else None
-    can_fuse = can_fuse_silu_mul()
     num_packed = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):

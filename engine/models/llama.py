@@ -1,8 +1,8 @@
 """The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2) in plain torch over flat token batches.
 
 A step's tokens from all sequences are one flat (T,) batch: no padding in the dense layers.
-q/k/v and gate/up are fused into one matmul each; attention goes through a backend that reads
-and writes the paged KV cache.
+q/k/v and gate/up are fused into one matmul each; attention goes through the backend the loader
+chose (engine/attention/), which writes and reads the paged KV cache.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from batchgen.engine.attention import AttentionMetadata
+from batchgen.engine.attention import AttentionBackend, AttentionMetadata
 from batchgen.engine.models import ops as eager
 from batchgen.engine.models.config import ModelConfig
 from batchgen.engine.models.ops import compiled_ops, cpu_kernel_ops, eager_ops
@@ -43,7 +43,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], backend,
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], backend: AttentionBackend,
                 kv_cache: tuple, meta: AttentionMetadata, ops) -> torch.Tensor:
         cfg = self.cfg
         num_tokens = x.shape[0]
@@ -56,7 +56,7 @@ class Attention(nn.Module):
             qk = torch.cat([ops.rms_norm(q, self.q_norm.weight, self.q_norm.eps),
                             ops.rms_norm(k, self.k_norm.weight, self.k_norm.eps)], dim=1)
         q, k = ops.rotary(qk, *rope).split([cfg.num_heads, cfg.num_kv_heads], dim=1)  # (T, H, D), (T, Hkv, D)
-        out = backend.forward(q, k, v, kv_cache, meta)  # (T, H, D)
+        out = backend.forward(self.layer_index, q, k, v, kv_cache, meta)  # (T, H, D)
         return self.o_proj(out.reshape(num_tokens, cfg.q_size))
 
 
@@ -86,7 +86,7 @@ class LlamaForCausalLM(nn.Module):
     _FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
               "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
-    def __init__(self, cfg: ModelConfig, max_positions: int, attention_backend):
+    def __init__(self, cfg: ModelConfig, max_positions: int, attention_backend: AttentionBackend):
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)

@@ -1,4 +1,4 @@
-"""Model-level FP8: pick the matmul path, swap nn.Linear for Fp8Linear, report what it saved.
+"""Model-level FP8: the matmul path, nn.Linear swapped for Fp8Linear, a report of what it saved.
 
 Quantized: every linear layer of the decoder (qkv_proj, o_proj, gate_up_proj, down_proj), and
 lm_head only with `quantize_lm_head` (it is the logits' last matmul, and on tied models such as
@@ -8,6 +8,7 @@ SmolLM2 an FP8 copy adds bytes instead of saving them). Embeddings and norms sta
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -15,16 +16,24 @@ from torch import nn
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.quant.fp8_linear import Fp8Linear
 
+if TYPE_CHECKING:
+    from batchgen.engine.capabilities import Capabilities
+
 log = logging.getLogger("batchgen.engine")
 
 # torch._scaled_mm's FP8 GEMMs need FP8 tensor cores: Ada (8.9) and Hopper (9.0) onwards.
 MIN_W8A8_CAPABILITY = (8, 9)
 
 
+def has_fp8_tensor_cores(device: torch.device) -> bool:
+    """A CUDA device whose torch._scaled_mm runs on FP8 tensor cores (compute capability >= 8.9)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= MIN_W8A8_CAPABILITY
+
+
 def resolve_fp8_mode(fp8_mode: str, device: torch.device) -> tuple[str, str]:
     """(mode, why): auto picks w8a8 on CUDA devices with FP8 tensor cores, else weight-only w8a16."""
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
-    has_fp8_cores = capability is not None and capability >= MIN_W8A8_CAPABILITY
+    has_fp8_cores = has_fp8_tensor_cores(device)
     where = f"CUDA compute capability {capability[0]}.{capability[1]}" if capability else device.type
     if fp8_mode == "auto":
         return ("w8a8" if has_fp8_cores else "w8a16"), f"auto on {where}"
@@ -36,18 +45,33 @@ def resolve_fp8_mode(fp8_mode: str, device: torch.device) -> tuple[str, str]:
     return fp8_mode, f"asked for, on {where}"
 
 
+def fp8_matmul_path(config: EngineConfig) -> tuple[str, str, bool]:
+    """(mode, why, use_triton): the FP8 matmul path for this config's device and dtype. The engine
+    asks once at load (capabilities.py); harnesses that quantize a bare model ask through
+    quantize_model_fp8."""
+    mode, why = resolve_fp8_mode(config.fp8_mode, config.torch_device)
+    use_triton = mode == "w8a16" and can_use_triton_w8a16(config.torch_device, config.torch_dtype)
+    return mode, why, use_triton
+
+
 def is_quantizable(name: str, module: nn.Module, quantize_lm_head: bool) -> bool:
     return isinstance(module, nn.Linear) and (name != "lm_head" or quantize_lm_head)
 
 
-def quantize_model_fp8(model: nn.Module, config: EngineConfig, source=None) -> dict:
+def quantize_model_fp8(model: nn.Module, config: EngineConfig, source=None,
+                       capabilities: Capabilities | None = None) -> dict:
     """Quantize the model's linear layers in place (layers an FP8 checkpoint loaded stay as stored).
 
+    `capabilities`: the matmul path the engine decided at load; None (a harness quantizing a bare
+    model) decides it here from `config`.
     Returns the summary it logs: fp8_mode, num_layers, float bytes before, fp8 bytes after (scales included).
     """
     from batchgen.engine.quant.fp8_checkpoint import check_fp8_scales_loaded
 
-    mode, why = resolve_fp8_mode(config.fp8_mode, config.torch_device)
+    if capabilities is not None and capabilities.fp8_mode is not None:
+        mode, why, use_triton = capabilities.fp8_mode, capabilities.fp8_reason, capabilities.is_triton_fp8_w8a16
+    else:
+        mode, why, use_triton = fp8_matmul_path(config)
     from_checkpoint = any(isinstance(m, Fp8Linear) for m in model.modules())
     if from_checkpoint:
         # An FP8 checkpoint decided which layers are FP8 (its ignored layers stay as they are).
@@ -60,7 +84,6 @@ def quantize_model_fp8(model: nn.Module, config: EngineConfig, source=None) -> d
                 num_float_bytes += module.weight.numel() * module.weight.element_size()
                 _replace_module(model, name, Fp8Linear.from_linear(module))
     layers = [m for m in model.modules() if isinstance(m, Fp8Linear)]
-    use_triton = mode == "w8a16" and can_use_triton_w8a16(config.torch_device, config.torch_dtype)
     for m in layers:
         m.set_mode(mode)
         m.use_triton = use_triton

@@ -9,8 +9,22 @@ from __future__ import annotations
 
 import pytest
 
+from tests.conftest import MODEL, TEST_ENGINE_KWARGS
 from tests.engine.helpers import GREEDY, NUM_GREEDY_TOKENS, hf_greedy, run_requests
 from tests.engine.prompts import CHAT_PROMPTS
+
+
+@pytest.fixture(scope="session")
+def sdpa_llm():
+    """The session model's settings loaded as on a machine where the C attention kernels cannot be
+    built: `attention_backend: auto` picks SDPA (decodes staged). Its own load, since the backend is
+    chosen when the model is built."""
+    from batchgen.engine import LLM
+    from batchgen.kernels import cpu_paged_attention
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cpu_paged_attention, "is_available", lambda: False)
+        return LLM(MODEL, **TEST_ENGINE_KWARGS)
 
 
 @pytest.fixture(scope="session")

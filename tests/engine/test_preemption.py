@@ -38,7 +38,7 @@ def test_tiny_pool_preempts_and_still_gives_the_same_outputs(llm, llm_chat_greed
                 == [c.token_ids for c in roomy[request_id].outputs]), request_id
 
     # Every block is back in the free queue with no reference left.
-    pool = engine.kv.pool
+    pool = engine.kv_cache_manager.pool
     assert stats["num_free_blocks"] == stats["num_blocks"] == NUM_BLOCKS
     assert all(count == 0 for count in pool.ref_counts)
     assert not engine.has_unfinished() and engine.num_unfinished_requests == 0

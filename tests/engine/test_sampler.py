@@ -134,13 +134,14 @@ def test_seeded_draws_repeat_and_depend_on_seed_request_and_sample_index():
     assert len(set(first)) == 4  # each (seed, request id, sample index) has its own stream
 
 
-def test_greedy_rows_take_the_argmax_and_report_raw_logprobs():
+@pytest.mark.parametrize("is_c_sampling", [False, True])
+def test_greedy_rows_take_the_argmax_and_report_raw_logprobs(is_c_sampling):
     gen = torch.Generator().manual_seed(9)
     logits = torch.randn(3, VOCAB, generator=gen)
     seqs = [make_seq(SamplingParams(temperature=0)),
             make_seq(SamplingParams(temperature=0, repetition_penalty=2.0), output=[int(logits[1].argmax())]),
             make_seq(SamplingParams(temperature=0.5, seed=1))]
-    tokens, logprobs = Sampler(eos_token_ids=(EOS,))(logits.clone(), seqs)
+    tokens, logprobs = Sampler(eos_token_ids=(EOS,), is_c_sampling=is_c_sampling)(logits.clone(), seqs)
     assert tokens[0] == int(logits[0].argmax())
     penalized = apply_penalties(logits[1:2].clone(), seqs[1:2])
     assert tokens[1] == int(penalized.argmax())
@@ -148,14 +149,15 @@ def test_greedy_rows_take_the_argmax_and_report_raw_logprobs():
     assert logprobs == pytest.approx([raw[i, t].item() for i, t in enumerate(tokens)], abs=1e-6)
 
 
-def test_min_tokens_bans_eos_and_still_reports_raw_logprobs():
+@pytest.mark.parametrize("is_c_sampling", [False, True])
+def test_min_tokens_bans_eos_and_still_reports_raw_logprobs(is_c_sampling):
     """min_tokens edits the logits in place (no copy); the chosen tokens' raw log-probabilities survive."""
     gen = torch.Generator().manual_seed(10)
     logits = torch.randn(2, VOCAB, generator=gen)
     logits[:, EOS] = 50.0  # EOS is every row's argmax
     seqs = [make_seq(SamplingParams(temperature=0, min_tokens=3)), make_seq(SamplingParams(temperature=0))]
     raw = logits.log_softmax(-1)
-    tokens, logprobs = Sampler(eos_token_ids=(EOS,))(logits.clone(), seqs)
+    tokens, logprobs = Sampler(eos_token_ids=(EOS,), is_c_sampling=is_c_sampling)(logits.clone(), seqs)
     assert tokens[1] == EOS and tokens[0] != EOS
     without_eos = logits[0].clone()
     without_eos[EOS] = float("-inf")

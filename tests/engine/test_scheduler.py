@@ -37,7 +37,7 @@ def next_token(seq: Sequence) -> int:
 
 
 def check_invariants(sched: Scheduler) -> None:
-    pool = sched.kv.pool
+    pool = sched.kv_cache_manager.pool
     assert len(sched.running) <= sched.config.max_num_seqs
     holders: dict[int, int] = {}
     for seq in sched.running:
@@ -107,7 +107,7 @@ def test_token_budget_chunks_long_prompts_and_mixes_decodes():
     assert stats.num_partial_prefills >= 2
     assert stats.num_mixed_steps >= 1
     assert stats.num_prefill_tokens == 43 and stats.num_decode_tokens == 2 * 5
-    assert sched.kv.pool.num_free_blocks == 64
+    assert sched.kv_cache_manager.pool.num_free_blocks == 64
 
 
 def test_max_num_seqs_caps_running_sequences():
@@ -131,7 +131,7 @@ def test_preemption_recomputes_and_gives_the_same_outputs():
     seqs = [make_seq(str(i), p, 12) for i, p in enumerate(prompts)]
     assert run(sched, seqs) == expected_outputs(prompts, 12)
     assert sched.stats.num_preemptions > 0
-    pool = sched.kv.pool
+    pool = sched.kv_cache_manager.pool
     assert pool.num_free_blocks == pool.num_blocks
     assert all(count == 0 for count in pool.ref_counts)
 
@@ -166,7 +166,7 @@ def test_shared_prefix_hits_and_late_arrivals_leak_nothing():
     outputs = run(sched, seqs[:5], arrivals={3: seqs[5:8], 7: seqs[8:]})
     assert outputs == expected_outputs(prompts, 5)
     assert sched.stats.num_cached_tokens >= 9 * len(prefix)  # all but the first reuse the prefix
-    pool = sched.kv.pool
+    pool = sched.kv_cache_manager.pool
     assert pool.num_free_blocks == pool.num_blocks and all(c == 0 for c in pool.ref_counts)
 
 
@@ -181,5 +181,5 @@ def test_random_workloads_under_pressure():
                                max_num_seqs=rng.randint(1, 6), enable_prefix_caching=rng.random() < 0.7)
         seqs = [make_seq(str(i), p, max_tokens) for i, p in enumerate(prompts)]
         assert run(sched, seqs) == expected_outputs(prompts, max_tokens), f"seed {seed}"
-        pool = sched.kv.pool
+        pool = sched.kv_cache_manager.pool
         assert pool.num_free_blocks == num_blocks, f"seed {seed}"

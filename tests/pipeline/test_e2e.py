@@ -95,6 +95,9 @@ def test_chat_job_matches_the_engine_with_consistent_latencies(tmp_path, engine)
     tpot = [r["tpot_s"] for r in rows if r["tpot_s"] is not None]
     assert success["tpot_s"]["p90"] == pytest.approx(float(np.percentile(tpot, 90)))
     assert success["resumed"] is False
+    # The kernels this run's engine used, as its stats report them.
+    assert success["kernels"] == engine.stats["kernels"] == engine.capabilities.as_dict()
+    assert success["kernels"]["attention_backend"] == "cpu" and success["kernels"]["device"] == "cpu"
 
 
 @pytest.mark.parametrize("name", EXAMPLE_JOBS)

@@ -1,4 +1,4 @@
-"""Decode staging for the torch attention backend: a dense per-sequence copy of the paged KV.
+"""Decode staging for the SDPA backend: a dense per-sequence copy of the paged KV.
 
 Gathering every decode sequence's keys and values out of the paged cache in every layer of every
 step copies the whole working set each step (the same O(context) copy that makes HF's growing
@@ -71,14 +71,14 @@ def row_ranges(lengths: list[int], max_waste: float = 1.1, slack: int = 512) -> 
 class DecodeRows:
     """Assigns staging rows to decoding sequences; plans moves and fills for each step."""
 
-    def __init__(self, block_size: int, num_kv_heads: int, max_tokens: int):
+    def __init__(self, block_size: int, num_kv_heads: int, max_tokens: int,
+                 range_max_waste: float = 1.1, range_slack: int = 512):
         self.block_size = block_size
         self.num_kv_heads = num_kv_heads
         self.max_tokens = max_tokens  # rows x capacity allowed (memory cap); beyond it, no staging
         self.row_seqs: list[Sequence] = []
         self.capacity = (0, 0)  # (rows, length) the buffers hold; grows until reset
-        self.num_resets = 0  # times staging switched off for lack of memory
-        self.range_max_waste, self.range_slack = 1.1, 512  # row_ranges() rule
+        self.range_max_waste, self.range_slack = range_max_waste, range_slack  # row_ranges() rule
 
     def can_stage(self, decodes: list[Sequence], num_expected_rows: int = 0) -> bool:
         rows, length = self._capacity_for(decodes, num_expected_rows)
@@ -99,9 +99,9 @@ class DecodeRows:
         return max(rows, needed_rows), max(length, needed_len)
 
     def reset(self) -> None:
+        """Drop every row (staging switched off for lack of memory)."""
         self.row_seqs = []
         self.capacity = (0, 0)
-        self.num_resets += 1
 
     def plan(self, decodes: list[Sequence], device: torch.device,
              num_expected_rows: int = 0) -> tuple[list[Sequence], StagingStep]:
@@ -198,9 +198,9 @@ class StagingPool:
     """Every layer's staging buffers in one (layers, 2, rows, Hkv, C, D) allocation.
 
     One allocation, made before the step's forward pass, so that growing the buffers does not
-    interleave long-lived blocks with each layer's transient activations (on the 2-core CI VM that
-    interleaving made the allocator hand out fresh pages to every layer's MLP: ~400k page faults,
-    +2 s in one step). Allocated uninitialized: untouched pages cost nothing.
+    interleave long-lived blocks with each layer's transient activations (that interleaving made
+    the allocator hand out fresh pages to every layer's MLP: benchmarks/NOTES.md, change 10).
+    Allocated uninitialized: untouched pages cost nothing.
     """
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device):
