@@ -191,3 +191,20 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         scores = scores.masked_fill(~is_seen, float("-inf"))
         out[lo:hi] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(q.dtype)
     return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# Weight-only integer matmul (reference of triton_int_matmul.py). Codes unpacked, one per byte.
+# ---------------------------------------------------------------------------------------------------
+
+def int_weight_matmul_ref(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                          group_size: int, g_idx: torch.Tensor | None = None) -> torch.Tensor:
+    """x (M, K), codes (N, K) unsigned integers, scales/zeros (N, G) -> (M, N) in x's dtype.
+
+    w[n, k] = (codes[n, k] - zeros[n, g(k)]) * scales[n, g(k)], g(k) = g_idx[k] or k // group_size;
+    the product accumulates in float32 like the kernel.
+    """
+    k = codes.shape[1]
+    groups = g_idx.long() if g_idx is not None else torch.arange(k, device=codes.device) // group_size
+    w = (codes.float() - zeros.float()[:, groups]) * scales.float()[:, groups]  # (N, K)
+    return (x.float() @ w.t()).to(x.dtype)

@@ -1,0 +1,79 @@
+"""IntLinear: a drop-in for nn.Linear whose weight is an IntWeight (int8 / int4 codes, scales, zeros).
+
+The matmul is chosen once, at construction, from the device and the weight's layout, as a short
+plan of (largest row count, kernel) pairs; forward only looks up the row count in it:
+- CPU: the kernels of int_matmul_cpu. The plan is the measured winner per row count on float32
+  activations (benchmarks/NOTES.md, "Integer weights on the CPU"; bench/int_matmul.py measures it);
+  kernels that cannot hold a layout (torch's int4 kernel needs N % 16 == 0 and groups of 32-256)
+  drop out of the plan.
+- CUDA: the Triton W4A16/W8A16 GEMM (batchgen.kernels.triton_int_matmul) when it can hold the weight,
+  else dequantize-then-GEMM.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from batchgen.engine.quant.int_formats.int_weight import IntWeight
+from batchgen.engine.quant.int_matmul_cpu import DequantKernel, Int4PackKernel, Int8PackKernel
+
+# Per bit width, the CPU kernel to use up to a number of rows, best first; measured on float32
+# activations (benchmarks/NOTES.md). A kernel that cannot hold the weight is skipped.
+CPU_PLAN = {
+    8: [(1, Int8PackKernel), (None, DequantKernel)],
+    4: [(1, Int4PackKernel), (None, DequantKernel)],
+}
+
+
+class IntLinear(nn.Module):
+    """y = x @ dequantize(weight)^T + bias with integer weights kept as integers."""
+
+    def __init__(self, weight: IntWeight, bias: torch.Tensor | None = None, *,
+                 device: torch.device | str = "cpu", kernel: str | None = None):
+        super().__init__()
+        self.in_features, self.out_features = weight.in_features, weight.out_features
+        self.bits, self.group_size = weight.bits, weight.group_size
+        self.is_symmetric, self.is_act_order = weight.is_symmetric, weight.is_act_order
+        self.bias = None if bias is None else nn.Parameter(bias.detach().to(device), requires_grad=False)
+        device = torch.device(device)
+        self.plan = _make_plan(weight, device, kernel)  # [(max rows or None, kernel object)]
+
+    @property
+    def kernel_names(self) -> list[str]:
+        return [k.name for _, k in self.plan]
+
+    def num_weight_bytes(self) -> int:
+        """Bytes the kernels hold for the weight (codes, scales, zeros, permutations), bias excluded."""
+        return sum(k.num_bytes() for _, k in self.plan)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)  # (M, K)
+        num_rows = x2.shape[0]
+        kernel = next(k for max_rows, k in self.plan if max_rows is None or num_rows <= max_rows)
+        y = kernel(x2)  # (M, N)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        layout = "symmetric" if self.is_symmetric else "zero points"
+        order = ", act-order" if self.is_act_order else ""
+        plan = ", ".join(f"{k.name}{'' if m is None else f' (M <= {m})'}" for m, k in self.plan)
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"int{self.bits} group {self.group_size}, {layout}{order}, kernels: {plan}")
+
+
+def _make_plan(weight: IntWeight, device: torch.device, kernel: str | None) -> list:
+    if device.type == "cpu":
+        candidates = {k.name: k for _, k in CPU_PLAN[weight.bits]} | {DequantKernel.name: DequantKernel}
+        if kernel is not None:  # tests and the benchmark pin one kernel
+            if kernel not in candidates or not candidates[kernel].can_run(weight):
+                raise ValueError(f"kernel {kernel!r} cannot run this int{weight.bits} weight on the CPU")
+            return [(None, candidates[kernel](weight))]
+        plan = [(rows, k(weight)) for rows, k in CPU_PLAN[weight.bits] if k.can_run(weight)]
+        return plan
+    from batchgen.engine.quant.int_matmul_cuda import make_cuda_plan
+
+    return make_cuda_plan(weight, device, kernel)

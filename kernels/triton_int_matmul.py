@@ -1,0 +1,111 @@
+"""Weight-only integer GEMM for CUDA (W4A16 / W8A16): y = x @ ((q - z) * s)^T, codes widened in registers.
+
+Weight layout (prepared once by the engine, see pack_codes):
+- codes: (N, K) uint8 for 8 bits; (N, ceil(K / 2)) uint8 for 4 bits, column 2j in the low nibble of
+  byte j and column 2j + 1 in the high nibble;
+- scales, zeros: (N, G) float32 (zeros in code units, 2**(bits-1) for symmetric weights);
+- g_idx: (K,) int32 group of each input column for act-order weights, else groups are k // group_size.
+Every K tile reads its codes once, looks up each column's scale and zero, and accumulates in float32;
+K, N and M need not be multiples of anything (masked). Tiles are chosen by M: decode-sized M uses a
+short M tile and a long N tile, prefill-sized M square ones.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _int_matmul_kernel(
+    x_ptr, codes_ptr, scales_ptr, zeros_ptr, g_idx_ptr, out_ptr,
+    M, N, K, G, GROUP_SIZE,
+    stride_xm, stride_xk, stride_cn, stride_om, stride_on,
+    BITS: tl.constexpr, HAS_G_IDX: tl.constexpr, IS_FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    is_n = offs_n < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + offs_k  # (BLOCK_K,)
+        is_k = k < K
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :] * stride_xk,
+                    mask=(offs_m[:, None] < M) & is_k[None, :], other=0.0)  # (BLOCK_M, BLOCK_K)
+        mask_kn = is_k[:, None] & is_n[None, :]
+        if BITS == 4:
+            byte = tl.load(codes_ptr + offs_n[None, :] * stride_cn + (k // 2)[:, None], mask=mask_kn, other=0)
+            q = (byte.to(tl.int32) >> ((k % 2) * 4)[:, None]) & 0xF  # (BLOCK_K, BLOCK_N)
+        else:
+            q = tl.load(codes_ptr + offs_n[None, :] * stride_cn + k[:, None], mask=mask_kn, other=0).to(tl.int32)
+        if HAS_G_IDX:
+            g = tl.load(g_idx_ptr + k, mask=is_k, other=0)
+        else:
+            g = k // GROUP_SIZE
+        sz_offs = offs_n[None, :] * G + g[:, None]  # (BLOCK_K, BLOCK_N) into the (N, G) tables
+        s = tl.load(scales_ptr + sz_offs, mask=mask_kn, other=0.0)
+        z = tl.load(zeros_ptr + sz_offs, mask=mask_kn, other=0.0)
+        w = (q.to(tl.float32) - z) * s  # masked lanes: (0 - 0) * 0 = 0, never garbage
+        if IS_FP32:
+            acc += tl.dot(x, w, input_precision="ieee")  # no silent TF32 for float32 models
+        else:
+            acc += tl.dot(x, w.to(x.dtype))
+    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on,
+             acc.to(out_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & is_n[None, :])
+
+
+def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """(N, K) uint8 codes -> the kernel's layout: as is for 8 bits, two per byte (low nibble first) for 4."""
+    if bits == 8:
+        return codes.contiguous()
+    codes = torch.nn.functional.pad(codes, (0, codes.shape[1] % 2))
+    return (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous()
+
+
+def tiles_for(num_rows: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K) by M: decode steps are weight-bound (wide N tiles, no wasted M rows),
+    prefill steps compute-bound (square tiles reuse each dequantized weight tile across more rows)."""
+    if num_rows <= 16:
+        return 16, 64, 64
+    if num_rows <= 64:
+        return 32, 64, 64
+    return 64, 128, 32
+
+
+def int_weight_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                      bits: int, group_size: int, g_idx: torch.Tensor | None = None,
+                      tiles: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """x (M, K) float16/bfloat16/float32, codes from pack_codes, scales/zeros (N, G) float32 -> (M, N) in x's dtype."""
+    if bits not in (4, 8):
+        raise ValueError(f"bits must be 4 or 8, got {bits}")
+    if x.dim() != 2 or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"x must be (M, K) float16, bfloat16 or float32, got {x.dtype} {tuple(x.shape)}")
+    num_rows, in_features = x.shape
+    n = codes.shape[0]
+    if codes.dtype != torch.uint8 or codes.shape[1] != (-(-in_features // 2) if bits == 4 else in_features):
+        raise ValueError(f"codes {codes.dtype} {tuple(codes.shape)} do not hold {bits}-bit (N, K={in_features})")
+    num_groups = scales.shape[1]
+    for name, t in (("scales", scales), ("zeros", zeros)):
+        if t.dtype != torch.float32 or t.shape != (n, num_groups) or not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous float32 (N={n}, G), got {t.dtype} {tuple(t.shape)}")
+    if g_idx is not None and (g_idx.dtype != torch.int32 or g_idx.shape != (in_features,)):
+        raise ValueError(f"g_idx must be int32 (K={in_features},), got {g_idx.dtype} {tuple(g_idx.shape)}")
+    block_m, block_n, block_k = tiles or tiles_for(num_rows)
+    for block in (block_m, block_n, block_k):
+        if block < 16 or block & (block - 1):
+            raise ValueError(f"block sizes must be powers of two >= 16 (tl.dot), got {block}")
+    out = torch.empty(num_rows, n, dtype=x.dtype, device=x.device)
+    grid = (triton.cdiv(num_rows, block_m), triton.cdiv(n, block_n))
+    _int_matmul_kernel[grid](
+        x, codes, scales, zeros, scales if g_idx is None else g_idx, out,
+        num_rows, n, in_features, num_groups, group_size,
+        x.stride(0), x.stride(1), codes.stride(0), out.stride(0), out.stride(1),
+        BITS=bits, HAS_G_IDX=g_idx is not None, IS_FP32=x.dtype == torch.float32,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+    )
+    return out
