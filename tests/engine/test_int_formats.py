@@ -209,15 +209,6 @@ def test_int_quantized_dequantizes_to_the_float_weights(strategy):
     assert torch.equal(got.dequantize(), w.float_weight())
 
 
-def test_compressed_tensors_own_packer_when_installed():
-    ct = pytest.importorskip("compressed_tensors.compressors.quantized_compressors.pack_quantized",
-                             reason="compressed-tensors is not installed: the cross-check needs its pack_to_int32")
-    values = torch.randint(-8, 8, (16, 200), dtype=torch.int8)
-    packed = ct.pack_to_int32(values, 4)
-    got = read_pack_quantized(packed, torch.ones(16, 1), (16, 200), bits=4)
-    assert torch.equal(got.signed_codes(), values)
-
-
 # ---- round-to-nearest at load ----
 
 def test_int8_per_channel_round_trip():
