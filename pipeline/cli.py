@@ -74,7 +74,8 @@ def run(
     if json_out:
         typer.echo(json.dumps(result.record, indent=2))
     else:
-        typer.echo(f"batchgen: {config.name} done: {result.num_units_run} unit(s) run, "
+        redone = f" ({len(result.redone)} of them run again: their part failed verification)" if result.redone else ""
+        typer.echo(f"batchgen: {config.name} done: {result.num_units_run} unit(s) run{redone}, "
                    f"{result.num_units_skipped} already done")
         typer.echo(format_summary(result.record, result.success_path))
 

@@ -95,6 +95,7 @@ class InputSection(_Section):
     system_prompt: str | None = None
     on_overlong: Literal["error", "truncate_left"] = "error"
     rows_per_unit: int = Field(default=10000, ge=1)
+    allow_duplicate_ids: bool = False  # true: repeated ids are separate requests (each its own samples)
     storage_options: dict[str, Any] = Field(default_factory=dict)  # fsspec options; not hashed
     allow_special_tokens: bool = False  # false: control-token text in prompts and messages is encoded as text
     max_prompt_bytes: int | None = Field(default=None, ge=1)  # null: max(1 MiB, 16 x max_model_len)

@@ -30,7 +30,10 @@ class Feeder:
         self.on_output = on_output
         self.on_error = on_error
         self.window: deque[RowTask] = deque()
-        self.deferred: deque[RowTask] = deque()  # duplicate ids wait until their twin has finished
+        # A task whose request key is in flight waits for its twin (keys are unique unless an id given in
+        # the input collides with an internal repeat key); per key, so each lookup is O(1).
+        self.deferred: dict[str, deque[RowTask]] = {}
+        self.released: deque[RowTask] = deque()  # deferred tasks whose twin has finished
         self.in_flight: dict[str, RowTask] = {}
         self.is_exhausted = False
         self.first_add_time: float | None = None
@@ -49,38 +52,49 @@ class Feeder:
         while True:
             self._fill()
             if not self.in_flight:
+                if self.deferred:
+                    raise RuntimeError(f"{len(self.deferred)} request key(s) left waiting with no twin in flight")
                 return  # _fill found nothing more to start: every task is done
             outputs = self.engine.step()
             if outputs:
                 self.last_output_time = time.monotonic()
             for out in outputs:
                 self.on_output(self.in_flight.pop(out.request_id), out)
+                self._release_twin(out.request_id)
             if self.in_flight and not self.engine.has_unfinished():
                 raise RuntimeError(f"the engine dropped {len(self.in_flight)} requests without an output")
 
     def _fill(self) -> None:
         while len(self.in_flight) < self.max_in_flight:
+            was_waiting = bool(self.released)
             task = self._next_task()
             if task is None:
                 return
-            if task.request_id in self.in_flight:
-                self.deferred.append(task)
+            # A released twin goes first; a new task queues behind any twins still waiting.
+            if task.request_id in self.in_flight or (not was_waiting and task.request_id in self.deferred):
+                self.deferred.setdefault(task.request_id, deque()).append(task)
                 continue
             try:
                 self.engine.add_request(task.request_id, None, task.params, prompt_token_ids=task.token_ids)
             except ValueError as exc:  # the engine's own checks (empty, too long): this row's error
                 task.error = str(exc)
                 self.on_error(task)
+                self._release_twin(task.request_id)
                 continue
             if self.first_add_time is None:
                 self.first_add_time = time.monotonic()
             self.in_flight[task.request_id] = task
 
+    def _release_twin(self, request_id: str) -> None:
+        waiting = self.deferred.get(request_id)
+        if waiting:
+            self.released.append(waiting.popleft())
+            if not waiting:
+                del self.deferred[request_id]
+
     def _next_task(self) -> RowTask | None:
-        for i, task in enumerate(self.deferred):
-            if task.request_id not in self.in_flight:
-                del self.deferred[i]
-                return task
+        if self.released:
+            return self.released.popleft()
         while not self.window and not self.is_exhausted:  # a window of error rows only leaves it empty
             self._refill()
         return self.window.popleft() if self.window else None

@@ -12,10 +12,11 @@ import fsspec
 from batchgen.engine.loader.source import BUNDLED_ALIASES, bundled_model_path, resolve_model
 from batchgen.pipeline.config import JobConfig
 from batchgen.pipeline.errors import JobError
+from batchgen.pipeline.id_scan import Position, scan_ids
+from batchgen.pipeline.inputs import JobInputs, read_inputs
 from batchgen.pipeline.model_limits import check_model_limits
-from batchgen.pipeline.output_folder import FolderState, OutputFolder
-from batchgen.pipeline.reader import InputFile, inspect_file, list_input_files
-from batchgen.pipeline.schema import check_input_schema
+from batchgen.pipeline.output_folder import FolderState, OutputFolder, check_output_outside_input
+from batchgen.pipeline.reader import InputFile
 from batchgen.pipeline.storage import Storage
 from batchgen.pipeline.units import WorkUnit, plan_units
 
@@ -31,6 +32,8 @@ class JobPlan:
     output: OutputFolder
     state: FolderState
     limit: int | None
+    inputs: JobInputs
+    repeats: dict[Position, int]  # occurrence number of each repeated id (input.allow_duplicate_ids)
 
     @property
     def num_rows(self) -> int:
@@ -67,21 +70,21 @@ def check_model(path: str) -> str:
 
 
 def plan_job(job: JobConfig, limit: int | None = None) -> JobPlan:
-    """Check the model (and the settings it bounds), every input file's footer and schema, and the
-    output folder; plan the units."""
+    """Check the model (and the settings it bounds), the input (footers, schemas, id types, repeated ids)
+    and the output folder; plan the units."""
     if limit is not None and limit < 1:
         raise JobError(f"--limit must be >= 1, got {limit}")
     model_location = check_model(job.model.path)
     check_model_limits(job)
-    input_storage = Storage(job.input.path, job.input.storage_options)
-    files = [inspect_file(input_storage, p) for p in list_input_files(input_storage)]
-    for file in files:
-        check_input_schema(file, job)
-    units = plan_units(files, job.input.rows_per_unit, limit)
-    config_hash = job.config_hash(limit)
+    inputs = read_inputs(job)
     output = OutputFolder(Storage(job.output.path, job.output.storage_options))
-    return JobPlan(job, config_hash, model_location, input_storage, files, units, output,
-                   output.state(config_hash), limit)
+    check_output_outside_input(output.storage, inputs.storage)
+    units = plan_units(inputs.files, job.input.rows_per_unit, limit)
+    repeats = scan_ids(inputs.storage, units, job.input.id_column, inputs.column_types[job.input.id_column],
+                       job.input.allow_duplicate_ids)
+    config_hash = job.config_hash(limit)
+    return JobPlan(job, config_hash, model_location, inputs.storage, inputs.files, units, output,
+                   output.state(config_hash, inputs.fingerprint, units), limit, inputs, repeats)
 
 
 def format_job_plan(plan: JobPlan, max_units_shown: int = 20) -> str:
@@ -95,6 +98,9 @@ def format_job_plan(plan: JobPlan, max_units_shown: int = 20) -> str:
         (f"units    {len(plan.units)} of <= {job.input.rows_per_unit:,} rows; "
          f"{plan.num_rows * job.sampling.n:,} output rows (n={job.sampling.n})"),
     ]
+    if plan.repeats:
+        lines.append(f"ids      {len(plan.repeats):,} row(s) repeat an earlier id: each runs as a request of its own "
+                     "(input.allow_duplicate_ids)")
     for unit in plan.units[:max_units_shown]:
         done = "  (done)" if unit.output_name in plan.state.done_names else ""
         lines.append(f"  {unit.output_name}  {unit.file.display} rows {unit.start:,}-{unit.stop - 1:,}{done}")

@@ -1,6 +1,8 @@
 """Streaming Parquet reading through fsspec: list shards, read footers, yield row ranges batch by batch.
 
-Never the whole dataset in memory: a read walks the row groups that overlap its range, in batches.
+Never the whole dataset, nor a whole row group, in memory: a read walks the row groups that overlap its
+range page by page (a buffered stream, no pre-buffering of column chunks) and yields batches whose row
+count is chosen from the footer's bytes per row, so a file of huge rows reads in small batches.
 Columns come back in their stored types; rows.py casts the text it decodes to binary first
 (`binary_type`), so one row of invalid UTF-8 becomes that row's error instead of sinking the column.
 """
@@ -17,7 +19,9 @@ import pyarrow.parquet as pq
 from batchgen.pipeline.errors import JobError
 from batchgen.pipeline.storage import Storage
 
-BATCH_SIZE = 1024  # rows per decoded batch: bounds memory whatever the files' row group sizes
+BATCH_SIZE = 1024  # rows per decoded batch at most
+BATCH_BYTES = 8 << 20  # and about this many decoded bytes: rows of 1 MB come 8 at a time
+READ_BUFFER_BYTES = 1 << 20  # the stream buffer for column chunks, instead of reading each one whole
 
 
 @dataclass(frozen=True)
@@ -70,12 +74,17 @@ def inspect_file(storage: Storage, path: str) -> InputFile:
 
 
 def read_rows(storage: Storage, file: InputFile, start: int, stop: int, columns: list[str],
-              batch_size: int = BATCH_SIZE) -> Iterator[pa.RecordBatch]:
-    """Yield rows [start, stop) of `columns` of one file, in order, as batches of at most batch_size rows."""
+              batch_size: int | None = None) -> Iterator[pa.RecordBatch]:
+    """Yield rows [start, stop) of `columns` of one file, in order, as batches of at most batch_size rows.
+
+    batch_size None: up to BATCH_SIZE rows, fewer when the columns' rows are wide (BATCH_BYTES).
+    """
     if start >= stop:
         return
     with storage.fs.open(file.path, "rb") as f:
-        pf = pq.ParquetFile(f)
+        pf = pq.ParquetFile(f, buffer_size=READ_BUFFER_BYTES, pre_buffer=False)
+        if batch_size is None:
+            batch_size = rows_per_batch(pf.metadata, columns)
         row_groups, first_row = [], None
         offset = 0
         for i in range(pf.metadata.num_row_groups):
@@ -93,6 +102,22 @@ def read_rows(storage: Storage, file: InputFile, start: int, stop: int, columns:
                 yield batch.slice(lo, hi - lo)
             if position >= stop:
                 break
+
+
+def rows_per_batch(meta: pq.FileMetaData, columns: list[str]) -> int:
+    """BATCH_SIZE rows, or fewer so that a batch of `columns` decodes to about BATCH_BYTES."""
+    if meta.num_rows == 0:
+        return BATCH_SIZE
+    wanted = set(columns)
+    num_bytes = 0
+    for i in range(meta.num_row_groups):
+        group = meta.row_group(i)
+        for j in range(group.num_columns):
+            column = group.column(j)
+            if column.path_in_schema.split(".", 1)[0] in wanted:
+                num_bytes += column.total_uncompressed_size
+    bytes_per_row = max(1, num_bytes // meta.num_rows)
+    return max(1, min(BATCH_SIZE, BATCH_BYTES // bytes_per_row))
 
 
 def binary_type(t: pa.DataType) -> pa.DataType:

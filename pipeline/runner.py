@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pyarrow.parquet as pq
 
@@ -13,7 +13,9 @@ from batchgen.engine import EngineConfig, LLMEngine, RequestOutput
 from batchgen.pipeline.config import JobConfig
 from batchgen.pipeline.errors import JobError
 from batchgen.pipeline.feeder import Feeder
-from batchgen.pipeline.output_folder import SUCCESS_NAME
+from batchgen.pipeline.id_scan import repeat_key
+from batchgen.pipeline.lock import FolderLock, lock_folder
+from batchgen.pipeline.output_folder import SUCCESS_NAME, describe_redo, raise_if_refused
 from batchgen.pipeline.preflight import JobPlan, plan_job
 from batchgen.pipeline.progress import Progress
 from batchgen.pipeline.reader import read_rows
@@ -21,7 +23,7 @@ from batchgen.pipeline.requests import RequestBuilder, RowTask
 from batchgen.pipeline.rows import decode_batch
 from batchgen.pipeline.summary import SUMMARY_COLUMNS, Totals, success_record
 from batchgen.pipeline.units import WorkUnit, contiguous_runs
-from batchgen.pipeline.writer import UnitWriter
+from batchgen.pipeline.writer import CommitContext, UnitWriter
 
 log = logging.getLogger("batchgen.pipeline")
 
@@ -32,17 +34,30 @@ class RunResult:
     success_path: str
     num_units_run: int
     num_units_skipped: int
+    redone: dict[str, str] = field(default_factory=dict)  # unit files run again -> why they were not trusted
 
 
 def run_job(job: JobConfig, *, engine: LLMEngine | None = None, limit: int | None = None,
             overwrite: bool = False, progress: bool = True) -> RunResult:
     """Run a job to completion (or resume it). Raises JobError for a bad job before any generation.
 
+    The run holds its output folder's lock from before it touches the folder until it returns; a
+    second run on the same folder raises LockHeld (a JobError) naming this one.
     `engine`: an already-built engine whose config equals the job's (tests and notebooks reuse one);
     None builds one from the job's model and engine sections.
     """
     plan = plan_job(job, limit)
-    state = plan.output.prepare(job.name, plan.config_hash, plan.unit_names, overwrite)
+    if not overwrite:
+        raise_if_refused(plan.state)  # before the lock: nothing is written into a folder that is not ours
+    with lock_folder(plan.output.storage) as lock:
+        return _run_locked(plan, lock, engine, overwrite, progress)
+
+
+def _run_locked(plan: JobPlan, lock: FolderLock, engine: LLMEngine | None, overwrite: bool,
+                progress: bool) -> RunResult:
+    job = plan.job
+    # Read the folder again under the lock: another run may have finished units since plan_job looked.
+    state = plan.output.prepare(job.name, plan.config_hash, plan.inputs.fingerprint, plan.units, overwrite)
     plan.state = state
     success_path = plan.output.storage.join(SUCCESS_NAME)
     if plan.is_complete:
@@ -50,6 +65,8 @@ def run_job(job: JobConfig, *, engine: LLMEngine | None = None, limit: int | Non
         return RunResult(plan.output.read_success(), success_path, 0, len(plan.units))
     pending = plan.pending_units
     skipped = [u for u in plan.units if u.output_name in state.done_names]
+    if state.redo:
+        log.warning("%s", describe_redo(state.redo))
     if skipped:
         log.info("resuming: skipping %d finished unit(s) (%s); %d to run", len(skipped),
                  ", ".join(u.output_name for u in skipped), len(pending))
@@ -57,8 +74,9 @@ def run_job(job: JobConfig, *, engine: LLMEngine | None = None, limit: int | Non
     _check_engine_can_run(job, engine)
 
     this_run = Totals()
-    writer = UnitWriter(plan.output.storage, job.sampling.n, job.output.keep_columns, job.input.id_column,
-                        job.sampling.logprobs, on_written=lambda unit, table: this_run.add_table(table))
+    writer = UnitWriter(plan.output.storage, plan.inputs.output_schema(job),
+                        [job.input.id_column, *job.output.keep_columns], job.sampling.n,
+                        CommitContext(plan.config_hash, lock.holder.run_id, lock.check), on_rows=this_run.add_table)
     bar = Progress(engine, sum(u.num_rows for u in pending), job.name, enabled=progress)
 
     def on_output(task: RowTask, out: RequestOutput) -> None:
@@ -74,6 +92,9 @@ def run_job(job: JobConfig, *, engine: LLMEngine | None = None, limit: int | Non
                     max_in_flight=2 * engine.config.max_num_seqs, on_output=on_output, on_error=on_error)
     try:
         feeder.run()
+    except BaseException:
+        writer.abort()  # unfinished parts leave no temp file behind
+        raise
     finally:
         bar.close()
     if writer.num_open_units:  # every row was handed back, so every unit must have been written
@@ -86,8 +107,9 @@ def run_job(job: JobConfig, *, engine: LLMEngine | None = None, limit: int | Non
             whole.add_table(pq.read_table(f, columns=SUMMARY_COLUMNS))
     record = success_record(job.name, plan.config_hash, whole, this_run, feeder.generation_seconds,
                             resumed=bool(skipped), kernels=engine.stats["kernels"])
+    lock.check()
     plan.output.write_success(record)
-    return RunResult(record, success_path, len(pending), len(skipped))
+    return RunResult(record, success_path, len(pending), len(skipped), dict(state.redo))
 
 
 def _engine_for(job: JobConfig, engine: LLMEngine | None) -> LLMEngine:
@@ -137,4 +159,8 @@ def _iter_tasks(plan: JobPlan, units: list[WorkUnit], builder: RequestBuilder,
                 first_offset = position - unit.start
                 position += piece.num_rows
                 for i, row in enumerate(decode_batch(piece, job)):
-                    yield builder.build(row, unit.index, first_offset + i)
+                    task = builder.build(row, unit.index, first_offset + i)
+                    occurrence = plan.repeats.get((file.path, unit.start + first_offset + i))
+                    if occurrence and task.request_id is not None:
+                        task.request_id = repeat_key(task.request_id, occurrence)
+                    yield task

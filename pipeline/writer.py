@@ -1,18 +1,33 @@
-"""Buffer each unit's results until every row is in, then write its file atomically, rows in input order."""
+"""Stream each unit's results into its part file in input order, then commit it atomically with its record.
+
+Rows finish out of order (the feeder reorders a window, short requests finish first); each unit keeps
+the rows that finished ahead of an earlier one, appends the in-order prefix to a Parquet writer open on
+the unit's temp file every FLUSH_ROWS output rows, and commits the part when its last row is written. Memory
+is bounded by the ordering window, not by the unit: a unit of a million rows holds what one of a
+thousand holds.
+"""
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchgen.engine import RequestOutput
+from batchgen.pipeline.commits import CommitRecord, IdChecksum, write_record
 from batchgen.pipeline.requests import RowTask
-from batchgen.pipeline.schema import generated_fields, output_schema
-from batchgen.pipeline.storage import Storage
+from batchgen.pipeline.schema import generated_fields
+from batchgen.pipeline.storage import PartFile, Storage
 from batchgen.pipeline.units import WorkUnit
+
+# Output rows per write (one Parquet row group each): rows wait as Python objects (~10 KB for a row of
+# 256 tokens) until written, so a unit's memory is this plus the rows that finished out of order.
+FLUSH_ROWS = 512
+FLUSH_TOKENS = 128 * 1024  # or fewer rows when their completions are long
 
 
 def sample_rows(task: RowTask, out: RequestOutput) -> list[dict]:
@@ -49,60 +64,121 @@ def error_rows(task: RowTask, n: int) -> list[dict]:
     return [{**row, "sample_index": i} for i in range(n)]
 
 
-class UnitBuffer:
-    """One unit's input-side columns (id + kept) and, per input row, its output rows once they exist."""
+@dataclass(frozen=True)
+class CommitContext:
+    """What each part's commit record names, and the check that this run may still write (its lock)."""
 
-    def __init__(self, unit: WorkUnit, source_columns: list[str]):
+    config_hash: str
+    run_id: str
+    may_commit: Callable[[], None] = lambda: None  # raises when the run lost its output folder
+
+
+class UnitPart:
+    """One unit on its way to its part file: input-side columns, finished rows, the open Parquet writer."""
+
+    def __init__(self, unit: WorkUnit, file: PartFile, schema: pa.Schema):
         self.unit = unit
-        self.source_columns = source_columns  # the id column first, then the kept columns
-        self.sources: list[pa.RecordBatch] = []  # the unit's id + keep columns, input order, input types
-        self.results: list[list[dict] | None] = [None] * unit.num_rows
-        self.num_done = 0
+        self.file = file
+        self.schema = schema
+        generated = {f.name for f in generated_fields(True)}
+        self.sources_schema = pa.schema([f for f in schema if f.name not in generated])  # id, then kept
+        self.writer: pq.ParquetWriter | None = None
+        self.sources: deque[pa.RecordBatch] = deque()  # id + kept columns of unwritten rows, input order
+        self.ready: dict[int, list[dict]] = {}  # rows that finished before an earlier row of the unit
+        self.pending: list[list[dict]] = []  # the in-order prefix not yet written
+        self.num_pending_rows = 0
+        self.num_pending_tokens = 0
+        self.next_offset = 0  # the first input row (within the unit) not yet moved to `pending`
+        self.num_rows = 0  # output rows written
+        self.ids = IdChecksum()
 
     @property
     def is_complete(self) -> bool:
-        return self.num_done == self.unit.num_rows
-
-    def add_source(self, batch: pa.RecordBatch) -> None:
-        self.sources.append(batch.select(self.source_columns))
+        return self.next_offset == self.unit.num_rows
 
     def set_rows(self, offset: int, rows: list[dict]) -> None:
-        assert self.results[offset] is None, f"row {offset} of unit {self.unit.index} finished twice"
-        self.results[offset] = rows
-        self.num_done += 1
+        assert offset >= self.next_offset and offset not in self.ready, \
+            f"row {offset} of unit {self.unit.index} finished twice"
+        self.ready[offset] = rows
+        while self.next_offset in self.ready:
+            done = self.ready.pop(self.next_offset)
+            self.pending.append(done)
+            self.num_pending_rows += len(done)
+            self.num_pending_tokens += sum(r["completion_tokens"] for r in done)
+            self.next_offset += 1
 
-    def to_table(self, schema: pa.Schema) -> pa.Table:
-        source = pa.Table.from_batches(self.sources).rename_columns(["id", *self.source_columns[1:]])
-        counts = np.array([len(r) for r in self.results])
+    @property
+    def should_flush(self) -> bool:
+        return self.num_pending_rows >= FLUSH_ROWS or self.num_pending_tokens >= FLUSH_TOKENS or (
+            self.is_complete and bool(self.pending))
+
+    def flush(self) -> pa.Table:
+        """Write the pending rows (with their id and kept columns) as one row group; returns them."""
+        source = self._take_sources(len(self.pending))
+        counts = np.array([len(r) for r in self.pending])
         taken = source.take(pa.array(np.repeat(np.arange(len(counts)), counts)))
-        rows = [row for result in self.results for row in result]
-        arrays = []
-        for field in schema:
-            if field.name in taken.column_names:
-                arrays.append(taken.column(field.name))
-            else:
-                arrays.append(pa.array([row[field.name] for row in rows], type=field.type))
-        return pa.Table.from_arrays(arrays, schema=schema)
+        rows = [row for result in self.pending for row in result]
+        arrays = [taken.column(f.name) if f.name in taken.column_names
+                  else pa.array([row[f.name] for row in rows], type=f.type) for f in self.schema]
+        table = pa.Table.from_arrays(arrays, schema=self.schema)
+        if self.writer is None:
+            self.writer = pq.ParquetWriter(self.file.path, self.schema)
+        self.writer.write_table(table)
+        self.ids.update(table.column("id"))
+        self.num_rows += table.num_rows
+        self.pending, self.num_pending_rows, self.num_pending_tokens = [], 0, 0
+        return table
+
+    def _take_sources(self, num_rows: int) -> pa.Table:
+        pieces = []
+        while num_rows:
+            batch = self.sources.popleft()
+            if batch.num_rows > num_rows:
+                self.sources.appendleft(batch.slice(num_rows))
+                batch = batch.slice(0, num_rows)
+            pieces.append(batch)
+            num_rows -= batch.num_rows
+        return pa.Table.from_batches(pieces, schema=self.sources_schema)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+
+    def abort(self) -> None:
+        try:
+            self.close()
+        finally:
+            self.file.abort()
 
 
 class UnitWriter:
-    """Collects finished requests per unit and writes each unit's file the moment its last row is in."""
+    """Collects finished requests per unit, streams them to the unit's part, commits it when complete.
 
-    def __init__(self, storage: Storage, n: int, keep_columns: list[str], id_column: str, with_logprobs: bool,
-                 on_written: Callable[[WorkUnit, pa.Table], None] = lambda unit, table: None):
+    `schema`: every part's schema (id in the job's one id type, the generated columns, the kept
+    columns); `source_columns`: the input's id column name, then the kept columns.
+    """
+
+    def __init__(self, storage: Storage, schema: pa.Schema, source_columns: list[str], n: int,
+                 commit: CommitContext, on_rows: Callable[[pa.Table], None] = lambda table: None,
+                 on_committed: Callable[[WorkUnit], None] = lambda unit: None):
         self.storage = storage
+        self.schema = schema
+        self.source_columns = source_columns
         self.n = n
-        self.keep_columns = keep_columns
-        self.id_column = id_column
-        self.with_logprobs = with_logprobs
-        self.on_written = on_written
-        self.buffers: dict[int, UnitBuffer] = {}
+        self.commit = commit
+        self.on_rows = on_rows
+        self.on_committed = on_committed
+        self.parts: dict[int, UnitPart] = {}
 
     def open_unit(self, unit: WorkUnit) -> None:
-        self.buffers[unit.index] = UnitBuffer(unit, [self.id_column, *self.keep_columns])
+        self.parts[unit.index] = UnitPart(unit, self.storage.open_part(unit.output_name), self.schema)
 
     def add_source(self, unit_index: int, batch: pa.RecordBatch) -> None:
-        self.buffers[unit_index].add_source(batch)
+        part = self.parts[unit_index]
+        columns = [batch.column(name) for name in self.source_columns]
+        part.sources.append(pa.RecordBatch.from_arrays(
+            [c.cast(f.type) for c, f in zip(columns, part.sources_schema)], schema=part.sources_schema))
 
     def add_output(self, task: RowTask, out: RequestOutput) -> None:
         self._set(task, sample_rows(task, out))
@@ -112,23 +188,33 @@ class UnitWriter:
 
     @property
     def num_open_units(self) -> int:
-        return len(self.buffers)
+        return len(self.parts)
+
+    def abort(self) -> None:
+        """Remove every unfinished part's temp file (a failed run leaves only whole parts)."""
+        while self.parts:
+            self.parts.popitem()[1].abort()
 
     def _set(self, task: RowTask, rows: list[dict]) -> None:
-        buffer = self.buffers[task.unit_index]
-        buffer.set_rows(task.offset, rows)
-        if buffer.is_complete:
-            self._flush(task.unit_index)
+        part = self.parts[task.unit_index]
+        part.set_rows(task.offset, rows)
+        if part.should_flush:
+            self.on_rows(part.flush())
+        if part.is_complete:
+            self._commit(self.parts.pop(task.unit_index))
 
-    def _flush(self, unit_index: int) -> None:
-        buffer = self.buffers.pop(unit_index)
-        schema = self.schema_for(buffer.unit)
-        table = buffer.to_table(schema)
-        self.storage.write_atomic(buffer.unit.output_name, lambda target: pq.write_table(table, target))
-        self.on_written(buffer.unit, table)
-
-    def schema_for(self, unit: WorkUnit) -> pa.Schema:
-        # The id column is "id" in the output whatever its input name; all keep their input types.
-        file_schema = unit.file.schema
-        return output_schema(file_schema.field(self.id_column),
-                             [file_schema.field(name) for name in self.keep_columns], self.with_logprobs)
+    def _commit(self, part: UnitPart) -> None:
+        try:
+            part.close()
+            self.commit.may_commit()
+            written = part.file.commit()
+        except BaseException:
+            part.abort()
+            raise
+        unit = part.unit
+        write_record(self.storage, CommitRecord(
+            part=unit.output_name, unit=unit.index, input_file=unit.file.display, start=unit.start,
+            stop=unit.stop, num_rows=part.num_rows, id_checksum=part.ids.hexdigest(), size=written.size,
+            sha256=written.sha256, etag=written.etag, config_hash=self.commit.config_hash,
+            run_id=self.commit.run_id))
+        self.on_committed(unit)

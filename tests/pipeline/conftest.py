@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import socket
+import threading
 import time
 from pathlib import Path
+
+import fsspec
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -116,3 +120,48 @@ class FakeEngine:
 def fake_engine_for():
     """fake_engine_for(job) -> a FakeEngine whose config equals the job's."""
     return lambda job, **kwargs: FakeEngine(job.engine_config(), **kwargs)
+
+
+@pytest.fixture(scope="session")
+def s3_options():
+    """A moto S3 server on a free local port with bucket batchgen-test; pass as storage_options."""
+    from moto.server import ThreadedMotoServer
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    options = {"key": "testing", "secret": "testing", "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{port}"}}
+    fsspec.filesystem("s3", **options).mkdir("batchgen-test")
+    yield options
+    server.stop()
+
+
+class GatedEngine(FakeEngine):
+    """A FakeEngine that stops before step `gate_step` until `gate` is set: a run caught mid-job."""
+
+    def __init__(self, config: EngineConfig, gate_step: int = 1, **kwargs):
+        super().__init__(config, **kwargs)
+        self.gate_step = gate_step
+        self.paused = threading.Event()  # set once the run waits at the gate
+        self.gate = threading.Event()
+
+    def step(self) -> list[RequestOutput]:
+        if self.num_steps == self.gate_step:
+            self.paused.set()
+            assert self.gate.wait(60), "the test never opened the gate"
+        return super().step()
+
+
+class FailingEngine(FakeEngine):
+    """Dies at step `fail_step` (a node preempted): earlier units are committed, later ones are not."""
+
+    def __init__(self, config: EngineConfig, fail_step: int = 2, **kwargs):
+        super().__init__(config, **kwargs)
+        self.fail_step = fail_step
+
+    def step(self) -> list[RequestOutput]:
+        if self.num_steps == self.fail_step:
+            raise RuntimeError("node preempted")
+        return super().step()

@@ -76,3 +76,115 @@ def test_reading_a_million_rows_keeps_memory_bounded(tmp_path):
     # Every row was decoded, yet memory grew by a small fraction of the data: it was streamed. (What
     # growth there is, ~60-100 MB, is mostly Arrow's allocator keeping freed pages, whatever the file size.)
     assert report["growth"] < decoded_bytes / 4, (report, decoded_bytes)
+
+
+# ---- one huge row group, and the writer's peak against the unit size -------------------------------------
+
+WIDE_ROWS, WIDE_ROW_BYTES = 20_000, 10_000  # 191 MiB of incompressible text in a single row group
+
+READ_LIMITED = textwrap.dedent("""
+    import json, sys
+    from pathlib import Path
+    from batchgen.pipeline.config import validate_job
+    from batchgen.pipeline.preflight import plan_job
+    from batchgen.pipeline.reader import read_rows
+    from batchgen.pipeline.rows import decode_batch
+    from batchgen.pipeline.units import contiguous_runs
+
+    def status_bytes(key):
+        for line in open("/proc/self/status"):
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+
+    job = validate_job({"name": "m", "model": {"path": "smollm2-135m-instruct"},
+                        "input": {"path": sys.argv[1], "apply_chat_template": False},
+                        "output": {"path": sys.argv[2]}}, Path("."))
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = status_bytes("VmRSS")
+    plan = plan_job(job, limit=10)  # what `batchgen run --limit 10` does before generation, id scan included
+    rows = []
+    for run in contiguous_runs(plan.pending_units):
+        for batch in read_rows(plan.input_storage, run[0].file, run[0].start, run[-1].stop, ["id", "prompt"]):
+            rows += decode_batch(batch, job)
+    print(json.dumps({"num_rows": len(rows), "growth": status_bytes("VmHWM") - before}))
+""")
+
+
+def write_wide_file(path) -> None:
+    """Incompressible base64 prompts, cheap to make: 20,000 rows of 10,000 bytes, one row group."""
+    import base64
+    import os
+
+    import numpy as np
+
+    data = base64.b64encode(os.urandom(WIDE_ROWS * WIDE_ROW_BYTES * 3 // 4))[: WIDE_ROWS * WIDE_ROW_BYTES]
+    offsets = pa.py_buffer(np.arange(0, WIDE_ROWS * WIDE_ROW_BYTES + 1, WIDE_ROW_BYTES, dtype=np.int32).tobytes())
+    prompts = pa.StringArray.from_buffers(WIDE_ROWS, offsets, pa.py_buffer(data))
+    pq.write_table(pa.table({"id": pa.array(range(WIDE_ROWS), pa.int64()), "prompt": prompts}), path,
+                   row_group_size=WIDE_ROWS)
+
+
+def test_ten_rows_of_a_single_190_mib_row_group_read_in_bounded_memory(tmp_path):
+    path = tmp_path / "wide.parquet"
+    write_wide_file(path)
+    assert pq.ParquetFile(path).metadata.num_row_groups == 1 and path.stat().st_size > 190 * 2**20
+    result = subprocess.run([sys.executable, "-c", READ_LIMITED, str(path), str(tmp_path / "out")], check=False,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["num_rows"] == 10
+    print(f"peak growth reading 10 rows: {report['growth'] / 2**20:.0f} MiB")
+    assert report["growth"] < 150 * 2**20, report  # 573 MiB when the reader took the whole row group
+
+
+WRITE_UNIT = textwrap.dedent("""
+    import json, random, sys, time, tracemalloc
+    import pyarrow as pa
+    from batchgen.engine import CompletionOutput, RequestMetrics, RequestOutput
+    from batchgen.pipeline.reader import InputFile
+    from batchgen.pipeline.requests import RowTask
+    from batchgen.pipeline.schema import output_schema
+    from batchgen.pipeline.storage import Storage
+    from batchgen.pipeline.units import WorkUnit
+    from batchgen.pipeline.writer import CommitContext, UnitWriter
+
+    num_rows, folder = int(sys.argv[1]), sys.argv[2]
+    window, num_tokens = 256, 256  # rows finish in any order within a window of 256
+    schema = output_schema(pa.field("id", pa.int64()), [], False)
+    unit = WorkUnit(0, InputFile("in.parquet", "in.parquet", num_rows, pa.schema([("id", pa.int64())])), 0, num_rows)
+    writer = UnitWriter(Storage(folder), schema, ["id"], 1, CommitContext("hash", "run"))
+    rng = random.Random(0)
+    tracemalloc.start()
+    pool = pa.default_memory_pool()
+    writer.open_unit(unit)
+    for start in range(0, num_rows, window):
+        offsets = list(range(start, min(start + window, num_rows)))
+        writer.add_source(0, pa.record_batch({"id": pa.array(offsets, pa.int64())}))
+        rng.shuffle(offsets)
+        for offset in offsets:
+            now = time.monotonic()
+            tokens = [1000 + (offset * 7 + i) % 40000 for i in range(num_tokens)]  # not small-int cached
+            sample = CompletionOutput(0, "x" * 1000, tokens, -1.0, None, "length",
+                                      first_scheduled_time=now, first_token_time=now, last_token_time=now)
+            out = RequestOutput(str(offset), [1, 2, 3], [sample], 0, RequestMetrics(now, now, now, now))
+            writer.add_output(RowTask(0, offset, str(offset)), out)
+    assert writer.num_open_units == 0
+    python_peak = tracemalloc.get_traced_memory()[1]
+    print(json.dumps({"peak": python_peak + pool.max_memory()}))
+""")
+
+
+def writer_peak(num_rows: int, folder) -> int:
+    result = subprocess.run([sys.executable, "-c", WRITE_UNIT, str(num_rows), str(folder)], check=False,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert pq.read_table(folder / "part-00000.parquet").column("id").to_pylist() == list(range(num_rows))
+    return json.loads(result.stdout)["peak"]
+
+
+def test_the_writer_holds_the_ordering_window_not_the_unit(tmp_path):
+    small = writer_peak(1_000, tmp_path / "small")
+    large = writer_peak(10_000, tmp_path / "large")
+    print(f"writer peak: 1,000 rows {small / 2**20:.1f} MiB, 10,000 rows {large / 2**20:.1f} MiB")
+    assert large <= 1.2 * small, (small, large)  # 10x when a unit was held whole

@@ -50,10 +50,12 @@ def test_queue_stays_bounded_and_files_keep_input_order(tmp_path, fake_engine_fo
     assert ids == [list(range(100, 115)), list(range(115, 130)), list(range(130, 140))]  # ...the files were not
 
 
-def test_duplicate_ids_wait_for_their_twin_and_both_are_written(tmp_path, fake_engine_for):
+def test_allowed_duplicate_ids_are_all_written_in_input_order(tmp_path, fake_engine_for):
     path = write_parquet(tmp_path / "in.parquet", {"id": ["a", "b", "a", "c"], "prompt": ["p1", "p2", "p3", "p4"]})
-    job = make_job(tmp_path, str(path), engine={"max_num_seqs": 8})
-    run_job(job, engine=fake_engine_for(job), progress=False)
+    job = make_job(tmp_path, str(path), engine={"max_num_seqs": 8}, input={"allow_duplicate_ids": True})
+    engine = fake_engine_for(job)
+    run_job(job, engine=engine, progress=False)
     out = read_output(tmp_path / "out")
     assert out.column("id").to_pylist() == ["a", "b", "a", "c"]
     assert out.column("error").null_count == 4
+    assert engine.num_steps == 1  # the repeat has a key of its own: it did not wait for its twin

@@ -32,7 +32,9 @@ def batchgen(*args: str) -> list[str]:
 
 
 def part_files(folder) -> dict[str, int]:
-    return {p.name: p.stat().st_mtime_ns for p in folder.glob("part-*.parquet")}
+    """Committed unit files (a part and its commit record, written right after it) and their mtimes."""
+    return {p.name: p.stat().st_mtime_ns for p in folder.glob("part-*.parquet")
+            if (folder / "_commits" / f"{p.stem}.json").exists()}
 
 
 def test_sigkill_mid_job_then_rerun_finishes_only_the_missing_units(tmp_path, tiny_model):

@@ -1,0 +1,197 @@
+"""One run per output folder: a lock held for the run's whole life.
+
+Local and shared POSIX filesystems: `flock` on `_batchgen.lock` in the folder. The kernel drops it
+when the process ends, kill -9 included, so it can never go stale; the file itself stays (deleting
+a flock file while someone may be opening it would let two runs lock two different files).
+
+Object stores: a lease object, `_batchgen.lock`, created only if absent (S3: a conditional PUT), naming
+its holder and when it expires; a thread refreshes it while the run lives (a compare-and-swap on the
+object's ETag), and another run takes it over only once it has expired. A holder that cannot refresh
+(paused, partitioned) stops committing before its lease runs out: `check()` is called before every commit.
+
+Modes: a plain run holds the folder exclusively. Static shards hold it shared (many shards at once,
+no exclusive run) and lock their own shard exclusively under another name (`lock_name`).
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+
+from batchgen.pipeline.errors import JobError
+from batchgen.pipeline.storage import Storage
+
+log = logging.getLogger("batchgen.pipeline")
+
+LOCK_NAME = "_batchgen.lock"
+LEASE_SECONDS = 60.0  # an object-store lease lives this long unless refreshed
+CLOCK_SKEW_SECONDS = 10.0  # a lease is taken over only this long after it expired: hosts' clocks differ
+
+
+def lock_name(shard: str | None = None) -> str:
+    """The lock object of the folder (None) or of one shard of it."""
+    return LOCK_NAME if shard is None else f"_batchgen.shard-{shard}.lock"
+
+
+@dataclass(frozen=True)
+class Holder:
+    """Who holds (or wants) a lock: enough for a person to find the process."""
+
+    run_id: str
+    host: str
+    pid: int
+    started: float  # epoch seconds
+    mode: str = "exclusive"  # exclusive | shared
+    expires: float | None = None  # leases only: epoch seconds
+
+    @staticmethod
+    def this_process(mode: str = "exclusive") -> Holder:
+        return Holder(uuid.uuid4().hex[:12], socket.gethostname(), os.getpid(), time.time(), mode)
+
+    def describe(self) -> str:
+        text = f"pid {self.pid} on host {self.host}, started {iso_time(self.started)}, run {self.run_id}"
+        if self.mode == "shared":
+            text = "shared holder " + text
+        return text
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @staticmethod
+    def from_json(text: str | bytes) -> Holder | None:
+        try:
+            raw = json.loads(text)
+            return Holder(str(raw["run_id"]), str(raw["host"]), int(raw["pid"]), float(raw["started"]),
+                          str(raw.get("mode", "exclusive")), raw.get("expires"))
+        except (ValueError, KeyError, TypeError):
+            return None
+
+
+def iso_time(epoch: float) -> str:
+    """UTC, to the second: how a person compares a lease expiry with a clock."""
+    return datetime.fromtimestamp(epoch, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+class LockHeld(JobError):
+    """Another run holds the output folder (exit 2: wait for it, nothing is wrong with this job)."""
+
+
+class LockLost(RuntimeError):
+    """This run's lease expired or was taken over: it must stop writing."""
+
+
+class FolderLock:
+    """A held lock. `check()` before each commit; `release()` (or leaving the `with` block) when done."""
+
+    holder: Holder
+
+    def check(self) -> None:
+        """Raise LockLost when this run may no longer write to the folder."""
+
+    def release(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> FolderLock:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def lock_folder(storage: Storage, holder: Holder | None = None, *, shared: bool = False,
+                name: str = LOCK_NAME, lease_seconds: float = LEASE_SECONDS) -> FolderLock:
+    """Take the lock `name` of the folder `storage` is rooted at, or raise LockHeld naming the holder."""
+    holder = holder or Holder.this_process("shared" if shared else "exclusive")
+    if storage.is_local:
+        return _FlockLock(storage, holder, shared, name)
+    from batchgen.pipeline.lease import LeaseLock
+
+    return LeaseLock(storage, holder, shared, name, lease_seconds)
+
+
+@dataclass
+class _FlockLock(FolderLock):
+    storage: Storage
+    holder: Holder
+    is_shared: bool
+    name: str
+    fd: int | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        os.makedirs(self.storage.root, exist_ok=True)
+        path = self.storage.join(self.name)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
+        try:
+            fcntl.flock(fd, (fcntl.LOCK_SH if self.is_shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise LockHeld(self._held_message(path)) from None
+            raise JobError(f"output.path: cannot lock {path} ({exc}); the folder must be on a filesystem "
+                           "with working flock (on NFS, mount without local_lock)") from None
+        if not self.is_shared:
+            os.ftruncate(fd, 0)  # an exclusive holder is alone: earlier holders' lines are history
+        os.write(fd, (self.holder.to_json() + "\n").encode())  # O_APPEND: shared holders' lines never mix
+        self.fd = fd
+
+    def _held_message(self, path: str) -> str:
+        holders = _live_holders(_read_lines(path))
+        who = "; ".join(h.describe() for h in holders) or "a process that did not record itself"
+        return (f"output.path: {self.storage.url} is in use by another batchgen run ({who}). "
+                f"Wait for it to finish: its lock ({path}) is released when that process exits, even if killed; "
+                "or choose another output.path")
+
+    def release(self) -> None:
+        if self.fd is not None:
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+            os.close(self.fd)
+            self.fd = None
+
+
+def _read_lines(path: str) -> list[Holder]:
+    try:
+        with open(path, "rb") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return []
+    return [h for h in (Holder.from_json(line) for line in lines) if h is not None]
+
+
+def _live_holders(holders: list[Holder]) -> list[Holder]:
+    """Drop lines of processes on this host that are gone (shared holders append; nobody trims)."""
+    here = socket.gethostname()
+    alive = []
+    for h in holders:
+        if h.host == here:
+            try:
+                os.kill(h.pid, 0)
+            except ProcessLookupError:
+                continue
+            except PermissionError:
+                pass
+        alive.append(h)
+    return alive
+
+
+def refresh_interval(lease_seconds: float) -> float:
+    """A lease is refreshed three times per lifetime: two refreshes may fail before it runs out."""
+    return lease_seconds / 3
+
+
+def start_refresher(refresh, interval: float, stop: threading.Event) -> threading.Thread:
+    def loop() -> None:
+        while not stop.wait(interval):
+            refresh()
+
+    thread = threading.Thread(target=loop, name="batchgen-lease", daemon=True)
+    thread.start()
+    return thread
