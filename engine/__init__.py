@@ -3,7 +3,7 @@
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.llm import LLM
 from batchgen.engine.llm_engine import LLMEngine
-from batchgen.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from batchgen.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TopLogprob
 from batchgen.engine.sampling_params import SamplingParams
 
 __all__ = [
@@ -14,4 +14,5 @@ __all__ = [
            "RequestMetrics",
            "RequestOutput",
            "SamplingParams",
+           "TopLogprob",
 ]

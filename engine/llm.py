@@ -55,7 +55,10 @@ class LLM:
         for prompt, params in zip(prompts, sampling_params):
             request_id = str(self._next_id)
             self._next_id += 1
-            self.engine.add_request(request_id, prompt, params)
+            # A seeded request's samples depend on (seed, sample index) alone, as the server's do:
+            # the same prompt and seed give the same samples in any call. Unseeded ones are keyed by
+            # this LLM's request counter (reproducible from a fresh LLM).
+            self.engine.add_request(request_id, prompt, params, sample_key="" if params.seed is not None else None)
             ids.append(request_id)
         results: dict[str, RequestOutput] = {}
         with tqdm(total=len(ids), disable=not use_tqdm, desc="requests") as bar:

@@ -15,7 +15,7 @@ from batchgen.engine.cpu_allocator import keep_freed_memory
 from batchgen.engine.kv_cache_manager import KVCacheManager
 from batchgen.engine.loader.model_loader import load_model
 from batchgen.engine.model_runner import ModelRunner
-from batchgen.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from batchgen.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TopLogprob
 from batchgen.engine.sampling_params import SamplingParams
 from batchgen.engine.scheduler import Scheduler
 from batchgen.engine.sequence import Sequence
@@ -103,9 +103,14 @@ class LLMEngine:
         raise TypeError("a prompt is a string, a list of chat messages ({role, content}) or a list of token ids")
 
     def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams,
-                    prompt_token_ids: list[int] | None = None) -> None:
+                    prompt_token_ids: list[int] | None = None, sample_key: str | None = None) -> None:
         """Queue a request (n sequences). Raises ValueError for an empty or overlong prompt, or stop
-        token ids outside the vocabulary."""
+        token ids outside the vocabulary.
+
+        Sample i draws from a generator keyed by (params.seed, sample key, i). The sample key is the
+        request id unless `sample_key` is given: a job's rows are keyed by their ids, while a caller
+        whose request ids are not stable (a server) passes "" for (seed, i) alone or a random key.
+        """
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in the engine")
         token_ids = prompt_token_ids if prompt_token_ids is not None else self.encode(prompt)
@@ -117,11 +122,28 @@ class LLMEngine:
             raise ValueError(f"stop_token_ids {params.stop_token_ids} reach past the vocabulary "
                              f"({self.model_cfg.vocab_size} tokens)")
         now = time.monotonic()
-        seqs = [Sequence(request_id, i, token_ids, params, now, self.max_model_len) for i in range(params.n)]
+        seqs = [Sequence(request_id, i, token_ids, params, now, self.max_model_len, sample_key)
+                for i in range(params.n)]
         self.requests[request_id] = _RequestState(request_id, token_ids, seqs, now,
                                                   prompt if isinstance(prompt, str) else None)
         for seq in seqs:
             self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str) -> bool:
+        """Drop an unfinished request: its sequences leave the waiting and running queues and their
+        KV blocks go back to the pool (full blocks keep their prefix-cache hashes, as on finishing).
+        No output is made. False when the id is not in the engine (finished, aborted or never added)."""
+        state = self.requests.pop(request_id, None)
+        if state is None:
+            return False
+        for seq in state.seqs:
+            if not seq.is_finished:
+                self.scheduler.abort(seq)
+        return True
+
+    def sequences(self, request_id: str) -> list[Sequence]:
+        """The n sequences of an unfinished request, for callers that stream tokens as they come."""
+        return self.requests[request_id].seqs
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -144,9 +166,9 @@ class LLMEngine:
         for s in out.scheduled:
             s.seq.num_computed_tokens += s.num_new_tokens
         finished: list[RequestOutput] = []
-        for s, token, logprob in results:
+        for s, token, logprob, top in results:
             seq = s.seq
-            seq.append_token(token, logprob)
+            seq.append_token(token, logprob, top)
             if self._check_stop(seq):
                 self.scheduler.finish(seq)
                 state = self.requests[seq.request_id]
@@ -186,7 +208,8 @@ class LLMEngine:
             completions.append(CompletionOutput(
                 index=seq.sample_index, text=text, token_ids=seq.output_token_ids,
                 cumulative_logprob=seq.cumulative_logprob,
-                logprobs=list(seq.output_logprobs) if seq.params.logprobs else None,
+                logprobs=list(seq.output_logprobs) if seq.params.logprobs is not None else None,
+                top_logprobs=self._top_logprobs(seq) if seq.params.num_top_logprobs else None,
                 finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
                 first_scheduled_time=seq.first_scheduled_time, first_token_time=seq.first_token_time,
                 last_token_time=seq.last_token_time))
@@ -198,6 +221,12 @@ class LLMEngine:
             last_token_time=max(s.last_token_time for s in state.seqs))
         return RequestOutput(state.request_id, state.prompt_token_ids, completions,
                              first.num_cached_tokens or 0, metrics, prompt=state.prompt)
+
+    def _top_logprobs(self, seq: Sequence) -> list[list[TopLogprob]]:
+        ids = [token_id for position in seq.output_top_logprobs for token_id, _ in position]
+        texts = iter(self.tokenizer.token_texts(ids))
+        return [[TopLogprob(token_id, next(texts), logprob) for token_id, logprob in position]
+                for position in seq.output_top_logprobs]
 
     # ---- counters -------------------------------------------------------------------------------
     @property

@@ -9,6 +9,7 @@ import torch
 
 from batchgen.engine.capabilities import Capabilities
 from batchgen.engine.config import EngineConfig
+from batchgen.engine.logprobs import top_logprobs
 from batchgen.engine.models.config import ModelConfig
 from batchgen.engine.models.llama import LlamaForCausalLM
 from batchgen.engine.sampler import Sampler
@@ -38,8 +39,10 @@ class ModelRunner:
                                                              config.torch_dtype, self.device)
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[ScheduledSeq], num_live_seqs: int = 0) -> list[tuple[ScheduledSeq, int, float]]:
-        """Run one step; returns (scheduled seq, token, raw logprob) for each sequence that samples.
+    def execute(self, scheduled: list[ScheduledSeq], num_live_seqs: int = 0) -> list[
+            tuple[ScheduledSeq, int, float, list[tuple[int, float]] | None]]:
+        """Run one step; returns (scheduled seq, token, raw logprob, top logprobs or None) for each
+        sequence that samples.
         `num_live_seqs`: unfinished sequences that may decode soon (the backend may plan for them)."""
         # Decodes first, in the order the attention backend asks for, then prefill chunks.
         decodes = [s for s in scheduled if s.num_new_tokens == 1]
@@ -71,5 +74,7 @@ class ModelRunner:
         )  # (N, V)
         if not sampling:
             return []
-        tokens, logprobs = self.sampler(logits, [s.seq for s in sampling])
-        return list(zip(sampling, tokens, logprobs))
+        seqs = [s.seq for s in sampling]
+        tops = top_logprobs(logits, seqs)  # before the sampler, which may edit the logits in place
+        tokens, logprobs = self.sampler(logits, seqs)
+        return list(zip(sampling, tokens, logprobs, tops))

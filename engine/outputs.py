@@ -3,6 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
+
+
+class TopLogprob(NamedTuple):
+    """One of a position's most likely tokens: its id, its text decoded alone, its raw log-probability."""
+
+    token_id: int
+    token: str
+    logprob: float
 
 
 @dataclass
@@ -13,12 +22,13 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     cumulative_logprob: float | None
-    logprobs: list[float] | None
+    logprobs: list[float] | None  # the chosen tokens' (SamplingParams.logprobs not None)
     finish_reason: str | None  # stop | length | error
     stop_reason: str | int | None = None
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
+    top_logprobs: list[list[TopLogprob]] | None = None  # per token, most likely first (logprobs = N > 0)
 
 
 @dataclass

@@ -12,6 +12,8 @@ MAX_TEMPERATURE = 100.0  # far past any useful value (near-uniform long before):
 # blocks and a scheduler slot, so n is bounded like any other allocation: 1024 covers best-of-n and
 # RL-style sampling (OpenAI's API stops at 128) while keeping one request's bookkeeping small.
 MAX_N = 1024
+# Top log-probabilities per token (vLLM's default max_logprobs; OpenAI's top_logprobs stops at 20).
+MAX_LOGPROBS = 20
 
 
 @dataclass
@@ -20,7 +22,9 @@ class SamplingParams:
 
     Penalties follow vLLM: repetition_penalty over prompt and output tokens (divides positive
     logits, multiplies negative ones), presence/frequency penalties over output tokens only.
-    `logprobs=True` records the raw model log-probability of each chosen token. Every float is
+    `logprobs` follows vLLM: None records none, 0 the raw model log-probability of each chosen token,
+    N also the N most likely tokens' (raw, before penalties and filters); True and False, the job
+    file's spelling, mean 0 and None. Every float is
     checked to be finite and in range (NaN fails every range). `stop_token_ids` are checked against
     the vocabulary and `max_tokens` against max_model_len where those are known (the engine's
     add_request, the pipeline's preflight).
@@ -40,7 +44,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
-    logprobs: bool = False
+    logprobs: int | bool | None = None  # bool: normalised to 0 (True) or None (False) below
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
@@ -48,6 +52,7 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = [int(t) for t in (self.stop_token_ids or [])]
+        self.logprobs = as_num_logprobs(self.logprobs)
         check_settings(self, [
             ("n", 1 <= self.n <= MAX_N, f"must be in [1, {MAX_N}]"),
             ("temperature", 0 <= self.temperature <= MAX_TEMPERATURE, f"must be in [0, {MAX_TEMPERATURE:g}]"),
@@ -61,9 +66,17 @@ class SamplingParams:
             ("min_tokens", 0 <= self.min_tokens <= self.max_tokens, "must be in [0, max_tokens]"),
             ("stop", all(isinstance(s, str) and s for s in self.stop), "must hold non-empty strings"),
             ("stop_token_ids", all(t >= 0 for t in self.stop_token_ids), "must hold token ids >= 0"),
+            ("logprobs", self.logprobs is None or (isinstance(self.logprobs, int)
+                                                   and 0 <= self.logprobs <= MAX_LOGPROBS),
+             f"must be None, True, False or in [0, {MAX_LOGPROBS}]"),
             ("n", not (self.n > 1 and self.is_greedy),
              "must be 1 with greedy sampling (temperature 0 gives n identical samples)"),
         ])
+
+    @property
+    def num_top_logprobs(self) -> int:
+        """How many most likely tokens to record per position besides the chosen one (0: none)."""
+        return self.logprobs or 0
 
     @property
     def is_greedy(self) -> bool:
@@ -73,3 +86,12 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
                 or self.frequency_penalty != 0.0)
+
+
+def as_num_logprobs(value: int | bool | None) -> int | None:
+    """vLLM's logprobs from any accepted spelling: False/None -> None, True -> 0, N -> N."""
+    if value is None or value is False:
+        return None
+    if value is True:
+        return 0
+    return value

@@ -137,6 +137,16 @@ class Scheduler:
                     self.stats.num_partial_prefills += 1
         self.stats.num_mixed_steps += has_prefill and has_decode
 
+    def abort(self, seq: Sequence) -> None:
+        """Take `seq` out wherever it is (waiting or running); its blocks go back."""
+        if seq.status == SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        elif seq.status == SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = "abort"
+        self.kv.free(seq)
+
     def finish(self, seq: Sequence) -> None:
         """Called by the engine when `seq` is done: its blocks go back (keeping their hashes)."""
         seq.status = SequenceStatus.FINISHED

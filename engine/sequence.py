@@ -17,9 +17,12 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
-def sample_seed(seed: int, request_id: str, sample_index: int) -> int:
-    """A stable 63-bit seed for (job seed, request id, sample index): no batch, order or resume effect."""
-    digest = hashlib.sha256(f"{seed}\x00{request_id}\x00{sample_index}".encode()).digest()
+def sample_seed(seed: int, sample_key: str, sample_index: int) -> int:
+    """A stable 63-bit seed for (seed, sample key, sample index): no batch, order or resume effect.
+
+    The sample key is the request id unless the caller gives another (see LLMEngine.add_request).
+    """
+    digest = hashlib.sha256(f"{seed}\x00{sample_key}\x00{sample_index}".encode()).digest()
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
@@ -31,8 +34,10 @@ class Sequence:
     """
 
     def __init__(self, request_id: str, sample_index: int, prompt_token_ids: list[int],
-                 params: SamplingParams, arrival_time: float, max_total_tokens: int):
+                 params: SamplingParams, arrival_time: float, max_total_tokens: int,
+                 sample_key: str | None = None):
         self.request_id = request_id
+        self.sample_key = request_id if sample_key is None else sample_key  # keys the generator
         self.sample_index = sample_index
         self.prompt_token_ids = prompt_token_ids
         self.token_ids: list[int] = list(prompt_token_ids)
@@ -48,6 +53,7 @@ class Sequence:
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
         self.output_logprobs: list[float] = []
+        self.output_top_logprobs: list[list[tuple[int, float]]] = []  # (token id, logprob), most likely first
         self.cumulative_logprob = 0.0
         self.output_text: str | None = None  # set when a stop string cut the text
         self.arrival_time = arrival_time
@@ -73,7 +79,7 @@ class Sequence:
         return self.status == SequenceStatus.FINISHED
 
     def seed(self) -> int:
-        return sample_seed(self.params.seed or 0, self.request_id, self.sample_index)
+        return sample_seed(self.params.seed or 0, self.sample_key, self.sample_index)
 
     def get_generator(self, device: torch.device) -> torch.Generator:
         if self.generator is None:
@@ -81,7 +87,8 @@ class Sequence:
             self.generator.manual_seed(self.seed())
         return self.generator
 
-    def append_token(self, token_id: int, logprob: float | None) -> None:
+    def append_token(self, token_id: int, logprob: float | None,
+                     top_logprobs: list[tuple[int, float]] | None = None) -> None:
         now = time.monotonic()
         if self.first_token_time is None:
             self.first_token_time = now
@@ -89,5 +96,7 @@ class Sequence:
         self.token_ids.append(token_id)
         if logprob is not None:
             self.cumulative_logprob += logprob
-            if self.params.logprobs:
+            if self.params.logprobs is not None:
                 self.output_logprobs.append(logprob)
+        if top_logprobs is not None:
+            self.output_top_logprobs.append(top_logprobs)

@@ -55,3 +55,9 @@ class Tokenizer:
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def token_texts(self, token_ids: list[int]) -> list[str]:
+        """Each token decoded alone, special tokens included (a partial UTF-8 sequence reads as U+FFFD)."""
+        unique = list(dict.fromkeys(token_ids))
+        texts = dict(zip(unique, self.hf.batch_decode([[t] for t in unique], skip_special_tokens=False)))
+        return [texts[t] for t in token_ids]

@@ -40,6 +40,9 @@ JOB_DEFAULTS = {
              "sampling (the engine keeps vLLM's 1.0)"),
     ("sampling", "max_tokens"): (
         256, "a completion long enough to be a dataset row (the engine keeps vLLM's 16)"),
+    ("sampling", "logprobs"): (
+        False, "the job file spells it false | true (token_logprobs: the chosen tokens') | N (also "
+               "top_logprobs: the N most likely); false is the engine's None, true its 0"),
     ("sampling", "seed"): (
         0, "every job is reproducible: samples are keyed by (seed, request id, sample index), so "
            "resumes, ordering and batching never change a row (the engine's None also means 0)"),

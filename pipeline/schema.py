@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import pyarrow as pa
 
+from batchgen.engine.sampling_params import as_num_logprobs
 from batchgen.pipeline.config import OVERRIDABLE_SAMPLING_KEYS, JobConfig
 from batchgen.pipeline.errors import JobError
 from batchgen.pipeline.reader import InputFile
 
-# Output columns in order; `token_logprobs` only when sampling.logprobs is on; kept columns follow.
+TOP_LOGPROB = pa.struct([("token_id", pa.int32()), ("token", pa.string()), ("logprob", pa.float32())])
+# Output columns in order; `token_logprobs` only when sampling.logprobs is on, `top_logprobs` only when
+# it is a number N > 0; kept columns follow.
 GENERATED_FIELDS = [
     pa.field("sample_index", pa.int32()),
     pa.field("completion", pa.string()),
@@ -19,6 +22,7 @@ GENERATED_FIELDS = [
     pa.field("completion_tokens", pa.int64()),
     pa.field("cumulative_logprob", pa.float64()),
     pa.field("token_logprobs", pa.list_(pa.float32())),
+    pa.field("top_logprobs", pa.list_(pa.list_(TOP_LOGPROB))),
     pa.field("queue_s", pa.float64()),
     pa.field("ttft_s", pa.float64()),
     pa.field("tpot_s", pa.float64()),
@@ -28,11 +32,16 @@ GENERATED_FIELDS = [
 RESERVED_NAMES = {"id"} | {f.name for f in GENERATED_FIELDS}
 
 
-def generated_fields(with_logprobs: bool) -> list[pa.Field]:
-    return [f for f in GENERATED_FIELDS if with_logprobs or f.name != "token_logprobs"]
+def generated_fields(logprobs: int | bool | None) -> list[pa.Field]:
+    """The generated columns for sampling.logprobs (false | true | N, or the engine's None | 0 | N)."""
+    num = as_num_logprobs(logprobs)
+    left_out = {"token_logprobs"} if num is None else set()
+    if not num:
+        left_out.add("top_logprobs")
+    return [f for f in GENERATED_FIELDS if f.name not in left_out]
 
 
-def output_schema(id_field: pa.Field, keep_fields: list[pa.Field], with_logprobs: bool) -> pa.Schema:
+def output_schema(id_field: pa.Field, keep_fields: list[pa.Field], with_logprobs: int | bool | None) -> pa.Schema:
     """id (the input's type), the generated columns, then the kept input columns."""
     return pa.schema([pa.field("id", id_field.type), *generated_fields(with_logprobs), *keep_fields])
 

@@ -47,6 +47,8 @@ def sample_rows(task: RowTask, out: RequestOutput) -> list[dict]:
             "completion_tokens": num_tokens,
             "cumulative_logprob": c.cumulative_logprob,
             "token_logprobs": c.logprobs,
+            "top_logprobs": None if c.top_logprobs is None else [[t._asdict() for t in position]
+                                                                 for position in c.top_logprobs],
             "queue_s": None if c.first_scheduled_time is None else c.first_scheduled_time - arrival,
             "ttft_s": c.first_token_time - arrival if has_tokens else None,
             "tpot_s": (c.last_token_time - c.first_token_time) / (num_tokens - 1) if num_tokens >= 2 else None,
@@ -58,7 +60,7 @@ def sample_rows(task: RowTask, out: RequestOutput) -> list[dict]:
 
 def error_rows(task: RowTask, n: int) -> list[dict]:
     """n rows for a request that never ran: finish_reason error, the message, nothing generated."""
-    row = {f.name: None for f in generated_fields(True)}
+    row = {f.name: None for f in generated_fields(1)}  # every column; the schema picks its own
     row.update(finish_reason="error", error=task.error, prompt_tokens=task.num_prompt_tokens,
                cached_tokens=0, completion_tokens=0)
     return [{**row, "sample_index": i} for i in range(n)]

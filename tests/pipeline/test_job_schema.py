@@ -121,7 +121,9 @@ def test_the_job_builds_exactly_its_engine_config_and_sampling_params(tmp_path):
     for section in (job.model, job.engine):
         for key, value in section.model_dump(exclude={"path"}).items():
             assert getattr(config, key) == value, key
-    assert {k: getattr(params, k) for k in SamplingSection.model_fields} == job.sampling.model_dump()
+    # The job's logprobs false is the engine's None (true: 0, N: N).
+    assert {k: getattr(params, k) for k in SamplingSection.model_fields} == {**job.sampling.model_dump(),
+                                                                             "logprobs": None}
     assert (config.quantize_lm_head, config.max_num_seqs, params.n, params.stop) == (True, 7, 3, ["END"])
     assert job.sampling_params(temperature=1.5).temperature == 1.5  # a row's override, same construction
 

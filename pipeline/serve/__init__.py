@@ -1,0 +1,1 @@
+"""`batchgen serve`: an OpenAI-compatible HTTP server on the engine (needs the `serve` extra)."""

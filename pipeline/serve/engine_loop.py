@@ -1,0 +1,269 @@
+"""EngineLoop: one thread owns the engine; HTTP handlers hand it requests and await its events.
+
+Between two engine steps the thread takes every request that arrived (and every abort), so
+concurrent HTTP requests share steps: continuous batching across clients. Results go back to the
+asyncio side through each request's EventSink (call_soon_threadsafe onto an asyncio.Queue):
+streaming requests get a Progress event per step with new text and tokens, every request a
+Finished or a Failed event at its end. A request that fails (it cannot be added, or its output
+cannot be formatted) fails alone; a step that raises fails the requests in the engine, and the
+loop goes on serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+from batchgen.engine import LLMEngine, RequestOutput, SamplingParams
+from batchgen.engine.sequence import Sequence, SequenceStatus
+from batchgen.pipeline.serve.errors import APIError, bad_request
+from batchgen.pipeline.serve.metrics import EngineGauges, Metrics
+from batchgen.pipeline.serve.text_stream import TextStream
+
+log = logging.getLogger("batchgen.serve")
+
+# How long the idle thread sleeps before looking again (a new request wakes it at once).
+IDLE_WAIT_S = 0.5
+
+
+@dataclass
+class SampleDelta:
+    """What one sample added since its last delta. Top logprobs are (token id, logprob) pairs."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[float] | None
+    top_logprobs: list[list[tuple[int, float]]] | None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+@dataclass
+class Progress:
+    request_id: str
+    deltas: list[SampleDelta]
+
+
+@dataclass
+class Finished:
+    request_id: str
+    output: RequestOutput
+    deltas: list[SampleDelta]  # a streaming request's last deltas (the rest of each sample); else empty
+
+
+@dataclass
+class Failed:
+    request_id: str
+    error: APIError
+
+
+Event = Progress | Finished | Failed
+
+
+class EventSink:
+    """A request's (or a group of requests') events, on the asyncio loop that created it."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue[Event] = asyncio.Queue()
+
+    def put(self, event: Event) -> None:
+        """Thread-safe; dropped when the event loop has closed (nobody is listening any more)."""
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+        except RuntimeError:
+            pass
+
+    async def get(self) -> Event:
+        return await self.queue.get()
+
+
+@dataclass
+class Submission:
+    request_id: str
+    token_ids: list[int]
+    params: SamplingParams
+    sample_key: str  # "" keys samples by (seed, index) alone; a random string for unseeded requests
+    sink: EventSink
+    is_streaming: bool
+    arrival_time: float  # monotonic, when the HTTP request arrived
+
+
+@dataclass
+class _Record:
+    submission: Submission
+    seqs: list[Sequence]
+    streams: list[TextStream] = field(default_factory=list)
+
+
+class EngineLoop:
+    def __init__(self, engine: LLMEngine, metrics: Metrics):
+        self.engine = engine
+        self.metrics = metrics
+        self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stopping = threading.Event()
+        self._fail_at: float | None = None  # monotonic deadline after which every request fails
+        self._records: dict[str, _Record] = {}
+        self._thread = threading.Thread(target=self._run, name="batchgen-engine", daemon=True)
+
+    # ---- called from the asyncio side (any thread) ------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stopping.set()
+        self._wake.set()
+        self._thread.join(timeout)
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def submit(self, submission: Submission) -> None:
+        self._inbox.put(("add", submission))
+        self._wake.set()
+
+    def abort(self, request_id: str) -> None:
+        """Drop a request (a client went away); nothing more is sent for it. Harmless once finished."""
+        self._inbox.put(("abort", request_id))
+        self._wake.set()
+
+    def fail_all_after(self, seconds: float) -> None:
+        """Shutdown: requests still unfinished `seconds` from now end with an error."""
+        self._fail_at = time.monotonic() + seconds
+        self._wake.set()
+
+    # ---- the engine thread ----------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                self._iterate()
+            except Exception as exc:  # a bug outside the step: fail what is in flight, keep serving
+                log.exception("engine loop error")
+                self._fail_all(APIError(500, f"internal error: {type(exc).__name__}: {exc}", code="internal_error"))
+        self._fail_all(APIError(503, "the server stopped before this request finished", code="shutdown"))
+
+    def _iterate(self) -> None:
+        self._take_inbox()
+        if self._fail_at is not None and time.monotonic() >= self._fail_at and self._records:
+            self._fail_all(APIError(503, "the server shut down before this request finished", code="shutdown"))
+        if not self.engine.has_unfinished():
+            self._publish()
+            self._wake.wait(IDLE_WAIT_S)
+            self._wake.clear()
+            return
+        try:
+            finished = self.engine.step()
+        except Exception as exc:
+            log.exception("engine step failed")
+            self._fail_all(APIError(500, f"the engine failed: {type(exc).__name__}: {exc}", code="engine_error"))
+            return
+        self._emit(finished)
+        self._publish()
+
+    def _take_inbox(self) -> None:
+        while True:
+            try:
+                kind, item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                self._add(item)
+            elif kind == "abort" and item in self._records:
+                record = self._records.pop(item)
+                self.engine.abort_request(item)
+                self.metrics.count_end("abort", len(record.seqs))
+
+    def _add(self, sub: Submission) -> None:
+        try:
+            self.engine.add_request(sub.request_id, None, sub.params, prompt_token_ids=sub.token_ids,
+                                    sample_key=sub.sample_key)
+        except ValueError as exc:  # the engine's own checks (overlong, vocabulary): this request only
+            sub.sink.put(Failed(sub.request_id, bad_request(str(exc))))
+            return
+        except Exception as exc:
+            log.exception("cannot add request %s", sub.request_id)
+            sub.sink.put(Failed(sub.request_id, APIError(500, f"cannot add the request: {exc}", code="engine_error")))
+            return
+        seqs = self.engine.sequences(sub.request_id)
+        decode = self.engine.tokenizer.decode
+        streams = [TextStream(lambda ids, s=sub.params.skip_special_tokens: decode(ids, s), sub.params.stop)
+                   for _ in seqs] if sub.is_streaming else []
+        self._records[sub.request_id] = _Record(sub, seqs, streams)
+
+    def _emit(self, finished: list[RequestOutput]) -> None:
+        done = {out.request_id: out for out in finished}
+        for request_id, record in list(self._records.items()):
+            out = done.get(request_id)
+            if out is None and not record.streams:
+                continue
+            try:
+                if out is not None:
+                    del self._records[request_id]
+                    deltas = [self._last_delta(record, c.index, c) for c in out.outputs] if record.streams else []
+                    self.metrics.record_finished(out, record.submission.arrival_time)
+                    record.submission.sink.put(Finished(request_id, out, deltas))
+                else:
+                    deltas = [d for i in range(len(record.seqs)) if (d := self._progress_delta(record, i))]
+                    if deltas:
+                        record.submission.sink.put(Progress(request_id, deltas))
+            except Exception as exc:  # formatting this request failed: it alone fails
+                log.exception("cannot emit request %s", request_id)
+                self._records.pop(request_id, None)
+                self.engine.abort_request(request_id)
+                self.metrics.count_end("error", len(record.seqs))
+                record.submission.sink.put(Failed(request_id, APIError(500, f"internal error: {exc}",
+                                                                      code="internal_error")))
+
+    def _progress_delta(self, record: _Record, index: int) -> SampleDelta | None:
+        seq, stream = record.seqs[index], record.streams[index]
+        if seq.is_finished:  # its text (a stop string cut off) comes with the request's end
+            return None
+        text = stream.advance(seq.output_token_ids)
+        if not text and seq.params.logprobs is None:
+            return None
+        start, end = stream.take_tokens(seq.num_output_tokens)
+        return self._delta(seq, index, text, start, end)
+
+    def _last_delta(self, record: _Record, index: int, completion) -> SampleDelta:
+        seq, stream = record.seqs[index], record.streams[index]
+        text = stream.finish(completion.text)
+        start, end = stream.take_tokens(len(completion.token_ids))
+        delta = self._delta(seq, index, text, start, end)
+        delta.finish_reason, delta.stop_reason = completion.finish_reason, completion.stop_reason
+        return delta
+
+    @staticmethod
+    def _delta(seq: Sequence, index: int, text: str, start: int, end: int) -> SampleDelta:
+        p = seq.params
+        return SampleDelta(
+            index, text, seq.output_token_ids[start:end],
+            seq.output_logprobs[start:end] if p.logprobs is not None else None,
+            seq.output_top_logprobs[start:end] if p.num_top_logprobs else None)
+
+    def _fail_all(self, error: APIError) -> None:
+        for request_id, record in list(self._records.items()):
+            try:
+                self.engine.abort_request(request_id)
+            except Exception:  # the engine's state may be what failed; the request ends regardless
+                log.exception("cannot abort request %s", request_id)
+            self.metrics.count_end("error", len(record.seqs))
+            record.submission.sink.put(Failed(request_id, error))
+        self._records.clear()
+
+    def _publish(self) -> None:
+        scheduler, pool = self.engine.scheduler, self.engine.kv.pool
+        running = {seq.request_id for seq in scheduler.running if seq.status == SequenceStatus.RUNNING}
+        self.metrics.publish(EngineGauges(
+            num_requests_running=len(running),
+            num_requests_waiting=len(self._records) - len(running),
+            num_free_blocks=pool.num_free_blocks, num_blocks=pool.num_blocks,
+            num_prefix_queried_tokens=pool.num_queried_blocks * self.engine.kv.block_size,
+            num_prefix_hit_tokens=pool.num_hit_blocks * self.engine.kv.block_size,
+            num_preemptions=scheduler.stats.num_preemptions))
