@@ -20,7 +20,7 @@ import pyarrow.parquet as pq
 from batchgen.engine import RequestOutput
 from batchgen.pipeline.commits import CommitRecord, IdChecksum, write_record
 from batchgen.pipeline.requests import RowTask
-from batchgen.pipeline.schema import generated_fields
+from batchgen.pipeline.schema import GENERATED_FIELDS, generated_fields
 from batchgen.pipeline.storage import PartFile, Storage
 from batchgen.pipeline.units import WorkUnit
 
@@ -82,7 +82,7 @@ class UnitPart:
         self.unit = unit
         self.file = file
         self.schema = schema
-        generated = {f.name for f in generated_fields(True)}
+        generated = {f.name for f in GENERATED_FIELDS}
         self.sources_schema = pa.schema([f for f in schema if f.name not in generated])  # id, then kept
         self.writer: pq.ParquetWriter | None = None
         self.sources: deque[pa.RecordBatch] = deque()  # id + kept columns of unwritten rows, input order
