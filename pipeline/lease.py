@@ -85,15 +85,7 @@ class S3Store(ConditionalStore):
     """Conditional PUTs: If-None-Match: * to create, If-Match: <ETag> to replace (the token is the ETag)."""
 
     def create(self, path, data):
-        try:
-            response = self.fs.pipe_file(path, data, mode="create")
-        except FileExistsError:
-            return None
-        except OSError as exc:
-            if _is_precondition_failure(exc):
-                return None
-            raise
-        return response["ETag"]
+        return self._put_if(path, data, mode="create")
 
     def read(self, path):
         # The ETag first, then the bytes: bytes newer than the token only make a later If-Match fail.
@@ -106,9 +98,14 @@ class S3Store(ConditionalStore):
         return data, etag
 
     def replace(self, path, data, token):
+        return self._put_if(path, data, IfMatch=token)
+
+    def _put_if(self, path, data, **condition):
+        """One conditional PUT; the new ETag, or None when the condition failed (the object exists
+        for a create, is gone or changed for a replace)."""
         try:
-            response = self.fs.pipe_file(path, data, IfMatch=token)
-        except FileNotFoundError:
+            response = self.fs.pipe_file(path, data, **condition)
+        except (FileExistsError, FileNotFoundError):
             return None
         except OSError as exc:
             if _is_precondition_failure(exc):
