@@ -51,7 +51,8 @@ def decode_line(custom_id: str, line: bytes, job: JobConfig) -> RowInput:
     try:
         return _decode(custom_id, raw, endpoint, job)
     except RowError as exc:
-        return RowInput(custom_id, error=str(exc), openai=OpenAIRequest(endpoint, exc.param))
+        code = "invalid_value" if exc.param is not None else None
+        return RowInput(custom_id, error=str(exc), openai=OpenAIRequest(endpoint, exc.param, code))
     except APIError as exc:  # the server's models' verdict on the body
         return RowInput(custom_id, error=exc.message, openai=OpenAIRequest(endpoint, exc.param, exc.code))
 
@@ -82,7 +83,11 @@ def _decode(custom_id: str, raw: dict, endpoint: str | None, job: JobConfig) -> 
         params = job.sampling_params(**overrides)
     except SettingError as exc:
         field = fields.get(exc.name, exc.name)
-        raise RowError(f"{field} {exc.rule}; got {exc.value!r}", field) from None
+        hint = ""
+        if exc.name == "n" and "temperature" not in request.model_fields_set:
+            hint = (f" (the body sets no temperature, so the job's sampling.temperature "
+                    f"{job.sampling.temperature} applies)")
+        raise RowError(f"{field} {exc.rule}; got {exc.value!r}{hint}", field) from None
     prompt = request.template_messages() if endpoint == "chat" else _one_prompt(request)
     seeded = "seed" in request.model_fields_set and request.seed is not None
     return RowInput(custom_id, prompt, overrides, num_prompt_bytes=_num_bytes(prompt), params=params,
