@@ -88,20 +88,31 @@ def custom_id_of(line: bytes) -> tuple[str | None, str | None]:
     return custom_id, None
 
 
-def inspect_batch_file(storage: Storage, path: str) -> InputFile:
-    """Check every line (JobError naming each bad line and every repeated custom_id); count the rows."""
+def inspect_batch_files(storage: Storage, paths: list[str]) -> list[InputFile]:
+    """Check every line of every file (a custom_id is unique across all of them); count their rows."""
+    first_seen: dict[str, tuple[str, int]] = {}  # custom_id -> (file, line) where it first appears
+    return [inspect_batch_file(storage, path, first_seen) for path in paths]
+
+
+def inspect_batch_file(storage: Storage, path: str,
+                       first_seen: dict[str, tuple[str, int]] | None = None) -> InputFile:
+    """Check every line (JobError naming each bad line and every repeated custom_id); count the rows.
+
+    `first_seen`: custom_id -> (file, line) of the files checked before this one (updated)."""
     display = storage.display(path)
-    first_line: dict[str, int] = {}  # custom_id -> the line it first appears on
+    first_seen = {} if first_seen is None else first_seen
     problems: list[str] = []
     num_problems = num_rows = 0
     try:
         for number, line in iter_lines(storage, path):
             num_rows += 1
             custom_id, problem = custom_id_of(line)
-            if problem is None and custom_id in first_line:
-                problem = f"repeats custom_id {custom_id!r} of line {first_line[custom_id]}"
+            if problem is None and custom_id in first_seen:
+                where, first = first_seen[custom_id]
+                problem = (f"repeats custom_id {custom_id!r} of line {first}"
+                           + ("" if where == display else f" of {where}"))
             elif custom_id is not None:
-                first_line[custom_id] = number
+                first_seen[custom_id] = (display, number)
             if problem is not None:
                 num_problems += 1
                 if len(problems) < MAX_PROBLEMS_SHOWN:

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 
-from batchgen.pipeline.batch_file import BATCH_SUFFIX, inspect_batch_file
+from batchgen.pipeline.batch_file import BATCH_SUFFIX, inspect_batch_files
 from batchgen.pipeline.column_types import unify_column_types
 from batchgen.pipeline.config import JobConfig
 from batchgen.pipeline.fingerprint import FileFingerprint, fingerprint_files
@@ -35,7 +35,7 @@ def read_inputs(job: JobConfig) -> JobInputs:
     """List and check every input file (JobError naming the file, column or key at fault)."""
     storage = Storage(job.input.path, job.input.storage_options)
     if job.input.is_batch_file:  # each line checked here; the schema is the batch file's own
-        files = [inspect_batch_file(storage, p) for p in list_input_files(storage, BATCH_SUFFIX)]
+        files = inspect_batch_files(storage, list_input_files(storage, BATCH_SUFFIX))
     else:
         files = [inspect_file(storage, p) for p in list_input_files(storage)]
         for file in files:

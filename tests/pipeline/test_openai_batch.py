@@ -126,6 +126,15 @@ def test_a_bad_batch_file_is_a_bad_job_naming_every_bad_line(tmp_path, lines, ex
     assert not (tmp_path / "out").exists()  # nothing was written
 
 
+def test_a_custom_id_is_unique_across_the_files_of_a_job(tmp_path):
+    (tmp_path / "data").mkdir()
+    write_lines(tmp_path / "data" / "a.jsonl", [line("x"), line("y")])
+    write_lines(tmp_path / "data" / "b.jsonl", [line("z"), line("y")])
+    job = batch_job(tmp_path, str(tmp_path / "data"), input={"format": "openai_batch"})
+    with pytest.raises(JobError, match=r"b.jsonl is not a valid.*\n  line 2 repeats custom_id 'y' of line 2 of .*a.jsonl"):
+        run_job(job, engine=FakeEngine(job.engine_config()), progress=False)
+
+
 # ---- a job: output.jsonl, errors.jsonl, resume ----------------------------------------------------
 
 def mixed_lines(num: int) -> list[dict]:
