@@ -153,6 +153,7 @@ def _iter_tasks(plan: JobPlan, units: list[WorkUnit], builder: RequestBuilder,
     job = plan.job
     columns = list(dict.fromkeys([job.input.id_column, job.input.text_column, *job.sampling_columns.values(),
                                   *job.output.keep_columns]))
+    decode = decode_batch_lines if job.input.is_batch_file else decode_batch
     for run in contiguous_runs(units):
         file = run[0].file
         position = run[0].start
@@ -169,7 +170,6 @@ def _iter_tasks(plan: JobPlan, units: list[WorkUnit], builder: RequestBuilder,
                 writer.add_source(unit.index, piece)
                 first_offset = position - unit.start
                 position += piece.num_rows
-                decode = decode_batch_lines if job.input.is_batch_file else decode_batch
                 for i, row in enumerate(decode(piece, job)):
                     task = builder.build(row, unit.index, first_offset + i)
                     occurrence = plan.repeats.get((file.path, unit.start + first_offset + i))

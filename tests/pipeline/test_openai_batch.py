@@ -216,6 +216,20 @@ def test_parquet_prompts_can_be_written_as_openai_batch_output(tmp_path):
     assert error["custom_id"] == "2" and "prompt is empty" in error["response"]["body"]["error"]["message"]
 
 
+def test_the_example_batch_job_runs(tmp_path):
+    from pathlib import Path
+
+    from batchgen.pipeline.config import load_job
+
+    job_file = Path(__file__).resolve().parents[2] / "jobs" / "openai_batch.yaml"
+    sections = engine_sections()
+    overrides = [f"{s}.{k}={v}" for s in ("model", "engine") for k, v in sections[s].items()]
+    job = load_job(job_file, [*overrides, f"output.path={tmp_path / 'out'}"])
+    run_job(job, engine=FakeEngine(job.engine_config()), progress=False)
+    ok, errors = read_jsonl(tmp_path / "out" / "output.jsonl"), read_jsonl(tmp_path / "out" / "errors.jsonl")
+    assert len(ok) == 6 and [x["custom_id"] for x in errors] == ["json-mode"]  # as its comment says
+
+
 # ---- the job file --------------------------------------------------------------------------------
 
 def test_formats_follow_the_extension_and_only_batch_formats_change_the_config_hash(tmp_path):

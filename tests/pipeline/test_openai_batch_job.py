@@ -15,6 +15,7 @@ import yaml
 from openai.types import Completion
 from openai.types.chat import ChatCompletion
 
+from batchgen.engine import SamplingParams
 from tests.conftest import MODEL
 from tests.pipeline.conftest import read_output
 from tests.pipeline.test_openai_batch import CHAT, COMPLETIONS, line, read_jsonl, write_lines
@@ -50,7 +51,7 @@ def request_lines() -> list[dict]:
     return lines
 
 
-def test_batch_file_killed_mid_job_then_rerun_writes_each_custom_id_once(tmp_path):
+def test_batch_file_killed_mid_job_then_rerun_writes_each_custom_id_once(tmp_path, llm):
     lines = request_lines()
     write_lines(tmp_path / "requests.jsonl", lines)
     job = {
@@ -109,6 +110,14 @@ def test_batch_file_killed_mid_job_then_rerun_writes_each_custom_id_once(tmp_pat
             assert len(logprobs.tokens) == len(logprobs.token_logprobs) == parsed.usage.completion_tokens
         else:
             assert parsed.choices[0].logprobs is None
+    # A line's settings are its own: a seeded sampled chat line and a greedy completions line give what
+    # LLM.generate gives for the same messages/prompt and settings (a seed draws by (seed, sample index)).
+    by_id = {x["custom_id"]: x["response"]["body"]["choices"] for x in ok}
+    seeded = llm.generate([sent["req-01"]["body"]["messages"]],
+                          SamplingParams(temperature=0.8, n=2, seed=1, max_tokens=2))[0]
+    assert [c["message"]["content"] for c in by_id["req-01"]] == [c.text for c in seeded.outputs]
+    greedy = llm.generate(["Count: 2,"], SamplingParams(temperature=0, max_tokens=2, stop=["\n"]))[0]
+    assert by_id["req-02"][0]["text"] == greedy.outputs[0].text
     for x in errors:
         _, param, words = BAD[x["custom_id"]]
         error = x["response"]["body"]["error"]
