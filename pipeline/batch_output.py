@@ -103,8 +103,10 @@ class OpenAILines:
                 offsets.append(offset)
                 offset += len(token)
             # Each position's most likely tokens, the chosen one always among them (as vLLM answers).
-            top = [{token: logprob, **({t.token: t.logprob for t in c.top_logprobs[j]} if c.top_logprobs else {})}
-                   for j, (token, logprob) in enumerate(zip(texts, c.logprobs))]
+            top = []
+            for j, (token, logprob) in enumerate(zip(texts, c.logprobs)):
+                most_likely = c.top_logprobs[j] if c.top_logprobs else []
+                top.append({token: logprob, **{t.token: t.logprob for t in most_likely}})
             logprobs = {"tokens": texts, "token_logprobs": list(c.logprobs), "top_logprobs": top,
                         "text_offset": offsets}
         return {"index": c.index, "text": c.text, "logprobs": logprobs, "finish_reason": c.finish_reason}

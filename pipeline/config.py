@@ -90,7 +90,8 @@ OVERRIDABLE_SAMPLING_KEYS = {key: _KINDS[_SAMPLING_TYPES[key]] for key in ROW_OV
 InputFormat = Literal["auto", "parquet", "openai_batch"]
 # input.* keys that mean nothing for an OpenAI batch file (each line's body holds its prompt and
 # settings): set explicitly with input.format openai_batch, they are refused rather than ignored.
-_NOT_FOR_BATCH_FILES = ("id_column", "prompt_column", "messages_column", "system_prompt", "apply_chat_template")
+_NOT_FOR_BATCH_FILES = ("id_column", "prompt_column", "messages_column", "system_prompt",
+                        "apply_chat_template")
 
 
 class InputSection(_Section):
@@ -129,8 +130,8 @@ class InputSection(_Section):
     def _as_batch_file(self) -> InputSection:
         given = [key for key in _NOT_FOR_BATCH_FILES if key in self.model_fields_set]
         if given:
-            raise ValueError(f"format openai_batch takes no {', '.join(given)} (each line's custom_id is its id, "
-                             "its url and body say how to prompt); remove them")
+            raise ValueError(f"format openai_batch takes no {', '.join(given)} (each line's custom_id is its "
+                             "id, its url and body say how to prompt); remove them")
         if self.allow_duplicate_ids:
             raise ValueError("allow_duplicate_ids must be false with format openai_batch: a custom_id names "
                              "one line of output.jsonl, as in OpenAI's Batch API")
@@ -190,11 +191,11 @@ class JobConfig(_Section):
             self.output.format = self.input.format
         errors = []
         if self.input.is_batch_file and self.sampling_columns:
-            errors.append(_key_error(("sampling_columns",), "does not apply to input.format openai_batch: each "
-                                     "line's body sets its own sampling fields", self.sampling_columns))
+            errors.append(_key_error(("sampling_columns",), "does not apply to input.format openai_batch: "
+                                     "each line's body sets its own sampling fields", self.sampling_columns))
         if self.input.is_batch_file and self.output.keep_columns:
-            errors.append(_key_error(("output", "keep_columns"), "does not apply to input.format openai_batch: "
-                                     "a batch file has no columns besides custom_id (the output's id)",
+            errors.append(_key_error(("output", "keep_columns"), "does not apply to input.format "
+                                     "openai_batch: a batch file has no columns besides custom_id (the output's id)",
                                      self.output.keep_columns))
         if self.writes_batch_output and self.input.allow_duplicate_ids:
             errors.append(_key_error(("input", "allow_duplicate_ids"), "must be false with output.format "

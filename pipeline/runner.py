@@ -81,8 +81,8 @@ def _run_locked(plan: JobPlan, lock: FolderLock, engine: LLMEngine | None, overw
     n = 1 if job.input.is_batch_file else job.sampling.n
     writer = UnitWriter(plan.output.storage, plan.inputs.output_schema(job),
                         [job.input.id_column, *job.output.keep_columns], n,
-                        CommitContext(plan.config_hash, lock.holder.run_id, lock.check), on_rows=this_run.add_table,
-                        openai_lines=openai_lines)
+                        CommitContext(plan.config_hash, lock.holder.run_id, lock.check),
+                        on_rows=this_run.add_table, openai_lines=openai_lines)
     bar = Progress(engine, sum(u.num_rows for u in pending), job.name, enabled=progress)
 
     def on_output(task: RowTask, out: RequestOutput) -> None:
@@ -142,7 +142,8 @@ def _differing_fields(a: EngineConfig, b: EngineConfig) -> str:
 def _check_engine_can_run(job: JobConfig, engine: LLMEngine) -> None:
     # A batch file's chat lines need the template and its completions lines do not: a chat line on a
     # model without one becomes that line's error row.
-    if job.input.apply_chat_template and not job.input.is_batch_file and not engine.tokenizer.has_chat_template:
+    needs_template = job.input.apply_chat_template and not job.input.is_batch_file
+    if needs_template and not engine.tokenizer.has_chat_template:
         raise JobError(f"model.path: {job.model.path} has no chat template; set input.apply_chat_template: "
                        "false and use prompt_column (raw prompts)")
 

@@ -180,7 +180,7 @@ class UnitWriter:
         self.commit = commit
         self.on_rows = on_rows
         self.on_committed = on_committed
-        self.openai_lines = openai_lines  # batch_output.OpenAILines: fills openai_line (output.format openai_batch)
+        self.openai_lines = openai_lines  # batch_output.OpenAILines: fills openai_line (openai_batch output)
         self.parts: dict[int, UnitPart] = {}
 
     def open_unit(self, unit: WorkUnit) -> None:
