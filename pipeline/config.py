@@ -90,8 +90,11 @@ OVERRIDABLE_SAMPLING_KEYS = {key: _KINDS[_SAMPLING_TYPES[key]] for key in ROW_OV
 InputFormat = Literal["auto", "parquet", "openai_batch"]
 # input.* keys that mean nothing for an OpenAI batch file (each line's body holds its prompt and
 # settings): set explicitly with input.format openai_batch, they are refused rather than ignored.
-_NOT_FOR_BATCH_FILES = ("id_column", "prompt_column", "messages_column", "system_prompt",
-                        "apply_chat_template")
+# input.* keys that mean nothing for an OpenAI batch file (each line's body holds its prompt and
+# settings), with the one value they may hold there: any other value is refused rather than ignored.
+# (Those values are what a batch job's own section holds, so a dumped job validates again.)
+_BATCH_FILE_VALUES = {"id_column": BATCH_ID_COLUMN, "prompt_column": None, "messages_column": None,
+                      "system_prompt": None, "apply_chat_template": True}
 
 
 class InputSection(_Section):
@@ -128,7 +131,8 @@ class InputSection(_Section):
         return self
 
     def _as_batch_file(self) -> InputSection:
-        given = [key for key in _NOT_FOR_BATCH_FILES if key in self.model_fields_set]
+        given = [key for key, value in _BATCH_FILE_VALUES.items()
+                 if key in self.model_fields_set and getattr(self, key) != value]
         if given:
             raise ValueError(f"format openai_batch takes no {', '.join(given)} (each line's custom_id is its "
                              "id, its url and body say how to prompt); remove them")

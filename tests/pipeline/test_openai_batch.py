@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from batchgen.engine import SamplingParams
 from batchgen.pipeline import cli
 from batchgen.pipeline.batch_requests import decode_line
-from batchgen.pipeline.config import validate_job
+from batchgen.pipeline.config import JobConfig, validate_job
 from batchgen.pipeline.errors import JobError
 from batchgen.pipeline.runner import run_job
 from tests.pipeline.conftest import FailingEngine, FakeEngine, engine_sections, make_job, read_output, write_parquet
@@ -240,6 +240,7 @@ def test_formats_follow_the_extension_and_only_batch_formats_change_the_config_h
     assert as_batch.config_hash() != parquet.config_hash()  # its parts carry openai_line
     batch = batch_job(tmp_path, "data/*.jsonl")
     assert (batch.input.format, batch.output.format, batch.input.id_column) == ("openai_batch",) * 2 + ("custom_id",)
+    assert JobConfig.model_validate(batch.model_dump()) == batch  # a dumped job validates again
     assert batch_job(tmp_path, "x.jsonl", output={"format": "parquet"}).config_hash() != \
         batch_job(tmp_path, "x.jsonl").config_hash()
 
@@ -247,6 +248,7 @@ def test_formats_follow_the_extension_and_only_batch_formats_change_the_config_h
 @pytest.mark.parametrize("sections, words", [
     ({"input": {"prompt_column": "prompt"}}, "takes no prompt_column"),
     ({"input": {"messages_column": "m", "system_prompt": "s"}}, "takes no messages_column, system_prompt"),
+    ({"input": {"id_column": "id", "apply_chat_template": False}}, "takes no id_column, apply_chat_template"),
     ({"input": {"allow_duplicate_ids": True}}, "allow_duplicate_ids must be false"),
     ({"sampling_columns": {"temperature": "t"}}, "sampling_columns: does not apply"),
 ])
