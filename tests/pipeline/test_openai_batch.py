@@ -207,6 +207,18 @@ def test_a_batch_file_on_an_object_store_writes_its_outputs_there(tmp_path):
     fs.rm("/batch-test", recursive=True)
 
 
+def test_a_resume_over_a_changed_batch_file_is_refused(tmp_path):
+    path = tmp_path / "in.jsonl"
+    job = batch_job(tmp_path, write_lines(path, mixed_lines(6)), input={"rows_per_unit": 2}, engine={"max_num_seqs": 2})
+    with pytest.raises(RuntimeError, match="preempted"):
+        run_job(job, engine=FailingEngine(job.engine_config(), fail_step=1), progress=False)
+    assert list((tmp_path / "out").glob("part-*.parquet"))  # some units were done
+    with path.open("a") as f:
+        f.write(json.dumps(line("late")) + "\n")
+    with pytest.raises(JobError, match=r"the input changed .*in.jsonl grew from 6 to 7 rows"):
+        run_job(job, engine=FakeEngine(job.engine_config()), progress=False)
+
+
 def test_parquet_prompts_can_be_written_as_openai_batch_output(tmp_path):
     path = write_parquet(tmp_path / "in.parquet", {"id": [1, 2], "prompt": ["a", ""]})
     job = make_job(tmp_path, str(path), output={"format": "openai_batch"})
