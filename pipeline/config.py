@@ -26,6 +26,7 @@ from pydantic_core import InitErrorDetails, PydanticCustomError
 from batchgen.engine.config import EngineConfig, SettingError
 from batchgen.engine.loader.source import BUNDLED_ALIASES
 from batchgen.engine.sampling_params import SamplingParams
+from batchgen.pipeline.batch_file import BATCH_FORMAT, BATCH_ID_COLUMN, BATCH_LINE_COLUMN, is_batch_path
 from batchgen.pipeline.errors import JobError
 from batchgen.pipeline.job_settings import (
     ENGINE_ONLY,
@@ -86,8 +87,19 @@ _SAMPLING_TYPES = typing.get_type_hints(SamplingParams)
 OVERRIDABLE_SAMPLING_KEYS = {key: _KINDS[_SAMPLING_TYPES[key]] for key in ROW_OVERRIDABLE}
 
 
+InputFormat = Literal["auto", "parquet", "openai_batch"]
+# input.* keys that mean nothing for an OpenAI batch file (each line's body holds its prompt and
+# settings): set explicitly with input.format openai_batch, they are refused rather than ignored.
+# input.* keys that mean nothing for an OpenAI batch file (each line's body holds its prompt and
+# settings), with the one value they may hold there: any other value is refused rather than ignored.
+# (Those values are what a batch job's own section holds, so a dumped job validates again.)
+_BATCH_FILE_VALUES = {"id_column": BATCH_ID_COLUMN, "prompt_column": None, "messages_column": None,
+                      "system_prompt": None, "apply_chat_template": True}
+
+
 class InputSection(_Section):
     path: str = Field(min_length=1)
+    format: InputFormat = "auto"  # auto: openai_batch for a path ending in .jsonl, else parquet
     id_column: str = "id"
     prompt_column: str | None = "prompt"
     messages_column: str | None = None
@@ -102,6 +114,10 @@ class InputSection(_Section):
 
     @model_validator(mode="after")
     def _one_prompt_source(self) -> InputSection:
+        if self.format == "auto":
+            self.format = BATCH_FORMAT if is_batch_path(self.path) else "parquet"
+        if self.format == BATCH_FORMAT:
+            return self._as_batch_file()
         if self.messages_column is not None:
             if "prompt_column" in self.model_fields_set and self.prompt_column is not None:
                 raise ValueError("set prompt_column or messages_column, not both")
@@ -114,9 +130,27 @@ class InputSection(_Section):
             raise ValueError("system_prompt needs apply_chat_template: true")
         return self
 
+    def _as_batch_file(self) -> InputSection:
+        given = [key for key, value in _BATCH_FILE_VALUES.items()
+                 if key in self.model_fields_set and getattr(self, key) != value]
+        if given:
+            raise ValueError(f"format openai_batch takes no {', '.join(given)} (each line's custom_id is its "
+                             "id, its url and body say how to prompt); remove them")
+        if self.allow_duplicate_ids:
+            raise ValueError("allow_duplicate_ids must be false with format openai_batch: a custom_id names "
+                             "one line of output.jsonl, as in OpenAI's Batch API")
+        self.id_column, self.prompt_column, self.messages_column = BATCH_ID_COLUMN, None, None
+        return self
+
+    @property
+    def is_batch_file(self) -> bool:
+        return self.format == BATCH_FORMAT
+
     @property
     def text_column(self) -> str:
-        """The column holding the prompt, whichever kind it is."""
+        """The column holding the prompt, whichever kind it is (a batch file's whole line)."""
+        if self.is_batch_file:
+            return BATCH_LINE_COLUMN
         return self.messages_column or self.prompt_column
 
 
@@ -127,6 +161,9 @@ class BatchingSection(_Section):
 
 class OutputSection(_Section):
     path: str = Field(default="", description="default: out/<name>/ beside the job file")
+    # auto: openai_batch when the input is a batch file, else parquet. openai_batch also writes
+    # output.jsonl and errors.jsonl (OpenAI's Batch API output) before _SUCCESS.
+    format: InputFormat = "auto"
     keep_columns: list[str] = Field(default_factory=list)
     storage_options: dict[str, Any] = Field(default_factory=dict)  # fsspec options; not hashed
 
@@ -151,6 +188,30 @@ class JobConfig(_Section):
             raise ValueError(f"cannot override {', '.join(unknown)} per row; allowed keys: "
                              f"{', '.join(OVERRIDABLE_SAMPLING_KEYS)}")
         return value
+
+    @model_validator(mode="after")
+    def _check_formats(self) -> JobConfig:
+        if self.output.format == "auto":
+            self.output.format = self.input.format
+        errors = []
+        if self.input.is_batch_file and self.sampling_columns:
+            errors.append(_key_error(("sampling_columns",), "does not apply to input.format openai_batch: "
+                                     "each line's body sets its own sampling fields", self.sampling_columns))
+        if self.input.is_batch_file and self.output.keep_columns:
+            errors.append(_key_error(("output", "keep_columns"), "does not apply to input.format "
+                                     "openai_batch: a batch file has no columns besides custom_id (the output's id)",
+                                     self.output.keep_columns))
+        if self.writes_batch_output and self.input.allow_duplicate_ids:
+            errors.append(_key_error(("input", "allow_duplicate_ids"), "must be false with output.format "
+                                     "openai_batch: each id is one line's custom_id", True))
+        if errors:
+            raise ValidationError.from_exception_data(type(self).__name__, errors)
+        return self
+
+    @property
+    def writes_batch_output(self) -> bool:
+        """output.format openai_batch: the job also writes output.jsonl and errors.jsonl."""
+        return self.output.format == BATCH_FORMAT
 
     @model_validator(mode="after")
     def _check_by_constructing(self) -> JobConfig:
@@ -189,12 +250,17 @@ class JobConfig(_Section):
 
         Engine knobs, batching, output and storage options (credentials) are left out.
         """
+        # The formats enter the hash only when not parquet, so the hash of every Parquet job stays what
+        # it was before the formats existed (its output folders still resume).
+        excluded = {"storage_options"} | ({"format"} if self.input.format == "parquet" else set())
         payload = {
             "model": self.model.model_dump(),
-            "input": self.input.model_dump(exclude={"storage_options"}),
+            "input": self.input.model_dump(exclude=excluded),
             "sampling": self.sampling.model_dump(),
             "sampling_columns": dict(sorted(self.sampling_columns.items())),
         }
+        if self.writes_batch_output:  # its parts carry the openai_line column
+            payload["output_format"] = self.output.format
         if limit is not None:  # a limited run covers different rows: its units must not pass for complete
             payload["limit"] = limit
         blob = json.dumps(payload, sort_keys=True, separators=(",", ":"))

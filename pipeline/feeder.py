@@ -75,7 +75,10 @@ class Feeder:
                 self.deferred.setdefault(task.request_id, deque()).append(task)
                 continue
             try:
-                self.engine.add_request(task.request_id, None, task.params, prompt_token_ids=task.token_ids)
+                # sample_key only when set: fakes and older engines take no such argument
+                keys = {} if task.sample_key is None else {"sample_key": task.sample_key}
+                self.engine.add_request(task.request_id, None, task.params, prompt_token_ids=task.token_ids,
+                                        **keys)
             except ValueError as exc:  # the engine's own checks (empty, too long): this row's error
                 task.error = str(exc)
                 self.on_error(task)

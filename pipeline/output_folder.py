@@ -3,7 +3,9 @@
 Files: part-NNNNN.parquet (one per finished unit), `_commits/part-NNNNN.json` (what each part holds,
 written after it: see commits.py), `_batchgen.json` (the job name, config hash and the input's
 fingerprint, written when a run starts, so a later run can tell "resume this" from "a different job"
-or "a changed input"), `_batchgen.lock` (the run lock, see lock.py) and `_SUCCESS` (written last).
+or "a changed input"), `_batchgen.lock` (the run lock, see lock.py), with output.format openai_batch `output.jsonl` and
+`errors.jsonl` (assembled from the parts just before _SUCCESS, see batch_output.py) and `_SUCCESS`
+(written last).
 Names starting with _ or . are skipped by Parquet dataset readers.
 """
 
@@ -24,6 +26,8 @@ from batchgen.pipeline.units import WorkUnit
 
 MANIFEST_NAME = "_batchgen.json"
 SUCCESS_NAME = "_SUCCESS"
+OUTPUT_JSONL = "output.jsonl"
+ERRORS_JSONL = "errors.jsonl"
 _PART_RE = re.compile(r"part-\d{5,}\.parquet")
 _LOCK_RE = re.compile(r"_batchgen\.(shard-.+\.)?lock(\.shared-.+)?")
 
@@ -135,6 +139,9 @@ class OutputFolder:
             return state
         if state.has_success:
             self.storage.remove(SUCCESS_NAME)
+        for name in (OUTPUT_JSONL, ERRORS_JSONL):  # made again from the parts before the next _SUCCESS
+            if self.storage.fs.exists(self.storage.join(name)):
+                self.storage.remove(name)
         for name in state.redo:
             if self.storage.fs.exists(self.storage.join(record_name(name))):
                 self.storage.remove(record_name(name))
@@ -144,9 +151,11 @@ class OutputFolder:
         return FolderState(state.done_names, False, None, state.redo, has_manifest=True)
 
     def clear(self) -> None:
-        """Remove what batchgen wrote here (unit files, records, manifest, _SUCCESS, temp files); not the lock."""
+        """Remove what batchgen wrote here (unit files, records, manifest, _SUCCESS, the .jsonl outputs,
+        temp files); not the lock."""
         for name in self.storage.list_names():
-            if _PART_RE.fullmatch(name) or name in (MANIFEST_NAME, SUCCESS_NAME) or is_temp_name(name):
+            if _PART_RE.fullmatch(name) or name in (MANIFEST_NAME, SUCCESS_NAME, OUTPUT_JSONL, ERRORS_JSONL) \
+                    or is_temp_name(name):
                 self.storage.remove(name)
         self.storage.remove_tree(COMMITS_DIR)
 

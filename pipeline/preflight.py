@@ -80,8 +80,10 @@ def plan_job(job: JobConfig, limit: int | None = None) -> JobPlan:
     output = OutputFolder(Storage(job.output.path, job.output.storage_options))
     check_output_outside_input(output.storage, inputs.storage)
     units = plan_units(inputs.files, job.input.rows_per_unit, limit)
-    repeats = scan_ids(inputs.storage, units, job.input.id_column, inputs.column_types[job.input.id_column],
-                       job.input.allow_duplicate_ids)
+    # A batch file's custom_ids were checked line by line (read_inputs): no repeat got this far.
+    repeats = {} if job.input.is_batch_file else scan_ids(
+        inputs.storage, units, job.input.id_column, inputs.column_types[job.input.id_column],
+        job.input.allow_duplicate_ids)
     config_hash = job.config_hash(limit)
     return JobPlan(job, config_hash, model_location, inputs.storage, inputs.files, units, output,
                    output.state(config_hash, inputs.fingerprint, units), limit, inputs, repeats)
@@ -95,8 +97,9 @@ def format_job_plan(plan: JobPlan, max_units_shown: int = 20) -> str:
         f"model    {job.model.path}" + ("" if plan.model_location == job.model.path else f" -> {plan.model_location}"),
         f"input    {job.input.path}: {len(plan.files)} file(s), {sum(f.num_rows for f in plan.files):,} rows"
         + (f" (--limit {plan.limit:,})" if plan.limit is not None else ""),
-        (f"units    {len(plan.units)} of <= {job.input.rows_per_unit:,} rows; "
-         f"{plan.num_rows * job.sampling.n:,} output rows (n={job.sampling.n})"),
+        (f"units    {len(plan.units)} of <= {job.input.rows_per_unit:,} rows; " + (
+            "each line's n output rows (OpenAI batch file)" if job.input.is_batch_file
+            else f"{plan.num_rows * job.sampling.n:,} output rows (n={job.sampling.n})")),
     ]
     if plan.repeats:
         lines.append(f"ids      {len(plan.repeats):,} row(s) repeat an earlier id: each runs as a request of its own "
@@ -107,4 +110,6 @@ def format_job_plan(plan: JobPlan, max_units_shown: int = 20) -> str:
     if len(plan.units) > max_units_shown:
         lines.append(f"  ... {len(plan.units) - max_units_shown} more")
     lines.append(f"output   {job.output.path}: {plan.state.describe(plan.unit_names)}")
+    if job.writes_batch_output:
+        lines.append("         + output.jsonl and errors.jsonl (OpenAI batch output) before _SUCCESS")
     return "\n".join(lines)

@@ -26,22 +26,25 @@ READ_BUFFER_BYTES = 1 << 20  # the stream buffer for column chunks, instead of r
 
 @dataclass(frozen=True)
 class InputFile:
-    """One Parquet shard: where it is and what its footer says."""
+    """One input file (a Parquet shard, or an OpenAI batch file): where it is, its rows and columns."""
 
     path: str  # filesystem path (no protocol)
     display: str  # as the user would name it in a message
     num_rows: int
     schema: pa.Schema
+    format: str = "parquet"  # or "openai_batch" (batch_file.py reads those)
 
 
-def list_input_files(storage: Storage) -> list[str]:
-    """The Parquet files a file / folder / glob / URI names, sorted so unit numbering is stable."""
+def list_input_files(storage: Storage, suffix: str = ".parquet") -> list[str]:
+    """The input files a file / folder / glob / URI names, sorted so unit numbering is stable.
+
+    A folder contributes its files ending in `suffix` (.parquet, or .jsonl for batch files)."""
     fs, root = storage.fs, storage.root
     try:
         if globlib.has_magic(root):
             paths = [p for p in fs.glob(root) if fs.isfile(p) and not _is_hidden(p.rsplit("/", 1)[-1])]
         elif fs.isdir(root):
-            paths = [p for p in fs.find(root) if p.endswith(".parquet")
+            paths = [p for p in fs.find(root) if p.endswith(suffix)
                      and not any(_is_hidden(part) for part in p[len(root):].split("/") if part)]
         elif fs.exists(root):
             paths = [root]
@@ -52,7 +55,7 @@ def list_input_files(storage: Storage) -> list[str]:
     except Exception as exc:  # permissions, network, bad credentials: name the path
         raise JobError(f"input.path: cannot list {storage.url}: {exc}") from None
     if not paths:
-        raise JobError(f"input.path: {storage.url} holds no .parquet files")
+        raise JobError(f"input.path: {storage.url} holds no {suffix} files")
     return sorted(paths)
 
 
@@ -80,6 +83,11 @@ def read_rows(storage: Storage, file: InputFile, start: int, stop: int, columns:
     batch_size None: up to BATCH_SIZE rows, fewer when the columns' rows are wide (BATCH_BYTES).
     """
     if start >= stop:
+        return
+    if file.format != "parquet":
+        from batchgen.pipeline.batch_file import read_batch_rows  # it imports this module
+
+        yield from read_batch_rows(storage, file, start, stop, columns)
         return
     with storage.fs.open(file.path, "rb") as f:
         pf = pq.ParquetFile(f, buffer_size=READ_BUFFER_BYTES, pre_buffer=False)

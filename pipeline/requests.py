@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from batchgen.engine import SamplingParams
 from batchgen.pipeline.config import JobConfig
-from batchgen.pipeline.rows import RowError, RowInput
+from batchgen.pipeline.rows import OpenAIRequest, RowError, RowInput
 
 
 @dataclass
@@ -19,6 +19,8 @@ class RowTask:
     params: SamplingParams | None = None
     token_ids: list[int] | None = None
     error: str | None = None
+    sample_key: str | None = None  # None: samples are keyed by request_id (see LLMEngine.add_request)
+    openai: OpenAIRequest | None = None
 
     @property
     def is_error(self) -> bool:
@@ -50,7 +52,8 @@ class RequestBuilder:
         self.max_prompt_bytes = max_prompt_bytes(job, engine.max_model_len)
 
     def build(self, row: RowInput, unit_index: int, offset: int) -> RowTask:
-        task = RowTask(unit_index, offset, row.request_id, error=row.error)
+        task = RowTask(unit_index, offset, row.request_id, error=row.error, sample_key=row.sample_key,
+                       openai=row.openai)
         if task.is_error:
             return task
         if row.num_prompt_bytes > self.max_prompt_bytes:
@@ -66,6 +69,8 @@ class RequestBuilder:
         return task
 
     def _params(self, row: RowInput) -> SamplingParams:
+        if row.params is not None:
+            return row.params
         if not row.overrides:
             return self.default_params
         try:

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 import pyarrow.parquet as pq
 
 from batchgen.engine import EngineConfig, LLMEngine, RequestOutput
+from batchgen.pipeline.batch_output import OpenAILines, write_batch_outputs
+from batchgen.pipeline.batch_requests import decode_batch_lines
 from batchgen.pipeline.config import JobConfig
 from batchgen.pipeline.errors import JobError
 from batchgen.pipeline.feeder import Feeder
@@ -74,9 +76,13 @@ def _run_locked(plan: JobPlan, lock: FolderLock, engine: LLMEngine | None, overw
     _check_engine_can_run(job, engine)
 
     this_run = Totals()
+    openai_lines = OpenAILines(job, plan.config_hash, engine.tokenizer) if job.writes_batch_output else None
+    # A batch line whose settings cannot be read writes one error row (its n is unknown).
+    n = 1 if job.input.is_batch_file else job.sampling.n
     writer = UnitWriter(plan.output.storage, plan.inputs.output_schema(job),
-                        [job.input.id_column, *job.output.keep_columns], job.sampling.n,
-                        CommitContext(plan.config_hash, lock.holder.run_id, lock.check), on_rows=this_run.add_table)
+                        [job.input.id_column, *job.output.keep_columns], n,
+                        CommitContext(plan.config_hash, lock.holder.run_id, lock.check),
+                        on_rows=this_run.add_table, openai_lines=openai_lines)
     bar = Progress(engine, sum(u.num_rows for u in pending), job.name, enabled=progress)
 
     def on_output(task: RowTask, out: RequestOutput) -> None:
@@ -107,6 +113,9 @@ def _run_locked(plan: JobPlan, lock: FolderLock, engine: LLMEngine | None, overw
             whole.add_table(pq.read_table(f, columns=SUMMARY_COLUMNS))
     record = success_record(job.name, plan.config_hash, whole, this_run, feeder.generation_seconds,
                             resumed=bool(skipped), kernels=engine.stats["kernels"])
+    if job.writes_batch_output:  # before _SUCCESS, from the committed parts (also an earlier run's)
+        lock.check()
+        write_batch_outputs(plan.output.storage, plan.unit_names)
     lock.check()
     plan.output.write_success(record)
     return RunResult(record, success_path, len(pending), len(skipped), dict(state.redo))
@@ -131,7 +140,10 @@ def _differing_fields(a: EngineConfig, b: EngineConfig) -> str:
 
 
 def _check_engine_can_run(job: JobConfig, engine: LLMEngine) -> None:
-    if job.input.apply_chat_template and not engine.tokenizer.has_chat_template:
+    # A batch file's chat lines need the template and its completions lines do not: a chat line on a
+    # model without one becomes that line's error row.
+    needs_template = job.input.apply_chat_template and not job.input.is_batch_file
+    if needs_template and not engine.tokenizer.has_chat_template:
         raise JobError(f"model.path: {job.model.path} has no chat template; set input.apply_chat_template: "
                        "false and use prompt_column (raw prompts)")
 
@@ -142,6 +154,7 @@ def _iter_tasks(plan: JobPlan, units: list[WorkUnit], builder: RequestBuilder,
     job = plan.job
     columns = list(dict.fromkeys([job.input.id_column, job.input.text_column, *job.sampling_columns.values(),
                                   *job.output.keep_columns]))
+    decode = decode_batch_lines if job.input.is_batch_file else decode_batch
     for run in contiguous_runs(units):
         file = run[0].file
         position = run[0].start
@@ -158,7 +171,7 @@ def _iter_tasks(plan: JobPlan, units: list[WorkUnit], builder: RequestBuilder,
                 writer.add_source(unit.index, piece)
                 first_offset = position - unit.start
                 position += piece.num_rows
-                for i, row in enumerate(decode_batch(piece, job)):
+                for i, row in enumerate(decode(piece, job)):
                     task = builder.build(row, unit.index, first_offset + i)
                     occurrence = plan.repeats.get((file.path, unit.start + first_offset + i))
                     if occurrence and task.request_id is not None:

@@ -28,22 +28,31 @@ GENERATED_FIELDS = [
     pa.field("tpot_s", pa.float64()),
     pa.field("e2e_s", pa.float64()),
     pa.field("error", pa.string()),
+    # output.format openai_batch: the request's line of output.jsonl / errors.jsonl, on its sample 0 row
+    # (null on the others). The part carries it so that the .jsonl files are assembled from committed
+    # parts alone, and a resumed job's lines are those its parts hold.
+    pa.field("openai_line", pa.string()),
 ]
 RESERVED_NAMES = {"id"} | {f.name for f in GENERATED_FIELDS}
 
 
-def generated_fields(logprobs: int | bool | None) -> list[pa.Field]:
-    """The generated columns for sampling.logprobs (false | true | N, or the engine's None | 0 | N)."""
+def generated_fields(logprobs: int | bool | None, with_openai_line: bool = False) -> list[pa.Field]:
+    """The generated columns for sampling.logprobs (false | true | N, or the engine's None | 0 | N)
+    and output.format (openai_batch: the openai_line column)."""
     num = as_num_logprobs(logprobs)
     left_out = {"token_logprobs"} if num is None else set()
     if not num:
         left_out.add("top_logprobs")
+    if not with_openai_line:
+        left_out.add("openai_line")
     return [f for f in GENERATED_FIELDS if f.name not in left_out]
 
 
-def output_schema(id_field: pa.Field, keep_fields: list[pa.Field], with_logprobs: int | bool | None) -> pa.Schema:
+def output_schema(id_field: pa.Field, keep_fields: list[pa.Field], with_logprobs: int | bool | None,
+                  with_openai_line: bool = False) -> pa.Schema:
     """id (the input's type), the generated columns, then the kept input columns."""
-    return pa.schema([pa.field("id", id_field.type), *generated_fields(with_logprobs), *keep_fields])
+    return pa.schema([pa.field("id", id_field.type), *generated_fields(with_logprobs, with_openai_line),
+                      *keep_fields])
 
 
 def is_text(t: pa.DataType) -> bool:

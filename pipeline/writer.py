@@ -59,11 +59,20 @@ def sample_rows(task: RowTask, out: RequestOutput) -> list[dict]:
 
 
 def error_rows(task: RowTask, n: int) -> list[dict]:
-    """n rows for a request that never ran: finish_reason error, the message, nothing generated."""
+    """n rows for a request that never ran (its own n where its settings were read): finish_reason
+    error, the message, nothing generated."""
+    if task.params is not None:
+        n = task.params.n
     row = {f.name: None for f in generated_fields(1)}  # every column; the schema picks its own
     row.update(finish_reason="error", error=task.error, prompt_tokens=task.num_prompt_tokens,
                cached_tokens=0, completion_tokens=0)
     return [{**row, "sample_index": i} for i in range(n)]
+
+
+def _set_line(rows: list[dict], line: str) -> None:
+    """A request's output line goes on its sample 0 row (rows come sorted by sample index)."""
+    for i, row in enumerate(rows):
+        row["openai_line"] = line if i == 0 else None
 
 
 @dataclass(frozen=True)
@@ -163,7 +172,7 @@ class UnitWriter:
 
     def __init__(self, storage: Storage, schema: pa.Schema, source_columns: list[str], n: int,
                  commit: CommitContext, on_rows: Callable[[pa.Table], None] = lambda table: None,
-                 on_committed: Callable[[WorkUnit], None] = lambda unit: None):
+                 on_committed: Callable[[WorkUnit], None] = lambda unit: None, openai_lines=None):
         self.storage = storage
         self.schema = schema
         self.source_columns = source_columns
@@ -171,6 +180,7 @@ class UnitWriter:
         self.commit = commit
         self.on_rows = on_rows
         self.on_committed = on_committed
+        self.openai_lines = openai_lines  # batch_output.OpenAILines: fills openai_line (openai_batch output)
         self.parts: dict[int, UnitPart] = {}
 
     def open_unit(self, unit: WorkUnit) -> None:
@@ -183,10 +193,16 @@ class UnitWriter:
             [c.cast(f.type) for c, f in zip(columns, part.sources_schema)], schema=part.sources_schema))
 
     def add_output(self, task: RowTask, out: RequestOutput) -> None:
-        self._set(task, sample_rows(task, out))
+        rows = sample_rows(task, out)
+        if self.openai_lines is not None:
+            _set_line(rows, self.openai_lines.success(task, out))
+        self._set(task, rows)
 
     def add_error(self, task: RowTask) -> None:
-        self._set(task, error_rows(task, self.n))
+        rows = error_rows(task, self.n)
+        if self.openai_lines is not None:
+            _set_line(rows, self.openai_lines.error(task))
+        self._set(task, rows)
 
     @property
     def num_open_units(self) -> int:

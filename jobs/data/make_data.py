@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import polars as pl
@@ -114,6 +115,36 @@ EVAL = [  # (question, reference answer, max_tokens for this row)
 ]
 
 
+def chat_line(custom_id: str, messages: list[dict], **fields) -> dict:
+    return {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": "gpt-4o-mini", "messages": messages, **fields}}
+
+
+def completion_line(custom_id: str, prompt: str, **fields) -> dict:
+    return {"custom_id": custom_id, "method": "POST", "url": "/v1/completions",
+            "body": {"model": "gpt-3.5-turbo-instruct", "prompt": prompt, **fields}}
+
+
+# An OpenAI Batch API input file, as OpenAI's docs write them (the `model` names are ignored: the job's
+# model runs every line). The last line asks for JSON mode, which batchgen does not implement: it
+# shows an error line in errors.jsonl.
+BATCH = [
+    chat_line("capital", user("What is the capital of France?"), max_tokens=24),
+    chat_line("tutor", [{"role": "system", "content": TUTOR}, {"role": "user", "content": "What is a prime number?"}],
+              max_tokens=40),
+    chat_line("slogans", user("Write a slogan for a bakery."), temperature=0.8, n=2, seed=7, max_tokens=24),
+    chat_line("with-logprobs", user("Name a primary color."), max_tokens=8, logprobs=True, top_logprobs=2),
+    completion_line("story", "Once upon a time, a small robot", max_tokens=24, stop=["\n"]),
+    completion_line("list", "Three fruits that are red:", max_tokens=16, temperature=0.5, seed=1),
+    chat_line("json-mode", user("List two colors as JSON."), response_format={"type": "json_object"}),
+]
+
+
+def write_batch_file() -> None:
+    text = "".join(json.dumps(line) + "\n" for line in BATCH)
+    (HERE / "batch_requests.jsonl").write_text(text)
+
+
 def main() -> None:
     chat = pa.table({
         "id": pa.array(range(len(CHAT)), pa.int64()),
@@ -133,6 +164,7 @@ def main() -> None:
                              "answer": [a for _, a, _ in EVAL],
                              "max_tokens": pa.array([m for _, _, m in EVAL], pa.int32())}),
                    HERE / "eval_questions.parquet")
+    write_batch_file()
 
 
 if __name__ == "__main__":

@@ -77,6 +77,7 @@ class FakeEngine:
         self.tokenizer = _FakeTokenizer()
         self.waiting: dict[str, tuple] = {}
         self.added: list[str] = []  # request ids in the order handed over
+        self.sample_keys: dict[str, str | None] = {}  # request id -> the sample_key it was added with
         self.max_unfinished = 0
         self.num_steps = 0
 
@@ -88,11 +89,12 @@ class FakeEngine:
         text = prompt if isinstance(prompt, str) else "|".join(f"{m['role']}:{m['content']}" for m in prompt)
         return [ord(c) % 500 + 1 for c in text]
 
-    def add_request(self, request_id, prompt, params, prompt_token_ids=None) -> None:
+    def add_request(self, request_id, prompt, params, prompt_token_ids=None, sample_key=None) -> None:
         if request_id in self.waiting:
             raise ValueError(f"request id {request_id!r} is already in the engine")
         self.waiting[request_id] = (prompt_token_ids, params, time.monotonic())
         self.added.append(request_id)
+        self.sample_keys[request_id] = sample_key
         self.max_unfinished = max(self.max_unfinished, len(self.waiting))
 
     def has_unfinished(self) -> bool:
