@@ -52,6 +52,26 @@ def model_weight_bytes(model: torch.nn.Module) -> int:
     return unique_storage_bytes(model) - unique_storage_bytes(model.rotary)
 
 
+def build_empty_model(model_cfg: ModelConfig, max_positions: int, backend, device: torch.device,
+                      dtype: torch.dtype) -> LlamaForCausalLM:
+    """The model's modules with uninitialized parameters allocated once, directly in `dtype` on `device`.
+
+    Built on the meta device with `dtype` as the default, then given storage: no float32 copy of the
+    weights ever exists (an 8B model would need 32 GB for one). The rotary tables are left empty here;
+    the caller computes them (they are float32 buffers, not weights).
+    """
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device("meta"):
+            model = LlamaForCausalLM(model_cfg, max_positions, backend)
+    finally:
+        torch.set_default_dtype(previous)
+    model = model.to_empty(device=device)
+    model.tie_weights()
+    return model
+
+
 def load_model(config: EngineConfig) -> LoadedModel:
     source = resolve_model(config.model)
     model_cfg = read_model_config(source)
@@ -67,10 +87,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
                                        has_fp8_layers=config.quantization == "fp8" or is_fp8_checkpoint)
     backend = ATTENTION_BACKENDS[capabilities.attention_backend](model_cfg.num_heads, model_cfg.num_kv_heads,
                                                                  model_cfg.head_dim)
-    with torch.device("meta"):
-        model = LlamaForCausalLM(model_cfg, max_model_len, backend)
-    model = model.to_empty(device=device).to(dtype)
-    model.tie_weights()
+    model = build_empty_model(model_cfg, max_model_len, backend, device, dtype)
     if source.is_gguf:
         weights = iter_gguf_weights(source.folder / source.gguf_file, model_cfg)
     else:
