@@ -127,9 +127,11 @@ class DecodeGraphs:
     def capture(self) -> None:
         for size in reversed(self.sizes):  # largest first: the pool is sized once
             step = self.static_step(size)
-            meta = self.attention.build_packed(step)
 
-            def forward(step=step, meta=meta):
+            def forward(step=step):
+                # The metadata is built inside the capture: whatever it derives on the device from
+                # the static buffers is recomputed by every replay.
+                meta = self.attention.build_packed(step)
                 return self.model(step.input_ids, step.positions, self.kv_caches, meta, step.logits_indices)
 
             self.graphs[size] = self.capturer.capture(forward)

@@ -64,9 +64,9 @@ class AttentionMetadataBuilder(ABC):
 
         A backend that runs on a GPU overrides this and makes no tensor of its own from host data
         (that would be another host-to-device copy). For CUDA graphs (decode_graphs.py) it is called
-        once per captured batch size on views of the graph's static buffers, with max_seq_len =
-        max_model_len: the metadata must then hold only those views and host values fixed for the
-        batch size. The default goes through `build` (host lists; for backends that gather on the host).
+        inside the capture of each batch size, on views of the graph's static buffers, with
+        max_seq_len = max_model_len: device tensors it derives are then recomputed by every replay,
+        and host values must be fixed for the batch size. The default goes through `build` (host lists; for backends that gather on the host).
         """
         return self.build(step.query_lens, step.context_lens, step.block_tables, step.num_decodes)
 
