@@ -14,7 +14,7 @@ from batchgen.engine.config import EngineConfig
 from batchgen.engine.cpu_allocator import keep_freed_memory
 from batchgen.engine.gpu_memory import GpuMemoryPlan, plan_gpu_kv_cache
 from batchgen.engine.kv_cache_manager import KVCacheManager
-from batchgen.engine.loader.model_loader import load_model
+from batchgen.engine.loader.model_loader import LoadedModel, load_model
 from batchgen.engine.model_runner import ModelRunner
 from batchgen.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TopLogprob
 from batchgen.engine.sampling_params import SamplingParams
@@ -44,16 +44,22 @@ RUNTIME_SETTINGS = ("block_size", "max_num_seqs", "max_num_batched_tokens", "ena
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, *, weights_from: LLMEngine | None = None):
+    def __init__(self, config: EngineConfig, *, weights_from: LLMEngine | None = None,
+                 loaded: LoadedModel | None = None):
         """Load the model named by `config`, or share the loaded weights and tokenizer of `weights_from`
         (an engine whose config differs only in RUNTIME_SETTINGS) with a fresh KV pool, scheduler,
-        runner and counters: tests and sweeps of engine settings pay for one load."""
+        runner and counters: tests and sweeps of engine settings pay for one load.
+
+        `loaded`: a model built by the caller (the bench's null and random-weight models). Without a
+        source it has no tokenizer: prompts are token ids, outputs carry no text, no stop strings."""
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         if config.torch_device.type == "cpu":
             keep_freed_memory()
-        if weights_from is None:
+        if loaded is not None:
+            tokenizer = Tokenizer(loaded.source) if loaded.source is not None else None
+        elif weights_from is None:
             loaded = load_model(config)
             tokenizer = Tokenizer(loaded.source)
         else:
@@ -67,7 +73,7 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or loaded.max_model_len, loaded.max_model_len)
         self.weight_bytes = loaded.weight_bytes
         eos = set(self.model_cfg.eos_token_ids)
-        if self.tokenizer.eos_token_id is not None:
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = tuple(sorted(eos))
 
@@ -254,7 +260,9 @@ class LLMEngine:
         completions = []
         for seq in state.seqs:
             text = seq.output_text
-            if text is None:
+            if text is None and self.tokenizer is None:
+                text = ""
+            elif text is None:
                 text = self.tokenizer.decode(seq.output_token_ids, seq.params.skip_special_tokens)
             completions.append(CompletionOutput(
                 index=seq.sample_index, text=text, token_ids=seq.output_token_ids,

@@ -71,12 +71,18 @@ class ModelRunner:
         sequences, SamplingBatch)."""
         # Decodes first, in the order the attention backend asks for, then prefill chunks.
         decodes = [s for s in scheduled if s.num_new_tokens == 1]
-        by_seq = {id(s.seq): s for s in decodes}
-        decodes = [by_seq[id(seq)] for seq in self.attention.reorder_decodes([s.seq for s in decodes], num_live_seqs)]
+        decode_seqs = [s.seq for s in decodes]
+        ordered = self.attention.reorder_decodes(decode_seqs, num_live_seqs)
+        if ordered is not decode_seqs:  # the backend chose another order
+            by_seq = {id(s.seq): s for s in decodes}
+            decodes = [by_seq[id(seq)] for seq in ordered]
         # Chunks that continue a cached context first, similar lengths side by side (attended in
         # padded groups where the backend gathers keys, so neighbours pad little); fresh prompts last.
-        prefills = sorted((s for s in scheduled if s.num_new_tokens != 1),
-                          key=lambda s: (s.seq.num_computed_tokens == 0, s.num_new_tokens, s.seq.num_computed_tokens))
+        prefills = []
+        if len(decodes) < len(scheduled):
+            prefills = sorted((s for s in scheduled if s.num_new_tokens != 1),
+                              key=lambda s: (s.seq.num_computed_tokens == 0, s.num_new_tokens,
+                                             s.seq.num_computed_tokens))
         packer = self.packer
         query_lens, context_lens, tables, max_seq_len, sampling = add_step_sections(
             packer, decodes + prefills, len(decodes), self.block_size)

@@ -174,6 +174,9 @@ def add_sampling_sections(packer: StepPacker, seqs: list[Sequence], eos_token_id
     top_counts = [0] * len(seqs)
     for i, seq in enumerate(seqs):
         p = seq.params
+        if (p.temperature == 0.0 and not p.logprobs and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0
+                and p.frequency_penalty == 0.0 and (p.min_tokens == 0 or seq.num_output_tokens >= p.min_tokens)):
+            continue  # plain greedy: nothing to send (the common case at large batch)
         if p.temperature != 0.0:
             random_rows.append(i)
             temperature.append(p.temperature)

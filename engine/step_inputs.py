@@ -134,47 +134,56 @@ class StepInputs:
 
 def add_step_sections(packer: StepPacker, order: list[ScheduledSeq], num_decodes: int,
                       block_size: int) -> tuple[list[int], list[int], list[list[int]], int, list[ScheduledSeq]]:
-    """Pack the model and attention inputs of `order` (decodes first). Returns the host-side
-    (query_lens, context_lens, block_tables, max_seq_len, sampling sequences)."""
-    input_ids: list[int] = []
-    positions: list[int] = []
-    slots: list[int] = []
-    logits_indices: list[int] = []
-    query_start = [0]
-    seq_lens: list[int] = []
-    context_lens: list[int] = []
-    query_lens: list[int] = []
-    tables: list[list[int]] = []
-    sampling: list[ScheduledSeq] = []
+    """Pack the model and attention inputs of `order` (its first `num_decodes` are decodes). Returns
+    the host-side (query_lens, context_lens, block_tables, max_seq_len, sampling sequences).
+
+    Decodes, most of a step at large batch, take list comprehensions (no per-token loop); block
+    tables are padded into one flat list with zeros (block 0 is never read past a seq_len)."""
     bs = block_size
-    for s in order:
+    decodes = order[:num_decodes]
+    seqs = [s.seq for s in decodes]
+    positions = [seq.num_computed_tokens for seq in seqs]
+    input_ids = [seq.token_ids[pos] for seq, pos in zip(seqs, positions)]
+    slots = [seq.block_ids[pos // bs] * bs + pos % bs for seq, pos in zip(seqs, positions)]
+    seq_lens = [pos + 1 for pos in positions]
+    context_lens = list(positions)
+    query_lens = [1] * num_decodes
+    query_start = list(range(num_decodes + 1))
+    tables = [seq.block_ids for seq in seqs]
+    # A decode samples unless it recomputes a token it already has (a preempted sequence's last one).
+    if all(n == len(seq.token_ids) for n, seq in zip(seq_lens, seqs)):
+        logits_indices = list(range(num_decodes))
+        sampling = list(decodes)
+    else:
+        logits_indices = [i for i, (n, seq) in enumerate(zip(seq_lens, seqs)) if n == len(seq.token_ids)]
+        sampling = [decodes[i] for i in logits_indices]
+    for s in order[num_decodes:]:
         seq = s.seq
         start = seq.num_computed_tokens
-        q = s.num_new_tokens
-        end = start + q
+        end = start + s.num_new_tokens
         table = seq.block_ids
-        if q == 1:
-            input_ids.append(seq.token_ids[start])
-            positions.append(start)
-            slots.append(table[start // bs] * bs + start % bs)
-        else:
-            input_ids.extend(seq.token_ids[start:end])
-            positions.extend(range(start, end))
-            slots.extend([table[pos // bs] * bs + pos % bs for pos in range(start, end)])
-        total = query_start[-1] + q
+        input_ids.extend(seq.token_ids[start:end])
+        positions.extend(range(start, end))
+        slots.extend([table[pos // bs] * bs + pos % bs for pos in range(start, end)])
+        total = query_start[-1] + s.num_new_tokens
         query_start.append(total)
         if end == seq.num_tokens:  # the chunk reaches the last known token: it samples
             logits_indices.append(total - 1)
             sampling.append(s)
         seq_lens.append(end)
         context_lens.append(start)
-        query_lens.append(q)
-        num_blocks = (end + bs - 1) // bs
-        tables.append(table if len(table) == num_blocks else table[:num_blocks])
-    width = max((len(t) for t in tables), default=0)
-    flat = np.zeros((len(tables), width), dtype=np.int32)
-    for row, table in enumerate(tables):
-        flat[row, :len(table)] = table
+        query_lens.append(s.num_new_tokens)
+        tables.append(table)
+    # Each table cut to the blocks its seq_len covers (a table may hold blocks for later tokens).
+    needed = [(n + bs - 1) // bs for n in seq_lens]
+    tables = [t if len(t) == k else t[:k] for t, k in zip(tables, needed)]
+    width = max(needed, default=0)
+    zeros = [0] * width
+    flat: list[int] = []
+    for table in tables:
+        flat += table
+        if len(table) < width:
+            flat += zeros[:width - len(table)]
     packer.add_ints("input_ids", input_ids)
     packer.add_ints("positions", positions)
     packer.add_ints("slot_mapping", slots)
@@ -183,7 +192,7 @@ def add_step_sections(packer: StepPacker, order: list[ScheduledSeq], num_decodes
     packer.add_ints("seq_lens", seq_lens)
     packer.add_ints("context_lens", context_lens)
     packer.add_ints("query_lens", query_lens)
-    packer.add_ints("block_tables", flat.reshape(-1), shape=(len(tables), width))
+    packer.add_ints("block_tables", flat, shape=(len(tables), width))
     return query_lens, context_lens, tables, max(seq_lens, default=0), sampling
 
 

@@ -17,6 +17,10 @@ class StepTimings:
     forward: float = 0.0
     process: float = 0.0
 
+    def reset(self) -> None:
+        self.num_steps = 0
+        self.schedule = self.prepare = self.forward = self.process = 0.0
+
     def add(self, *, schedule: float = 0.0, prepare: float = 0.0, forward: float = 0.0,
             process: float = 0.0) -> None:
         self.schedule += schedule
