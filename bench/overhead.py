@@ -103,9 +103,18 @@ def measure_overhead(batch_size: int, prompt_len: int, steps: int, seed: int = 0
 
 
 def run_overhead(prompt_len: int = 128, steps: int = 64, batch_sizes=BATCH_SIZES, seed: int = 0) -> dict:
-    """The overhead figures at each batch size (one fresh null engine each)."""
-    return {"workload": "overhead", "prompt_len": prompt_len, "null_vocab": NULL_VOCAB,
-            "runs": [measure_overhead(b, prompt_len, steps, seed) for b in batch_sizes]}
+    """The overhead figures at each batch size (one fresh null engine each).
+
+    One torch thread: the host side is single-threaded Python, and the null forward's argmax on two
+    OpenMP threads waits at barriers whenever a neighbour holds the other core (~20x on a shared VM)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        runs = [measure_overhead(b, prompt_len, steps, seed) for b in batch_sizes]
+    finally:
+        torch.set_num_threads(threads)
+    return {"workload": "overhead", "prompt_len": prompt_len, "null_vocab": NULL_VOCAB, "torch_threads": 1,
+            "runs": runs}
 
 
 def format_overhead(result: dict) -> str:
