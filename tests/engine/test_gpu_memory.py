@@ -90,3 +90,23 @@ def test_gpu_memory_utilization_is_a_fraction():
         EngineConfig(model="m", gpu_memory_utilization=1.5)
     with pytest.raises(ValueError, match="gpu_memory_utilization"):
         EngineConfig(model="m", gpu_memory_utilization=0)
+
+
+def test_the_profiling_step_runs_at_full_size_on_a_one_block_pool():
+    """ModelRunner.profile_run: max_num_batched_tokens over max_num_seqs sampling prompts, all KV in block 0."""
+    from tests.engine.step_fixtures import tiny_runner
+
+    runner = tiny_runner(torch.device("cpu"), num_blocks=1)
+    seen = []
+    sampler = runner.sampler
+
+    class Recording:
+        def sample(self, logits, batch, seqs, penalties):
+            seen.append((tuple(logits.shape), len(batch.random_rows)))
+            return sampler.sample(logits, batch, seqs, penalties)
+
+    runner.sampler = Recording()
+    runner.profile_run(num_tokens=100, num_seqs=8, max_model_len=256)
+    assert seen == [((8, 96), 8)]  # every row samples, through the random (top-k/top-p) path
+    runner.profile_run(num_tokens=600, num_seqs=1, max_model_len=256)  # longer than one sequence may be
+    assert seen[-1][0] == (3, 96)
