@@ -106,6 +106,9 @@ class DecodeGraphs:
         self.query_start_loc = torch.arange(b + 1, dtype=torch.int32, device=device)
         self.logits_indices = torch.arange(b, dtype=torch.int32, device=device)
         self.block_tables = zeros(b, width)
+        # One logits buffer for every graph (each writes its first `size` rows), not one per size:
+        # 35 sizes x 128k-wide float32 rows would hold ~2 GB for Llama-3's vocabulary.
+        self.logits = torch.empty((b, model.cfg.vocab_size), dtype=torch.float32, device=device)
         self.graphs: dict[int, tuple] = {}  # size -> (replay, logits (size, V))
 
     def fits(self, num_seqs: int) -> bool:
@@ -132,7 +135,10 @@ class DecodeGraphs:
                 # The metadata is built inside the capture: whatever it derives on the device from
                 # the static buffers is recomputed by every replay.
                 meta = self.attention.build_packed(step)
-                return self.model(step.input_ids, step.positions, self.kv_caches, meta, step.logits_indices)
+                logits = self.model(step.input_ids, step.positions, self.kv_caches, meta, step.logits_indices)
+                out = self.logits[:step.num_seqs]
+                out.copy_(logits)
+                return out
 
             self.graphs[size] = self.capturer.capture(forward)
 
