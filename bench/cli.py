@@ -14,7 +14,9 @@ import typer
 
 from batchgen.bench.engine_side import parse_engine_overrides
 from batchgen.bench.gemm_rate import PREFILL_NUM_TOKENS
+from batchgen.bench.machine import machine_fingerprint
 from batchgen.bench.options import DEFAULT_MODEL, BenchOptions
+from batchgen.bench.overhead import format_overhead, run_overhead
 from batchgen.bench.peer import DEFAULT_BATCH_SIZES, PeerUnavailable
 from batchgen.bench.quality import format_quality_table
 from batchgen.bench.report import format_report
@@ -37,9 +39,11 @@ def bench_command(
     model: Annotated[str, typer.Option(help="Model alias, HF folder or .gguf file.")] = DEFAULT_MODEL,
     num_requests: Annotated[int | None, typer.Option(
         help="Requests (default 64; chat: the whole prompt set).")] = None,
-    input_len_min: Annotated[int, typer.Option(help="random: shortest prompt in tokens.")] = 100,
+    input_len_min: Annotated[int, typer.Option(
+        help="random: shortest prompt in tokens; overhead: every prompt's length.")] = 100,
     input_len_max: Annotated[int, typer.Option(help="random: longest prompt in tokens.")] = 200,
-    output_len: Annotated[int, typer.Option(help="Completion tokens per request (fixed, EOS ignored).")] = 64,
+    output_len: Annotated[int, typer.Option(
+        help="Completion tokens per request (fixed, EOS ignored); overhead: timed decode steps.")] = 64,
     seed: Annotated[int, typer.Option(help="Seed for random prompts and shared-prefix messages.")] = 0,
     peer: Annotated[bool | None, typer.Option(
         "--peer/--no-peer", help="Also run HF transformers generate (default on; off for shared-prefix).")] = None,
@@ -65,7 +69,13 @@ def bench_command(
                             peer_batch_sizes=_parse_batch_sizes(peer_batch_sizes),
                             engine_overrides=parse_engine_overrides(engine), num_threads=threads,
                             prompts=prompts, prefill_gemm_tokens=gemm_tokens, is_warmup=warmup, is_quality=quality)
-        result = run_quality(opts) if opts.is_quality else run_bench(opts)
+        if opts.is_quality:
+            result = run_quality(opts)
+        elif opts.workload == "overhead":
+            result = run_overhead(prompt_len=opts.input_len_min, steps=opts.output_len, seed=opts.seed)
+            result["machine"] = machine_fingerprint()
+        else:
+            result = run_bench(opts)
     except (ValueError, FileNotFoundError, PeerUnavailable) as exc:
         typer.echo(f"batchgen bench: {exc}", err=True)
         raise typer.Exit(2) from None
@@ -76,8 +86,14 @@ def bench_command(
     if output:
         output.parent.mkdir(parents=True, exist_ok=True)
         output.write_text(text + "\n")
-    typer.echo(text if as_json else (format_quality_table(result["quality"]) if opts.is_quality
-                                     else format_report(result)))
+    if as_json:
+        typer.echo(text)
+    elif opts.is_quality:
+        typer.echo(format_quality_table(result["quality"]))
+    elif opts.workload == "overhead":
+        typer.echo(format_overhead(result))
+    else:
+        typer.echo(format_report(result))
 
 
 def main() -> None:

@@ -1,35 +1,46 @@
-"""FP8 on a GPU, one command: python -m batchgen.bench.gpu_check [--layers 32] [--json-out FILE]
+"""The GPU check, one command: python -m batchgen.bench.gpu_check [--out gpu_check.json] [--model PATH]
 
-1. Matmul correctness at Llama-3-8B's layer shapes: bf16, FP8 w8a8 (torch._scaled_mm, per-token
-   activation scales) and FP8 w8a16 against a float32 matmul of the same weights.
-2. GEMM time per layer shape: bf16 torch.mm vs FP8 _scaled_mm (decode-sized and prefill-sized M).
-3. Decode throughput of a random-weight model of Llama-3-8B shape (all 32 layers unless --layers):
-   bf16, then the same weights quantized in place to FP8 (auto mode = w8a8 on >= 8.9; w8a16 with
-   dequantize-then-matmul, and with the Triton kernel where its probe passes),
-   through the engine's own model and torch attention (no CUDA graphs), side by side.
+Needs torch, triton and transformers only (runs after `pip install --no-deps -e .`: no pydantic,
+polars or gguf); about 5 minutes on one H200. The JSON file is rewritten after every configuration,
+so a run cut short keeps what it measured; a table is printed at the end.
 
-`--tiny` runs all of it at toy sizes on any device (the test suite runs it on the CPU).
+1. Correctness: a small Llama-shaped model with seeded random weights (or `--model PATH`, an HF
+   folder) through the engine (attention_backend auto: the Triton kernels on CUDA) against HF
+   transformers' own LlamaForCausalLM with the same weights (the torch reference): float32 greedy
+   tokens must be identical; bfloat16 agreement is reported. FP8 matmul errors at the speed
+   model's layer shapes ride along.
+2. Speed: a Llama-3-8B-shaped model with seeded random weights (no download), 7 configurations:
+   bf16 decode at 1, 64 and 256 sequences; CUDA graphs off at 64; FP8 KV at 256; a mixed
+   prefill+decode workload; FP8 weights at 256. Completion tokens/s over the whole run and over
+   decode-only steps, and the decode steps' fraction of the HBM bandwidth roofline: (weights + KV
+   bytes read) per step / 4.8 TB/s (H200).
+3. Peer: HF transformers `generate` in bfloat16 on the same shape at batch 64.
+
+`--tiny` runs the same flow at toy sizes on any device (the test suite runs it on the CPU).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import gc
 import json
 import platform
+import random
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-from batchgen.bench.direct_runner import DirectRunner
-from batchgen.engine.attention import select_attention_backend
 from batchgen.engine.config import EngineConfig
+from batchgen.engine.llm_engine import LLMEngine
+from batchgen.engine.loader.model_loader import LoadedModel, build_loaded_model
 from batchgen.engine.models.config import ModelConfig
-from batchgen.engine.models.llama import LlamaForCausalLM
-from batchgen.engine.quant.fp8 import can_use_triton_w8a16, quantize_model_fp8
 from batchgen.engine.quant.fp8_linear import Fp8Linear
+from batchgen.engine.sampling_params import SamplingParams
 
+HBM_BYTES_PER_S = 4.8e12  # H200
 # Rounding to E4M3 moves a weight by <= 2**-4 of itself, RMS <= 2**-4/sqrt(3); activations too: x sqrt(2).
 W8A16_REL_BOUND = 2.0**-4 / 3**0.5
 W8A8_REL_BOUND = 2**0.5 * W8A16_REL_BOUND
@@ -41,193 +52,387 @@ def llama3_8b_config(num_layers: int = 32) -> ModelConfig:
                        rope_theta=500000.0, max_position_embeddings=8192, tie_word_embeddings=False)
 
 
+def small_config() -> ModelConfig:
+    """The correctness model: Llama-shaped (GQA 4:1, head_dim 64), small enough to run in seconds."""
+    return ModelConfig(model_type="llama", vocab_size=4096, hidden_size=256, intermediate_size=512, num_layers=2,
+                       num_heads=4, num_kv_heads=1, head_dim=64, rms_norm_eps=1e-5, rope_theta=10000.0,
+                       max_position_embeddings=1024, tie_word_embeddings=False)
+
+
 def tiny_config() -> ModelConfig:
     return ModelConfig(model_type="llama", vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,
                        num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0,
                        max_position_embeddings=512, tie_word_embeddings=False)
 
 
-def rel_error(y: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((y.float() - ref).norm() / ref.norm()).item()
+@dataclasses.dataclass
+class SpeedConfig:
+    name: str
+    num_requests: int
+    max_num_seqs: int
+    prompt_len: tuple[int, int]  # (min, max) tokens
+    output_len: int
+    engine: dict = dataclasses.field(default_factory=dict)  # EngineConfig overrides
+    fp8_weights: bool = False
+
+
+def speed_configs(tiny: bool) -> list[SpeedConfig]:
+    """At most 8; FP8 weights last (its model replaces the bf16 one)."""
+    scale = 16 if tiny else 1
+    b64, b256 = max(64 // scale, 2), max(256 // scale, 4)
+    p, o = ((16, 16), 4) if tiny else ((512, 512), 128)
+    return [
+        SpeedConfig("bf16 decode x1", 1, 1, p, o * (1 if tiny else 2)),
+        SpeedConfig(f"bf16 decode x{b64}", b64, b64, p, o),
+        SpeedConfig(f"bf16 decode x{b256}", b256, b256, p, o),
+        SpeedConfig(f"bf16 graphs off x{b64}", b64, b64, p, o, {"enforce_eager": True}),
+        SpeedConfig(f"fp8 KV x{b256}", b256, b256, p, o, {"kv_cache_dtype": "fp8"}),
+        SpeedConfig(f"mixed prefill+decode x{2 * b256}", 2 * b256, b256, (16, 48) if tiny else (256, 2048),
+                    o * 2, {"max_num_batched_tokens": 128 if tiny else 4096}),
+        SpeedConfig(f"fp8 weights x{b256}", b256, b256, p, o, fp8_weights=True),
+    ]
+
+
+# ---- models ----------------------------------------------------------------------------------------
+def seeded_init(seed: int, device: torch.device):
+    def fill(model: torch.nn.Module) -> None:
+        gen = torch.Generator(device=device).manual_seed(seed)
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            else:
+                param.normal_(0, 0.02, generator=gen)
+    return fill
+
+
+def hf_llama(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int):
+    """HF transformers' LlamaForCausalLM of this shape, seeded random weights, built in `dtype` on `device`."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    hf_cfg = LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+                         intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
+                         num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
+                         head_dim=cfg.head_dim, max_position_embeddings=cfg.max_position_embeddings,
+                         rms_norm_eps=cfg.rms_norm_eps, rope_theta=cfg.rope_theta,
+                         tie_word_embeddings=cfg.tie_word_embeddings, bos_token_id=None, eos_token_id=None,
+                         pad_token_id=None)
+    previous = torch.get_default_dtype()
+    torch.manual_seed(seed)
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(hf_cfg)
+    finally:
+        torch.set_default_dtype(previous)
+    return model.eval()
+
+
+def engine_config(device: torch.device, dtype: torch.dtype, max_model_len: int, **overrides) -> EngineConfig:
+    return EngineConfig(model="random", device=str(device), dtype=str(dtype).removeprefix("torch."),
+                        max_model_len=max_model_len, **overrides)
+
+
+def supported_overrides(overrides: dict) -> tuple[dict, list[str]]:
+    """The overrides this build's EngineConfig has, and the names it lacks."""
+    fields = {f.name for f in dataclasses.fields(EngineConfig)}
+    return {k: v for k, v in overrides.items() if k in fields}, [k for k in overrides if k not in fields]
+
+
+def release(*objects) -> None:
+    """Drop the references and, on CUDA, give the memory back before the next engine sizes its pool."""
+    del objects
+    if torch.cuda.is_available():
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+# ---- 1. correctness --------------------------------------------------------------------------------
+def random_prompts(num: int, length: tuple[int, int], vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(rng.randint(*length))] for _ in range(num)]
+
+
+def engine_greedy(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"c{i}", None, params, prompt_token_ids=prompt)
+    outputs = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            outputs[out.request_id] = out.outputs[0].token_ids
+    return [outputs[f"c{i}"] for i in range(len(prompts))]
 
 
 @torch.inference_mode()
-def check_matmuls(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, num_tokens: int = 64) -> list[dict]:
-    """Relative error vs a float32 matmul for the model dtype, w8a8 and w8a16 at every layer shape."""
+def hf_greedy_each(hf_model, prompts: list[list[int]], max_tokens: int, device: torch.device) -> list[list[int]]:
+    """HF generate one prompt at a time (no padding: the plainest reference), EOS off like the engine's
+    ignore_eos (min_new_tokens would instead ban the EOS token, which greedy may pick)."""
+    hf_model.generation_config.eos_token_id = None
+    outs = []
+    for prompt in prompts:
+        ids = torch.tensor([prompt], device=device)
+        out = hf_model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                max_new_tokens=max_tokens, pad_token_id=0)
+        outs.append(out[0, len(prompt):].tolist())
+    return outs
+
+
+def check_correctness(args: argparse.Namespace, device: torch.device) -> dict:
+    """Engine vs HF on the same weights, float32 (identical greedy tokens) and bfloat16 (agreement)."""
+    cfg = tiny_config() if args.tiny else small_config()
+    num_tokens = 4 if args.tiny else 32
+    prompts = random_prompts(2 if args.tiny else 8, (5, 40), cfg.vocab_size, seed=3)
+    result = {"model": args.model or "random small llama", "num_prompts": len(prompts), "num_tokens": num_tokens}
+    for dtype in (torch.float32, torch.bfloat16):
+        name = str(dtype).removeprefix("torch.")
+        config = engine_config(device, dtype, 256, attention_backend=args.attention_backend,
+                               max_num_seqs=len(prompts), kv_cache_memory="1GiB" if device.type == "cuda" else "auto",
+                               num_kv_blocks=None if device.type == "cuda" else 64)
+        if args.model:
+            from transformers import AutoModelForCausalLM
+
+            from batchgen.engine.loader.model_loader import load_model
+
+            config = config.replace(model=args.model)
+            loaded = load_model(config)
+            hf = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(device).eval()
+        else:
+            hf = hf_llama(cfg, dtype, device, seed=0)
+            state = hf.state_dict()
+            loaded = build_loaded_model(config, cfg, 256, lambda model: model.load_weights(state.items()))
+        engine = LLMEngine(config, loaded=loaded)
+        ours = engine_greedy(engine, prompts, num_tokens)
+        reference = hf_greedy_each(hf, prompts, num_tokens, device)
+        same = sum(a == b for a, b in zip(ours, reference))
+        matching = sum(x == y for a, b in zip(ours, reference) for x, y in zip(a, b))
+        result[name] = {"attention_backend": engine.capabilities.attention_backend,
+                        "identical_requests": same, "matching_tokens": matching,
+                        "num_tokens": len(prompts) * num_tokens}
+        release(engine, loaded, hf)
+    result["ok"] = result["float32"]["identical_requests"] == len(prompts)
+    return result
+
+
+@torch.inference_mode()
+def check_fp8_matmuls(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, num_tokens: int = 64) -> list[dict]:
+    """Relative error vs a float32 matmul: the model dtype, w8a8 and w8a16 at every layer shape."""
     rows = []
     gen = torch.Generator(device=device).manual_seed(0)
     for name, (n, k) in cfg.linear_shapes().items():
         linear = torch.nn.Linear(k, n, bias=False, device=device, dtype=torch.float32)
         linear.weight.normal_(0, 0.02, generator=gen)
         x = torch.randn(num_tokens, k, device=device, generator=gen)
-        ref = linear(x)  # float32
+        ref = linear(x)
         linear = linear.to(dtype)
         row = {"layer": name, "shape": [num_tokens, k, n], "dtype": rel_error(linear(x.to(dtype)), ref)}
         fp8 = Fp8Linear.from_linear(linear)
         for mode in ("w8a8", "w8a16"):
             fp8.set_mode(mode)
             row[mode] = rel_error(fp8(x.to(dtype)), ref)
-        row["ok"] = row["w8a8"] < W8A8_REL_BOUND and row["w8a16"] < W8A16_REL_BOUND * 1.1  # bf16 rounding on top
+        row["ok"] = row["w8a8"] < W8A8_REL_BOUND and row["w8a16"] < W8A16_REL_BOUND * 1.1  # dtype rounding on top
         rows.append(row)
+        release(linear, fp8)
     return rows
 
 
-def _time(fn, device: torch.device, repeats: int) -> float:
-    """Seconds per call (after one warm-up call)."""
-    fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    for _ in range(repeats):
-        fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return (time.perf_counter() - start) / repeats
+def rel_error(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((y.float() - ref).norm() / ref.norm()).item()
 
 
-@torch.inference_mode()
-def time_gemms(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, token_counts: list[int],
-               repeats: int) -> list[dict]:
-    """Model-dtype mm vs FP8 w8a8 (activation quantization included) per layer shape and token count."""
+# ---- 2. speed --------------------------------------------------------------------------------------
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_speed_config(engine: LLMEngine, sc: SpeedConfig, seed: int, clock=time.perf_counter) -> dict:
+    """Time the workload; decode-only steps are timed apart, with the KV tokens they read."""
+    device = engine.config.torch_device
+    vocab = engine.model_cfg.vocab_size
+    warm = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    for i in range(min(sc.max_num_seqs, 4)):  # compiles kernels; untimed
+        engine.add_request(f"w{i}", None, warm, prompt_token_ids=[1 + i] * 8)
+    while engine.has_unfinished():
+        engine.step()
+    prompts = random_prompts(sc.num_requests, sc.prompt_len, vocab, seed)
+    params = SamplingParams(temperature=0.0, max_tokens=sc.output_len, ignore_eos=True)
+    stats = engine.scheduler.stats
+    decode_seconds = 0.0
+    decode_tokens = 0
+    decode_kv_tokens = 0
+    decode_steps = 0
+    completion = 0
+    sync(device)
+    start = clock()
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"s{i}", None, params, prompt_token_ids=prompt)
+    while engine.has_unfinished():
+        prefill_before, decode_before = stats.num_prefill_tokens, stats.num_decode_tokens
+        kv_tokens = sum(s.num_tokens for s in engine.scheduler.running)
+        t0 = clock()
+        finished = engine.step()
+        t1 = clock()
+        completion += sum(len(o.outputs[0].token_ids) for o in finished)
+        if stats.num_prefill_tokens == prefill_before and stats.num_decode_tokens > decode_before:
+            decode_seconds += t1 - t0
+            decode_tokens += stats.num_decode_tokens - decode_before
+            decode_kv_tokens += kv_tokens
+            decode_steps += 1
+    sync(device)
+    seconds = clock() - start
+    kv_bytes_per_token = engine.kv_bytes_per_token
+    roofline_seconds = (decode_steps * engine.weight_bytes + decode_kv_tokens * kv_bytes_per_token) / HBM_BYTES_PER_S
+    return {
+        "name": sc.name, "num_requests": sc.num_requests, "max_num_seqs": sc.max_num_seqs,
+        "prompt_len": list(sc.prompt_len), "output_len": sc.output_len, "completion_tokens": completion,
+        "seconds": seconds, "completion_tokens_per_s": completion / seconds if seconds else 0.0,
+        "decode_steps": decode_steps, "decode_tokens_per_s": decode_tokens / decode_seconds if decode_seconds else 0.0,
+        "decode_fraction_of_roofline": roofline_seconds / decode_seconds if decode_seconds else 0.0,
+        "weight_bytes": engine.weight_bytes, "kv_bytes_per_token": kv_bytes_per_token,
+        "attention_backend": engine.capabilities.attention_backend,
+        "cuda_graphs": engine.runner.graphs is not None,
+    }
+
+
+def run_speed(args: argparse.Namespace, device: torch.device, record) -> list[dict]:
+    cfg = tiny_config() if args.tiny else llama3_8b_config(args.layers)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     rows = []
-    for name, (n, k) in cfg.linear_shapes().items():
-        linear = torch.nn.Linear(k, n, bias=False, device=device, dtype=dtype)
-        fp8 = Fp8Linear.from_linear(linear, mode="w8a8")
-        for m in token_counts:
-            x = torch.randn(m, k, device=device, dtype=dtype)
-            t_dense = _time(lambda x=x: linear(x), device, repeats)
-            t_fp8 = _time(lambda x=x: fp8(x), device, repeats)
-            rows.append({"layer": name, "tokens": m, "dense_us": t_dense * 1e6, "fp8_us": t_fp8 * 1e6,
-                         "speedup": t_dense / t_fp8})
+    loaded: LoadedModel | None = None
+    max_model_len = 64 if args.tiny else 4096
+    for sc in speed_configs(args.tiny)[:args.max_configs]:
+        overrides, missing = supported_overrides(sc.engine)
+        if missing:
+            row = {"name": sc.name, "skipped": f"this build's EngineConfig has no {', '.join(missing)}"}
+            rows.append(row)
+            record(rows)
+            continue
+        base = dict(attention_backend=args.attention_backend, max_num_seqs=sc.max_num_seqs,
+                    max_num_batched_tokens=max(4096, sc.max_num_seqs * 8), quantization="fp8" if sc.fp8_weights else "none")
+        base.update(overrides)
+        if device.type != "cuda":
+            base["num_kv_blocks"] = sc.max_num_seqs * (-(-max_model_len // 16)) + 1
+        config = engine_config(device, dtype, max_model_len, **base)
+        if loaded is None or sc.fp8_weights:
+            release(loaded)
+            loaded = None
+            loaded = build_loaded_model(config, cfg, max_model_len, seeded_init(0, device))
+        engine = LLMEngine(config, loaded=loaded)
+        rows.append(run_speed_config(engine, sc, seed=1, clock=args.clock))
+        release(engine)
+        record(rows)
+    release(loaded)
     return rows
 
 
-def build_random_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, max_len: int) -> LlamaForCausalLM:
-    backend = select_attention_backend("auto", device, dtype, cfg.head_dim)(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
-    with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, max_len, backend)
-    model = model.to_empty(device=device).to(dtype)
-    model.tie_weights()
-    gen = torch.Generator(device=device).manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            else:
-                p.normal_(0, 0.02, generator=gen)
-    # Rotary tables are computed, not parameters: rebuild them on the device as the loader does.
-    from batchgen.engine.models.rotary import RotaryEmbedding
-
-    model.rotary = RotaryEmbedding(cfg.head_dim, max_len, cfg.rope_theta, cfg.rope_scaling).to(device)
-    return model.eval()
-
-
+# ---- 3. peer ---------------------------------------------------------------------------------------
 @torch.inference_mode()
-def decode_throughput(model: LlamaForCausalLM, batch: int, context: int, steps: int) -> float:
-    """Decode tokens/s for `batch` sequences that each hold `context` prompt tokens (prefill untimed)."""
-    cfg = model.cfg
-    device = model.embed_tokens.weight.device
-    runner = DirectRunner(model, batch, context + steps + 1)
-    gen = torch.Generator().manual_seed(1)
-    prompts = torch.randint(0, cfg.vocab_size, (batch, context), generator=gen).tolist()
-    tokens = runner.forward(prompts, [0] * batch).argmax(-1).tolist()
-    lens = [context] * batch
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    for _ in range(steps):
-        tokens = runner.forward([[t] for t in tokens], lens).argmax(-1).tolist()  # host sync, as the engine
-        lens = [n + 1 for n in lens]
-    return batch * steps / (time.perf_counter() - start)
+def run_peer(args: argparse.Namespace, device: torch.device, clock=time.perf_counter) -> dict:
+    cfg = tiny_config() if args.tiny else llama3_8b_config(args.layers)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    batch = 4 if args.tiny else 64
+    prompt_len, output_len = (16, 4) if args.tiny else (512, 128)
+    model = hf_llama(cfg, dtype, device, seed=0)
+    model.generation_config.eos_token_id = None  # fixed length, like the engine's ignore_eos
+    ids = torch.tensor(random_prompts(batch, (prompt_len, prompt_len), cfg.vocab_size, seed=1), device=device)
+    kwargs = dict(attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0)
+    model.generate(input_ids=ids[:, :8], max_new_tokens=2, **{**kwargs, "attention_mask": torch.ones_like(ids[:, :8])})
+    sync(device)
+    start = clock()
+    out = model.generate(input_ids=ids, max_new_tokens=output_len, **kwargs)
+    sync(device)
+    seconds = clock() - start
+    completion = (out.shape[1] - prompt_len) * batch
+    release(model)
+    return {"name": f"HF generate bf16 x{batch}" if device.type == "cuda" else f"HF generate x{batch}",
+            "batch_size": batch, "prompt_len": prompt_len, "output_len": output_len, "completion_tokens": completion,
+            "seconds": seconds, "completion_tokens_per_s": completion / seconds if seconds else 0.0}
 
 
-@torch.inference_mode()
-def logits_drift(model: LlamaForCausalLM, reference_logits: torch.Tensor, tokens: list[list[int]]) -> float:
-    runner = DirectRunner(model, len(tokens), len(tokens[0]))
-    return rel_error(runner.forward(tokens, [0] * len(tokens)), reference_logits)
+# ---- the run ---------------------------------------------------------------------------------------
+def format_table(result: dict) -> str:
+    lines = [f"{'configuration':<32} {'tok/s':>10} {'decode tok/s':>13} {'roofline':>9}  notes"]
+    for row in result.get("speed", []):
+        if "skipped" in row:
+            lines.append(f"{row['name']:<32} {'-':>10} {'-':>13} {'-':>9}  skipped: {row['skipped']}")
+            continue
+        lines.append(f"{row['name']:<32} {row['completion_tokens_per_s']:>10.1f} {row['decode_tokens_per_s']:>13.1f} "
+                     f"{row['decode_fraction_of_roofline']:>9.1%}  {row['attention_backend']}, "
+                     f"graphs {'on' if row['cuda_graphs'] else 'off'}")
+    peer = result.get("peer")
+    if peer:
+        lines.append(f"{peer['name']:<32} {peer['completion_tokens_per_s']:>10.1f} {'':>13} {'':>9}  peer")
+    c = result.get("correctness")
+    if c:
+        for name in ("float32", "bfloat16"):
+            r = c[name]
+            lines.append(f"correctness {name}: {r['identical_requests']}/{c['num_prompts']} requests identical to HF, "
+                         f"{r['matching_tokens']}/{r['num_tokens']} tokens ({r['attention_backend']})")
+    m = result.get("fp8_matmuls")
+    if m:
+        lines.append("fp8 matmuls: " + ", ".join(f"{r['layer']} w8a8 {r['w8a8']:.4f} w8a16 {r['w8a16']:.4f}"
+                                                 for r in m))
+    return "\n".join(lines)
 
 
 def run(args: argparse.Namespace) -> dict:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
-    cfg = tiny_config() if args.tiny else llama3_8b_config(args.layers)
-    info = {"torch": torch.__version__, "python": platform.python_version(), "device": str(device),
-            "dtype": str(dtype).removeprefix("torch."), "model": "tiny" if args.tiny else "llama-3-8b-shape",
-            "num_layers": cfg.num_layers}
+    result: dict = {"torch": torch.__version__, "python": platform.python_version(), "device": str(device),
+                    "tiny": args.tiny, "num_layers": args.layers}
     if device.type == "cuda":
-        info["gpu"] = torch.cuda.get_device_name(device)
-        info["capability"] = list(torch.cuda.get_device_capability(device))
-    say = print if not args.quiet else (lambda *a, **k: None)
-    say(json.dumps(info))
+        result["gpu"] = torch.cuda.get_device_name(device)
+        result["capability"] = list(torch.cuda.get_device_capability(device))
+    try:
+        import triton
 
-    matmuls = check_matmuls(cfg, device, dtype)
-    say("\nmatmul relative error vs float32 (64 tokens):")
-    for r in matmuls:
-        say(f"  {r['layer']:<13} {str(r['shape']):<22} {info['dtype']} {r['dtype']:.4f}  w8a8 {r['w8a8']:.4f}  "
-            f"w8a16 {r['w8a16']:.4f}  {'ok' if r['ok'] else 'TOO LARGE'}")
+        result["triton"] = triton.__version__
+    except ImportError:
+        result["triton"] = None
+    say = (lambda *a: None) if args.quiet else (lambda *a: print(*a, flush=True))
 
-    gemms = time_gemms(cfg, device, dtype, args.gemm_tokens, args.repeats)
-    say(f"\nGEMM time, {info['dtype']} vs FP8 w8a8 (incl. activation quantization):")
-    for r in gemms:
-        say(f"  {r['layer']:<13} M={r['tokens']:<5} {r['dense_us']:9.1f} us  {r['fp8_us']:9.1f} us  x{r['speedup']:.2f}")
+    def record(rows: list | None = None) -> None:
+        if rows is not None:
+            result["speed"] = rows
+            say(json.dumps(rows[-1]))
+        if args.out:
+            Path(args.out).write_text(json.dumps(result, indent=2))
 
-    max_len = max(args.context + args.steps + 1, 16)  # 16: the logits-drift probe
-    model = build_random_model(cfg, device, dtype, max_len)
-    probe = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(2)).tolist()
-    reference_logits = DirectRunner(model, 2, 16).forward(probe, [0, 0])
-    decode = {info["dtype"]: {b: decode_throughput(model, b, args.context, args.steps) for b in args.batch_sizes}}
-    summary = quantize_model_fp8(model, EngineConfig(model="random", device=str(device), quantization="fp8",
-                                                     fp8_mode="auto"))
-    # (mode, Triton kernel for w8a16): the auto choice first, then the other weight-only variants here.
-    variants = [(summary["fp8_mode"], summary["uses_triton"])]
-    variants += [v for v in (("w8a16", False), ("w8a16", can_use_triton_w8a16(device, dtype))) if v not in variants]
-    drift = {}
-    for mode, use_triton in variants:
-        for m in model.modules():
-            if isinstance(m, Fp8Linear):
-                m.set_mode(mode)
-                m.use_triton = use_triton
-        name = f"{mode}{' triton' if use_triton else ''}"
-        drift[name] = logits_drift(model, reference_logits, probe)
-        decode[f"fp8 {name}"] = {b: decode_throughput(model, b, args.context, args.steps) for b in args.batch_sizes}
-    say(f"\ndecode tokens/s, context {args.context}, {args.steps} steps; fp8 linear bytes "
-        f"{summary['num_fp8_bytes'] / 1e9:.2f} GB ({summary['num_fp8_bytes'] / summary['num_float_bytes']:.1%} "
-        f"of {info['dtype']}); auto mode: {summary['fp8_mode']} ({summary['reason']})")
-    say("  batch  " + "  ".join(f"{name:>12}" for name in decode))
-    for b in args.batch_sizes:
-        say(f"  {b:<5}  " + "  ".join(f"{decode[name][b]:12.1f}" for name in decode))
-    say("  logits drift vs " + info["dtype"] + ": " + ", ".join(f"{m} {d:.4f}" for m, d in drift.items()))
-    result = {**info, "matmul_errors": matmuls, "gemm_times": gemms, "fp8_summary": summary,
-              "decode_tokens_per_s": decode, "logits_rel_drift": drift,
-              "all_matmuls_ok": all(r["ok"] for r in matmuls)}
-    if args.json_out:
-        Path(args.json_out).write_text(json.dumps(result, indent=2))
+    record()
+    result["correctness"] = check_correctness(args, device)
+    say(json.dumps(result["correctness"]))
+    speed_cfg = tiny_config() if args.tiny else llama3_8b_config(args.layers)
+    result["fp8_matmuls"] = check_fp8_matmuls(speed_cfg, device, torch.bfloat16 if device.type == "cuda"
+                                              else torch.float32)
+    record()
+    result["speed"] = []
+    run_speed(args, device, record)
+    if args.peer:
+        result["peer"] = run_peer(args, device, clock=args.clock)
+        say(json.dumps(result["peer"]))
+    result["ok"] = result["correctness"]["ok"] and all(r["ok"] for r in result["fp8_matmuls"])
+    record()
+    say(format_table(result))
     return result
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tiny", action="store_true", help="toy sizes (runs anywhere, for the test suite)")
-    parser.add_argument("--layers", type=int, default=32, help="decoder layers of the Llama-3-8B-shape model")
+    parser.add_argument("--model", default=None, help="an HF folder for the correctness check (default: random)")
+    parser.add_argument("--layers", type=int, default=32, help="decoder layers of the Llama-3-8B-shaped model")
     parser.add_argument("--device", default=None)
-    parser.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"])
-    parser.add_argument("--batch-sizes", type=lambda s: [int(x) for x in s.split(",")], default=[1, 16, 64])
-    parser.add_argument("--context", type=int, default=512)
-    parser.add_argument("--steps", type=int, default=32)
-    parser.add_argument("--gemm-tokens", type=lambda s: [int(x) for x in s.split(",")], default=[1, 16, 64, 256, 2048])
-    parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--json-out", default=None)
+    parser.add_argument("--attention-backend", default="auto", help="engine.attention_backend (auto: triton on CUDA)")
+    parser.add_argument("--max-configs", type=int, default=8, help="run only the first N speed configurations")
+    parser.add_argument("--no-peer", dest="peer", action="store_false", help="skip HF generate")
+    parser.add_argument("--out", default="gpu_check.json", help="the JSON file, rewritten after each configuration")
     parser.add_argument("--quiet", action="store_true")
     args = parser.parse_args(argv)
-    if args.tiny:
-        args.batch_sizes, args.context, args.steps = [b for b in args.batch_sizes if b <= 4] or [2], 8, 3
-        args.gemm_tokens, args.repeats = [1, 8], 2
+    args.clock = time.perf_counter
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
-    result = run(parse_args(argv))
-    return 0 if result["all_matmuls_ok"] else 1
+    return 0 if run(parse_args(argv))["ok"] else 1
 
 
 if __name__ == "__main__":

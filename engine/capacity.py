@@ -10,11 +10,10 @@ import torch
 from batchgen.engine.config import EngineConfig, parse_memory_size
 from batchgen.engine.models.config import ModelConfig
 
-# kv_cache_memory "auto": on the CPU, 20% of RAM capped at 4 GiB (the weights, activations and the
-# rest of the machine keep the remainder); on a GPU, 90% of the memory free once the weights are loaded.
+# kv_cache_memory "auto" on the CPU: 20% of RAM capped at 4 GiB (the weights, activations and the
+# rest of the machine keep the remainder). On CUDA the pool is sized by engine/gpu_memory.py.
 CPU_KV_CAP_BYTES = 4 * 2**30
 CPU_KV_RAM_FRACTION = 0.20
-GPU_KV_FREE_FRACTION = 0.90
 
 
 def dtype_bytes(dtype: torch.dtype) -> int:
@@ -34,15 +33,11 @@ def _total_ram_bytes() -> int:
 
 
 def kv_cache_budget_bytes(config: EngineConfig, device: torch.device) -> int:
-    """Bytes for the KV pool: an explicit size, a fraction (of free GPU memory, or of RAM on the CPU),
-    or "auto" (the rule above CPU_KV_CAP_BYTES)."""
-    setting = config.kv_cache_memory
+    """Bytes for the KV pool off CUDA: an explicit size, a fraction of RAM, or "auto" (the rule above
+    CPU_KV_CAP_BYTES). CUDA: engine/gpu_memory.py plan_gpu_kv_cache (a profiling step)."""
     if device.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(device)
-        if setting == "auto":
-            return int(free * GPU_KV_FREE_FRACTION)
-        value = parse_memory_size(setting)
-        return int(free * value) if isinstance(value, float) else value
+        raise ValueError("on CUDA the KV pool is sized by engine/gpu_memory.py (a profiling step)")
+    setting = config.kv_cache_memory
     ram = _total_ram_bytes()
     if setting == "auto":
         return int(min(CPU_KV_CAP_BYTES, CPU_KV_RAM_FRACTION * ram))

@@ -93,6 +93,10 @@ class EngineConfig:
     max_num_batched_tokens: int = 4096
     enable_prefix_caching: bool = True
     kv_cache_memory: str | int | float = "auto"
+    # CUDA: the share of the GPU's total memory this engine may fill with weights, activations and
+    # KV (vLLM's name); the KV pool gets what the profiled step leaves. kv_cache_memory, when set, wins.
+    gpu_memory_utilization: float = 0.9
+    enforce_eager: bool = False  # CUDA: true runs decode steps eagerly (no CUDA graphs), as vLLM
     num_kv_blocks: int | None = None  # override the pool size (tests, capacity experiments)
     num_threads: int | None = None  # CPU threads for torch; None: leave torch's default
     compile: bool = False  # torch.compile the elementwise ops (measured: no gain on the 2-core CPU)
@@ -111,6 +115,9 @@ class EngineConfig:
             ("max_num_batched_tokens", self.max_num_batched_tokens >= 1, "must be >= 1"),
             ("kv_cache_memory", self.kv_cache_memory == "auto" or is_memory_size(self.kv_cache_memory),
              "must be auto, bytes, a size such as '8GiB' or '500MB', or a fraction in (0, 1] like 0.9"),
+            ("gpu_memory_utilization", isinstance(self.gpu_memory_utilization, (int, float))
+             and not isinstance(self.gpu_memory_utilization, bool) and 0 < self.gpu_memory_utilization <= 1,
+             "must be a fraction in (0, 1]"),
             ("num_kv_blocks", self.num_kv_blocks is None or self.num_kv_blocks >= 1, "must be >= 1 or None"),
             ("num_threads", self.num_threads is None or self.num_threads >= 1, "must be >= 1 or None"),
         ])

@@ -50,6 +50,11 @@ class KVCacheManager:
         scheduled later in the same step can share them.
         """
         is_admission = computed_blocks is not None
+        if not is_admission:  # a running sequence: most steps its new tokens fit its last block
+            total_tokens = seq.num_computed_tokens + num_new_tokens
+            if total_tokens <= len(seq.block_ids) * self.block_size:
+                self._cache_full_blocks(seq, total_tokens)
+                return True
         computed_blocks = computed_blocks or []
         num_cached_tokens = len(computed_blocks) * self.block_size
         total_tokens = max(seq.num_computed_tokens, num_cached_tokens) + num_new_tokens

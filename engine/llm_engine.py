@@ -12,13 +12,15 @@ import torch
 from batchgen.engine.capacity import kv_bytes_per_token, kv_cache_budget_bytes, num_kv_blocks
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.cpu_allocator import keep_freed_memory
+from batchgen.engine.gpu_memory import GpuMemoryPlan, plan_gpu_kv_cache
 from batchgen.engine.kv_cache_manager import KVCacheManager
-from batchgen.engine.loader.model_loader import load_model
+from batchgen.engine.loader.model_loader import LoadedModel, load_model
 from batchgen.engine.model_runner import ModelRunner
 from batchgen.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TopLogprob
 from batchgen.engine.sampling_params import SamplingParams
 from batchgen.engine.scheduler import Scheduler
 from batchgen.engine.sequence import Sequence
+from batchgen.engine.stop_strings import IncrementalText, find_stop_string
 from batchgen.engine.tokenizer import Messages, Tokenizer
 
 log = logging.getLogger("batchgen.engine")
@@ -42,16 +44,22 @@ RUNTIME_SETTINGS = ("block_size", "max_num_seqs", "max_num_batched_tokens", "ena
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, *, weights_from: LLMEngine | None = None):
+    def __init__(self, config: EngineConfig, *, weights_from: LLMEngine | None = None,
+                 loaded: LoadedModel | None = None):
         """Load the model named by `config`, or share the loaded weights and tokenizer of `weights_from`
         (an engine whose config differs only in RUNTIME_SETTINGS) with a fresh KV pool, scheduler,
-        runner and counters: tests and sweeps of engine settings pay for one load."""
+        runner and counters: tests and sweeps of engine settings pay for one load.
+
+        `loaded`: a model built by the caller (the bench's null and random-weight models). Without a
+        source it has no tokenizer: prompts are token ids, outputs carry no text, no stop strings."""
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         if config.torch_device.type == "cpu":
             keep_freed_memory()
-        if weights_from is None:
+        if loaded is not None:
+            tokenizer = Tokenizer(loaded.source) if loaded.source is not None else None
+        elif weights_from is None:
             loaded = load_model(config)
             tokenizer = Tokenizer(loaded.source)
         else:
@@ -65,14 +73,20 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or loaded.max_model_len, loaded.max_model_len)
         self.weight_bytes = loaded.weight_bytes
         eos = set(self.model_cfg.eos_token_ids)
-        if self.tokenizer.eos_token_id is not None:
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = tuple(sorted(eos))
 
         device = config.torch_device
         self.kv_bytes_per_token = kv_bytes_per_token(self.model_cfg, config.torch_dtype)
-        num_blocks = config.num_kv_blocks or num_kv_blocks(
-            kv_cache_budget_bytes(config, device), self.model_cfg, config.torch_dtype, config.block_size)
+        self.gpu_memory: GpuMemoryPlan | None = None  # CUDA: how the KV pool was sized
+        if config.num_kv_blocks:
+            num_blocks = config.num_kv_blocks
+        elif device.type == "cuda":
+            num_blocks = self._size_kv_pool_on_gpu()
+        else:
+            num_blocks = num_kv_blocks(kv_cache_budget_bytes(config, device), self.model_cfg, config.torch_dtype,
+                                       config.block_size)
         if num_blocks * config.block_size < self.max_model_len:
             raise ValueError(
                 f"the KV cache holds {num_blocks * config.block_size} tokens, fewer than max_model_len "
@@ -85,7 +99,26 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.kv_cache_manager)
         self.runner = ModelRunner(config, self.model_cfg, loaded.model, num_blocks, self.eos_token_ids,
                                   loaded.capabilities)
+        if device.type == "cuda" and not config.enforce_eager:
+            self.runner.capture_decode_graphs(self.max_model_len)
+        self.timings = self.runner.timings  # host time per step, by part (bench --workload overhead)
         self.requests: dict[str, _RequestState] = {}
+
+    def _size_kv_pool_on_gpu(self) -> int:
+        """KV blocks from a profiling step (engine/gpu_memory.py), run by a runner with a one-block pool."""
+        config = self.config
+
+        def profile() -> None:
+            runner = ModelRunner(config, self.model_cfg, self.loaded.model, 1, self.eos_token_ids,
+                                 self.loaded.capabilities)
+            runner.profile_run(config.max_num_batched_tokens, config.max_num_seqs, self.max_model_len)
+            torch.cuda.synchronize(config.torch_device)
+
+        block_bytes = self.kv_bytes_per_token * config.block_size
+        min_blocks = -(-self.max_model_len // config.block_size)
+        self.gpu_memory = plan_gpu_kv_cache(config, config.torch_device, self.weight_bytes, profile,
+                                            min_blocks * block_bytes)
+        return self.gpu_memory.kv_cache // block_bytes
 
     # ---- requests -------------------------------------------------------------------------------
     def encode(self, prompt: PromptInput, allow_special_tokens: bool = True) -> list[int]:
@@ -139,6 +172,7 @@ class LLMEngine:
         for seq in state.seqs:
             if not seq.is_finished:
                 self.scheduler.abort(seq)
+            self.runner.release(seq)
         return True
 
     def sequences(self, request_id: str) -> list[Sequence]:
@@ -155,7 +189,9 @@ class LLMEngine:
     # ---- the loop -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, sample; returns the requests that finished in this step."""
+        start = time.perf_counter()
         out = self.scheduler.schedule()
+        scheduled = time.perf_counter()
         if out.is_empty:
             if self.scheduler.waiting and not self.scheduler.running:
                 raise RuntimeError("the scheduler cannot admit any waiting request: the KV cache is too small")
@@ -163,6 +199,7 @@ class LLMEngine:
         # Sequences that may decode soon: the runner sizes its decode staging for them at once.
         num_live = min(len(self.scheduler.running) + len(self.scheduler.waiting), self.config.max_num_seqs)
         results = self.runner.execute(out.scheduled, num_live)
+        executed = time.perf_counter()
         for s in out.scheduled:
             s.seq.num_computed_tokens += s.num_new_tokens
         finished: list[RequestOutput] = []
@@ -171,10 +208,14 @@ class LLMEngine:
             seq.append_token(token, logprob, top)
             if self._check_stop(seq):
                 self.scheduler.finish(seq)
+                self.runner.release(seq)
                 state = self.requests[seq.request_id]
                 if all(x.is_finished for x in state.seqs):
                     finished.append(self._make_output(state))
                     del self.requests[seq.request_id]
+        timings = self.timings
+        timings.num_steps += 1
+        timings.add(schedule=scheduled - start, process=time.perf_counter() - executed)
         return finished
 
     def _check_stop(self, seq: Sequence) -> bool:
@@ -184,26 +225,44 @@ class LLMEngine:
             seq.finish_reason, seq.stop_reason = "stop", None
         elif token in p.stop_token_ids and seq.num_output_tokens > p.min_tokens:
             seq.finish_reason, seq.stop_reason = "stop", token
-        elif p.stop and seq.num_output_tokens >= p.min_tokens and self._check_stop_strings(seq):
+        elif p.stop and self._check_stop_strings(seq):
             seq.finish_reason = "stop"
         elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= seq.max_total_tokens:
             seq.finish_reason = "length"
         return seq.finish_reason is not None
 
     def _check_stop_strings(self, seq: Sequence) -> bool:
-        text = self.tokenizer.decode(seq.output_token_ids, seq.params.skip_special_tokens)
-        cut = min((i for i in (text.find(s) for s in seq.params.stop) if i >= 0), default=-1)
-        if cut < 0:
+        """Decode the newest tokens only (stop_strings.py) and search the new text (and the few
+        characters before it a stop string may start in); below min_tokens only the text grows."""
+        params = seq.params
+        state = seq.text_state
+        if state is None:
+            state = seq.text_state = IncrementalText()
+        state.update(lambda ids: self.tokenizer.decode(ids, params.skip_special_tokens), seq.token_ids,
+                     seq.num_prompt_tokens)
+        if seq.num_output_tokens < params.min_tokens:
             return False
+        hit = find_stop_string(state.text, params.stop, state.num_checked_chars)
+        state.num_checked_chars = len(state.text)
+        if hit is None:
+            return False
+        # Found: cut the whole output's text once (as the output will be decoded), else the window's.
+        text = self.tokenizer.decode(seq.output_token_ids, params.skip_special_tokens)
+        full_hit = find_stop_string(text, params.stop, 0)
+        if full_hit is None:
+            text, full_hit = state.text, hit
+        cut, stop = full_hit
         seq.output_text = text[:cut]  # the stop string itself is not part of the text
-        seq.stop_reason = next(s for s in seq.params.stop if text.find(s) == cut)
+        seq.stop_reason = stop
         return True
 
     def _make_output(self, state: _RequestState) -> RequestOutput:
         completions = []
         for seq in state.seqs:
             text = seq.output_text
-            if text is None:
+            if text is None and self.tokenizer is None:
+                text = ""
+            elif text is None:
                 text = self.tokenizer.decode(seq.output_token_ids, seq.params.skip_special_tokens)
             completions.append(CompletionOutput(
                 index=seq.sample_index, text=text, token_ids=seq.output_token_ids,

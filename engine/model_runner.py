@@ -1,19 +1,32 @@
 """ModelRunner: owns the model and the KV cache; flattens a step into tensors, runs it, samples.
 
-Host->device copies happen only here.
+Host<->device traffic happens only here, twice per step: the step's inputs (model, attention and
+sampling alike) go over in one packed copy (step_inputs.py), and the sampled tokens with their
+log-probabilities (and top-N log-probabilities where asked) come back in one copy. Nothing in
+between reads a device value on the host. On CUDA, decode-only steps replay a captured graph
+(decode_graphs.py) unless `enforce_eager`.
 """
 
 from __future__ import annotations
 
+import time
+
+import numpy as np
 import torch
 
 from batchgen.engine.capabilities import Capabilities
 from batchgen.engine.config import EngineConfig
-from batchgen.engine.logprobs import top_logprobs
+from batchgen.engine.decode_graphs import DecodeGraphs
 from batchgen.engine.models.config import ModelConfig
 from batchgen.engine.models.llama import LlamaForCausalLM
-from batchgen.engine.sampler import Sampler
+from batchgen.engine.sampler import SampledTokens, Sampler
+from batchgen.engine.sampling_batch import PenaltyState, add_sampling_sections, attach_sampling_tensors
 from batchgen.engine.scheduler import ScheduledSeq
+from batchgen.engine.sequence import Sequence
+from batchgen.engine.step_inputs import StepInputs, StepPacker, add_step_sections, make_step_inputs
+from batchgen.engine.step_timings import StepTimings
+
+StepResult = tuple[ScheduledSeq, int, float, list[tuple[int, float]] | None]
 
 
 class ModelRunner:
@@ -24,6 +37,7 @@ class ModelRunner:
         self.model = model
         self.device = config.torch_device
         self.block_size = config.block_size
+        self.eos_token_ids = eos_token_ids
         self.sampler = Sampler(eos_token_ids, is_c_sampling=capabilities.is_c_sampling)
         num_slots = num_blocks * config.block_size
         # Per layer: K and V caches as (num_slots, kv_heads, head_dim); slot = block * block_size + offset.
@@ -37,44 +51,116 @@ class ModelRunner:
         # keeps across steps); the model's layers call the backend itself.
         self.attention = model.backend.make_metadata_builder(model_cfg.num_layers, num_slots, config.block_size,
                                                              config.torch_dtype, self.device)
+        self.packer = StepPacker(self.device)
+        self.penalties = PenaltyState(model_cfg.vocab_size, self.device)
+        self.graphs: DecodeGraphs | None = None  # set by capture_decode_graphs (CUDA, not enforce_eager)
+        self.timings = StepTimings()
+
+    def release(self, seq: Sequence) -> None:
+        """`seq` finished or was aborted: give back what the runner keeps for it (its penalty row)."""
+        self.penalties.release(seq)
+
+    def capture_decode_graphs(self, max_model_len: int, capturer=None) -> None:
+        """Capture the decode forward at every graph batch size (decode_graphs.py)."""
+        self.graphs = DecodeGraphs(self.model, self.kv_caches, self.attention, self.config.max_num_seqs,
+                                   max_model_len, self.block_size, self.device, capturer)
+        self.graphs.capture()
+
+    def prepare(self, scheduled: list[ScheduledSeq], num_live_seqs: int = 0):
+        """The step's inputs on the device in one copy: (StepInputs, attention metadata, sampling
+        sequences, SamplingBatch)."""
+        # Decodes first, in the order the attention backend asks for, then prefill chunks.
+        decodes = [s for s in scheduled if s.num_new_tokens == 1]
+        decode_seqs = [s.seq for s in decodes]
+        ordered = self.attention.reorder_decodes(decode_seqs, num_live_seqs)
+        if ordered is not decode_seqs:  # the backend chose another order
+            by_seq = {id(s.seq): s for s in decodes}
+            decodes = [by_seq[id(seq)] for seq in ordered]
+        # Chunks that continue a cached context first, similar lengths side by side (attended in
+        # padded groups where the backend gathers keys, so neighbours pad little); fresh prompts last.
+        prefills = []
+        if len(decodes) < len(scheduled):
+            prefills = sorted((s for s in scheduled if s.num_new_tokens != 1),
+                              key=lambda s: (s.seq.num_computed_tokens == 0, s.num_new_tokens,
+                                             s.seq.num_computed_tokens))
+        packer = self.packer
+        query_lens, context_lens, tables, max_seq_len, sampling = add_step_sections(
+            packer, decodes + prefills, len(decodes), self.block_size)
+        seqs = [s.seq for s in sampling]
+        batch = add_sampling_sections(packer, seqs, self.eos_token_ids, self.model_cfg.vocab_size, self.penalties)
+        tensors = packer.send()  # the one host-to-device copy
+        step = make_step_inputs(tensors, query_lens, context_lens, tables, len(decodes), max_seq_len, self.block_size)
+        attach_sampling_tensors(batch, tensors)
+        meta = self.attention.build_packed(step)
+        return step, meta, sampling, batch
+
+    def forward(self, step: StepInputs, meta) -> torch.Tensor:
+        """Logits (N, V) float32 of the step's sampling rows: a graph replay for a decode-only step
+        of a captured size, else the eager model."""
+        if self.graphs is not None and step.is_decode_only and self.graphs.fits(step.num_seqs):
+            return self.graphs.run(step)
+        return self.model(step.input_ids, step.positions, self.kv_caches, meta, step.logits_indices)
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[ScheduledSeq], num_live_seqs: int = 0) -> list[
-            tuple[ScheduledSeq, int, float, list[tuple[int, float]] | None]]:
+    def execute(self, scheduled: list[ScheduledSeq], num_live_seqs: int = 0) -> list[StepResult]:
         """Run one step; returns (scheduled seq, token, raw logprob, top logprobs or None) for each
         sequence that samples.
         `num_live_seqs`: unfinished sequences that may decode soon (the backend may plan for them)."""
-        # Decodes first, in the order the attention backend asks for, then prefill chunks.
-        decodes = [s for s in scheduled if s.num_new_tokens == 1]
-        by_seq = {id(s.seq): s for s in decodes}
-        decodes = [by_seq[id(seq)] for seq in self.attention.reorder_decodes([s.seq for s in decodes], num_live_seqs)]
-        # Chunks that continue a cached context first, similar lengths side by side (attended in
-        # padded groups where the backend gathers keys, so neighbours pad little); fresh prompts last.
-        prefills = sorted((s for s in scheduled if s.num_new_tokens != 1),
-                          key=lambda s: (s.seq.num_computed_tokens == 0, s.num_new_tokens, s.seq.num_computed_tokens))
-        order = decodes + prefills
-        input_ids: list[int] = []
-        positions: list[int] = []
-        logits_rows: list[int] = []
-        sampling: list[ScheduledSeq] = []
-        for s in order:
-            start = s.seq.num_computed_tokens
-            input_ids.extend(s.seq.token_ids[start:start + s.num_new_tokens])
-            positions.extend(range(start, start + s.num_new_tokens))
-            if s.is_sampling:
-                logits_rows.append(len(input_ids) - 1)
-                sampling.append(s)
-        meta = self.attention.build([s.num_new_tokens for s in order], [s.seq.num_computed_tokens for s in order],
-                                    [s.seq.block_ids for s in order], len(decodes))
-        device = self.device
-        logits = self.model(
-            torch.tensor(input_ids, dtype=torch.long, device=device),
-            torch.tensor(positions, dtype=torch.long, device=device),
-            self.kv_caches, meta, torch.tensor(logits_rows, dtype=torch.long, device=device),
-        )  # (N, V)
+        timings = self.timings
+        start = time.perf_counter()
+        step, meta, sampling, batch = self.prepare(scheduled, num_live_seqs)
+        prepared = time.perf_counter()
+        logits = self.forward(step, meta)  # (N, V)
         if not sampling:
+            timings.add(prepare=prepared - start, forward=time.perf_counter() - prepared)
             return []
         seqs = [s.seq for s in sampling]
-        tops = top_logprobs(logits, seqs)  # before the sampler, which may edit the logits in place
-        tokens, logprobs = self.sampler(logits, seqs)
-        return list(zip(sampling, tokens, logprobs, tops))
+        sampled = self.sampler.sample(logits, batch, seqs, self.penalties)
+        host = read_back(sampled)  # the one device-to-host copy; waits for the step
+        done = time.perf_counter()
+        results = unpack_results(host, sampling, batch.top_counts)
+        timings.add(prepare=prepared - start, forward=done - prepared, process=time.perf_counter() - done)
+        return results
+
+    @torch.inference_mode()
+    def profile_run(self, num_tokens: int, num_seqs: int, max_model_len: int) -> None:
+        """One step at its largest (num_tokens new tokens over num_seqs sampling prompts, random
+        sampling with top-p) and the sampler over `num_seqs` rows, for measuring peak memory.
+
+        Every token's KV goes to block 0 (the values are never read back), so the pool may hold one block.
+        """
+        from batchgen.engine.sampling_params import SamplingParams
+
+        num_seqs = max(1, min(num_seqs, num_tokens))
+        num_seqs = max(num_seqs, -(-num_tokens // max(max_model_len - 1, 1)))
+        params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, max_tokens=1)
+        scheduled = []
+        for i in range(num_seqs):
+            n = num_tokens // num_seqs + (i < num_tokens % num_seqs)
+            seq = Sequence(f"profile-{i}", 0, [0] * n, params, 0.0, n + 1)
+            seq.block_ids = [0] * (-(-n // self.block_size))
+            scheduled.append(ScheduledSeq(seq, n))
+        step, meta, sampling, batch = self.prepare(scheduled)
+        logits = self.model(step.input_ids, step.positions, self.kv_caches, meta, step.logits_indices)
+        read_back(self.sampler.sample(logits, batch, [s.seq for s in sampling], self.penalties))
+
+
+def read_back(sampled: SampledTokens) -> np.ndarray:
+    """(N, 2 + 2K) int32 on the host in one copy: token, logprob bits, K top ids, K top logprob bits."""
+    columns = [sampled.tokens.to(torch.int32)[:, None], sampled.logprobs.view(torch.int32)[:, None]]
+    if sampled.top_ids is not None:
+        columns += [sampled.top_ids.to(torch.int32), sampled.top_logprobs.contiguous().view(torch.int32)]
+    return torch.cat(columns, dim=1).cpu().numpy()
+
+
+def unpack_results(host: np.ndarray, sampling: list[ScheduledSeq], top_counts: list[int]) -> list[StepResult]:
+    floats = host.view(np.float32)
+    tokens = host[:, 0].tolist()
+    logprobs = floats[:, 1].tolist()
+    tops: list[list[tuple[int, float]] | None] = [None] * len(sampling)
+    if host.shape[1] > 2:
+        k = (host.shape[1] - 2) // 2
+        for row, n in enumerate(top_counts):
+            if n:
+                tops[row] = list(zip(host[row, 2:2 + n].tolist(), floats[row, 2 + k:2 + k + n].tolist()))
+    return list(zip(sampling, tokens, logprobs, tops))

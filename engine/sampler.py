@@ -1,19 +1,29 @@
 """Batched sampler: penalties, min_tokens, greedy, temperature, top-k, top-p, min-p, seeded draws.
 
+`Sampler.sample` reads a SamplingBatch (sampling_batch.py): per-row parameters as device tensors
+and host flags saying which treatments any row needs, so it never asks the device (no `.any()`,
+`.item()`, `.tolist()`); penalties read the device-side token counts of a PenaltyState. It returns
+device tensors; the model runner reads them back in one copy.
+
 Each sequence draws from its own generator (seeded by job seed, request id and sample index) with
 one exponential race per token, so a sample never depends on its batch mates.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from batchgen.engine.sampling_batch import PenaltyState, SamplingBatch, sampling_batch_for
 from batchgen.engine.sequence import Sequence
 from batchgen.kernels import cpu_sampling
 
 
 def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-    """vLLM semantics: repetition over prompt+output tokens; presence/frequency over output tokens."""
+    """vLLM semantics: repetition over prompt+output tokens; presence/frequency over output tokens.
+
+    The per-row reference (counts rebuilt from the token lists); the sampler uses PenaltyState.apply."""
     vocab = logits.shape[-1]
     for row, seq in enumerate(seqs):
         p = seq.params
@@ -47,13 +57,20 @@ def apply_min_tokens(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: 
     return logits
 
 
-def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor, *,
+                  has_top_k_or_p: bool | None = None, has_min_p: bool | None = None) -> torch.Tensor:
     """Set every token outside the top-k / nucleus / min-p set to -inf.
 
-    logits: (N, V) already divided by temperature; top_k: (N,) long (V = off); top_p, min_p: (N,).
+    logits: (N, V) already divided by temperature; top_k: (N,) int (V = off); top_p, min_p: (N,).
+    `has_top_k_or_p` / `has_min_p`: whether any row filters so (the sampler knows it on the host);
+    None asks the device, which waits for it.
     """
     vocab = logits.shape[-1]
-    if bool((top_k < vocab).any()) or bool((top_p < 1).any()):
+    if has_top_k_or_p is None:
+        has_top_k_or_p = bool((top_k < vocab).any()) or bool((top_p < 1).any())
+    if has_min_p is None:
+        has_min_p = bool((min_p > 0).any())
+    if has_top_k_or_p:
         sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)  # (N, V)
         ranks = torch.arange(vocab, device=logits.device)[None, :]
         remove = ranks >= top_k[:, None]
@@ -63,11 +80,27 @@ def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
         remove |= mass_before >= top_p[:, None]
         remove[:, 0] = False
         logits = logits.scatter(-1, sorted_idx, sorted_logits.masked_fill(remove, float("-inf")))
-    if bool((min_p > 0).any()):
+    if has_min_p:
         probs = logits.softmax(dim=-1)
         threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
         logits = logits.masked_fill(probs < threshold, float("-inf"))
     return logits
+
+
+def draw_exponential_noise(seqs: list[Sequence], vocab: int, device: torch.device) -> torch.Tensor:
+    """(R, V) Exp(1) draws, one row per random sequence from its own generator."""
+    return torch.stack([torch.empty(vocab, device=device).exponential_(generator=seq.get_generator(device))
+                        for seq in seqs])
+
+
+@dataclass
+class SampledTokens:
+    """The sampler's result, on the device. top_* hold zeros in rows that asked for no top logprobs."""
+
+    tokens: torch.Tensor  # (N,) int64
+    logprobs: torch.Tensor  # (N,) float32 raw log-probability of each chosen token
+    top_ids: torch.Tensor | None = None  # (N, K) int64, K = the batch's largest logprobs N
+    top_logprobs: torch.Tensor | None = None  # (N, K) float32
 
 
 class Sampler:
@@ -79,8 +112,31 @@ class Sampler:
 
     @torch.no_grad()
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[float]]:
+        """Sample outside an engine step (tests, tools): builds the batch and the penalty counts from
+        `seqs`, reads the result back. Returns tokens and their raw log-probabilities."""
+        vocab = logits.shape[-1]
+        penalties = PenaltyState(vocab, logits.device)
+        batch = sampling_batch_for(seqs, self.eos_token_ids, vocab, penalties, logits.device)
+        out = self.sample(logits, batch, seqs, penalties)
+        return out.tokens.tolist(), out.logprobs.tolist()
+
+    @torch.no_grad()
+    def sample(self, logits: torch.Tensor, batch: SamplingBatch, seqs: list[Sequence],
+               penalties: PenaltyState) -> SampledTokens:
         """logits: (N, V) float32 raw model logits, one row per sequence (the sampler may edit them in
-        place). Returns tokens and their raw log-probabilities (the model's own, before any penalty)."""
+        place). Chosen tokens, their raw log-probabilities (the model's own, before any penalty) and
+        the top-N raw log-probabilities where asked; the sampled tokens join `penalties`' counts.
+        `seqs` are read only for the random rows' generators."""
+        num_rows, vocab = logits.shape
+        result = SampledTokens(tokens=logits.new_empty(0, dtype=torch.long), logprobs=logits.new_empty(0))
+        if batch.top_index is not None:  # before anything edits the logits
+            index = batch.top_index.long()
+            picked = logits.index_select(0, index)  # (L, V)
+            k = min(batch.max_top_logprobs, vocab)
+            values, ids = picked.topk(k, dim=-1)  # (L, k)
+            values = values - torch.logsumexp(picked, dim=-1, keepdim=True)
+            result.top_ids = ids.new_zeros((num_rows, k)).index_copy_(0, index, ids)
+            result.top_logprobs = values.new_zeros((num_rows, k)).index_copy_(0, index, values)
         if self.is_c_sampling:
             tokens, log_z = cpu_sampling.argmax_log_z(logits)  # (N,), (N,): one pass over the raw logits
         else:
@@ -88,29 +144,26 @@ class Sampler:
         # Penalties change logits a token could be drawn at: keep the raw ones. min_tokens only bans
         # tokens (to -inf), which are then never drawn, so the chosen tokens' raw logits survive it.
         raw = logits
-        if any(s.params.has_penalties for s in seqs):
-            logits = apply_penalties(logits.clone(), seqs)
+        if batch.has_penalties:
+            penalties.initialize(batch)
+            logits = penalties.apply(logits, batch)
             tokens = None
-        if any(s.num_output_tokens < s.params.min_tokens for s in seqs):
-            logits = apply_min_tokens(logits, seqs, self.eos_token_ids)
+        if batch.ban_index is not None:
+            logits.index_put_((batch.ban_index.long(), batch.ban_tokens.long()),
+                              logits.new_full((), float("-inf")))
             tokens = None
         if tokens is None:  # greedy rows keep these
             tokens = cpu_sampling.argmax(logits) if self.is_c_sampling else logits.argmax(dim=-1)
-        random_rows = [i for i, s in enumerate(seqs) if not s.params.is_greedy]
-        if random_rows:
-            rows = torch.tensor(random_rows, device=logits.device)
-            params = [seqs[i].params for i in random_rows]
-            vocab = logits.shape[-1]
-            temperature = torch.tensor([p.temperature for p in params], device=logits.device)
-            top_k = torch.tensor([vocab if p.top_k == -1 else min(p.top_k, vocab) for p in params], device=logits.device)
-            top_p = torch.tensor([p.top_p for p in params], device=logits.device)
-            min_p = torch.tensor([p.min_p for p in params], device=logits.device)
-            scaled = logits[rows] / temperature[:, None]
-            probs = filter_logits(scaled, top_k, top_p, min_p).softmax(dim=-1)  # (R, V)
+        if batch.random_rows:
+            rows = batch.random_index.long()
+            scaled = logits.index_select(0, rows) / batch.temperature[:, None]
+            probs = filter_logits(scaled, batch.top_k, batch.top_p, batch.min_p,
+                                  has_top_k_or_p=batch.has_top_k_or_p, has_min_p=batch.has_min_p).softmax(dim=-1)
             # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p; one draw per token per sequence.
-            noise = torch.stack([
-                torch.empty(vocab, device=logits.device).exponential_(generator=seqs[i].get_generator(logits.device))
-                for i in random_rows])
-            tokens[rows] = (probs / noise).argmax(dim=-1)
-        chosen_logprobs = raw.gather(-1, tokens[:, None]).squeeze(-1) - log_z
-        return tokens.tolist(), chosen_logprobs.tolist()
+            noise = draw_exponential_noise([seqs[i] for i in batch.random_rows], vocab, logits.device)
+            tokens = tokens.index_copy(0, rows, (probs / noise).argmax(dim=-1))
+        result.tokens = tokens
+        result.logprobs = raw.gather(-1, tokens[:, None]).squeeze(-1) - log_z
+        if batch.has_penalties:
+            penalties.record(tokens, batch)
+        return result

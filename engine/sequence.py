@@ -56,6 +56,7 @@ class Sequence:
         self.output_top_logprobs: list[list[tuple[int, float]]] = []  # (token id, logprob), most likely first
         self.cumulative_logprob = 0.0
         self.output_text: str | None = None  # set when a stop string cut the text
+        self.text_state = None  # stop_strings.IncrementalText, made when stop strings are first checked
         self.arrival_time = arrival_time
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None

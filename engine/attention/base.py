@@ -31,6 +31,7 @@ import torch
 
 from batchgen.engine.kv_cache_manager import cache_slots
 from batchgen.engine.sequence import Sequence
+from batchgen.engine.step_inputs import StepInputs
 
 
 @dataclass
@@ -55,6 +56,19 @@ class AttentionMetadataBuilder(ABC):
               num_decodes: int) -> AttentionMetadata:
         """Metadata for one step: per sequence, in batch order, its new tokens (query_lens[i]), the
         tokens already in the cache before this step (context_lens[i]) and its block table."""
+
+    def build_packed(self, step: StepInputs) -> AttentionMetadata:
+        """Metadata for one step from its packed inputs (engine/step_inputs.py): device tensors that
+        came over in the step's one copy (slot_mapping, query_start_loc, seq_lens, context_lens_t,
+        query_lens_t, block_tables_t, all int32) and the host lengths.
+
+        A backend that runs on a GPU overrides this and makes no tensor of its own from host data
+        (that would be another host-to-device copy). For CUDA graphs (decode_graphs.py) it is called
+        inside the capture of each batch size, on views of the graph's static buffers, with
+        max_seq_len = max_model_len: device tensors it derives are then recomputed by every replay,
+        and host values must be fixed for the batch size. The default goes through `build` (host lists; for backends that gather on the host).
+        """
+        return self.build(step.query_lens, step.context_lens, step.block_tables, step.num_decodes)
 
 
 class AttentionBackend(ABC):

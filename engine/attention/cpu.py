@@ -20,6 +20,7 @@ from batchgen.engine.attention.base import (
     padded_block_tables,
     token_starts,
 )
+from batchgen.engine.step_inputs import StepInputs
 from batchgen.kernels import cpu_kv_store, cpu_paged_attention
 
 
@@ -77,6 +78,18 @@ class CpuMetadataBuilder(AttentionMetadataBuilder):
             meta.prefill = PagedPrefill(as_tensor(starts), as_tensor(chunk_lens), as_tensor(chunk_contexts),
                                         padded_block_tables(block_tables[num_decodes:], lengths, block_size, device),
                                         block_size)
+        return meta
+
+    def build_packed(self, step: StepInputs) -> CpuAttentionMetadata:
+        """Views of the step's packed tensors: nothing is built per sequence."""
+        num_decodes, num_seqs = step.num_decodes, step.num_seqs
+        meta = CpuAttentionMetadata(step.slot_mapping.long(), num_decodes)  # int64 once, not per layer
+        if num_decodes:
+            meta.decode = PagedDecode(step.block_tables_t[:num_decodes], step.seq_lens[:num_decodes], self.block_size)
+        if num_seqs > num_decodes:
+            meta.prefill = PagedPrefill(step.query_start_loc[num_decodes:num_seqs], step.query_lens_t[num_decodes:],
+                                        step.context_lens_t[num_decodes:], step.block_tables_t[num_decodes:],
+                                        self.block_size)
         return meta
 
 

@@ -23,7 +23,7 @@ log = logging.getLogger("batchgen.engine")
 
 @dataclass
 class LoadedModel:
-    source: ModelSource
+    source: ModelSource | None  # None: built by the caller (build_loaded_model), no tokenizer
     model_cfg: ModelConfig
     model: LlamaForCausalLM
     max_model_len: int
@@ -52,6 +52,26 @@ def model_weight_bytes(model: torch.nn.Module) -> int:
     return unique_storage_bytes(model) - unique_storage_bytes(model.rotary)
 
 
+def build_empty_model(model_cfg: ModelConfig, max_positions: int, backend, device: torch.device,
+                      dtype: torch.dtype) -> LlamaForCausalLM:
+    """The model's modules with uninitialized parameters allocated once, directly in `dtype` on `device`.
+
+    Built on the meta device with `dtype` as the default, then given storage: no float32 copy of the
+    weights ever exists (an 8B model would need 32 GB for one). The rotary tables are left empty here;
+    the caller computes them (they are float32 buffers, not weights).
+    """
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device("meta"):
+            model = LlamaForCausalLM(model_cfg, max_positions, backend)
+    finally:
+        torch.set_default_dtype(previous)
+    model = model.to_empty(device=device)
+    model.tie_weights()
+    return model
+
+
 def load_model(config: EngineConfig) -> LoadedModel:
     source = resolve_model(config.model)
     model_cfg = read_model_config(source)
@@ -67,10 +87,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
                                        has_fp8_layers=config.quantization == "fp8" or is_fp8_checkpoint)
     backend = ATTENTION_BACKENDS[capabilities.attention_backend](model_cfg.num_heads, model_cfg.num_kv_heads,
                                                                  model_cfg.head_dim)
-    with torch.device("meta"):
-        model = LlamaForCausalLM(model_cfg, max_model_len, backend)
-    model = model.to_empty(device=device).to(dtype)
-    model.tie_weights()
+    model = build_empty_model(model_cfg, max_model_len, backend, device, dtype)
     if source.is_gguf:
         weights = iter_gguf_weights(source.folder / source.gguf_file, model_cfg)
     else:
@@ -97,3 +114,32 @@ def load_model(config: EngineConfig) -> LoadedModel:
     log.info("loaded %s (%s, %d layers) as %s on %s", source.display_name, model_cfg.model_type,
              model_cfg.num_layers, dtype, device)
     return LoadedModel(source, model_cfg, model, max_model_len, weight_bytes, capabilities)
+
+
+def build_loaded_model(config: EngineConfig, model_cfg: ModelConfig, max_model_len: int,
+                       fill_weights) -> LoadedModel:
+    """A LoadedModel from weights the caller has: `fill_weights(model)` fills the empty model in place
+    (e.g. `model.load_weights(hf_state_dict.items())`, or a seeded random init). Then the rotary tables,
+    the elementwise kernels, FP8 (config.quantization) and oneDNN packing as load_model does. No
+    source: an engine built on it has no tokenizer (prompts as token ids)."""
+    capabilities = detect_capabilities(config, model_cfg, has_fp8_layers=config.quantization == "fp8")
+    backend = ATTENTION_BACKENDS[capabilities.attention_backend](model_cfg.num_heads, model_cfg.num_kv_heads,
+                                                                 model_cfg.head_dim)
+    device = config.torch_device
+    model = build_empty_model(model_cfg, max_model_len, backend, device, config.torch_dtype)
+    with torch.no_grad():
+        fill_weights(model)
+    model.rotary = RotaryEmbedding(model_cfg.head_dim, max_model_len, model_cfg.rope_theta,
+                                   model_cfg.rope_scaling).to(device)
+    model.eval()
+    if capabilities.elementwise_ops == "compiled":
+        model.enable_compile()
+    elif capabilities.elementwise_ops == "c":
+        model.enable_cpu_kernels()
+    if capabilities.fp8_mode is not None:
+        from batchgen.engine.quant.fp8 import quantize_model_fp8
+
+        quantize_model_fp8(model, config, None, capabilities)
+    if capabilities.is_onednn_packed_linear:
+        pack_linears(model, capabilities.is_onednn_silu_mul)
+    return LoadedModel(None, model_cfg, model, max_model_len, model_weight_bytes(model), capabilities)

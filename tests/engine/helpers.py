@@ -31,12 +31,13 @@ def captured_logits(engine: LLMEngine):
     sampler = runner.sampler
     records: dict[tuple[str, int, int], torch.Tensor] = {}
 
-    def recording_sampler(logits, seqs):
-        for row, seq in enumerate(seqs):
-            records[(seq.request_id, seq.sample_index, seq.num_output_tokens)] = logits[row].detach().clone()
-        return sampler(logits, seqs)
+    class RecordingSampler:
+        def sample(self, logits, batch, seqs, penalties):
+            for row, seq in enumerate(seqs):
+                records[(seq.request_id, seq.sample_index, seq.num_output_tokens)] = logits[row].detach().clone()
+            return sampler.sample(logits, batch, seqs, penalties)
 
-    runner.sampler = recording_sampler
+    runner.sampler = RecordingSampler()
     try:
         yield records
     finally:

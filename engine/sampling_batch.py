@@ -1,0 +1,254 @@
+"""The sampler's per-step inputs as device tensors, and the penalties' device-side token counts.
+
+The host decides once per step which rows need which treatment (it knows every SamplingParams), so
+the sampler never asks the device (`.any()`, `.item()`) whether a row needs top-k or a penalty. The
+per-row values travel in the step's one packed copy (step_inputs.py), as sections added here.
+
+Penalties read per-sequence token counts that live on the device (PenaltyState): a sequence gets a
+row when it first samples with a penalty (its prompt and any output tokens are uploaded once, in
+that step's packed copy), and after every step the sampled tokens are added on the device. Nothing
+is re-uploaded per step; the row is given back when the sequence finishes or is aborted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from batchgen.engine.sequence import Sequence
+from batchgen.engine.step_inputs import StepPacker
+
+
+@dataclass
+class SamplingBatch:
+    """One row per sampling sequence, in batch order. Index tensors point into those N rows."""
+
+    num_rows: int
+    # Random rows (temperature > 0): host list, and per random row its parameters.
+    random_rows: list[int] = field(default_factory=list)
+    random_index: torch.Tensor | None = None  # (R,) int32
+    temperature: torch.Tensor | None = None  # (R,) float32
+    top_k: torch.Tensor | None = None  # (R,) int32 (vocab: off)
+    top_p: torch.Tensor | None = None  # (R,) float32
+    min_p: torch.Tensor | None = None  # (R,) float32
+    has_top_k_or_p: bool = False
+    has_min_p: bool = False
+    # Rows with penalties: their PenaltyState rows and values.
+    penalty_index: torch.Tensor | None = None  # (P,) int32 into the N rows
+    penalty_rows: torch.Tensor | None = None  # (P,) int32 into PenaltyState
+    repetition: torch.Tensor | None = None  # (P,) float32
+    presence: torch.Tensor | None = None  # (P,) float32
+    frequency: torch.Tensor | None = None  # (P,) float32
+    has_repetition: bool = False
+    # PenaltyState rows that start this step: cleared, then filled with these (row, token) pairs.
+    new_penalty_rows: torch.Tensor | None = None  # (K,) int32
+    prompt_rows: torch.Tensor | None = None  # (M,) int32 (prompt tokens: only for a repetition penalty)
+    prompt_tokens: torch.Tensor | None = None  # (M,) int32
+    output_rows: torch.Tensor | None = None  # (M',) int32 (output tokens so far, counted)
+    output_tokens: torch.Tensor | None = None  # (M',) int32
+    # min_tokens: (row, token) pairs banned to -inf.
+    ban_index: torch.Tensor | None = None  # (B,) int32
+    ban_tokens: torch.Tensor | None = None  # (B,) int32
+    # Top-N logprobs: rows that ask, and N per row (host).
+    top_index: torch.Tensor | None = None  # (L,) int32
+    top_counts: list[int] = field(default_factory=list)  # (N,) host: N per row, 0 = none
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.penalty_index is not None
+
+    @property
+    def max_top_logprobs(self) -> int:
+        return max(self.top_counts, default=0)
+
+
+class PenaltyState:
+    """Per-sequence token counts on the device: output token counts and the prompt's token set."""
+
+    def __init__(self, vocab_size: int, device: torch.device, initial_rows: int = 16):
+        self.vocab_size = vocab_size
+        self.device = device
+        self.initial_rows = initial_rows
+        self.output_counts: torch.Tensor | None = None  # (capacity, V) int32, made on first use
+        self.prompt_mask: torch.Tensor | None = None  # (capacity, V) bool
+        self.rows: dict[Sequence, int] = {}
+        self.free_rows: list[int] = []
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self.output_counts is None else self.output_counts.shape[0]
+
+    def row_for(self, seq: Sequence) -> tuple[int, bool]:
+        """(row, is_new): the sequence's row, taking a free one (growing the tables) when it has none."""
+        row = self.rows.get(seq)
+        if row is not None:
+            return row, False
+        if not self.free_rows:
+            self._grow()
+        row = self.free_rows.pop()
+        self.rows[seq] = row
+        return row, True
+
+    def release(self, seq: Sequence) -> None:
+        row = self.rows.pop(seq, None)
+        if row is not None:
+            self.free_rows.append(row)
+
+    def _grow(self) -> None:
+        old = self.capacity
+        new = max(self.initial_rows, 2 * old)
+        counts = torch.zeros((new, self.vocab_size), dtype=torch.int32, device=self.device)
+        mask = torch.zeros((new, self.vocab_size), dtype=torch.bool, device=self.device)
+        if old:
+            counts[:old] = self.output_counts
+            mask[:old] = self.prompt_mask
+        self.output_counts, self.prompt_mask = counts, mask
+        self.free_rows.extend(range(new - 1, old - 1, -1))  # lowest row first
+
+    def initialize(self, batch: SamplingBatch) -> None:
+        """Clear this step's new rows and fill them from their prompt and output tokens (device ops)."""
+        if batch.new_penalty_rows is None:
+            return
+        rows = batch.new_penalty_rows.long()
+        self.output_counts.index_fill_(0, rows, 0)
+        self.prompt_mask.index_fill_(0, rows, False)
+        if batch.prompt_rows is not None:
+            self.prompt_mask.index_put_((batch.prompt_rows.long(), batch.prompt_tokens.long()),
+                                        torch.ones((), dtype=torch.bool, device=self.device))
+        if batch.output_rows is not None:
+            tokens = batch.output_tokens.long()
+            self.output_counts.index_put_((batch.output_rows.long(), tokens),
+                                          torch.ones_like(tokens, dtype=torch.int32), accumulate=True)
+
+    def apply(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """Penalized logits (a new tensor): vLLM's repetition penalty over prompt and output tokens,
+        presence and frequency penalties over output tokens."""
+        logits = logits.clone()
+        index = batch.penalty_index.long()
+        rows = batch.penalty_rows.long()
+        picked = logits.index_select(0, index)  # (P, V)
+        counts = self.output_counts.index_select(0, rows).to(picked.dtype)  # (P, V)
+        is_output = counts > 0
+        if batch.has_repetition:
+            seen = self.prompt_mask.index_select(0, rows) | is_output
+            rep = batch.repetition[:, None]
+            penalized = torch.where(picked > 0, picked / rep, picked * rep)
+            picked = torch.where(seen, penalized, picked)
+        picked = picked - (batch.frequency[:, None] * counts + batch.presence[:, None] * is_output.to(picked.dtype))
+        logits.index_copy_(0, index, picked)
+        return logits
+
+    def record(self, tokens: torch.Tensor, batch: SamplingBatch) -> None:
+        """Add this step's sampled tokens (N,) to their rows' output counts (device ops)."""
+        if batch.penalty_index is None:
+            return
+        chosen = tokens.index_select(0, batch.penalty_index.long())
+        ones = torch.ones_like(chosen, dtype=torch.int32)
+        self.output_counts.index_put_((batch.penalty_rows.long(), chosen), ones, accumulate=True)
+
+
+def add_sampling_sections(packer: StepPacker, seqs: list[Sequence], eos_token_ids: tuple[int, ...],
+                          vocab_size: int, penalties: PenaltyState) -> SamplingBatch:
+    """Add the sampling sections of `seqs` (one per sampling row) to the step's packer. Returns the
+    batch with its host fields set; `attach_sampling_tensors` fills in the device tensors."""
+    batch = SamplingBatch(num_rows=len(seqs))
+    random_rows: list[int] = []
+    temperature: list[float] = []
+    top_k: list[int] = []
+    top_p: list[float] = []
+    min_p: list[float] = []
+    penalty_index: list[int] = []
+    penalty_rows: list[int] = []
+    repetition: list[float] = []
+    presence: list[float] = []
+    frequency: list[float] = []
+    new_rows: list[int] = []
+    prompt_rows: list[int] = []
+    prompt_tokens: list[int] = []
+    output_rows: list[int] = []
+    output_tokens: list[int] = []
+    ban_index: list[int] = []
+    ban_tokens: list[int] = []
+    top_index: list[int] = []
+    top_counts = [0] * len(seqs)
+    for i, seq in enumerate(seqs):
+        p = seq.params
+        if (p.temperature == 0.0 and not p.logprobs and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0
+                and p.frequency_penalty == 0.0 and (p.min_tokens == 0 or seq.num_output_tokens >= p.min_tokens)):
+            continue  # plain greedy: nothing to send (the common case at large batch)
+        if p.temperature != 0.0:
+            random_rows.append(i)
+            temperature.append(p.temperature)
+            k = vocab_size if p.top_k == -1 else min(p.top_k, vocab_size)
+            top_k.append(k)
+            top_p.append(p.top_p)
+            min_p.append(p.min_p)
+            batch.has_top_k_or_p |= k < vocab_size or p.top_p < 1
+            batch.has_min_p |= p.min_p > 0
+        if p.has_penalties:
+            row, is_new = penalties.row_for(seq)
+            penalty_index.append(i)
+            penalty_rows.append(row)
+            repetition.append(p.repetition_penalty)
+            presence.append(p.presence_penalty)
+            frequency.append(p.frequency_penalty)
+            batch.has_repetition |= p.repetition_penalty != 1.0
+            if is_new:
+                new_rows.append(row)
+                if p.repetition_penalty != 1.0:
+                    prompt_rows.extend([row] * seq.num_prompt_tokens)
+                    prompt_tokens.extend(seq.prompt_token_ids)
+                outputs = seq.output_token_ids  # none unless the row was lost; kept for safety
+                output_rows.extend([row] * len(outputs))
+                output_tokens.extend(outputs)
+        if seq.num_output_tokens < p.min_tokens:
+            banned = list(eos_token_ids) + p.stop_token_ids
+            ban_index.extend([i] * len(banned))
+            ban_tokens.extend(banned)
+        if p.num_top_logprobs:
+            top_index.append(i)
+            top_counts[i] = p.num_top_logprobs
+    batch.random_rows, batch.top_counts = random_rows, top_counts
+    if random_rows:
+        packer.add_ints("s.random_index", random_rows)
+        packer.add_floats("s.temperature", temperature)
+        packer.add_ints("s.top_k", top_k)
+        packer.add_floats("s.top_p", top_p)
+        packer.add_floats("s.min_p", min_p)
+    if penalty_index:
+        packer.add_ints("s.penalty_index", penalty_index)
+        packer.add_ints("s.penalty_rows", penalty_rows)
+        packer.add_floats("s.repetition", repetition)
+        packer.add_floats("s.presence", presence)
+        packer.add_floats("s.frequency", frequency)
+    if new_rows:
+        packer.add_ints("s.new_penalty_rows", new_rows)
+    if prompt_rows:
+        packer.add_ints("s.prompt_rows", prompt_rows)
+        packer.add_ints("s.prompt_tokens", prompt_tokens)
+    if output_rows:
+        packer.add_ints("s.output_rows", output_rows)
+        packer.add_ints("s.output_tokens", output_tokens)
+    if ban_index:
+        packer.add_ints("s.ban_index", ban_index)
+        packer.add_ints("s.ban_tokens", ban_tokens)
+    if top_index:
+        packer.add_ints("s.top_index", top_index)
+    return batch
+
+
+def attach_sampling_tensors(batch: SamplingBatch, tensors: dict[str, torch.Tensor]) -> SamplingBatch:
+    """Point the batch's device fields at the sent sections (absent sections stay None)."""
+    for name, t in tensors.items():
+        if name.startswith("s."):
+            setattr(batch, name[2:], t)
+    return batch
+
+
+def sampling_batch_for(seqs: list[Sequence], eos_token_ids: tuple[int, ...], vocab_size: int,
+                       penalties: PenaltyState, device: torch.device) -> SamplingBatch:
+    """A SamplingBatch of its own (one packed copy for the sampler alone): for callers outside a step."""
+    packer = StepPacker(device)
+    batch = add_sampling_sections(packer, seqs, eos_token_ids, vocab_size, penalties)
+    return attach_sampling_tensors(batch, packer.send())

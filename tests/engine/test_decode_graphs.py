@@ -1,0 +1,79 @@
+"""Decode CUDA graphs' size selection and padding, on the CPU with an eager stand-in for the capture."""
+
+from __future__ import annotations
+
+import torch
+
+from batchgen.engine.decode_graphs import EagerCapturer, graph_batch_sizes, padded_batch_size
+from batchgen.engine.sampling_params import SamplingParams
+from tests.engine.step_fixtures import advance, decode, make_seq, prefill, tiny_runner
+
+CPU = torch.device("cpu")
+
+
+def test_batch_sizes_are_powers_of_two_then_multiples_of_eight_up_to_max_num_seqs():
+    assert graph_batch_sizes(1) == [1]
+    assert graph_batch_sizes(5) == [1, 2, 4, 5]
+    assert graph_batch_sizes(8) == [1, 2, 4, 8]
+    assert graph_batch_sizes(40) == [1, 2, 4, 8, 16, 24, 32, 40]
+    assert graph_batch_sizes(37) == [1, 2, 4, 8, 16, 24, 32, 37]
+    sizes = graph_batch_sizes(256)
+    assert sizes[:6] == [1, 2, 4, 8, 16, 24] and sizes[-1] == 256 and len(sizes) == 4 + 31
+    assert [padded_batch_size(n, sizes) for n in (1, 3, 5, 9, 17, 25, 255, 256)] == [1, 4, 8, 16, 24, 32, 256, 256]
+    assert padded_batch_size(257, sizes) is None
+
+
+def _three_sequences():
+    params = SamplingParams(temperature=0, max_tokens=16)
+    return [make_seq(f"r{i}", list(range(3 + i, 8 + 2 * i)), params, first_block=1 + 4 * i) for i in range(3)]
+
+
+def test_graph_replay_pads_rows_and_matches_the_eager_step():
+    eager, graphed = tiny_runner(CPU, max_num_seqs=8), tiny_runner(CPU, max_num_seqs=8)
+    capturer = EagerCapturer()
+    graphed.capture_decode_graphs(max_model_len=64, capturer=capturer)
+    assert sorted(graphed.graphs.graphs) == [1, 2, 4, 8] and capturer.num_captures == 4
+    eager_seqs, graph_seqs = _three_sequences(), _three_sequences()
+    advance(eager.execute(prefill(eager_seqs)))
+    advance(graphed.execute(prefill(graph_seqs)))  # prefill: eager in both
+    assert capturer.num_replays == 0
+    logits = {}
+    for runner, seqs in ((eager, eager_seqs), (graphed, graph_seqs)):
+        sampler = runner.sampler
+        records = logits.setdefault(id(runner), [])
+
+        class Recording:
+            def sample(self, step_logits, *args, sampler=sampler, records=records):
+                records.append(step_logits.clone())
+                return sampler.sample(step_logits, *args)
+
+        runner.sampler = Recording()
+        for _ in range(4):
+            advance(runner.execute(decode(seqs)))
+    assert capturer.num_replays == 4  # every decode step of 3 rows replayed the 4-row graph
+    graphs = graphed.graphs
+    # Row 3 is padding: no KV write (slot -1), one key, token 0 at position 0.
+    assert graphs.slot_mapping[3].item() == -1 and graphs.seq_lens[3].item() == 1
+    assert graphs.input_ids[3].item() == 0 and graphs.positions[3].item() == 0
+    for a, b in zip(logits[id(eager)], logits[id(graphed)]):
+        assert a.shape == b.shape == (3, 96)
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert [s.token_ids for s in eager_seqs] == [s.token_ids for s in graph_seqs]
+    # Padding wrote only the scratch slot the test backend sends slot -1 to (the last one).
+    for (k_eager, v_eager), (k_graph, v_graph) in zip(eager.kv_caches, graphed.kv_caches):
+        torch.testing.assert_close(k_eager[:-1], k_graph[:-1], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(v_eager[:-1], v_graph[:-1], rtol=1e-5, atol=1e-5)
+
+
+def test_steps_that_are_not_decode_only_or_too_large_run_eagerly():
+    runner = tiny_runner(CPU, max_num_seqs=2)
+    capturer = EagerCapturer()
+    runner.capture_decode_graphs(max_model_len=64, capturer=capturer)
+    seqs = _three_sequences()
+    advance(runner.execute(prefill(seqs[:2])))
+    advance(runner.execute(decode(seqs[:2]) + prefill(seqs[2:])))  # mixed step
+    assert capturer.num_replays == 0
+    advance(runner.execute(decode(seqs)))  # 3 rows > the largest graph (2)
+    assert capturer.num_replays == 0
+    advance(runner.execute(decode(seqs[:1])))
+    assert capturer.num_replays == 1

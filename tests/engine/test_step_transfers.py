@@ -1,0 +1,142 @@
+"""One decode step moves its inputs to the device in one copy and reads back once (issue 13, shown 4).
+
+The runner's input preparation is the CUDA path's, aimed at the `meta` device, so every host<->device
+transfer is a dispatched `_to_copy`/`copy_` between devices and every scalar read a
+`_local_scalar_dense`. The counting mode fakes the device-to-host results (meta tensors hold no data).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from batchgen.engine.decode_graphs import EagerCapturer
+from batchgen.engine.sampler import Sampler
+from batchgen.engine.sampling_params import SamplingParams
+from tests.engine.step_fixtures import EOS, advance, decode, make_seq, prefill, tiny_runner
+
+META = torch.device("meta")
+
+
+class HostDataCounter(TorchFunctionMode):
+    """`torch.tensor(data, device=...)` builds on the target device directly on meta (no dispatched
+    copy), while on CUDA it is a host-to-device copy: counted here, at the Python level."""
+
+    def __init__(self, transfers: list):
+        super().__init__()
+        self.transfers = transfers
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in (torch.tensor, torch.as_tensor) and kwargs.get("device") is not None:
+            target = torch.device(kwargs["device"])
+            if target.type != "cpu":
+                self.transfers.append(("cpu", target.type))
+        return func(*args, **kwargs)
+
+
+class TransferCounter(TorchDispatchMode):
+    """Records (source device, destination device) of cross-device copies and counts scalar reads."""
+
+    def __init__(self):
+        super().__init__()
+        self.transfers: list[tuple[str, str]] = []
+        self.scalar_reads = 0
+        self.host_data = HostDataCounter(self.transfers)
+
+    def __enter__(self):
+        self.host_data.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        result = super().__exit__(*exc)
+        self.host_data.__exit__(*exc)
+        return result
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func.overloadpacket.__name__
+        if name in ("_local_scalar_dense", "item"):  # aten.item reaches the mode first in recent torch
+            self.scalar_reads += 1
+            return False if args[0].dtype == torch.bool else 0
+        if name in ("_to_copy", "to"):  # aten.to reaches the mode in recent torch, _to_copy in others
+            source = args[0].device
+            target = torch.device(kwargs.get("device") or source)
+            if source != target:
+                self.transfers.append((source.type, target.type))
+                if target.type == "cpu" and source.type == "meta":  # nothing to copy out of meta
+                    return torch.zeros(args[0].shape, dtype=kwargs.get("dtype") or args[0].dtype)
+        if name == "copy_" and args[0].device != args[1].device:
+            self.transfers.append((args[1].device.type, args[0].device.type))
+            if args[0].device.type == "cpu":
+                return args[0]
+        return func(*args, **kwargs)
+
+
+def assert_one_copy_each_way(counter: TransferCounter) -> None:
+    assert counter.transfers == [("cpu", "meta"), ("meta", "cpu")], counter.transfers
+    assert counter.scalar_reads == 0
+
+
+def decode_step_on_meta(monkeypatch, *, graphs: bool):
+    """A runner on meta with four sequences prefilled: greedy, a penalty row, min_tokens, top logprobs."""
+    runner = tiny_runner(META, monkeypatch=monkeypatch)
+    params = [SamplingParams(temperature=0, max_tokens=8),
+              SamplingParams(temperature=0, max_tokens=8, repetition_penalty=1.3, frequency_penalty=0.5),
+              SamplingParams(temperature=0, max_tokens=8, min_tokens=4, stop_token_ids=[3]),
+              SamplingParams(temperature=0, max_tokens=8, logprobs=3)]
+    seqs = [make_seq(f"r{i}", [1 + i, 2, 3, 4, 5][:3 + i % 3], p, first_block=1 + 4 * i) for i, p in enumerate(params)]
+    with TransferCounter():  # the penalty row is made here, in the prefill step (meta reads need the mode)
+        advance(runner.execute(prefill(seqs)))
+    if graphs:
+        runner.capture_decode_graphs(max_model_len=64, capturer=EagerCapturer())
+    return runner, seqs
+
+
+def test_the_counter_sees_each_kind_of_transfer():
+    with TransferCounter() as counter:
+        torch.tensor([1, 2, 3], device=META)
+        y = torch.zeros(3, device=META)
+        y.cpu()
+        torch.ones(3).to(META)
+        bool((y > 0).any())
+    assert counter.transfers == [("cpu", "meta"), ("meta", "cpu"), ("cpu", "meta")]
+    assert counter.scalar_reads == 1
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_a_decode_step_copies_its_inputs_once_and_reads_back_once(monkeypatch, graphs):
+    runner, seqs = decode_step_on_meta(monkeypatch, graphs=graphs)
+    with TransferCounter() as counter:
+        results = runner.execute(decode(seqs))
+    assert len(results) == 4 and results[3][3] is not None and len(results[3][3]) == 3  # top-3 came back too
+    assert_one_copy_each_way(counter)
+    assert runner.penalties.rows  # the penalty row exists and was updated on the device
+
+
+def test_an_added_item_call_fails_the_count(monkeypatch):
+    """Negative control: the same step with one `.item()` in the sampler is caught."""
+    runner, seqs = decode_step_on_meta(monkeypatch, graphs=False)
+    original = Sampler.sample
+
+    def sample_with_a_sync(self, logits, *args):
+        logits.sum().item()
+        return original(self, logits, *args)
+
+    monkeypatch.setattr(Sampler, "sample", sample_with_a_sync)
+    with TransferCounter() as counter:
+        runner.execute(decode(seqs))
+    with pytest.raises(AssertionError):
+        assert_one_copy_each_way(counter)
+
+
+def test_a_prefill_step_with_a_new_penalty_row_is_one_copy_too(monkeypatch):
+    runner = tiny_runner(META, monkeypatch=monkeypatch)
+    seq = make_seq("p", [4, 5, 6, 7], SamplingParams(temperature=0, presence_penalty=1.0, repetition_penalty=1.2),
+                   first_block=1)
+    with TransferCounter() as counter:
+        runner.execute(prefill([seq]))
+    assert_one_copy_each_way(counter)
+    assert EOS == 95  # the fixture's EOS sits in the vocabulary
