@@ -145,7 +145,7 @@ class Scheduler:
             self.running.remove(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = "abort"
-        self.kv.free(seq)
+        self.kv_cache_manager.free(seq)
 
     def finish(self, seq: Sequence) -> None:
         """Called by the engine when `seq` is done: its blocks go back (keeping their hashes)."""

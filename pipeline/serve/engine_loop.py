@@ -258,12 +258,12 @@ class EngineLoop:
         self._records.clear()
 
     def _publish(self) -> None:
-        scheduler, pool = self.engine.scheduler, self.engine.kv.pool
+        scheduler, pool = self.engine.scheduler, self.engine.kv_cache_manager.pool
         running = {seq.request_id for seq in scheduler.running if seq.status == SequenceStatus.RUNNING}
         self.metrics.publish(EngineGauges(
             num_requests_running=len(running),
             num_requests_waiting=len(self._records) - len(running),
             num_free_blocks=pool.num_free_blocks, num_blocks=pool.num_blocks,
-            num_prefix_queried_tokens=pool.num_queried_blocks * self.engine.kv.block_size,
-            num_prefix_hit_tokens=pool.num_hit_blocks * self.engine.kv.block_size,
+            num_prefix_queried_tokens=pool.num_queried_blocks * self.engine.kv_cache_manager.block_size,
+            num_prefix_hit_tokens=pool.num_hit_blocks * self.engine.kv_cache_manager.block_size,
             num_preemptions=scheduler.stats.num_preemptions))

@@ -14,7 +14,7 @@ from tests.engine.prompts import CHAT_PROMPTS, LONG_INDEX
 
 def test_abort_frees_running_and_waiting_requests_and_the_rest_finish(llm):
     engine = llm.with_engine_settings(num_kv_blocks=64, max_model_len=512, max_num_seqs=2).engine
-    num_free = engine.kv.pool.num_free_blocks
+    num_free = engine.kv_cache_manager.pool.num_free_blocks
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     engine.add_request("long", CHAT_PROMPTS[LONG_INDEX], params)
     engine.add_request("sampled", CHAT_PROMPTS[1], SamplingParams(temperature=0.8, n=2, seed=3, max_tokens=12))
@@ -25,10 +25,10 @@ def test_abort_frees_running_and_waiting_requests_and_the_rest_finish(llm):
     assert long_seq.status == SequenceStatus.RUNNING and long_seq.block_ids
     assert [s.status for s in engine.sequences("kept")] == [SequenceStatus.WAITING]
     num_long_blocks = len(long_seq.block_ids)
-    free_before = engine.kv.pool.num_free_blocks
+    free_before = engine.kv_cache_manager.pool.num_free_blocks
 
     assert engine.abort_request("long") and engine.abort_request("kept")  # one running, one waiting
-    assert engine.kv.pool.num_free_blocks == free_before + num_long_blocks
+    assert engine.kv_cache_manager.pool.num_free_blocks == free_before + num_long_blocks
     assert long_seq.block_ids == [] and long_seq.finish_reason == "abort"
     assert long_seq not in engine.scheduler.running
     assert all(s.request_id != "kept" for s in engine.scheduler.waiting)
@@ -38,20 +38,20 @@ def test_abort_frees_running_and_waiting_requests_and_the_rest_finish(llm):
     while engine.has_unfinished():
         outputs.update((o.request_id, o) for o in engine.step())
     assert list(outputs) == ["sampled"] and engine.num_unfinished_requests == 0
-    assert engine.kv.pool.num_free_blocks == num_free
-    assert all(count == 0 for count in engine.kv.pool.ref_counts)
+    assert engine.kv_cache_manager.pool.num_free_blocks == num_free
+    assert all(count == 0 for count in engine.kv_cache_manager.pool.ref_counts)
 
 
 def test_abort_of_everything_gives_every_block_back(llm):
     engine = llm.with_engine_settings(num_kv_blocks=64, max_model_len=512).engine
-    num_free = engine.kv.pool.num_free_blocks
+    num_free = engine.kv_cache_manager.pool.num_free_blocks
     for i in range(4):
         engine.add_request(f"r{i}", CHAT_PROMPTS[i], SamplingParams(temperature=0, max_tokens=30))
     engine.step()
-    assert engine.kv.pool.num_free_blocks < num_free
+    assert engine.kv_cache_manager.pool.num_free_blocks < num_free
     for i in range(4):
         engine.abort_request(f"r{i}")
-    assert not engine.has_unfinished() and engine.kv.pool.num_free_blocks == num_free
+    assert not engine.has_unfinished() and engine.kv_cache_manager.pool.num_free_blocks == num_free
 
 
 def test_logprobs_spellings_and_range():
