@@ -32,6 +32,20 @@ def _parse_batch_sizes(text: str) -> list[int]:
     return sizes
 
 
+def _parse_rates(text: str) -> list[float]:
+    try:
+        rates = [float(x) for x in text.replace(" ", "").split(",") if x]
+    except ValueError:
+        raise typer.BadParameter(f"expected comma-separated request rates like 1,4; got {text!r}") from None
+    if not rates or any(r <= 0 for r in rates):
+        raise typer.BadParameter(f"request rates must be positive; got {text!r}")
+    return rates
+
+
+def _say(message: str) -> None:
+    print(f"[bench] {message}", file=sys.stderr, flush=True)
+
+
 def bench_command(
     workload: Annotated[str, typer.Option(help=f"One of: {', '.join(WORKLOADS)}.")] = "random",
     model: Annotated[str, typer.Option(help="Model alias, HF folder or .gguf file.")] = DEFAULT_MODEL,
@@ -54,18 +68,31 @@ def bench_command(
     warmup: Annotated[bool, typer.Option("--warmup/--no-warmup", help="Warm both sides up untimed.")] = True,
     quality: Annotated[bool, typer.Option(
         "--quality", help="Run the FP8 quality bench (agreement and KL against float32) instead.")] = False,
+    request_rates: Annotated[str, typer.Option(
+        help="serve: Poisson request rates (req/s) to run, comma-separated.")] = "1,4",
+    max_concurrency: Annotated[int, typer.Option(help="serve: streaming clients at most in flight.")] = 16,
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
     output: Annotated[Path | None, typer.Option(
         help="Also write the JSON result here, e.g. benchmarks/results/random-2core.json.")] = None,
 ) -> None:
-    """Throughput of the engine against HF transformers on one workload, with roofline and agreement."""
+    """Throughput of the engine against HF transformers on one workload, with roofline and agreement.
+
+    `--workload serve`: `batchgen serve` under streaming clients at Poisson request rates (TTFT/TPOT
+    percentiles as the client sees them) beside the same prompts offline.
+    """
     try:
         opts = BenchOptions(workload=workload, model=model, num_requests=num_requests, input_len_min=input_len_min,
                             input_len_max=input_len_max, output_len=output_len, seed=seed, peer=peer,
                             peer_batch_sizes=_parse_batch_sizes(peer_batch_sizes),
                             engine_overrides=parse_engine_overrides(engine), num_threads=threads,
                             prompts=prompts, prefill_gemm_tokens=gemm_tokens, is_warmup=warmup, is_quality=quality)
-        result = run_quality(opts) if opts.is_quality else run_bench(opts)
+        if opts.workload == "serve":
+            from batchgen.bench.serve_load import run_serve_bench  # needs the serve extra (httpx)
+
+            result = run_serve_bench(opts, _parse_rates(request_rates), max_concurrency,
+                                     Path(output).parent if output else Path("."), _say)
+        else:
+            result = run_quality(opts) if opts.is_quality else run_bench(opts)
     except (ValueError, FileNotFoundError, PeerUnavailable) as exc:
         typer.echo(f"batchgen bench: {exc}", err=True)
         raise typer.Exit(2) from None
@@ -76,8 +103,14 @@ def bench_command(
     if output:
         output.parent.mkdir(parents=True, exist_ok=True)
         output.write_text(text + "\n")
-    typer.echo(text if as_json else (format_quality_table(result["quality"]) if opts.is_quality
-                                     else format_report(result)))
+    if as_json:
+        typer.echo(text)
+    elif opts.workload == "serve":
+        from batchgen.bench.serve_load import format_serve_report
+
+        typer.echo(format_serve_report(result))
+    else:
+        typer.echo(format_quality_table(result["quality"]) if opts.is_quality else format_report(result))
 
 
 def main() -> None:

@@ -14,7 +14,7 @@ import numpy as np
 
 from batchgen.pipeline.ordering import num_shared_prefix
 
-WORKLOADS = ("random", "chat", "shared-prefix")
+WORKLOADS = ("random", "chat", "shared-prefix", "serve")  # serve: random prompts through `batchgen serve`
 CHAT_PROMPTS_FILE = "chat_prompts.parquet"
 
 

@@ -272,3 +272,21 @@ def test_metrics_are_prometheus_text(server):
     metrics = server.metrics()
     assert metrics["batchgen:generation_tokens_total"] > 0 and metrics["batchgen:time_to_first_token_seconds_count"] > 0
     assert json.dumps(metrics)  # every sample line parsed as a number
+
+
+def test_the_serve_bench_client_measures_what_a_client_sees(server):
+    from batchgen.bench.serve_load import poisson_arrivals, run_load, server_latency_sums, summarize
+    from batchgen.bench.workloads import BenchRequest
+
+    arrivals = poisson_arrivals(2000, 4.0, seed=3)
+    assert arrivals == poisson_arrivals(2000, 4.0, seed=3) and arrivals != poisson_arrivals(2000, 4.0, seed=4)
+    assert arrivals[0] == 0 and 1 / 4.0 * 0.9 < arrivals[-1] / 1999 < 1 / 4.0 * 1.1  # mean gap 1/rate
+
+    requests = [BenchRequest(str(i), [1, 2, 3, 100 + i], 6) for i in range(4)]
+    before = server_latency_sums(server.base_url)
+    results, seconds = asyncio.run(run_load(server.base_url, requests, 20.0, 2, seed=0, model=MODEL, api_key=KEY))
+    summary = summarize(results, seconds, 20.0, before, server_latency_sums(server.base_url))
+    assert summary["num_failed"] == 0 and [r.num_tokens for r in results] == [6] * 4  # min_tokens = max_tokens
+    assert all(0 < r.ttft_s <= r.e2e_s and r.tpot_s > 0 for r in results)
+    assert summary["output_tokens_per_s"] == pytest.approx(24 / seconds)
+    assert summary["ttft_s"]["p50"] <= summary["ttft_s"]["p99"] and summary["server_mean_e2e_s"] > 0
