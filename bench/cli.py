@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import sys
+import tempfile
 from pathlib import Path
 from typing import Annotated
 
@@ -89,8 +90,8 @@ def bench_command(
         if opts.workload == "serve":
             from batchgen.bench.serve_load import run_serve_bench  # needs the serve extra (httpx)
 
-            result = run_serve_bench(opts, _parse_rates(request_rates), max_concurrency,
-                                     Path(output).parent if output else Path("."), _say)
+            log_dir = Path(tempfile.mkdtemp(prefix="batchgen-bench-serve-"))  # the server's log
+            result = run_serve_bench(opts, _parse_rates(request_rates), max_concurrency, log_dir, _say)
         else:
             result = run_quality(opts) if opts.is_quality else run_bench(opts)
     except (ValueError, FileNotFoundError, PeerUnavailable) as exc:
