@@ -178,7 +178,8 @@ def _prepare(body: ChatCompletionRequest | CompletionRequest, prompt, prompt_fie
 
 
 async def _generate(state: ServerState, request: Request, body, prompts: list, is_chat: bool) -> Response:
-    sampling_params_from_body(body, default_max_tokens=1)  # a bad field is a 400 before any queueing
+    # A bad field is a 400 before any queueing (the default budget is settled per prompt later).
+    sampling_params_from_body(body, default_max_tokens=state.max_model_len)
     release = state.admit()
     try:
         response_id = f"{'chatcmpl' if is_chat else 'cmpl'}-{uuid.uuid4().hex}"

@@ -39,7 +39,8 @@ def engine_flag(name: str) -> str:
     return "--" + VLLM_FLAG_NAMES.get(name, name.replace("_", "-"))
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(config_class: type = EngineConfig) -> argparse.ArgumentParser:
+    """The flags: the server's own, then one per field of `config_class` (EngineConfig)."""
     parser = argparse.ArgumentParser(
         prog="batchgen serve",
         description="An OpenAI-compatible server (/v1/chat/completions, /v1/completions, /v1/models, "
@@ -62,8 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
                         choices=["critical", "error", "warning", "info", "debug", "trace"],
                         help="(default: %(default)s)")
     engine = parser.add_argument_group("engine (EngineConfig's fields; default: the engine's or the job's)")
-    hints = typing.get_type_hints(EngineConfig)
-    for f in dataclasses.fields(EngineConfig):
+    hints = typing.get_type_hints(config_class)
+    for f in dataclasses.fields(config_class):
         if f.name == "model":
             continue
         flag, default = engine_flag(f.name), f.default if f.default is not dataclasses.MISSING else None
