@@ -11,6 +11,24 @@ from batchgen.engine import RequestOutput
 from batchgen.pipeline.serve.engine_loop import SampleDelta, TokenLogprob
 
 
+def sample_deltas(output: RequestOutput, token_texts) -> list[SampleDelta]:
+    """A finished RequestOutput's samples as whole-sample deltas, for the body builders below.
+
+    `token_texts`: ids -> each token's text decoded alone (Tokenizer.token_texts), for the chosen
+    tokens' logprob entries. For callers that hold a RequestOutput (an OpenAI Batch file's writer);
+    the server's engine thread builds the same deltas itself.
+    """
+    deltas = []
+    for c in output.outputs:
+        logprobs = None
+        if c.logprobs is not None:
+            tops = c.top_logprobs or [[] for _ in c.token_ids]
+            logprobs = [TokenLogprob(t, text, lp, list(top))
+                        for t, text, lp, top in zip(c.token_ids, token_texts(list(c.token_ids)), c.logprobs, tops)]
+        deltas.append(SampleDelta(c.index, c.text, list(c.token_ids), logprobs, c.finish_reason, c.stop_reason))
+    return deltas
+
+
 def usage(outputs: list[RequestOutput]) -> dict:
     """Summed over a request's prompts: prompt tokens count once per prompt, completions per sample."""
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
