@@ -75,7 +75,8 @@ async def _one_request(http: httpx.AsyncClient, request: BenchRequest, send_at: 
         num_tokens = 0
         async with http.stream("POST", "/v1/completions", json=body) as response:
             if response.status_code != 200:
-                return ClientResult(False, error=f"HTTP {response.status_code}: {(await response.aread())[:200]!r}")
+                text = (await response.aread())[:200]
+                return ClientResult(False, error=f"HTTP {response.status_code}: {text!r}")
             async for line in response.aiter_lines():
                 if not line.startswith("data: "):
                     continue
@@ -228,7 +229,8 @@ def run_serve_bench(opts, request_rates: list[float], max_concurrency: int, log_
         for rate in request_rates:
             say(f"serve: {workload.num_requests} requests at {rate:g} req/s, at most {max_concurrency} at once")
             before = server_latency_sums(server.base_url)
-            results, seconds = asyncio.run(run_load(server.base_url, workload.requests, rate, max_concurrency, seed))
+            results, seconds = asyncio.run(run_load(server.base_url, workload.requests, rate, max_concurrency,
+                                                    seed))
             runs.append(summarize(results, seconds, rate, before, server_latency_sums(server.base_url)))
             say(f"serve: {runs[-1]['output_tokens_per_s']:.1f} output tok/s, TTFT p50 "
                 f"{(runs[-1]['ttft_s'] or {}).get('p50', float('nan')):.3f}s")
@@ -254,6 +256,7 @@ def format_serve_report(result: dict) -> str:
         def three(p: dict, scale: float, fmt: str) -> str:
             return "/".join(format(p[k] * scale, fmt) for k in ("p50", "p90", "p99")) if p else "-"
         adds = f"{run['server_adds_s'] * 1000:.1f}" if run["server_adds_s"] is not None else "-"
-        lines.append(f"  {run['request_rate']:>10g} {run['request_throughput']:>7.2f} {run['output_tokens_per_s']:>10.1f} "
-                     f"{three(ttft, 1, '.2f'):>22} {three(tpot, 1000, '.0f'):>22} {adds:>15} {run['num_failed']:>7}")
+        lines.append(f"  {run['request_rate']:>10g} {run['request_throughput']:>7.2f} "
+                     f"{run['output_tokens_per_s']:>10.1f} {three(ttft, 1, '.2f'):>22} "
+                     f"{three(tpot, 1000, '.0f'):>22} {adds:>15} {run['num_failed']:>7}")
     return "\n".join(lines)

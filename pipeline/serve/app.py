@@ -226,7 +226,7 @@ class _Tracker:
         self.unfinished.clear()
 
     async def _next(self, request: Request | None):
-        """The next event, or a CancelledError-free abort when the client disconnects first."""
+        """The next event; _ClientGone when the client disconnects first."""
         if request is None:
             return await self.sink.get()
         get = asyncio.ensure_future(self.sink.get())

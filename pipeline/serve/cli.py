@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import logging
 import os
 import signal
 import sys
+import time
 import typing
 from pathlib import Path
 
@@ -49,16 +51,19 @@ def build_parser(config_class: type = EngineConfig) -> argparse.ArgumentParser:
                         help="a model (bundled alias, HF folder, .gguf file) or a job file whose model "
                              "and engine sections to use")
     server = parser.add_argument_group("server")
-    server.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s; 0.0.0.0: every interface)")
+    server.add_argument("--host", default="127.0.0.1",
+                        help="address to bind (default: %(default)s; 0.0.0.0: every interface)")
     server.add_argument("--port", type=int, default=8000, help="(default: %(default)s)")
     server.add_argument("--served-model-name", nargs="+", default=None,
                         help="the name(s) clients send as `model` (default: MODEL_OR_JOB's model)")
     server.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
                         help=f"require `Authorization: Bearer KEY` on /v1 (default: ${API_KEY_ENV})")
     server.add_argument("--max-queued-requests", type=int, default=DEFAULT_MAX_QUEUED_REQUESTS,
-                        help="requests held beyond --max-num-seqs; past it, 503 with Retry-After (default: %(default)s)")
+                        help="requests held beyond --max-num-seqs; past it, 503 with Retry-After "
+                             "(default: %(default)s)")
     server.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
-                        help="on SIGTERM/Ctrl-C, seconds unfinished requests get before they end with an error (default: %(default)s)")
+                        help="on SIGTERM/Ctrl-C, seconds unfinished requests get before they end with "
+                             "an error (default: %(default)s)")
     server.add_argument("--uvicorn-log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug", "trace"],
                         help="(default: %(default)s)")
@@ -106,12 +111,12 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 def serve_main(argv: list[str]) -> int:
     """Parse, load the model, serve until SIGTERM/Ctrl-C; 0 after a graceful shutdown."""
     args = build_parser().parse_args(argv)
-    try:
-        import fastapi  # noqa: F401
-        import uvicorn
-    except ImportError as exc:
-        print(f"batchgen serve: needs the serve extra (pip install 'batchgen[serve]'): {exc}", file=sys.stderr)
+    missing = [name for name in ("fastapi", "uvicorn") if importlib.util.find_spec(name) is None]
+    if missing:
+        print(f"batchgen serve: needs the serve extra (pip install 'batchgen[serve]'): no {', '.join(missing)}",
+              file=sys.stderr)
         return 1
+    import uvicorn
     from batchgen.pipeline.errors import JobError
 
     try:
@@ -137,7 +142,10 @@ def serve_main(argv: list[str]) -> int:
     state = ServerState(loop, settings, metrics, engine.max_model_len, engine.model_cfg.vocab_size)
     app = create_app(state)
 
+    stop_signal_time: list[float] = []
+
     def begin_shutdown() -> None:
+        stop_signal_time.append(time.monotonic())
         state.shutting_down = True
         loop.fail_all_after(args.shutdown_timeout)
 
@@ -155,7 +163,10 @@ def serve_main(argv: list[str]) -> int:
     try:
         server.run()
     finally:
+        took = f" {time.monotonic() - stop_signal_time[0]:.1f}s after the stop signal" if stop_signal_time else ""
+        log.info("the HTTP server stopped%s; stopping the engine thread", took)
         loop.stop()
+    log.info("stopped")
     return 0
 
 

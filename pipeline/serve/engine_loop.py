@@ -170,7 +170,8 @@ class EngineLoop:
                 self._iterate()
             except Exception as exc:  # a bug outside the step: fail what is in flight, keep serving
                 log.exception("engine loop error")
-                self._fail_all(APIError(500, f"internal error: {type(exc).__name__}: {exc}", code="internal_error"))
+                self._fail_all(APIError(500, f"internal error: {type(exc).__name__}: {exc}",
+                                        code="internal_error"))
         self._take_inbox()
         self._fail_all(APIError(503, "the server stopped before this request finished", code="shutdown"))
 
@@ -221,7 +222,8 @@ class EngineLoop:
             return
         except Exception as exc:
             log.exception("cannot add request %s", sub.request_id)
-            sub.sink.put(Failed(sub.request_id, APIError(500, f"cannot add the request: {exc}", code="engine_error")))
+            error = APIError(500, f"cannot add the request: {exc}", code="engine_error")
+            sub.sink.put(Failed(sub.request_id, error))
             return
         seqs = self.engine.sequences(sub.request_id)
         decode = self.engine.tokenizer.decode
@@ -274,8 +276,8 @@ class EngineLoop:
             start, end = stream.take_tokens(len(completion.token_ids))
         else:
             text, start, end = completion.text, 0, len(completion.token_ids)
-        return SampleDelta(completion.index, text, completion.token_ids[start:end], self._logprobs(seq, start, end),
-                           completion.finish_reason, completion.stop_reason)
+        return SampleDelta(completion.index, text, completion.token_ids[start:end],
+                           self._logprobs(seq, start, end), completion.finish_reason, completion.stop_reason)
 
     def _logprobs(self, seq: Sequence, start: int, end: int) -> list[TokenLogprob] | None:
         if seq.params.logprobs is None:
@@ -285,10 +287,13 @@ class EngineLoop:
         ids = chosen + [token_id for top in tops for token_id, _ in top]
         texts = iter(self.engine.tokenizer.token_texts(ids))
         chosen_texts = [next(texts) for _ in chosen]
+        chosen_logprobs = seq.output_logprobs[start:end]
         return [TokenLogprob(token_id, token, logprob, [TopLogprob(t, next(texts), lp) for t, lp in top])
-                for token_id, token, logprob, top in zip(chosen, chosen_texts, seq.output_logprobs[start:end], tops)]
+                for token_id, token, logprob, top in zip(chosen, chosen_texts, chosen_logprobs, tops)]
 
     def _fail_all(self, error: APIError) -> None:
+        if self._records:
+            log.info("ending %d unfinished request(s): %s", len(self._records), error.message)
         for request_id, record in list(self._records.items()):
             try:
                 self.engine.abort_request(request_id)

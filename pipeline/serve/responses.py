@@ -110,8 +110,9 @@ class ChunkWriter:
         for d in deltas:
             index = prompt_index * self.n + d.index
             if self.is_chat:
-                choice = {"index": index, "delta": {"content": d.text} if d.text or d.finish_reason is None else {},
-                          "logprobs": chat_logprobs(d.logprobs), "finish_reason": d.finish_reason}
+                delta = {"content": d.text} if d.text or d.finish_reason is None else {}
+                choice = {"index": index, "delta": delta, "logprobs": chat_logprobs(d.logprobs),
+                          "finish_reason": d.finish_reason}
             else:
                 offset = self.text_offsets.get(index, 0)
                 self.text_offsets[index] = offset + len(d.text)
