@@ -238,7 +238,17 @@ def test_a_client_that_disconnects_mid_stream_frees_its_blocks(server):
     after = _wait_idle(server)
     assert after["batchgen:num_requests_running"] == 0
     assert after["batchgen:num_free_kv_blocks"] == before["batchgen:num_free_kv_blocks"]
-    assert after['batchgen:request_success_total{model_name="%s",finished_reason="abort"}' % MODEL] >= 2
+    aborted = 'batchgen:request_success_total{model_name="%s",finished_reason="abort"}' % MODEL
+    assert after[aborted] >= 2
+
+    # A non-streamed request whose client gives up is aborted too.
+    body = {"model": MODEL, "messages": chat("Hi"), "max_tokens": 1000, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=3,
+                   headers={"Authorization": f"Bearer {KEY}"})
+    again = _wait_idle(server)
+    assert again["batchgen:num_free_kv_blocks"] == before["batchgen:num_free_kv_blocks"]
+    assert again[aborted] == after[aborted] + 1
 
 
 def test_requests_beyond_the_queue_bound_get_503_and_the_server_goes_on(server, client):
