@@ -103,7 +103,7 @@ def validate(job: JobArg, set_: SetOpt = None, limit: LimitOpt = None) -> None:
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
              add_help_option=False)
 def serve(ctx: typer.Context) -> None:
-    """An OpenAI-compatible server: batchgen serve MODEL_OR_JOB [--port 8000] [vLLM's engine flags].
+    """An OpenAI-compatible server on the engine (/v1/chat/completions, /v1/completions, ...).
 
     `batchgen serve --help` lists every flag (needs the serve extra: fastapi, uvicorn).
     """
