@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import sys
+import tempfile
 from pathlib import Path
 from typing import Annotated
 
@@ -34,6 +35,20 @@ def _parse_batch_sizes(text: str) -> list[int]:
     return sizes
 
 
+def _parse_rates(text: str) -> list[float]:
+    try:
+        rates = [float(x) for x in text.replace(" ", "").split(",") if x]
+    except ValueError:
+        raise typer.BadParameter(f"expected comma-separated request rates like 1,4; got {text!r}") from None
+    if not rates or any(r <= 0 for r in rates):
+        raise typer.BadParameter(f"request rates must be positive; got {text!r}")
+    return rates
+
+
+def _say(message: str) -> None:
+    print(f"[bench] {message}", file=sys.stderr, flush=True)
+
+
 def bench_command(
     workload: Annotated[str, typer.Option(help=f"One of: {', '.join(WORKLOADS)}.")] = "random",
     model: Annotated[str, typer.Option(help="Model alias, HF folder or .gguf file.")] = DEFAULT_MODEL,
@@ -58,11 +73,18 @@ def bench_command(
     warmup: Annotated[bool, typer.Option("--warmup/--no-warmup", help="Warm both sides up untimed.")] = True,
     quality: Annotated[bool, typer.Option(
         "--quality", help="Run the FP8 quality bench (agreement and KL against float32) instead.")] = False,
+    request_rates: Annotated[str, typer.Option(
+        help="serve: Poisson request rates (req/s) to run, comma-separated.")] = "1,4",
+    max_concurrency: Annotated[int, typer.Option(help="serve: streaming clients at most in flight.")] = 16,
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
     output: Annotated[Path | None, typer.Option(
         help="Also write the JSON result here, e.g. benchmarks/results/random-2core.json.")] = None,
 ) -> None:
-    """Throughput of the engine against HF transformers on one workload, with roofline and agreement."""
+    """Throughput of the engine against HF transformers on one workload, with roofline and agreement.
+
+    `--workload serve`: `batchgen serve` under streaming clients at Poisson request rates (TTFT/TPOT
+    percentiles as the client sees them) beside the same prompts offline.
+    """
     try:
         opts = BenchOptions(workload=workload, model=model, num_requests=num_requests, input_len_min=input_len_min,
                             input_len_max=input_len_max, output_len=output_len, seed=seed, peer=peer,
@@ -74,6 +96,11 @@ def bench_command(
         elif opts.workload == "overhead":
             result = run_overhead(prompt_len=opts.input_len_min, steps=opts.output_len, seed=opts.seed)
             result["machine"] = machine_fingerprint()
+        elif opts.workload == "serve":
+            from batchgen.bench.serve_load import run_serve_bench  # needs the serve extra (httpx)
+
+            log_dir = Path(tempfile.mkdtemp(prefix="batchgen-bench-serve-"))  # the server's log
+            result = run_serve_bench(opts, _parse_rates(request_rates), max_concurrency, log_dir, _say)
         else:
             result = run_bench(opts)
     except (ValueError, FileNotFoundError, PeerUnavailable) as exc:
@@ -92,6 +119,10 @@ def bench_command(
         typer.echo(format_quality_table(result["quality"]))
     elif opts.workload == "overhead":
         typer.echo(format_overhead(result))
+    elif opts.workload == "serve":
+        from batchgen.bench.serve_load import format_serve_report
+
+        typer.echo(format_serve_report(result))
     else:
         typer.echo(format_report(result))
 

@@ -41,7 +41,7 @@ def _say(message: str) -> None:
 # ---- pieces --------------------------------------------------------------------------------------
 def make_workload(opts: BenchOptions, engine: LLMEngine) -> Workload:
     tokenizer = engine.tokenizer
-    if opts.workload == "random":
+    if opts.workload in ("random", "serve"):
         return random_workload(opts.num_requests or DEFAULT_NUM_REQUESTS, opts.input_len_min, opts.input_len_max,
                                opts.output_len, opts.seed, engine.model_cfg.vocab_size,
                                special_token_ids(tokenizer.hf))

@@ -14,7 +14,7 @@ import numpy as np
 
 from batchgen.pipeline.ordering import num_shared_prefix
 
-WORKLOADS = ("random", "chat", "shared-prefix", "overhead")  # overhead: bench/overhead.py (null model)
+WORKLOADS = ("random", "chat", "shared-prefix", "overhead", "serve")  # overhead: bench/overhead.py (null model); serve: random prompts through `batchgen serve`
 CHAT_PROMPTS_FILE = "chat_prompts.parquet"
 
 

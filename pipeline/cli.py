@@ -100,6 +100,19 @@ def validate(job: JobArg, set_: SetOpt = None, limit: LimitOpt = None) -> None:
     typer.echo("ok")
 
 
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+             add_help_option=False)
+def serve(ctx: typer.Context) -> None:
+    """An OpenAI-compatible server on the engine (/v1/chat/completions, /v1/completions, ...).
+
+    `batchgen serve --help` lists every flag (needs the serve extra: fastapi, uvicorn).
+    """
+    from batchgen.pipeline.serve.cli import serve_main
+
+    _setup_logging()
+    raise typer.Exit(serve_main(list(ctx.args)))
+
+
 app.command("bench")(bench_command)
 app.command("plan")(plan_command)
 

@@ -8,6 +8,11 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# OpenMP threads sleep between parallel regions instead of spinning. On a CPU shared with other
+# processes, spinning threads of the main thread's team wait on descheduled peers at every barrier:
+# measured on the 2-core VM at load ~10, LLM.generate of 2 prompts x 8 tokens took 14 s with the
+# default policy and 0.9-1.4 s with PASSIVE (read by libgomp when torch is first imported: set here).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # Triton kernels run under the interpreter on the CPU. Set before any test module imports triton:
 # transformers' model modules may import it first, and triton reads the variable at import.
 os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -1,12 +1,15 @@
 """EngineLoop: one thread owns the engine; HTTP handlers hand it requests and await its events.
 
 Between two engine steps the thread takes every request that arrived (and every abort), so
-concurrent HTTP requests share steps: continuous batching across clients. Results go back to the
-asyncio side through each request's EventSink (call_soon_threadsafe onto an asyncio.Queue):
-streaming requests get a Progress event per step with new text and tokens, every request a
-Finished or a Failed event at its end. A request that fails (it cannot be added, or its output
-cannot be formatted) fails alone; a step that raises fails the requests in the engine, and the
-loop goes on serving.
+concurrent HTTP requests share steps: continuous batching across clients. Everything that touches
+the tokenizer runs on this thread too (encoding prompts, streaming text, token strings for
+logprobs): a Rust tokenizer shared by two threads can fail with "Already borrowed".
+
+Results go back to the asyncio side through each request's EventSink (call_soon_threadsafe onto an
+asyncio.Queue): a streaming request gets a Progress event per step with its new text and tokens;
+every request ends with one Finished (all its samples, or for a stream their last pieces) or one
+Failed event. A request that fails (its prompt is refused, its output cannot be formatted) fails
+alone; a step that raises fails the requests in the engine, and the loop goes on serving.
 """
 
 from __future__ import annotations
@@ -16,11 +19,13 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
-from batchgen.engine import LLMEngine, RequestOutput, SamplingParams
+from batchgen.engine import LLMEngine, RequestOutput, SamplingParams, TopLogprob
 from batchgen.engine.sequence import Sequence, SequenceStatus
-from batchgen.pipeline.serve.errors import APIError, bad_request
+from batchgen.pipeline.serve.errors import APIError
 from batchgen.pipeline.serve.metrics import EngineGauges, Metrics
 from batchgen.pipeline.serve.text_stream import TextStream
 
@@ -30,17 +35,32 @@ log = logging.getLogger("batchgen.serve")
 IDLE_WAIT_S = 0.5
 
 
+class TokenLogprob(NamedTuple):
+    """A chosen token with its text (decoded alone), raw log-probability and the top-N alternatives."""
+
+    token_id: int
+    token: str
+    logprob: float
+    top: list[TopLogprob]
+
+
 @dataclass
 class SampleDelta:
-    """What one sample added since its last delta. Top logprobs are (token id, logprob) pairs."""
+    """What one sample added since its last delta (for a non-streaming request: the whole sample)."""
 
     index: int
     text: str
     token_ids: list[int]
-    logprobs: list[float] | None
-    top_logprobs: list[list[tuple[int, float]]] | None
+    logprobs: list[TokenLogprob] | None  # None unless the request asked for logprobs
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+
+
+@dataclass
+class Admitted:
+    """The engine took the request (its prompt and settings passed every check)."""
+
+    request_id: str
 
 
 @dataclass
@@ -53,7 +73,7 @@ class Progress:
 class Finished:
     request_id: str
     output: RequestOutput
-    deltas: list[SampleDelta]  # a streaming request's last deltas (the rest of each sample); else empty
+    deltas: list[SampleDelta]  # one per sample: the whole sample, or what a stream has not sent yet
 
 
 @dataclass
@@ -62,7 +82,7 @@ class Failed:
     error: APIError
 
 
-Event = Progress | Finished | Failed
+Event = Admitted | Progress | Finished | Failed
 
 
 class EventSink:
@@ -83,15 +103,18 @@ class EventSink:
         return await self.queue.get()
 
 
+# Runs on the engine thread: the prompt's token ids and the request's SamplingParams, or an APIError.
+Prepare = Callable[[LLMEngine], tuple[list[int], SamplingParams]]
+
+
 @dataclass
 class Submission:
     request_id: str
-    token_ids: list[int]
-    params: SamplingParams
+    prepare: Prepare
     sample_key: str  # "" keys samples by (seed, index) alone; a random string for unseeded requests
     sink: EventSink
     is_streaming: bool
-    arrival_time: float  # monotonic, when the HTTP request arrived
+    arrival_time: float = field(default_factory=time.monotonic)  # when the HTTP request arrived
 
 
 @dataclass
@@ -114,6 +137,7 @@ class EngineLoop:
 
     # ---- called from the asyncio side (any thread) ------------------------------------------------
     def start(self) -> None:
+        self._publish()
         self._thread.start()
 
     def stop(self, timeout: float = 10.0) -> None:
@@ -135,7 +159,7 @@ class EngineLoop:
         self._wake.set()
 
     def fail_all_after(self, seconds: float) -> None:
-        """Shutdown: requests still unfinished `seconds` from now end with an error."""
+        """Shutdown: requests still unfinished `seconds` from now end with an error. Signal-safe."""
         self._fail_at = time.monotonic() + seconds
         self._wake.set()
 
@@ -146,7 +170,9 @@ class EngineLoop:
                 self._iterate()
             except Exception as exc:  # a bug outside the step: fail what is in flight, keep serving
                 log.exception("engine loop error")
-                self._fail_all(APIError(500, f"internal error: {type(exc).__name__}: {exc}", code="internal_error"))
+                self._fail_all(APIError(500, f"internal error: {type(exc).__name__}: {exc}",
+                                        code="internal_error"))
+        self._take_inbox()
         self._fail_all(APIError(503, "the server stopped before this request finished", code="shutdown"))
 
     def _iterate(self) -> None:
@@ -181,21 +207,30 @@ class EngineLoop:
                 self.metrics.count_end("abort", len(record.seqs))
 
     def _add(self, sub: Submission) -> None:
+        if self._fail_at is not None and time.monotonic() >= self._fail_at:
+            sub.sink.put(Failed(sub.request_id, APIError(503, "the server is shutting down", code="shutdown")))
+            return
         try:
-            self.engine.add_request(sub.request_id, None, sub.params, prompt_token_ids=sub.token_ids,
+            token_ids, params = sub.prepare(self.engine)
+            self.engine.add_request(sub.request_id, None, params, prompt_token_ids=token_ids,
                                     sample_key=sub.sample_key)
-        except ValueError as exc:  # the engine's own checks (overlong, vocabulary): this request only
-            sub.sink.put(Failed(sub.request_id, bad_request(str(exc))))
+        except APIError as exc:
+            sub.sink.put(Failed(sub.request_id, exc))
+            return
+        except ValueError as exc:  # the engine's own checks (vocabulary): this request only
+            sub.sink.put(Failed(sub.request_id, APIError(400, str(exc), code="invalid_value")))
             return
         except Exception as exc:
             log.exception("cannot add request %s", sub.request_id)
-            sub.sink.put(Failed(sub.request_id, APIError(500, f"cannot add the request: {exc}", code="engine_error")))
+            error = APIError(500, f"cannot add the request: {exc}", code="engine_error")
+            sub.sink.put(Failed(sub.request_id, error))
             return
         seqs = self.engine.sequences(sub.request_id)
         decode = self.engine.tokenizer.decode
-        streams = [TextStream(lambda ids, s=sub.params.skip_special_tokens: decode(ids, s), sub.params.stop)
+        streams = [TextStream(lambda ids, s=params.skip_special_tokens: decode(ids, s), params.stop)
                    for _ in seqs] if sub.is_streaming else []
         self._records[sub.request_id] = _Record(sub, seqs, streams)
+        sub.sink.put(Admitted(sub.request_id))
 
     def _emit(self, finished: list[RequestOutput]) -> None:
         done = {out.request_id: out for out in finished}
@@ -206,7 +241,7 @@ class EngineLoop:
             try:
                 if out is not None:
                     del self._records[request_id]
-                    deltas = [self._last_delta(record, c.index, c) for c in out.outputs] if record.streams else []
+                    deltas = [self._final_delta(record, c) for c in out.outputs]
                     self.metrics.record_finished(out, record.submission.arrival_time)
                     record.submission.sink.put(Finished(request_id, out, deltas))
                 else:
@@ -229,25 +264,36 @@ class EngineLoop:
         if not text and seq.params.logprobs is None:
             return None
         start, end = stream.take_tokens(seq.num_output_tokens)
-        return self._delta(seq, index, text, start, end)
+        if not text and start == end:
+            return None
+        return SampleDelta(index, text, seq.output_token_ids[start:end], self._logprobs(seq, start, end))
 
-    def _last_delta(self, record: _Record, index: int, completion) -> SampleDelta:
-        seq, stream = record.seqs[index], record.streams[index]
-        text = stream.finish(completion.text)
-        start, end = stream.take_tokens(len(completion.token_ids))
-        delta = self._delta(seq, index, text, start, end)
-        delta.finish_reason, delta.stop_reason = completion.finish_reason, completion.stop_reason
-        return delta
+    def _final_delta(self, record: _Record, completion) -> SampleDelta:
+        seq = record.seqs[completion.index]
+        if record.streams:
+            stream = record.streams[completion.index]
+            text = stream.finish(completion.text)
+            start, end = stream.take_tokens(len(completion.token_ids))
+        else:
+            text, start, end = completion.text, 0, len(completion.token_ids)
+        return SampleDelta(completion.index, text, completion.token_ids[start:end],
+                           self._logprobs(seq, start, end), completion.finish_reason, completion.stop_reason)
 
-    @staticmethod
-    def _delta(seq: Sequence, index: int, text: str, start: int, end: int) -> SampleDelta:
-        p = seq.params
-        return SampleDelta(
-            index, text, seq.output_token_ids[start:end],
-            seq.output_logprobs[start:end] if p.logprobs is not None else None,
-            seq.output_top_logprobs[start:end] if p.num_top_logprobs else None)
+    def _logprobs(self, seq: Sequence, start: int, end: int) -> list[TokenLogprob] | None:
+        if seq.params.logprobs is None:
+            return None
+        chosen = seq.output_token_ids[start:end]
+        tops = seq.output_top_logprobs[start:end] if seq.params.num_top_logprobs else [[] for _ in chosen]
+        ids = chosen + [token_id for top in tops for token_id, _ in top]
+        texts = iter(self.engine.tokenizer.token_texts(ids))
+        chosen_texts = [next(texts) for _ in chosen]
+        chosen_logprobs = seq.output_logprobs[start:end]
+        return [TokenLogprob(token_id, token, logprob, [TopLogprob(t, next(texts), lp) for t, lp in top])
+                for token_id, token, logprob, top in zip(chosen, chosen_texts, chosen_logprobs, tops)]
 
     def _fail_all(self, error: APIError) -> None:
+        if self._records:
+            log.info("ending %d unfinished request(s): %s", len(self._records), error.message)
         for request_id, record in list(self._records.items()):
             try:
                 self.engine.abort_request(request_id)
@@ -258,12 +304,13 @@ class EngineLoop:
         self._records.clear()
 
     def _publish(self) -> None:
-        scheduler, pool = self.engine.scheduler, self.engine.kv_cache_manager.pool
+        scheduler, manager = self.engine.scheduler, self.engine.kv_cache_manager
+        pool = manager.pool
         running = {seq.request_id for seq in scheduler.running if seq.status == SequenceStatus.RUNNING}
         self.metrics.publish(EngineGauges(
             num_requests_running=len(running),
-            num_requests_waiting=len(self._records) - len(running),
+            num_requests_waiting=len(self._records) - len(running & self._records.keys()),
             num_free_blocks=pool.num_free_blocks, num_blocks=pool.num_blocks,
-            num_prefix_queried_tokens=pool.num_queried_blocks * self.engine.kv_cache_manager.block_size,
-            num_prefix_hit_tokens=pool.num_hit_blocks * self.engine.kv_cache_manager.block_size,
+            num_prefix_queried_tokens=pool.num_queried_blocks * manager.block_size,
+            num_prefix_hit_tokens=pool.num_hit_blocks * manager.block_size,
             num_preemptions=scheduler.stats.num_preemptions))

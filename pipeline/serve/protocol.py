@@ -8,7 +8,7 @@ field's do-nothing value, such as `response_format: {"type": "text"}`) counts as
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -141,6 +141,7 @@ class _SamplingRequest(BaseModel):
 
 
 class ChatCompletionRequest(_SamplingRequest):
+    LOGPROBS_FIELD: ClassVar[str] = "top_logprobs"  # the field that sets SamplingParams.logprobs' N
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
@@ -163,6 +164,7 @@ class ChatCompletionRequest(_SamplingRequest):
 
 
 class CompletionRequest(_SamplingRequest):
+    LOGPROBS_FIELD: ClassVar[str] = "logprobs"
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16  # OpenAI's (and vLLM's) default for completions
     logprobs: int | None = None
@@ -186,12 +188,16 @@ class CompletionRequest(_SamplingRequest):
         return list(prompt)
 
 
-def parse_request(body: bytes, model: type[_SamplingRequest]) -> _SamplingRequest:
-    """The body as `model`, or a 400 naming the first field at fault (the body itself when not JSON)."""
-    try:
-        raw = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise bad_request(f"the request body is not valid JSON: {exc}", "body", "invalid_json") from None
+def parse_request(body: bytes | str | dict, model: type[_SamplingRequest]) -> _SamplingRequest:
+    """The body (JSON text or an already parsed object) as `model`, or an APIError (400) naming the
+    first field at fault (`body` itself when it is not a JSON object)."""
+    if isinstance(body, dict):
+        raw = body
+    else:
+        try:
+            raw = json.loads(body)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise bad_request(f"the request body is not valid JSON: {exc}", "body", "invalid_json") from None
     if not isinstance(raw, dict):
         raise bad_request("the request body must be a JSON object", "body", "invalid_json")
     try:
@@ -204,6 +210,26 @@ def parse_request(body: bytes, model: type[_SamplingRequest]) -> _SamplingReques
         if name not in UNSUPPORTED:
             raise bad_request(f"unknown field {name!r}", name, "unknown_parameter")
     return request
+
+
+# The request model of each endpoint (the `url` of an OpenAI Batch line).
+REQUEST_MODELS: dict[str, type[_SamplingRequest]] = {}
+
+
+def sampling_params_from_body(request: _SamplingRequest, default_max_tokens: int | None = None) -> SamplingParams:
+    """SamplingParams for a parsed request (parse_request), with OpenAI's defaults for unset fields.
+
+    `default_max_tokens` applies when the body sets no completion budget (chat's max_tokens and
+    max_completion_tokens are optional; the server passes what is left of the context). A bad value,
+    or none at all, is an APIError (400) naming the request's own field (`top_logprobs`,
+    `max_completion_tokens`, ...).
+    """
+    max_tokens, max_tokens_field = request.requested_max_tokens()
+    if max_tokens is None:
+        max_tokens = default_max_tokens
+    if max_tokens is None:
+        raise bad_request(f"{max_tokens_field} is required", max_tokens_field, "missing_required_parameter")
+    return request.sampling_params(max_tokens, request.num_logprobs(), request.LOGPROBS_FIELD, max_tokens_field)
 
 
 def _field_error(exc: ValidationError):
@@ -219,3 +245,6 @@ def _field_error(exc: ValidationError):
     given = err.get("input")
     shown = "" if isinstance(given, (dict, list)) else f" (got {given!r})"
     return bad_request(f"{param}: {err['msg']}{shown}", param)
+
+
+REQUEST_MODELS.update({"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest})

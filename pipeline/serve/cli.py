@@ -1,0 +1,192 @@
+"""`batchgen serve MODEL_OR_JOB [flags]`: the command line of the OpenAI-compatible server.
+
+The engine flags are generated from EngineConfig's fields (one definition: a new engine setting is
+a flag at once), named as vLLM names them: `max_num_seqs` is `--max-num-seqs`, a bool is
+`--x/--no-x`, and VLLM_FLAG_NAMES lists where vLLM's name differs from the field's. Values are read
+as YAML scalars (JSON for objects) and checked by constructing EngineConfig, whose rule a bad
+value reports. A job file (`.yaml`/`.yml`) in place of a model gives its `model` and `engine`
+sections; flags override them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import logging
+import os
+import signal
+import sys
+import time
+import typing
+from pathlib import Path
+
+import yaml
+from pydantic import TypeAdapter, ValidationError
+
+from batchgen.engine.config import EngineConfig, SettingError
+
+log = logging.getLogger("batchgen.serve")
+
+EXIT_BAD_USAGE = 2
+# EngineConfig fields whose vLLM flag is not the field's name with dashes.
+VLLM_FLAG_NAMES = {"speculative": "speculative-config"}
+# What a 503 and the queue bound count: requests beyond the ones that can run (max_num_seqs).
+DEFAULT_MAX_QUEUED_REQUESTS = 1024
+DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
+API_KEY_ENV = "BATCHGEN_API_KEY"
+
+
+def engine_flag(name: str) -> str:
+    return "--" + VLLM_FLAG_NAMES.get(name, name.replace("_", "-"))
+
+
+def build_parser(config_class: type = EngineConfig) -> argparse.ArgumentParser:
+    """The flags: the server's own, then one per field of `config_class` (EngineConfig)."""
+    parser = argparse.ArgumentParser(
+        prog="batchgen serve",
+        description="An OpenAI-compatible server (/v1/chat/completions, /v1/completions, /v1/models, "
+                    "/health, /metrics) on batchgen's engine.")
+    parser.add_argument("model_or_job", metavar="MODEL_OR_JOB",
+                        help="a model (bundled alias, HF folder, .gguf file) or a job file whose model "
+                             "and engine sections to use")
+    server = parser.add_argument_group("server")
+    server.add_argument("--host", default="127.0.0.1",
+                        help="address to bind (default: %(default)s; 0.0.0.0: every interface)")
+    server.add_argument("--port", type=int, default=8000, help="(default: %(default)s)")
+    server.add_argument("--served-model-name", nargs="+", default=None,
+                        help="the name(s) clients send as `model` (default: MODEL_OR_JOB's model)")
+    server.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
+                        help=f"require `Authorization: Bearer KEY` on /v1 (default: ${API_KEY_ENV})")
+    server.add_argument("--max-queued-requests", type=int, default=DEFAULT_MAX_QUEUED_REQUESTS,
+                        help="requests held beyond --max-num-seqs; past it, 503 with Retry-After "
+                             "(default: %(default)s)")
+    server.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
+                        help="on SIGTERM/Ctrl-C, seconds unfinished requests get before they end with "
+                             "an error (default: %(default)s)")
+    server.add_argument("--uvicorn-log-level", default="info",
+                        choices=["critical", "error", "warning", "info", "debug", "trace"],
+                        help="(default: %(default)s)")
+    engine = parser.add_argument_group("engine (EngineConfig's fields; default: the engine's or the job's)")
+    hints = typing.get_type_hints(config_class)
+    for f in dataclasses.fields(config_class):
+        if f.name == "model":
+            continue
+        flag, default = engine_flag(f.name), f.default if f.default is not dataclasses.MISSING else None
+        if hints[f.name] is bool:
+            engine.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
+                                default=argparse.SUPPRESS, help=f"{f.name} (engine default: {default})")
+        else:
+            engine.add_argument(flag, dest=f.name, metavar="VALUE", default=argparse.SUPPRESS,
+                                help=f"{f.name} (engine default: {default})")
+    return parser
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """EngineConfig from MODEL_OR_JOB and the engine flags given; raises ValueError naming the flag."""
+    target = args.model_or_job
+    hints = typing.get_type_hints(EngineConfig)
+    flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig) if hasattr(args, f.name)}
+    values = {}
+    for name, raw in flags.items():
+        value = raw if isinstance(raw, bool) else yaml.safe_load(raw)
+        try:
+            values[name] = TypeAdapter(hints[name]).validate_python(value)
+        except ValidationError:
+            raise ValueError(f"{engine_flag(name)}: cannot read {raw!r} as {hints[name]}") from None
+    if Path(target).suffix in (".yaml", ".yml") and Path(target).is_file():
+        from batchgen.pipeline.config import load_job
+
+        base = load_job(target).engine_config()
+        try:
+            return base.replace(**values)
+        except SettingError as exc:
+            raise ValueError(f"{engine_flag(exc.name)} {exc.rule} (got {exc.value!r})") from None
+    try:
+        return EngineConfig(model=target, **values)
+    except SettingError as exc:
+        raise ValueError(f"{engine_flag(exc.name)} {exc.rule} (got {exc.value!r})") from None
+
+
+def serve_main(argv: list[str]) -> int:
+    """Parse, load the model, serve until SIGTERM/Ctrl-C; 0 after a graceful shutdown."""
+    args = build_parser().parse_args(argv)
+    missing = [name for name in ("fastapi", "uvicorn") if importlib.util.find_spec(name) is None]
+    if missing:
+        print(f"batchgen serve: needs the serve extra (pip install 'batchgen[serve]'): no {', '.join(missing)}",
+              file=sys.stderr)
+        return 1
+    import uvicorn
+    from batchgen.pipeline.errors import JobError
+
+    try:
+        config = engine_config_from_args(args)
+    except (ValueError, JobError) as exc:
+        print(f"batchgen serve: {exc}", file=sys.stderr)
+        return EXIT_BAD_USAGE
+    if args.max_queued_requests < 0 or args.shutdown_timeout < 0:
+        print("batchgen serve: --max-queued-requests and --shutdown-timeout must be >= 0", file=sys.stderr)
+        return EXIT_BAD_USAGE
+
+    from batchgen.engine import LLMEngine
+    from batchgen.pipeline.serve.app import ServerSettings, ServerState, create_app
+    from batchgen.pipeline.serve.engine_loop import EngineLoop
+    from batchgen.pipeline.serve.metrics import Metrics
+
+    engine = LLMEngine(config)
+    names = args.served_model_name or [config.model]
+    settings = ServerSettings(served_model_names=names, model_path=config.model, api_key=args.api_key,
+                              max_in_flight=config.max_num_seqs + args.max_queued_requests)
+    metrics = Metrics(names[0])
+    loop = EngineLoop(engine, metrics)
+    state = ServerState(loop, settings, metrics, engine.max_model_len, engine.model_cfg.vocab_size)
+    app = create_app(state)
+
+    stop_signal_time: list[float] = []
+
+    def begin_shutdown() -> None:
+        stop_signal_time.append(time.monotonic())
+        state.shutting_down = True
+        loop.fail_all_after(args.shutdown_timeout)
+
+    # uvicorn waits for open responses this long; the engine ends the unfinished ones with an error at
+    # --shutdown-timeout, and the margin lets those last events reach their clients.
+    uvicorn_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                                    timeout_graceful_shutdown=args.shutdown_timeout + 2)
+    server = _Server(uvicorn_config, begin_shutdown)
+    loop.start()
+    # uvicorn re-raises the signal it stopped on once it has shut down: a no-op handler (restored by
+    # uvicorn first) makes that harmless, so a graceful shutdown exits 0.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    log.info("serving %s as %s on http://%s:%d", config.model, ", ".join(names), args.host, args.port)
+    try:
+        server.run()
+    finally:
+        took = f" {time.monotonic() - stop_signal_time[0]:.1f}s after the stop signal" if stop_signal_time else ""
+        log.info("the HTTP server stopped%s; stopping the engine thread", took)
+        loop.stop()
+    log.info("stopped")
+    return 0
+
+
+def _make_server_class():
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn's server, telling the engine loop when the first stop signal arrives."""
+
+        def __init__(self, config, on_stop):
+            super().__init__(config)
+            self.on_stop = on_stop
+
+        def handle_exit(self, sig, frame) -> None:
+            if not self.should_exit:
+                self.on_stop()
+            super().handle_exit(sig, frame)
+
+    return Server
+
+
+def _Server(config, on_stop):  # noqa: N802 (a class made lazily: uvicorn is an optional dependency)
+    return _make_server_class()(config, on_stop)

@@ -1,0 +1,127 @@
+"""OpenAI's response bodies: ChatCompletion, Completion, their streamed chunks, usage and logprobs.
+
+Plain dicts in OpenAI's field names (the `openai` package's pydantic types parse them; the tests
+check that). A choice's index is prompt_index * n + sample_index, as OpenAI and vLLM number the
+choices of a prompt list.
+"""
+
+from __future__ import annotations
+
+from batchgen.engine import RequestOutput
+from batchgen.pipeline.serve.engine_loop import SampleDelta, TokenLogprob
+
+
+def sample_deltas(output: RequestOutput, token_texts) -> list[SampleDelta]:
+    """A finished RequestOutput's samples as whole-sample deltas, for the body builders below.
+
+    `token_texts`: ids -> each token's text decoded alone (Tokenizer.token_texts), for the chosen
+    tokens' logprob entries. For callers that hold a RequestOutput (an OpenAI Batch file's writer);
+    the server's engine thread builds the same deltas itself.
+    """
+    deltas = []
+    for c in output.outputs:
+        logprobs = None
+        if c.logprobs is not None:
+            tops = c.top_logprobs or [[] for _ in c.token_ids]
+            logprobs = [TokenLogprob(t, text, lp, list(top))
+                        for t, text, lp, top in zip(c.token_ids, token_texts(list(c.token_ids)), c.logprobs, tops)]
+        deltas.append(SampleDelta(c.index, c.text, list(c.token_ids), logprobs, c.finish_reason, c.stop_reason))
+    return deltas
+
+
+def usage(outputs: list[RequestOutput]) -> dict:
+    """Summed over a request's prompts: prompt tokens count once per prompt, completions per sample."""
+    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    cached = sum(o.num_cached_tokens for o in outputs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def chat_logprobs(tokens: list[TokenLogprob] | None) -> dict | None:
+    """{"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]} (chat's shape)."""
+    if tokens is None:
+        return None
+    return {"content": [
+        {"token": t.token, "logprob": t.logprob, "bytes": list(t.token.encode()),
+         "top_logprobs": [{"token": top.token, "logprob": top.logprob, "bytes": list(top.token.encode())}
+                          for top in t.top]}
+        for t in tokens]}
+
+
+def completion_logprobs(tokens: list[TokenLogprob] | None, text_offset: int = 0) -> dict | None:
+    """{"tokens", "token_logprobs", "top_logprobs": [{token: logprob}] or null, "text_offset"} (legacy shape).
+
+    `text_offset` is where these tokens' text starts in the choice's text (streams send pieces).
+    """
+    if tokens is None:
+        return None
+    offsets, position = [], text_offset
+    for t in tokens:
+        offsets.append(position)
+        position += len(t.token)
+    has_top = any(t.top for t in tokens)
+    return {"tokens": [t.token for t in tokens], "token_logprobs": [t.logprob for t in tokens],
+            "top_logprobs": [{top.token: top.logprob for top in t.top} for t in tokens] if has_top else None,
+            "text_offset": offsets}
+
+
+def chat_completion(response_id: str, created: int, model: str, outputs: list[RequestOutput],
+                    deltas: list[list[SampleDelta]], n: int) -> dict:
+    choices = [{"index": p * n + d.index, "message": {"role": "assistant", "content": d.text},
+                "logprobs": chat_logprobs(d.logprobs), "finish_reason": d.finish_reason,
+                "stop_reason": d.stop_reason}
+               for p, prompt_deltas in enumerate(deltas) for d in prompt_deltas]
+    return {"id": response_id, "object": "chat.completion", "created": created, "model": model,
+            "choices": sorted(choices, key=lambda c: c["index"]), "usage": usage(outputs)}
+
+
+def completion(response_id: str, created: int, model: str, outputs: list[RequestOutput],
+               deltas: list[list[SampleDelta]], n: int) -> dict:
+    choices = [{"index": p * n + d.index, "text": d.text, "logprobs": completion_logprobs(d.logprobs),
+                "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}
+               for p, prompt_deltas in enumerate(deltas) for d in prompt_deltas]
+    return {"id": response_id, "object": "text_completion", "created": created, "model": model,
+            "choices": sorted(choices, key=lambda c: c["index"]), "usage": usage(outputs)}
+
+
+class ChunkWriter:
+    """The `data: ...` lines of one streamed response (chat or completions)."""
+
+    def __init__(self, is_chat: bool, response_id: str, created: int, model: str, n: int, include_usage: bool):
+        self.is_chat, self.n, self.include_usage = is_chat, n, include_usage
+        self.head = {"id": response_id, "object": "chat.completion.chunk" if is_chat else "text_completion",
+                     "created": created, "model": model}
+        self.text_offsets: dict[int, int] = {}  # completions' logprobs.text_offset, per choice
+
+    def chunk(self, choices: list[dict], usage_: dict | None = None, with_usage: bool = False) -> dict:
+        body = {**self.head, "choices": choices}
+        if self.include_usage:  # OpenAI: null on every chunk but the last, which has no choices
+            body["usage"] = usage_ if with_usage else None
+        return body
+
+    def role_chunk(self, num_prompts: int) -> dict:
+        """Chat's first chunk: the assistant role for every choice."""
+        return self.chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                            "finish_reason": None} for i in range(num_prompts * self.n)])
+
+    def delta_chunk(self, prompt_index: int, deltas: list[SampleDelta]) -> dict:
+        choices = []
+        for d in deltas:
+            index = prompt_index * self.n + d.index
+            if self.is_chat:
+                delta = {"content": d.text} if d.text or d.finish_reason is None else {}
+                choice = {"index": index, "delta": delta, "logprobs": chat_logprobs(d.logprobs),
+                          "finish_reason": d.finish_reason}
+            else:
+                offset = self.text_offsets.get(index, 0)
+                self.text_offsets[index] = offset + len(d.text)
+                choice = {"index": index, "text": d.text, "logprobs": completion_logprobs(d.logprobs, offset),
+                          "finish_reason": d.finish_reason}
+            if d.finish_reason is not None:
+                choice["stop_reason"] = d.stop_reason
+            choices.append(choice)
+        return self.chunk(choices)
+
+    def usage_chunk(self, outputs: list[RequestOutput]) -> dict:
+        return self.chunk([], usage(outputs), with_usage=True)

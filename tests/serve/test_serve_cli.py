@@ -1,0 +1,59 @@
+"""`batchgen serve`'s flags: one per EngineConfig field under vLLM's names, a job file's sections, and
+bad values named by flag (no model is loaded here)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from batchgen.engine.config import EngineConfig
+from batchgen.pipeline.serve.cli import build_parser, engine_config_from_args
+
+JOBS = Path(__file__).resolve().parents[2] / "jobs"
+
+
+def _config(*argv: str) -> EngineConfig:
+    return engine_config_from_args(build_parser().parse_args(list(argv)))
+
+
+def test_every_engine_field_is_a_flag_and_a_new_field_becomes_one():
+    flags = {a.dest: a.option_strings for a in build_parser()._actions}
+    for f in dataclasses.fields(EngineConfig):
+        if f.name != "model":
+            assert f.name in flags
+    assert flags["max_num_seqs"] == ["--max-num-seqs"]
+    assert flags["enable_prefix_caching"] == ["--enable-prefix-caching", "--no-enable-prefix-caching"]
+
+    @dataclasses.dataclass(frozen=True)
+    class Grown(EngineConfig):
+        new_knob: int = 3
+
+    grown = {a.dest: a.option_strings for a in build_parser(Grown)._actions}
+    assert grown["new_knob"] == ["--new-knob"]
+
+
+def test_flags_become_engine_settings_with_their_types():
+    config = _config("smollm2-135m-instruct", "--max-num-seqs", "8", "--no-enable-prefix-caching",
+                     "--kv-cache-memory", "256MiB", "--max-model-len", "1024", "--dtype", "float32")
+    assert (config.model, config.max_num_seqs, config.enable_prefix_caching, config.kv_cache_memory,
+            config.max_model_len, config.dtype) == ("smollm2-135m-instruct", 8, False, "256MiB", 1024, "float32")
+    assert _config("smollm2-135m-instruct") == EngineConfig(model="smollm2-135m-instruct")
+
+
+def test_a_job_file_gives_its_model_and_engine_sections_and_flags_override_them():
+    config = _config(str(JOBS / "quickstart.yaml"))
+    assert config.max_model_len == 2048 and config.kv_cache_memory == "128MiB"
+    assert config.model == "smollm2-135m-instruct"
+    assert _config(str(JOBS / "quickstart.yaml"), "--max-model-len", "512").max_model_len == 512
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--max-num-seqs", "0"], "--max-num-seqs must be >= 1"),
+    (["--max-num-seqs", "many"], "--max-num-seqs: cannot read 'many'"),
+    (["--dtype", "float64"], "--dtype must be one of"),
+])
+def test_a_bad_value_names_its_flag(argv, message):
+    with pytest.raises(ValueError, match=message):
+        _config("smollm2-135m-instruct", *argv)
