@@ -38,7 +38,7 @@ class _RequestState:
 # Settings that shape only the KV pool and the scheduling, not the loaded model: an engine that differs
 # from another in these alone can share its weights (`weights_from`). max_model_len may only shrink.
 RUNTIME_SETTINGS = ("block_size", "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching",
-                    "kv_cache_memory", "num_kv_blocks", "max_model_len")
+                    "kv_cache_memory", "num_kv_blocks", "max_model_len", "kv_cache_dtype", "calculate_kv_scales")
 
 
 class LLMEngine:
@@ -70,9 +70,9 @@ class LLMEngine:
         self.eos_token_ids = tuple(sorted(eos))
 
         device = config.torch_device
-        self.kv_bytes_per_token = kv_bytes_per_token(self.model_cfg, config.torch_dtype)
+        self.kv_bytes_per_token = kv_bytes_per_token(self.model_cfg, config.kv_torch_dtype)
         num_blocks = config.num_kv_blocks or num_kv_blocks(
-            kv_cache_budget_bytes(config, device), self.model_cfg, config.torch_dtype, config.block_size)
+            kv_cache_budget_bytes(config, device), self.model_cfg, config.kv_torch_dtype, config.block_size)
         if num_blocks * config.block_size < self.max_model_len:
             raise ValueError(
                 f"the KV cache holds {num_blocks * config.block_size} tokens, fewer than max_model_len "
@@ -241,6 +241,8 @@ class LLMEngine:
             "num_cached_tokens": s.num_cached_tokens, "num_evictions": pool.num_evictions,
             "num_free_blocks": pool.num_free_blocks, "num_blocks": pool.num_blocks,
             "prefix_cache_hit_rate": pool.num_hit_blocks / pool.num_queried_blocks if pool.num_queried_blocks else 0.0,
+            "kv_cache": {"dtype": str(self.config.kv_torch_dtype).removeprefix("torch."),
+                         "bytes_per_token": self.kv_bytes_per_token},
             "kernels": self.capabilities.as_dict(),
         }
 
