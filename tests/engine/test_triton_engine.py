@@ -22,7 +22,7 @@ from batchgen.engine import EngineConfig, LLMEngine, SamplingParams
 from tests.engine.helpers import captured_logits, run_requests
 from tests.pipeline.tiny_model import write_tiny_model
 
-GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 SHAPE = dict(hidden=128, intermediate=256, num_layers=2, num_heads=4, num_kv_heads=1)  # head_dim 32, GQA 4
 # A pool of 12 blocks of 16 tokens for up to 8 sequences of up to ~60 tokens: the batch preempts;
 # 24 batched tokens per step: the longer prompts are prefilled in chunks.
