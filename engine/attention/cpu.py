@@ -13,7 +13,6 @@ from dataclasses import dataclass
 
 import torch
 
-from batchgen.engine.attention.kv_cache import LayerKVCache
 from batchgen.engine.attention.base import (
     AttentionBackend,
     AttentionMetadata,
@@ -22,6 +21,7 @@ from batchgen.engine.attention.base import (
     padded_block_tables,
     token_starts,
 )
+from batchgen.engine.attention.kv_cache import LayerKVCache
 from batchgen.kernels import cpu_kv_store, cpu_paged_attention
 
 
