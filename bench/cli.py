@@ -76,6 +76,9 @@ def bench_command(
     request_rates: Annotated[str, typer.Option(
         help="serve: Poisson request rates (req/s) to run, comma-separated.")] = "1,4",
     max_concurrency: Annotated[int, typer.Option(help="serve: streaming clients at most in flight.")] = 16,
+    kv_cache_dtype: Annotated[str | None, typer.Option(
+        "--kv-cache-dtype", help="fp8 | fp8_e4m3 | fp8_e5m2: with --quality, that KV cache against float32's; "
+                                 "otherwise the engine's KV cache (as --engine kv_cache_dtype=...).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
     output: Annotated[Path | None, typer.Option(
         help="Also write the JSON result here, e.g. benchmarks/results/random-2core.json.")] = None,
@@ -86,11 +89,15 @@ def bench_command(
     percentiles as the client sees them) beside the same prompts offline.
     """
     try:
+        overrides = parse_engine_overrides(engine)
+        if kv_cache_dtype and not quality:
+            overrides["kv_cache_dtype"] = kv_cache_dtype
         opts = BenchOptions(workload=workload, model=model, num_requests=num_requests, input_len_min=input_len_min,
                             input_len_max=input_len_max, output_len=output_len, seed=seed, peer=peer,
                             peer_batch_sizes=_parse_batch_sizes(peer_batch_sizes),
-                            engine_overrides=parse_engine_overrides(engine), num_threads=threads,
-                            prompts=prompts, prefill_gemm_tokens=gemm_tokens, is_warmup=warmup, is_quality=quality)
+                            engine_overrides=overrides, num_threads=threads,
+                            prompts=prompts, prefill_gemm_tokens=gemm_tokens, is_warmup=warmup, is_quality=quality,
+                            kv_cache_dtype=kv_cache_dtype)
         if opts.is_quality:
             result = run_quality(opts)
         elif opts.workload == "overhead":

@@ -11,11 +11,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from batchgen.engine.attention import allocate_kv_caches
+
 
 class DirectRunner:
     """A fixed set of `num_seqs` sequence slots of up to `max_seq_len` tokens each."""
 
-    def __init__(self, model: nn.Module, num_seqs: int, max_seq_len: int, block_size: int = 16):
+    def __init__(self, model: nn.Module, num_seqs: int, max_seq_len: int, block_size: int = 16,
+                 kv_cache_dtype: torch.dtype | None = None, calculate_kv_scales: bool = False):
+        """kv_cache_dtype: None for the weights' dtype, or an FP8 format (scales as the engine sets them:
+        the checkpoint's, else 1.0, or calibrated on the first forward with calculate_kv_scales)."""
         cfg = model.cfg
         weight = model.embed_tokens.weight
         self.model = model
@@ -23,10 +28,9 @@ class DirectRunner:
         self.device = weight.device
         blocks_per_seq = -(-max_seq_len // block_size)
         num_slots = num_seqs * blocks_per_seq * block_size
-        shape = (num_slots, cfg.num_kv_heads, cfg.head_dim)  # the ModelRunner's per-layer K/V layout
-        self.kv_caches = [(torch.zeros(shape, dtype=weight.dtype, device=self.device),
-                           torch.zeros(shape, dtype=weight.dtype, device=self.device))
-                          for _ in range(cfg.num_layers)]
+        self.kv_caches = allocate_kv_caches(  # the ModelRunner's per-layer K/V layout
+            cfg.num_layers, num_slots, cfg.num_kv_heads, cfg.head_dim, kv_cache_dtype or weight.dtype, self.device,
+            checkpoint_scales=getattr(model, "kv_cache_scales", None), calculate_scales=calculate_kv_scales)
         self.block_tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(num_seqs)]
         # The model's own attention backend, as in the engine (no reordering: no decode staging).
         self.attention = model.backend.make_metadata_builder(cfg.num_layers, num_slots, block_size,
@@ -52,12 +56,13 @@ class DirectRunner:
         return self.model(as_tensor(ids), as_tensor(positions), self.kv_caches, meta, as_tensor(logits_rows))
 
 
-def teacher_forced_logits(model: nn.Module, prompts: list[list[int]],
-                          completions: list[list[int]]) -> list[torch.Tensor]:
+def teacher_forced_logits(model: nn.Module, prompts: list[list[int]], completions: list[list[int]],
+                          **kv_options) -> list[torch.Tensor]:
     """For each (prompt, completion): logits (C, V) float32 predicting each completion token from
-    the prompt and the completion tokens before it (one batched prefill)."""
+    the prompt and the completion tokens before it (one batched prefill). kv_options: DirectRunner's
+    kv_cache_dtype and calculate_kv_scales."""
     seqs = [p + c for p, c in zip(prompts, completions)]
-    runner = DirectRunner(model, len(seqs), max(len(s) for s in seqs))
+    runner = DirectRunner(model, len(seqs), max(len(s) for s in seqs), **kv_options)
     rows: list[int] = []
     start = 0
     for p, c, s in zip(prompts, completions, seqs):
@@ -68,9 +73,9 @@ def teacher_forced_logits(model: nn.Module, prompts: list[list[int]],
 
 
 def greedy_generate(model: nn.Module, prompts: list[list[int]], max_tokens: int,
-                    eos_token_ids: tuple[int, ...] = ()) -> list[list[int]]:
+                    eos_token_ids: tuple[int, ...] = (), **kv_options) -> list[list[int]]:
     """Greedy completions (argmax each step), cut after the first EOS token; all prompts as one batch."""
-    runner = DirectRunner(model, len(prompts), max(len(p) for p in prompts) + max_tokens)
+    runner = DirectRunner(model, len(prompts), max(len(p) for p in prompts) + max_tokens, **kv_options)
     tokens = runner.forward(prompts, [0] * len(prompts)).argmax(-1).tolist()
     outputs = [[t] for t in tokens]
     context = [len(p) for p in prompts]

@@ -33,6 +33,7 @@ class BenchOptions:
     gemm_min_seconds: float = 0.3
     is_warmup: bool = True
     is_quality: bool = False  # run the FP8 quality bench instead of the throughput comparison
+    kv_cache_dtype: str | None = None  # with is_quality: FP8 KV against the float32 cache; else an engine setting
 
     def __post_init__(self) -> None:
         if self.workload not in WORKLOADS:

@@ -108,7 +108,55 @@ def run_quality_bench(model: str = "smollm2-135m-instruct", prompts: list | None
     return result
 
 
+def run_kv_cache_quality_bench(model: str = "smollm2-135m-instruct", kv_cache_dtype: str = "fp8",
+                               prompts: list | None = None, max_tokens: int = 32, num_prompts: int | None = None,
+                               calculate_kv_scales: bool = False, engine=None) -> dict:
+    """An FP8 KV cache against the float32 cache on the same float32 model: teacher-forced top-1
+    agreement and mean KL, greedy agreement, and what the engine reports for each cache (dtype,
+    bytes per token). Both read every key from the cache, as the engine does, prefix and new tokens
+    alike. engine: a float32 CPU LLMEngine to reuse (None loads `model`)."""
+    from batchgen.engine.llm_engine import LLMEngine
+
+    if engine is None:
+        engine = LLMEngine(EngineConfig(model=model, dtype="float32", device="cpu", max_model_len=2048,
+                                        kv_cache_memory="256MiB"))
+    fp8_engine = LLMEngine(engine.config.replace(kv_cache_dtype=kv_cache_dtype,
+                                                 calculate_kv_scales=calculate_kv_scales), weights_from=engine)
+    ref_model, tokenizer, eos = engine.runner.model, engine.tokenizer, engine.eos_token_ids
+    kv_options = dict(kv_cache_dtype=fp8_engine.config.kv_torch_dtype, calculate_kv_scales=calculate_kv_scales)
+    prompts = list(prompts if prompts is not None else QUALITY_PROMPTS)[:num_prompts]
+    prompt_ids = [tokenizer.encode(p) if isinstance(p, str) else tokenizer.encode_messages(p) for p in prompts]
+    references = greedy_generate(ref_model, prompt_ids, max_tokens, eos)
+    ref_logits = teacher_forced_logits(ref_model, prompt_ids, references)
+    float_kv, fp8_kv = engine.stats["kv_cache"], fp8_engine.stats["kv_cache"]
+    entry = {"kv_cache_dtype": kv_cache_dtype, "calculate_kv_scales": calculate_kv_scales,
+             "engine_kv_cache": fp8_kv, "kv_bytes_ratio": fp8_kv["bytes_per_token"] / float_kv["bytes_per_token"],
+             **compare_logits(ref_logits, teacher_forced_logits(ref_model, prompt_ids, references, **kv_options)),
+             **compare_greedy(references, greedy_generate(ref_model, prompt_ids, max_tokens, eos, **kv_options))}
+    log.info("fp8 KV quality %s: top-1 agreement %.2f%%, mean KL %.4f, %d vs %d bytes/token", kv_cache_dtype,
+             100 * entry["top1_agreement"], entry["mean_kl"], fp8_kv["bytes_per_token"], float_kv["bytes_per_token"])
+    return {"model": engine.config.model, "dtype": "float32", "device": "cpu", "num_prompts": len(prompts),
+            "max_tokens": max_tokens, "num_completion_tokens": sum(map(len, references)),
+            "reference_kv_cache": float_kv, "kv_results": [entry]}
+
+
+def format_kv_quality_table(result: dict) -> str:
+    ref = result["reference_kv_cache"]
+    lines = [f"{result['model']} (float32 weights, {result['device']}): {result['num_prompts']} prompts, "
+             f"{result['num_completion_tokens']} reference tokens; reference KV cache {ref['dtype']} "
+             f"({ref['bytes_per_token']:,} B/token)",
+             "KV cache        bytes/token  ratio  top-1 agree  mean KL   greedy exact  greedy tokens"]
+    for r in result["kv_results"]:
+        kv = r["engine_kv_cache"]
+        lines.append(f"{kv['dtype']:<15} {kv['bytes_per_token']:>11,}  {r['kv_bytes_ratio']:>5.2f}  "
+                     f"{r['top1_agreement']:>10.2%}  {r['mean_kl']:>7.4f}  {r['greedy_exact_match']:>12.1%}  "
+                     f"{r['greedy_token_agreement']:>12.1%}")
+    return "\n".join(lines)
+
+
 def format_quality_table(result: dict) -> str:
+    if "kv_results" in result:
+        return format_kv_quality_table(result)
     lines = [f"{result['model']} ({result['dtype']}, {result['device']}): {result['num_prompts']} prompts, "
              f"{result['num_completion_tokens']} reference tokens",
              "mode    linear bytes  top-1 agree  mean KL   greedy exact  greedy tokens"]

@@ -20,7 +20,7 @@ from batchgen.bench.gemm_rate import measure_gemm_rate
 from batchgen.bench.machine import cpu_busy_fraction, machine_fingerprint
 from batchgen.bench.options import DEFAULT_NUM_REQUESTS, BenchOptions
 from batchgen.bench.peer import load_peer_model, require_peer_dependencies, run_peer, warm_up_peer
-from batchgen.bench.quality import run_quality_bench
+from batchgen.bench.quality import run_kv_cache_quality_bench, run_quality_bench
 from batchgen.bench.result import TimedRun, compare_outputs
 from batchgen.bench.roofline import workload_roofline
 from batchgen.bench.workloads import (
@@ -87,11 +87,17 @@ def _fairness(workload: Workload, sides: list[TimedRun]) -> list[str]:
 
 
 def run_quality(opts: BenchOptions) -> dict:
-    """`--quality`: FP8 against the unquantized model on the same text (top-1 agreement, KL, greedy)."""
+    """`--quality`: FP8 against the unquantized model on the same text (top-1 agreement, KL, greedy);
+    with `--kv-cache-dtype fp8`: the FP8 KV cache against the float32 cache instead."""
     if opts.num_threads:
         torch.set_num_threads(opts.num_threads)
-    return {"model": opts.model, "quality": run_quality_bench(opts.model, num_prompts=opts.num_requests),
-            "machine": machine_fingerprint()}
+    if opts.kv_cache_dtype not in (None, "auto"):
+        quality = run_kv_cache_quality_bench(
+            opts.model, opts.kv_cache_dtype, num_prompts=opts.num_requests,
+            calculate_kv_scales=bool(opts.engine_overrides.get("calculate_kv_scales", False)))
+    else:
+        quality = run_quality_bench(opts.model, num_prompts=opts.num_requests)
+    return {"model": opts.model, "quality": quality, "machine": machine_fingerprint()}
 
 
 # ---- the run -------------------------------------------------------------------------------------

@@ -30,7 +30,7 @@ class Capabilities:
     """What runs, for one loaded model. Reported as `as_dict()`."""
 
     device: str  # cpu | cuda
-    attention_backend: str  # a module of engine/attention/: cpu | sdpa
+    attention_backend: str  # a module of engine/attention/: cpu | sdpa | triton
     elementwise_ops: str  # residual add + RMSNorm, rotary, SiLU * up: c (fused C kernels) | compiled | eager
     is_c_sampling: bool  # greedy pick and log Z in one C pass per row
     is_onednn_packed_linear: bool  # float32 linear layers prepacked for oneDNN (CPU)
@@ -57,7 +57,8 @@ def detect_capabilities(config: EngineConfig, model_cfg: ModelConfig, *, has_fp8
     on a GPU without FP8 tensor cores).
     """
     device, dtype = config.torch_device, config.torch_dtype
-    backend = select_attention_backend(config.attention_backend, device, dtype, model_cfg.head_dim)
+    backend = select_attention_backend(config.attention_backend, device, dtype, model_cfg.head_dim,
+                                       is_fp8_kv=config.kv_cache_dtype != "auto")
     if config.compile:
         elementwise_ops = "compiled"
     elif device.type == "cpu" and dtype == torch.float32 and cpu_elementwise.is_available():

@@ -121,6 +121,7 @@ class CapacityPlan:
     step_activation_bytes: int  # activations of max_num_batched_tokens, without the logits
     logits_bytes_per_seq: int
     memory_bytes: int | None = None  # the device memory to fit into, when given
+    kv_dtype: torch.dtype | None = None  # what the KV cache stores (engine.kv_cache_dtype); None: dtype
 
     @property
     def kv_tokens_per_request(self) -> int:
@@ -170,17 +171,20 @@ class CapacityPlan:
                  "total_bytes_before_margin", "fragmentation_bytes", "activation_bytes", "margin_bytes",
                  "total_bytes", "memory_bytes", "max_concurrency")
         return {"dtype": str(self.dtype).removeprefix("torch."), "quantization": self.quantization,
+                "kv_cache_dtype": str(self.kv_dtype or self.dtype).removeprefix("torch."),
                 **{name: getattr(self, name) for name in names}}
 
 
 def plan_capacity(cfg: ModelConfig, dtype: torch.dtype, max_model_len: int, concurrency: int = 1,
                   quantization: str = "none", memory_bytes: int | None = None, block_size: int = 16,
-                  max_num_batched_tokens: int = 4096, quantize_lm_head: bool = False) -> CapacityPlan:
-    """The capacity arithmetic `batchgen plan` prints; KV per token is the pool's own kv_bytes_per_token."""
+                  max_num_batched_tokens: int = 4096, quantize_lm_head: bool = False,
+                  kv_dtype: torch.dtype | None = None) -> CapacityPlan:
+    """The capacity arithmetic `batchgen plan` prints; KV per token is the pool's own kv_bytes_per_token
+    (kv_dtype: the KV cache's dtype, e.g. FP8; None: the model dtype)."""
     return CapacityPlan(
         dtype=dtype, quantization=quantization, max_model_len=max_model_len, concurrency=concurrency,
         block_size=block_size, max_num_batched_tokens=max_num_batched_tokens,
         weight_bytes=weight_bytes(cfg, dtype, quantization, quantize_lm_head),
-        kv_bytes_per_token=kv_bytes_per_token(cfg, dtype),
+        kv_bytes_per_token=kv_bytes_per_token(cfg, kv_dtype or dtype),
         step_activation_bytes=activation_workspace_bytes(cfg, dtype, max_num_batched_tokens, 0),
-        logits_bytes_per_seq=logits_bytes_per_seq(cfg), memory_bytes=memory_bytes)
+        logits_bytes_per_seq=logits_bytes_per_seq(cfg), memory_bytes=memory_bytes, kv_dtype=kv_dtype)

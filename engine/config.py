@@ -19,8 +19,12 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 DTYPE_CHOICES = ("auto", *DTYPES)
 QUANTIZATIONS = ("none", "fp8")
 FP8_MODES = ("auto", "w8a8", "w8a16")
-# Names only: the attention selector resolves them at engine start (torch: cpu on the CPU, sdpa elsewhere).
-ATTENTION_BACKENDS = ("auto", "cpu", "sdpa", "torch")
+# Names only: the attention selector resolves them at engine start (torch, kept for older job files:
+# cpu on the CPU, triton on CUDA).
+ATTENTION_BACKENDS = ("auto", "cpu", "sdpa", "triton", "torch")
+# vLLM's names: auto = the model dtype; fp8 = fp8_e4m3 (float8_e4m3fn); fp8_e5m2 (float8_e5m2).
+KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+KV_CACHE_DTYPE_CHOICES = ("auto", *KV_CACHE_DTYPES)
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 _SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
                "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -87,7 +91,9 @@ class EngineConfig:
     quantize_lm_head: bool = False  # with fp8: lm_head too (the logits' last matmul stays in dtype otherwise)
     max_model_len: int | None = None  # None: the model's own context length
     device: str = "auto"  # auto | cpu | cuda[:N]
-    attention_backend: str = "auto"  # auto | cpu | sdpa | torch
+    attention_backend: str = "auto"  # auto (triton on CUDA, cpu on the CPU) | cpu | sdpa | triton | torch
+    kv_cache_dtype: str = "auto"  # auto (the model dtype) | fp8 | fp8_e4m3 | fp8_e5m2
+    calculate_kv_scales: bool = False  # FP8 KV: per-layer scales from the first step's absolute maxima
     block_size: int = 16
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 4096
@@ -110,6 +116,7 @@ class EngineConfig:
             ("device", isinstance(self.device, str) and _DEVICE.fullmatch(self.device) is not None,
              "must be one of auto, cpu, cuda, cuda:N"),
             _one_of("attention_backend", self.attention_backend, ATTENTION_BACKENDS),
+            _one_of("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPE_CHOICES),
             ("block_size", self.block_size >= 1, "must be >= 1"),
             ("max_num_seqs", self.max_num_seqs >= 1, "must be >= 1"),
             ("max_num_batched_tokens", self.max_num_batched_tokens >= 1, "must be >= 1"),
@@ -133,6 +140,11 @@ class EngineConfig:
         if self.dtype == "auto":
             return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
         return DTYPES[self.dtype]
+
+    @property
+    def kv_torch_dtype(self) -> torch.dtype:
+        """What the KV cache stores: the model dtype, or an FP8 format (one fp32 scale per layer for K and V)."""
+        return self.torch_dtype if self.kv_cache_dtype == "auto" else KV_CACHE_DTYPES[self.kv_cache_dtype]
 
     def replace(self, **changes) -> EngineConfig:
         return dataclasses.replace(self, **changes)

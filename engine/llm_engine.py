@@ -40,7 +40,7 @@ class _RequestState:
 # Settings that shape only the KV pool and the scheduling, not the loaded model: an engine that differs
 # from another in these alone can share its weights (`weights_from`). max_model_len may only shrink.
 RUNTIME_SETTINGS = ("block_size", "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching",
-                    "kv_cache_memory", "num_kv_blocks", "max_model_len")
+                    "kv_cache_memory", "num_kv_blocks", "max_model_len", "kv_cache_dtype", "calculate_kv_scales")
 
 
 class LLMEngine:
@@ -78,14 +78,14 @@ class LLMEngine:
         self.eos_token_ids = tuple(sorted(eos))
 
         device = config.torch_device
-        self.kv_bytes_per_token = kv_bytes_per_token(self.model_cfg, config.torch_dtype)
+        self.kv_bytes_per_token = kv_bytes_per_token(self.model_cfg, config.kv_torch_dtype)
         self.gpu_memory: GpuMemoryPlan | None = None  # CUDA: how the KV pool was sized
         if config.num_kv_blocks:
             num_blocks = config.num_kv_blocks
         elif device.type == "cuda":
             num_blocks = self._size_kv_pool_on_gpu()
         else:
-            num_blocks = num_kv_blocks(kv_cache_budget_bytes(config, device), self.model_cfg, config.torch_dtype,
+            num_blocks = num_kv_blocks(kv_cache_budget_bytes(config, device), self.model_cfg, config.kv_torch_dtype,
                                        config.block_size)
         if num_blocks * config.block_size < self.max_model_len:
             raise ValueError(
@@ -300,6 +300,8 @@ class LLMEngine:
             "num_cached_tokens": s.num_cached_tokens, "num_evictions": pool.num_evictions,
             "num_free_blocks": pool.num_free_blocks, "num_blocks": pool.num_blocks,
             "prefix_cache_hit_rate": pool.num_hit_blocks / pool.num_queried_blocks if pool.num_queried_blocks else 0.0,
+            "kv_cache": {"dtype": str(self.config.kv_torch_dtype).removeprefix("torch."),
+                         "bytes_per_token": self.kv_bytes_per_token},
             "kernels": self.capabilities.as_dict(),
         }
 

@@ -14,6 +14,7 @@ import time
 import numpy as np
 import torch
 
+from batchgen.engine.attention import allocate_kv_caches
 from batchgen.engine.capabilities import Capabilities
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.decode_graphs import DecodeGraphs
@@ -41,12 +42,14 @@ class ModelRunner:
         self.sampler = Sampler(eos_token_ids, is_c_sampling=capabilities.is_c_sampling)
         num_slots = num_blocks * config.block_size
         # Per layer: K and V caches as (num_slots, kv_heads, head_dim); slot = block * block_size + offset.
-        shape = (num_slots, model_cfg.num_kv_heads, model_cfg.head_dim)
-        self.kv_caches = [
-            (torch.zeros(shape, dtype=config.torch_dtype, device=self.device),
-             torch.zeros(shape, dtype=config.torch_dtype, device=self.device))
-            for _ in range(model_cfg.num_layers)
-        ]
+        # In engine.kv_cache_dtype (FP8: with per-layer scales, from the checkpoint or calibrated).
+        if config.kv_torch_dtype != config.torch_dtype and not model.backend.supports_fp8_kv:
+            raise ValueError(f"engine.kv_cache_dtype {config.kv_cache_dtype} needs attention_backend cpu or triton; "
+                             f"this model attends through {model.backend.name}")
+        self.kv_caches = allocate_kv_caches(
+            model_cfg.num_layers, num_slots, model_cfg.num_kv_heads, model_cfg.head_dim, config.kv_torch_dtype,
+            self.device, checkpoint_scales=getattr(model, "kv_cache_scales", None),
+            calculate_scales=config.calculate_kv_scales)
         # This engine's half of the model's attention backend (its per-step metadata, any state it
         # keeps across steps); the model's layers call the backend itself.
         self.attention = model.backend.make_metadata_builder(model_cfg.num_layers, num_slots, config.block_size,

@@ -5,7 +5,11 @@
   place from the KV cache (cpu_paged_attention), the cache write (cpu_kv_store), the fused
   elementwise ops (cpu_elementwise) and the greedy pick with log Z (cpu_sampling). Each module's
   `is_available()` says whether its library loaded; without it the engine keeps its torch path.
-- Triton: the weight-only FP8 matmul (fp8_matmul).
+  The attention kernels also read FP8 caches, one byte per value through a 256-entry table.
+- Triton: paged attention for a whole engine step (triton_paged_attention) and the KV store
+  (triton_kv_store), the CUDA attention path; the weight-only FP8 matmul (fp8_matmul); the integer
+  weight-only matmul (triton_int_matmul).
+- kv_formats.py: the FP8 KV cache format (e4m3fn / e5m2, clamp, per-layer scale) they all share.
 - reference.py: every kernel's pure-torch reference, which tests/kernels/ holds the kernels to.
 - cache_dir.py: the per-user cache root (`BATCHGEN_CACHE_DIR`) shared with the engine's model cache.
 

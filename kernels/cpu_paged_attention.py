@@ -15,8 +15,11 @@ transposed, V in rows), then computes scores in 6 x 16 register tiles, an exact 
 over the keys it may see, and P V in 6 x 64 tiles: fresh prompts and chunks that continue a cached
 prefix alike, with no padding and no mask tensor. (Measured rates against SDPA: benchmarks/NOTES.md.)
 
-The torch references are kernels/reference.py's paged_decode_attention_ref and
-paged_prefill_attention_ref; the cache write these kernels read after is kernels/cpu_kv_store.py.
+FP8 caches (float8_e4m3fn / float8_e5m2): both kernels read one byte per value and widen it through
+the layer's 256-entry lookup table (`fp8_lookup_table`: byte -> value * scale), a quarter of the
+bytes of a float32 cache.
+
+The torch reference is kernels/reference.py's paged_attention_reference; the cache write these kernels read after is kernels/cpu_kv_store.py.
 Work is split over threads by OpenMP, in torch's own thread pool. Built on first use
 (kernels/c_library.py); without a compiler (or off Linux) `is_available()` is False and the engine
 attends with SDPA.
@@ -30,17 +33,33 @@ import torch
 
 from batchgen.kernels.c_library import CLibrary
 from batchgen.kernels.cpu_kv_store import check_caches
+from batchgen.kernels.kv_formats import fp8_code_values, is_fp8_kv
 
 _P, _L, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
 _LIBRARY = CLibrary("paged_attention", ("paged_decode.c", "paged_prefill.c"), {
-    "paged_decode_attention": (_I, [_P] * 6 + [_I] * 6 + [ctypes.c_float, _I]),
-    "paged_prefill_attention": (_I, [_P, _L, _P, _P, _P, _L] + [_P] * 4 + [_I] * 6 + [ctypes.c_float, _I]),
+    "paged_decode_attention": (_I, [_P] * 8 + [_I] * 6 + [ctypes.c_float, _I]),
+    "paged_prefill_attention": (_I, [_P, _L, _P, _P, _P, _P, _P, _L] + [_P] * 4 + [_I] * 6 + [ctypes.c_float, _I]),
 }, fallback="attention runs through SDPA (decodes staged)")
 
 
 def is_available() -> bool:
     """True once the kernel is built (or found in the cache) and loaded."""
     return _LIBRARY.is_available()
+
+
+def fp8_lookup_table(dtype: torch.dtype, scale: torch.Tensor) -> torch.Tensor:
+    """(256,) float32 for an FP8 cache of `dtype` with this layer's scale: byte b -> value(b) * scale."""
+    return (fp8_code_values(dtype) * scale.float().reshape(())).contiguous()
+
+
+def _lut_pointers(k_cache: torch.Tensor, k_lut: torch.Tensor | None, v_lut: torch.Tensor | None) -> tuple:
+    """The tables' addresses for the C code (None for a float32 cache); an FP8 cache must have both."""
+    if not is_fp8_kv(k_cache.dtype):
+        return None, None
+    for lut in (k_lut, v_lut):
+        if lut is None or lut.shape != (256,) or lut.dtype != torch.float32 or not lut.is_contiguous():
+            raise ValueError("an FP8 cache needs k_lut and v_lut: (256,) float32 tables (fp8_lookup_table)")
+    return k_lut.data_ptr(), v_lut.data_ptr()
 
 
 def _check_tables(block_tables: torch.Tensor, lengths: torch.Tensor, block_size: int, num_slots: int) -> None:
@@ -55,12 +74,14 @@ def _check_tables(block_tables: torch.Tensor, lengths: torch.Tensor, block_size:
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, lengths: torch.Tensor, block_size: int,
-                           scale: float) -> torch.Tensor:
+                           scale: float, k_lut: torch.Tensor | None = None,
+                           v_lut: torch.Tensor | None = None) -> torch.Tensor:
     """One query token per row against its own keys, read in place from the paged cache.
 
     q: (B, Hkv, G, D) float32 (a KV head's G query heads together); k_cache, v_cache: (slots, Hkv, D)
-    float32, contiguous, slot = block * block_size + offset; block_tables: (B, max_blocks) int32;
-    lengths: (B,) int32, row b attends slots of tokens [0, lengths[b]). Returns (B, Hkv, G, D).
+    float32 or FP8 (then k_lut, v_lut from fp8_lookup_table), contiguous, slot = block * block_size +
+    offset; block_tables: (B, max_blocks) int32; lengths: (B,) int32, row b attends slots of tokens
+    [0, lengths[b]). Returns (B, Hkv, G, D).
     """
     lib = _LIBRARY.require()
     num_rows, num_kv_heads, group, head_dim = q.shape
@@ -72,9 +93,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if not num_rows:
         return torch.empty_like(q)
     _check_tables(block_tables, lengths, block_size, k_cache.shape[0])
+    luts = _lut_pointers(k_cache, k_lut, v_lut)
     q = q.contiguous()
     out = torch.empty_like(q)
-    rc = lib.paged_decode_attention(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), lengths.data_ptr(),
+    rc = lib.paged_decode_attention(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), *luts, lengths.data_ptr(),
                                     block_tables.data_ptr(), out.data_ptr(), num_rows, num_kv_heads, group,
                                     head_dim, block_size, block_tables.shape[1], scale, torch.get_num_threads())
     if rc != 0:
@@ -85,13 +107,15 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             token_starts: torch.Tensor, query_lens: torch.Tensor, context_lens: torch.Tensor,
                             block_tables: torch.Tensor, block_size: int, scale: float,
-                            out: torch.Tensor) -> None:
+                            out: torch.Tensor, k_lut: torch.Tensor | None = None,
+                            v_lut: torch.Tensor | None = None) -> None:
     """Prefill chunks attend their cached context and themselves causally, keys read from the paged
     cache (this step's keys must be written there first): fresh prompts and prefix hits alike.
 
     q, out: (T, H, D) float32 with contiguous heads (q may be a view into a fused qkv output); per
     prefill sequence (int32): its first flat token, query length, context length and block table
-    (S, max_blocks) covering context + queries. head_dim must be a multiple of 16.
+    (S, max_blocks) covering context + queries. head_dim must be a multiple of 16. FP8 caches as for
+    decode (k_lut, v_lut).
     Writes the sequences' rows of `out`.
     """
     lib = _LIBRARY.require()
@@ -107,7 +131,8 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     if int((token_starts + query_lens).max()) > q.shape[0]:
         raise ValueError("a sequence's queries run past the step's tokens")
     _check_tables(block_tables, context_lens + query_lens, block_size, k_cache.shape[0])
-    rc = lib.paged_prefill_attention(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+    luts = _lut_pointers(k_cache, k_lut, v_lut)
+    rc = lib.paged_prefill_attention(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), *luts,
                                      out.data_ptr(), out.stride(0), token_starts.data_ptr(), query_lens.data_ptr(),
                                      context_lens.data_ptr(), block_tables.data_ptr(), num_seqs,
                                      block_tables.shape[1], num_kv_heads, q.shape[1] // num_kv_heads, head_dim,

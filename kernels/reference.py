@@ -2,7 +2,8 @@
 returns (or writes) what the kernel must, computed the plain way. tests/kernels/ compares each
 kernel to its reference.
 
-- Attention and the greedy pick compute in float64: the truth the float32 kernels are held to.
+- Paged attention and the greedy pick compute in float64: the truth the kernels are held to. One
+  reference each for the KV store and for paged attention, whichever kernel (C or Triton) runs.
 - The elementwise ops (RMSNorm, residual add + RMSNorm, rotary, SiLU * up) are the engine's own eager
   ops (engine/models/ops.py uses these functions), so they follow HF's op order and dtypes: in
   float32, rms_norm_ref equals HF's LlamaRMSNorm bit for bit.
@@ -13,6 +14,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from batchgen.kernels.kv_formats import FP8_KV_MAX, is_fp8_kv
+
 # ---- Triton ---------------------------------------------------------------------------------------
 
 
@@ -22,63 +25,6 @@ def fp8_w8a16_matmul_ref(x: torch.Tensor, weight: torch.Tensor, scale: torch.Ten
     Accumulates in float32 like the kernel: (x @ q^T) * scale.
     """
     return ((x.float() @ weight.float().t()) * scale.float().reshape(1, -1)).to(x.dtype)
-
-
-# ---- paged KV cache (cpu_kv_store, cpu_paged_attention) ---------------------------------------------
-
-
-def _slots(table: torch.Tensor, num_tokens: int, block_size: int) -> torch.Tensor:
-    """Cache slots of a sequence's tokens [0, num_tokens) through its block table: (num_tokens,) int64."""
-    positions = torch.arange(num_tokens)
-    return table.long()[positions // block_size] * block_size + positions % block_size
-
-
-def store_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 slot_mapping: torch.Tensor) -> None:
-    """k_cache[slot_mapping] = k and v_cache[slot_mapping] = v. k, v: (T, Hkv, D); caches (slots, Hkv, D)."""
-    k_cache.index_copy_(0, slot_mapping, k)
-    v_cache.index_copy_(0, slot_mapping, v)
-
-
-def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                               block_tables: torch.Tensor, lengths: torch.Tensor, block_size: int,
-                               scale: float) -> torch.Tensor:
-    """Row b's G query heads per KV head attend its keys [0, lengths[b]), found through its block table.
-
-    q: (B, Hkv, G, D); caches (slots, Hkv, D); block_tables (B, max_blocks); lengths (B,).
-    Computed in float64; returns (B, Hkv, G, D) in q's dtype.
-    """
-    out = torch.empty(q.shape, dtype=torch.float64)
-    for b in range(q.shape[0]):
-        slots = _slots(block_tables[b], int(lengths[b]), block_size)
-        k, v = k_cache[slots].double(), v_cache[slots].double()  # (L, Hkv, D)
-        scores = torch.einsum("hgd,lhd->hgl", q[b].double(), k) * scale
-        out[b] = torch.einsum("hgl,lhd->hgd", scores.softmax(-1), v)
-    return out.to(q.dtype)
-
-
-def paged_prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                                token_starts: torch.Tensor, query_lens: torch.Tensor,
-                                context_lens: torch.Tensor, block_tables: torch.Tensor, block_size: int,
-                                scale: float, out: torch.Tensor) -> None:
-    """Each prefill sequence's queries attend its cached context and themselves causally: query i
-    of a sequence with context C sees its keys [0, C + i], found through its block table.
-
-    q, out: (T, H, D); caches (slots, Hkv, D); per sequence its first flat token, query length,
-    context length and block table (S, max_blocks). Computed in float64; writes the sequences' rows
-    of `out` (in out's dtype) and leaves the others alone.
-    """
-    group = q.shape[1] // k_cache.shape[1]
-    for s in range(query_lens.shape[0]):
-        start, num_q, context = int(token_starts[s]), int(query_lens[s]), int(context_lens[s])
-        slots = _slots(block_tables[s], context + num_q, block_size)
-        k = k_cache[slots].double().repeat_interleave(group, dim=1)  # (C + Q, H, D)
-        v = v_cache[slots].double().repeat_interleave(group, dim=1)
-        scores = torch.einsum("qhd,khd->hqk", q[start:start + num_q].double(), k) * scale
-        # (Q, C + Q): query i sees keys [0, C + i]
-        is_visible = torch.arange(context + num_q)[None, :] <= (context + torch.arange(num_q))[:, None]
-        probs = scores.masked_fill(~is_visible, float("-inf")).softmax(-1)
-        out[start:start + num_q] = torch.einsum("hqk,khd->qhd", probs, v).to(out.dtype)
 
 
 # ---- elementwise (cpu_elementwise): the engine's eager ops --------------------------------------------
@@ -124,26 +70,23 @@ def argmax_log_z_ref(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return logits.argmax(dim=-1), torch.logsumexp(logits.double(), dim=-1).to(logits.dtype)
 
 
-# ---------------------------------------------------------------------------------------------------
-# Paged attention and KV store (references of triton_paged_attention.py and triton_kv_store.py).
-# Plain loops over sequences; everything in float32 over the dequantized cache.
-# ---------------------------------------------------------------------------------------------------
-
-_FP8_KV_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+# ---- paged KV cache: the one reference of the KV store (cpu_kv_store, triton_kv_store) and of paged
+# attention (cpu_paged_attention's decode and prefill kernels, triton_paged_attention). Plain loops over
+# sequences, in float64 over the dequantized cache.
 
 
 def dequantize_kv_reference(cache: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
-    """A KV cache as float32: FP8 values times their per-layer scale, other dtypes widened."""
-    if cache.dtype in _FP8_KV_MAX:
-        return cache.float() * scale.float().reshape(())
-    return cache.float()
+    """A KV cache as float64: FP8 values times their per-layer scale, other dtypes widened."""
+    if is_fp8_kv(cache.dtype):
+        return cache.double() * scale.double().reshape(())
+    return cache.double()
 
 
 def quantize_kv_reference(x: torch.Tensor, dtype: torch.dtype,
                           scale: torch.Tensor | None = None) -> torch.Tensor:
     """x as stored in a cache of `dtype`: FP8 = clamp(x / scale) to the format's finite range, cast."""
-    if dtype in _FP8_KV_MAX:
-        limit = _FP8_KV_MAX[dtype]
+    if is_fp8_kv(dtype):
+        limit = FP8_KV_MAX[dtype]
         return (x.float() / scale.float().reshape(())).clamp(-limit, limit).to(dtype)
     return x.to(dtype)
 
@@ -151,8 +94,8 @@ def quantize_kv_reference(x: torch.Tensor, dtype: torch.dtype,
 def kv_store_reference(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                        slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
                        v_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Copies of k_cache/v_cache (num_slots, Hkv, D) with key/value (T, Hkv, D) written at slot_mapping (T,);
-    slot -1 writes nothing."""
+    """Copies of k_cache/v_cache (num_slots, Hkv, D) with key/value (T, Hkv, D) written at slot_mapping (T,),
+    quantized when the cache is FP8; slot -1 writes nothing. The caches given are left alone."""
     k_out, v_out = k_cache.clone(), v_cache.clone()
     for token, slot in enumerate(slot_mapping.tolist()):
         if slot >= 0:
@@ -169,13 +112,15 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
     Sequence s owns queries [cu_query_lens[s], cu_query_lens[s+1]) and seq_lens[s] cached keys (this
     step's included) at slots block_tables[s, pos // block_size] * block_size + pos % block_size;
-    its query i sees keys [0, seq_len - query_len + i]. Tokens of no sequence are left 0.
+    its query i sees keys [0, seq_len - query_len + i]: a decode is a sequence with one query, a
+    prefill chunk over a cached prefix one with context seq_len - query_len. Tokens of no sequence
+    are left 0. FP8 caches are read dequantized (k_scale, v_scale). Computed in float64.
     """
     num_q_heads = q.shape[1]
     group = num_q_heads // k_cache.shape[1]
-    keys = dequantize_kv_reference(k_cache, k_scale)  # (num_slots, Hkv, D) float32
+    keys = dequantize_kv_reference(k_cache, k_scale)  # (num_slots, Hkv, D) float64
     values = dequantize_kv_reference(v_cache, v_scale)
-    out = torch.zeros_like(q)
+    out = torch.zeros(q.shape, dtype=q.dtype)
     cu = cu_query_lens.tolist()
     for s, seq_len in enumerate(seq_lens.tolist()):
         lo, hi = cu[s], cu[s + 1]
@@ -185,7 +130,7 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         slots = block_tables[s].long()[pos // block_size] * block_size + pos % block_size
         k = keys[slots].repeat_interleave(group, dim=1)  # (L, Hq, D)
         v = values[slots].repeat_interleave(group, dim=1)
-        scores = torch.einsum("qhd,khd->hqk", q[lo:hi].float(), k) * sm_scale  # (Hq, Q, L)
+        scores = torch.einsum("qhd,khd->hqk", q[lo:hi].double(), k) * sm_scale  # (Hq, Q, L)
         context_len = seq_len - (hi - lo)
         is_seen = pos[None, :] <= context_len + torch.arange(hi - lo)[:, None]  # (Q, L)
         scores = scores.masked_fill(~is_seen, float("-inf"))

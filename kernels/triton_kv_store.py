@@ -16,14 +16,9 @@ import torch
 import triton
 import triton.language as tl
 
-# Cache dtypes stored quantized, with the largest finite value of each (the clamp bound).
-FP8_KV_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
-FP8_KV_DTYPES = tuple(FP8_KV_MAX)
+from batchgen.kernels.kv_formats import FP8_KV_DTYPES, FP8_KV_MAX, is_fp8_kv
 
-
-def is_fp8_kv(dtype: torch.dtype) -> bool:
-    """True when a cache of this dtype stores scaled FP8 values."""
-    return dtype in FP8_KV_MAX
+__all__ = ["FP8_KV_DTYPES", "FP8_KV_MAX", "check_kv_scales", "is_fp8_kv", "store_kv"]
 
 
 def check_kv_scales(k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, device: torch.device) -> None:

@@ -31,6 +31,7 @@ from batchgen.pipeline.errors import JobError
 from batchgen.pipeline.job_settings import (
     ENGINE_ONLY,
     JOB_DEFAULTS,
+    KV_CACHE_HASH_KEYS,
     MODEL_KEYS,
     MODEL_PATH_FIELD,
     ROW_OVERRIDABLE,
@@ -246,9 +247,12 @@ class JobConfig(_Section):
         return SamplingParams(**{**self.sampling.model_dump(), **row_overrides})
 
     def config_hash(self, limit: int | None = None) -> str:
-        """sha256 over what changes outputs: model, input, sampling, sampling_columns (and --limit, if set).
+        """sha256 over what changes outputs: model, input, sampling, sampling_columns, the KV cache's
+        format when not the default (engine.kv_cache_dtype, engine.calculate_kv_scales: FP8 KV changes
+        the numbers) and --limit, if set.
 
-        Engine knobs, batching, output and storage options (credentials) are left out.
+        Other engine knobs, batching, output and storage options (credentials) are left out; a job
+        with the default KV cache keeps the hash it had before these keys existed.
         """
         # The formats enter the hash only when not parquet, so the hash of every Parquet job stays what
         # it was before the formats existed (its output folders still resume).
@@ -259,6 +263,10 @@ class JobConfig(_Section):
             "sampling": self.sampling.model_dump(),
             "sampling_columns": dict(sorted(self.sampling_columns.items())),
         }
+        kv_cache = {key: getattr(self.engine, key) for key in KV_CACHE_HASH_KEYS
+                    if getattr(self.engine, key) != getattr(EngineConfig, key)}
+        if kv_cache:
+            payload["kv_cache"] = kv_cache
         if self.writes_batch_output:  # its parts carry the openai_line column
             payload["output_format"] = self.output.format
         if limit is not None:  # a limited run covers different rows: its units must not pass for complete

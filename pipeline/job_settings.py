@@ -14,6 +14,10 @@ from __future__ import annotations
 MODEL_KEYS = ("dtype", "quantization", "fp8_mode", "quantize_lm_head", "max_model_len")
 MODEL_PATH_FIELD = "model"
 
+# `engine:` keys that change outputs, so they join the config hash (when not at their default, so a
+# job that leaves them alone keeps its hash): an FP8 KV cache changes the numbers attention reads.
+KV_CACHE_HASH_KEYS = ("kv_cache_dtype", "calculate_kv_scales")
+
 # EngineConfig fields that are not job keys, with the reason.
 ENGINE_ONLY = {
     "num_kv_blocks": "fixes the KV pool's size by hand (tests, capacity experiments); a job sizes it "

@@ -30,6 +30,7 @@ class PlanTarget:
     model_cfg: ModelConfig
     dtype: str = "auto"
     quantization: str = "none"
+    kv_cache_dtype: str = "auto"
     max_model_len: int | None = None
     concurrency: int = 1
     block_size: int = EngineConfig.block_size
@@ -46,7 +47,7 @@ def read_target(model_or_job: str) -> PlanTarget:
         return PlanTarget(
             name=f"{job.name} ({job.model.path})", model_cfg=cfg, dtype=job.model.dtype,
             quantization="fp8" if is_fp8_checkpoint else job.model.quantization,
-            max_model_len=job.model.max_model_len, concurrency=job.engine.max_num_seqs,
+            kv_cache_dtype=job.engine.kv_cache_dtype, max_model_len=job.model.max_model_len, concurrency=job.engine.max_num_seqs,
             block_size=job.engine.block_size, max_num_batched_tokens=job.engine.max_num_batched_tokens)
     cfg, is_fp8_checkpoint = read_model(model_or_job)
     return PlanTarget(name=model_or_job, model_cfg=cfg, quantization="fp8" if is_fp8_checkpoint else "none")
@@ -92,12 +93,13 @@ def _read_remote_config(uri: str) -> tuple[ModelConfig, bool]:
 
 def make_plan(target: PlanTarget, max_model_len: int | None = None, concurrency: int | None = None,
               dtype: str | None = None, quantization: str | None = None,
-              memory: str | None = None) -> CapacityPlan:
+              memory: str | None = None, kv_cache_dtype: str | None = None) -> CapacityPlan:
     """Command-line values override the job's; unset ones fall back to the job, then the model."""
     dtype_name = dtype or target.dtype
     try:  # the engine's own config checks the names and maps the dtype
         settings = EngineConfig(model=target.name, dtype=AUTO_DTYPE if dtype_name == "auto" else dtype_name,
-                                quantization=quantization or target.quantization)
+                                quantization=quantization or target.quantization,
+                                kv_cache_dtype=kv_cache_dtype or target.kv_cache_dtype)
     except ValueError as exc:
         raise JobError(f"--{exc}") from None
     memory_bytes = None
@@ -111,7 +113,7 @@ def make_plan(target: PlanTarget, max_model_len: int | None = None, concurrency:
     length = max_model_len or target.max_model_len or target.model_cfg.max_position_embeddings
     return plan_capacity(
         target.model_cfg, settings.torch_dtype, length, concurrency or target.concurrency, settings.quantization,
-        memory_bytes, target.block_size, target.max_num_batched_tokens)
+        memory_bytes, target.block_size, target.max_num_batched_tokens, kv_dtype=settings.kv_torch_dtype)
 
 
 def _gb(num_bytes: int) -> str:
@@ -122,6 +124,7 @@ def format_capacity_plan(target: PlanTarget, plan: CapacityPlan) -> str:
     """What `batchgen plan` prints: the model, the settings, a table of sizes, and what fits."""
     cfg = target.model_cfg
     dtype = str(plan.dtype).removeprefix("torch.")
+    kv_dtype = str(plan.kv_dtype or plan.dtype).removeprefix("torch.")
     weights_note = dtype if plan.quantization == "none" else (
         f"fp8 linear weights + per-channel float32 scales; embeddings, norms, lm_head {dtype}")
     num_kv_values = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim
@@ -130,7 +133,7 @@ def format_capacity_plan(target: PlanTarget, plan: CapacityPlan) -> str:
         ("weights", _gb(plan.weight_bytes), weights_note),
         ("KV cache per token", f"{plan.kv_bytes_per_token:,} B",
          (f"2 x {cfg.num_layers} layers x {cfg.num_kv_heads} KV heads x {cfg.head_dim} head_dim x "
-          f"{plan.kv_bytes_per_token // num_kv_values} bytes")),
+          f"{plan.kv_bytes_per_token // num_kv_values} bytes ({kv_dtype})")),
         ("KV cache per request", _gb(plan.kv_bytes_per_request), f"{plan.kv_tokens_per_request:,} tokens"),
         (f"KV cache x {plan.concurrency}", _gb(plan.kv_bytes), requests),
         ("total before margin", _gb(plan.total_bytes_before_margin), "weights + KV"),
@@ -140,6 +143,7 @@ def format_capacity_plan(target: PlanTarget, plan: CapacityPlan) -> str:
         ("total with margin", _gb(plan.total_bytes), ""),
     ]
     weights = ", fp8 weights" if plan.quantization == "fp8" else ""
+    weights += f", {kv_dtype} KV cache" if kv_dtype != dtype else ""
     lines = [(f"model    {target.name}: {cfg.model_type}, {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
               f"{cfg.num_heads} heads / {cfg.num_kv_heads} KV heads"),
              (f"plan     {dtype}{weights}, context {plan.max_model_len:,} tokens, "
@@ -171,6 +175,9 @@ def plan_command(
         help="none | fp8 (FP8 linear weights; embeddings and lm_head stay in dtype).")] = None,
     memory: Annotated[str | None, typer.Option(
         "--memory", help="Device memory to fit, e.g. 80GB or 141GiB: prints how many requests fit.")] = None,
+    kv_cache_dtype: Annotated[str | None, typer.Option(
+        "--kv-cache-dtype",
+        help="auto | fp8 | fp8_e4m3 | fp8_e5m2 (auto: the model dtype; fp8 = fp8_e4m3, 1 byte per value).")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print JSON, sizes in bytes.")] = False,
 ) -> None:
     """Capacity plan: weights, KV cache per token and per request, total for a concurrency, what fits.
@@ -179,7 +186,7 @@ def plan_command(
     """
     try:
         target = read_target(model_or_job)
-        plan = make_plan(target, max_model_len, concurrency, dtype, quantization, memory)
+        plan = make_plan(target, max_model_len, concurrency, dtype, quantization, memory, kv_cache_dtype)
     except JobError as exc:
         typer.echo(f"batchgen: bad input: {exc}", err=True)
         raise typer.Exit(EXIT_BAD_INPUT) from None

@@ -112,7 +112,8 @@ def _run_locked(plan: JobPlan, lock: FolderLock, engine: LLMEngine | None, overw
         with plan.output.storage.fs.open(path, "rb") as f:
             whole.add_table(pq.read_table(f, columns=SUMMARY_COLUMNS))
     record = success_record(job.name, plan.config_hash, whole, this_run, feeder.generation_seconds,
-                            resumed=bool(skipped), kernels=engine.stats["kernels"])
+                            resumed=bool(skipped), kernels=engine.stats["kernels"],
+                            kv_cache=engine.stats.get("kv_cache"))
     if job.writes_batch_output:  # before _SUCCESS, from the committed parts (also an earlier run's)
         lock.check()
         write_batch_outputs(plan.output.storage, plan.unit_names)

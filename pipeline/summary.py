@@ -10,7 +10,7 @@ import pyarrow.compute as pc
 
 SUCCESS_KEYS = ("job", "config_hash", "num_requests", "num_rows", "num_errors", "prompt_tokens",
                 "cached_tokens", "completion_tokens", "generation_seconds", "completion_tokens_per_s",
-                "ttft_s", "tpot_s", "resumed", "kernels")
+                "ttft_s", "tpot_s", "resumed", "kernels", "kv_cache")
 SUMMARY_COLUMNS = ["sample_index", "finish_reason", "prompt_tokens", "cached_tokens", "completion_tokens",
                    "ttft_s", "tpot_s"]
 
@@ -53,9 +53,10 @@ def percentiles(chunks: list[np.ndarray]) -> dict[str, float | None]:
 
 
 def success_record(job: str, config_hash: str, whole: Totals, this_run: Totals, generation_seconds: float,
-                   resumed: bool, kernels: dict) -> dict:
+                   resumed: bool, kernels: dict, kv_cache: dict | None = None) -> dict:
     """The `_SUCCESS` JSON: counts over the whole output; speed and latency figures over this run;
-    `kernels`: the implementations this run's engine used (its stats' `kernels`)."""
+    `kernels`: the implementations this run's engine used (its stats' `kernels`); `kv_cache`: its KV
+    cache's dtype and bytes per token (its stats' `kv_cache`)."""
     record = {
         "job": job,
         "config_hash": config_hash,
@@ -71,6 +72,7 @@ def success_record(job: str, config_hash: str, whole: Totals, this_run: Totals, 
         "tpot_s": percentiles(this_run.tpot_s),
         "resumed": resumed,
         "kernels": kernels,
+        "kv_cache": kv_cache or {},
     }
     assert tuple(record) == SUCCESS_KEYS
     return record
@@ -99,6 +101,7 @@ def format_summary(record: dict, success_path: str) -> str:
         ("resumed", "yes (speed and latency cover this run only)" if record["resumed"] else "no"),
         # A _SUCCESS written by an older batchgen (a complete job run again) has no `kernels`.
         ("kernels", ", ".join(f"{k} {v}" for k, v in record.get("kernels", {}).items()) or "-"),
+        ("KV cache", ", ".join(f"{k} {v}" for k, v in record.get("kv_cache", {}).items()) or "-"),
         ("success file", success_path),
     ]
     width = max(len(k) for k, _ in lines)

@@ -29,6 +29,7 @@ from typing import ClassVar
 
 import torch
 
+from batchgen.engine.attention.kv_cache import LayerKVCache
 from batchgen.engine.kv_cache_manager import cache_slots
 from batchgen.engine.sequence import Sequence
 from batchgen.engine.step_inputs import StepInputs
@@ -74,11 +75,13 @@ class AttentionMetadataBuilder(ABC):
 class AttentionBackend(ABC):
     """Attention over the paged KV cache for one model's head layout; shared by all its layers.
 
-    The cache of one layer is `(k_cache, v_cache)`, each (num_blocks * block_size, Hkv, D) in the
-    model dtype; slot = block * block_size + offset.
+    The cache of one layer is a LayerKVCache (kv_cache.py): K and V, each (num_blocks * block_size,
+    Hkv, D) in the model dtype or FP8 (with one float32 scale per layer for each); slot = block *
+    block_size + offset.
     """
 
     name: ClassVar[str]  # the value of `engine.attention_backend` that selects it
+    supports_fp8_kv: ClassVar[bool] = False  # reads and writes FP8 caches (engine.kv_cache_dtype)
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
         self.num_heads = num_heads
@@ -98,8 +101,9 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward(self, layer_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
-        """Write k, v into the layer's cache at meta.slot_mapping, then attend.
+                kv_cache: LayerKVCache, meta: AttentionMetadata) -> torch.Tensor:
+        """Write k, v into the layer's cache at meta.slot_mapping (quantized for FP8, after
+        `kv_cache.calibrate(k, v)`), then attend.
 
         q: (T, H, D); k, v: (T, Hkv, D), this step's tokens in batch order. Returns (T, H, D).
         """

@@ -1,6 +1,7 @@
 """The CPU backend: the C kernels of kernels/cpu_paged_attention.py, in place in the paged cache.
 
-Float32 on the CPU. Every sequence's keys are read where they lie, through its block table: no
+Float32 on the CPU, with a float32 or an FP8 cache (read through a 256-entry lookup table per layer,
+see kernels/cpu_paged_attention.py). Every sequence's keys are read where they lie, through its block table: no
 gather, no padding, no staging copy. Decodes go to the decode kernel (a KV head's query heads
 together, GQA without expanding K/V); all prefill chunks of a step, fresh prompts and chunks that
 continue a cached context alike, go to the prefill kernel in one call.
@@ -20,6 +21,7 @@ from batchgen.engine.attention.base import (
     padded_block_tables,
     token_starts,
 )
+from batchgen.engine.attention.kv_cache import LayerKVCache
 from batchgen.engine.step_inputs import StepInputs
 from batchgen.kernels import cpu_kv_store, cpu_paged_attention
 
@@ -97,6 +99,7 @@ class CpuAttention(AttentionBackend):
     """Paged attention through the C kernels (CPU, float32, head_dim a multiple of 16)."""
 
     name = "cpu"
+    supports_fp8_kv = True
 
     @classmethod
     def unavailable_reason(cls, device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
@@ -115,27 +118,30 @@ class CpuAttention(AttentionBackend):
         return CpuMetadataBuilder(block_size, device)
 
     def forward(self, layer_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: CpuAttentionMetadata) -> torch.Tensor:
+                kv_cache: LayerKVCache, meta: CpuAttentionMetadata) -> torch.Tensor:
         # q: (T, H, D); k, v: (T, Hkv, D)
-        k_cache, v_cache = kv_cache
-        cpu_kv_store.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        kv_cache.calibrate(k, v)
+        k_cache, v_cache = kv_cache.k, kv_cache.v
+        luts = kv_cache.lookup_tables() if kv_cache.is_fp8 else (None, None)
+        cpu_kv_store.store_kv(k, v, k_cache, v_cache, meta.slot_mapping, kv_cache.k_scale, kv_cache.v_scale)
         num_decodes = meta.num_decodes
         if meta.decode is not None and num_decodes == q.shape[0]:  # decode-only step: no output copy
-            return self._decode(q, k_cache, v_cache, meta.decode)
+            return self._decode(q, k_cache, v_cache, meta.decode, luts)
         out = q.new_empty(q.shape)  # (T, H, D) contiguous
         if meta.decode is not None:
-            out[:num_decodes] = self._decode(q[:num_decodes], k_cache, v_cache, meta.decode)
+            out[:num_decodes] = self._decode(q[:num_decodes], k_cache, v_cache, meta.decode, luts)
         if meta.prefill is not None:  # every prefill chunk in one call
             p = meta.prefill
             cpu_paged_attention.paged_prefill_attention(q, k_cache, v_cache, p.token_starts, p.query_lens,
-                                                        p.context_lens, p.block_tables, p.block_size, self.scale, out)
+                                                        p.context_lens, p.block_tables, p.block_size, self.scale, out,
+                                                        *luts)
         return out
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                paged: PagedDecode) -> torch.Tensor:
+                paged: PagedDecode, luts: tuple) -> torch.Tensor:
         # q: (B, H, D); a KV head's query heads go to the kernel together: GQA without expanding K/V.
         num_seqs = q.shape[0]
         q_rows = q.view(num_seqs, self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim)
         attn = cpu_paged_attention.paged_decode_attention(
-            q_rows, k_cache, v_cache, paged.block_tables, paged.lengths, paged.block_size, self.scale)
+            q_rows, k_cache, v_cache, paged.block_tables, paged.lengths, paged.block_size, self.scale, *luts)
         return attn.view(num_seqs, self.num_heads, self.head_dim)

@@ -1,4 +1,9 @@
-"""The SDPA backend: torch's scaled_dot_product_attention, for any device and dtype.
+"""The SDPA backend: torch's scaled_dot_product_attention, the CPU's fallback.
+
+It runs where neither the C kernels nor Triton do: on the CPU in bfloat16/float16, without a C
+compiler, or with a head_dim that is not a multiple of 16. Never on CUDA (the Triton backend reads
+the cache in place there; the staging mirror below would take as much memory again as the KV pool),
+and never with an FP8 KV cache.
 
 SDPA needs its keys dense, so the paged cache is read three ways:
 - decodes read dense staging rows (decode_staging.py): a per-sequence copy of the KV gathered once
@@ -158,14 +163,16 @@ class SdpaAttention(AttentionBackend):
 
     @classmethod
     def unavailable_reason(cls, device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
-        return None  # torch's SDPA runs on every device and dtype the engine supports
+        if device.type != "cpu":
+            return f"it is the CPU's fallback; on {device.type} attention runs through the Triton kernels"
+        return None  # torch's SDPA runs in every dtype the engine supports
 
     def make_metadata_builder(self, num_layers: int, num_slots: int, block_size: int,
                               dtype: torch.dtype, device: torch.device) -> SdpaMetadataBuilder:
         return SdpaMetadataBuilder(num_layers, self.num_kv_heads, self.head_dim, num_slots, block_size, dtype, device)
 
     def forward(self, layer_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: SdpaAttentionMetadata) -> torch.Tensor:
+                kv_cache, meta: SdpaAttentionMetadata) -> torch.Tensor:
         # q: (T, H, D); k, v: (T, Hkv, D)
         k_cache, v_cache = kv_cache
         k_cache.index_copy_(0, meta.slot_mapping, k)

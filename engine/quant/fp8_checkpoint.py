@@ -24,8 +24,9 @@ from batchgen.engine.quant.fp8_linear import Fp8Linear
 
 log = logging.getLogger("batchgen.engine")
 
-# Scales for an FP8 KV cache (AutoFP8's kv_cache_scheme): the KV cache stays in the model dtype for
-# now, so the checkpoint loads and these are left unused.
+# Scales for an FP8 KV cache (llm-compressor's `self_attn.k_scale` / `v_scale`, AutoFP8's
+# `k_proj.output_scale` / `v_proj.output_scale`): kept on the model as `kv_cache_scales`
+# ({layer: {"k": .., "v": ..}}); an engine with kv_cache_dtype fp8 uses them (engine/attention/kv_cache.py).
 KV_CACHE_SCALES = ("output_scale", "k_scale", "v_scale")
 _BLOCKWISE_HINT = ("block-wise FP8 checkpoints ({what}) are not supported yet; use a per-tensor or "
                    "per-channel FP8 checkpoint, or the unquantized checkpoint with quantization: fp8")
@@ -126,7 +127,7 @@ def load_fp8_scale(model: nn.Module, target: str, tensor: torch.Tensor, part_ind
     """
     module_name, kind = target.rsplit(".", 1)
     if kind in KV_CACHE_SCALES:
-        _note_kv_cache_scales_skipped()
+        _record_kv_cache_scale(model, target, kind, tensor, part_index)
         return
     module = model.get_submodule(module_name)
     if not isinstance(module, Fp8Linear):
@@ -151,9 +152,29 @@ def load_fp8_scale(model: nn.Module, target: str, tensor: torch.Tensor, part_ind
     module.weight_scale[offset:offset + size] = value  # a per-tensor value broadcasts over its part's rows
 
 
+def _record_kv_cache_scale(model: nn.Module, target: str, kind: str, tensor: torch.Tensor,
+                           part_index: int | None) -> None:
+    """A layer's FP8 KV-cache scale into model.kv_cache_scales (one value: the cache holds x / scale)."""
+    if kind == "output_scale":  # on the fused qkv: k_proj's (part 1) and v_proj's (part 2) count
+        which = {1: "k", 2: "v"}.get(part_index)
+        if which is None:
+            return
+    else:
+        which = kind[0]
+    parts = target.split(".")
+    if "layers" not in parts or tensor.numel() != 1:
+        raise ValueError(f"checkpoint tensor {target!r}: expected one KV-cache scale per decoder layer")
+    layer = int(parts[parts.index("layers") + 1])
+    scales = getattr(model, "kv_cache_scales", None)
+    if scales is None:
+        scales = model.kv_cache_scales = {}
+    scales.setdefault(layer, {})[which] = float(tensor.float().reshape(()))
+    _note_kv_cache_scales_read()
+
+
 @functools.lru_cache(maxsize=1)
-def _note_kv_cache_scales_skipped() -> None:
-    log.info("fp8: the checkpoint's KV-cache scales are not used (the KV cache stays in the model dtype)")
+def _note_kv_cache_scales_read() -> None:
+    log.info("fp8: the checkpoint has KV-cache scales; an FP8 KV cache (engine.kv_cache_dtype) uses them")
 
 
 def check_fp8_scales_loaded(model: nn.Module) -> None:

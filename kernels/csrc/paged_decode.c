@@ -4,50 +4,66 @@
    Each row walks its block table: it reads each token's (Hkv, D) record of K once for all the row's
    query heads, runs an exact two-pass softmax over the row's own length (no padding, no mask), then
    reads V the same way, prefetching the next block. Rows are split over torch's OpenMP threads.
-   Called from kernels/cpu_paged_attention.py, which checks every argument first. */
+   FP8 caches (k_lut/v_lut not NULL): the cache holds one byte per value, and each token's record is
+   widened through the layer's 256-entry table (byte -> value * scale) into a float row before the
+   same loops run: a quarter of the bytes read. Called from kernels/cpu_paged_attention.py, which
+   checks every argument first. */
 
 #include <float.h>
 #include <math.h>
 #include <stdlib.h>
 
 typedef struct {
-    const float *q, *k_cache, *v_cache;
+    const float *q;
+    const void *k_cache, *v_cache;  /* float32, or FP8 bytes when the tables below are set */
+    const float *k_lut, *v_lut;  /* (256,) byte -> value * scale, or NULL for a float32 cache */
     const int *lengths, *block_tables;
     float *out;
     int num_kv_heads, group, head_dim, block_size, max_blocks;
     float scale;
 } job_t;
 
-/* Block `i` of a row's table, as a pointer to its first token's (Hkv, D) record, or 0 past the row. */
-static const float *block_at(const float *cache, const int *table, int i, int length, int block_size,
-                             long token_stride) {
-    return i * block_size < length ? cache + (long)table[i] * block_size * token_stride : 0;
+/* Block `i` of a row's table, as a pointer to its first token's (Hkv, D) record, or 0 past the row.
+   `elem`: bytes per cached value (4 float32, 1 FP8). */
+static const char *block_at(const void *cache, const int *table, int i, int length, int block_size,
+                            long token_stride, int elem) {
+    return i * block_size < length ? (const char *)cache + (long)table[i] * block_size * token_stride * elem : 0;
 }
 
 /* Ask for the next block while this one is read: a row's blocks are scattered through the cache
    (decode blocks are allocated one at a time), so the hardware prefetcher loses the stream at every
-   block. Into L2 (hint 1), which measured faster than L1 (benchmarks/NOTES.md). */
-static void prefetch_token(const float *next_block, int t, long token_stride) {
+   block. Into L2 (hint 1), which measured faster than L1 (benchmarks/NOTES.md). One per 64 bytes. */
+static void prefetch_token(const char *next_block, int t, long token_stride, int elem) {
     if (!next_block) return;
-    for (long c = 0; c < token_stride; c += 16) __builtin_prefetch(next_block + t * token_stride + c, 0, 1);
+    const long bytes = token_stride * elem;
+    for (long c = 0; c < bytes; c += 64) __builtin_prefetch(next_block + t * bytes + c, 0, 1);
+}
+
+/* Token t's (Hkv, D) record as floats: in place for a float32 cache, widened into `row` for FP8. */
+static const float *token_record(const char *block, int t, long token_stride, const float *lut, float *row) {
+    if (!lut) return (const float *)block + t * token_stride;
+    const unsigned char *codes = (const unsigned char *)block + t * token_stride;
+    for (long c = 0; c < token_stride; c++) row[c] = lut[codes[c]];
+    return row;
 }
 
 /* One row, all its KV heads: each token's (Hkv, D) record is read once, contiguously. q, out:
    (Hkv, G, D); scores: (Hkv * G, L). */
-static void attend_row(const job_t *j, int b, float *scores) {
+static void attend_row(const job_t *j, int b, float *scores, float *row) {
     const int H = j->num_kv_heads, G = j->group, D = j->head_dim, BS = j->block_size;
     const int L = j->lengths[b], HG = H * G;
     const long token_stride = (long)H * D;
     const int *table = j->block_tables + (long)b * j->max_blocks;
+    const int k_elem = j->k_lut ? 1 : 4, v_elem = j->v_lut ? 1 : 4;
     const float *q = j->q + (long)b * HG * D;
     float *out = j->out + (long)b * HG * D;
     for (int i = 0; i * BS < L; i++) {
-        const float *block = block_at(j->k_cache, table, i, L, BS, token_stride);
-        const float *next = block_at(j->k_cache, table, i + 1, L, BS, token_stride);
+        const char *block = block_at(j->k_cache, table, i, L, BS, token_stride, k_elem);
+        const char *next = block_at(j->k_cache, table, i + 1, L, BS, token_stride, k_elem);
         const int n = L - i * BS < BS ? L - i * BS : BS;
         for (int t = 0; t < n; t++) {
-            prefetch_token(next, t, token_stride);
-            const float *key = block + t * token_stride;
+            prefetch_token(next, t, token_stride, k_elem);
+            const float *key = token_record(block, t, token_stride, j->k_lut, row);
             for (int hg = 0; hg < HG; hg++) {
                 const float *qh = q + hg * D, *kh = key + (hg / G) * D;
                 float s = 0.f;
@@ -65,12 +81,12 @@ static void attend_row(const job_t *j, int b, float *scores) {
         for (int d = 0; d < D; d++) out[hg * D + d] = 0.f;
     }
     for (int i = 0; i * BS < L; i++) {
-        const float *block = block_at(j->v_cache, table, i, L, BS, token_stride);
-        const float *next = block_at(j->v_cache, table, i + 1, L, BS, token_stride);
+        const char *block = block_at(j->v_cache, table, i, L, BS, token_stride, v_elem);
+        const char *next = block_at(j->v_cache, table, i + 1, L, BS, token_stride, v_elem);
         const int n = L - i * BS < BS ? L - i * BS : BS;
         for (int t = 0; t < n; t++) {
-            prefetch_token(next, t, token_stride);
-            const float *value = block + t * token_stride;
+            prefetch_token(next, t, token_stride, v_elem);
+            const float *value = token_record(block, t, token_stride, j->v_lut, row);
             for (int hg = 0; hg < HG; hg++) {
                 const float p = scores[hg * L + i * BS + t], *vh = value + (hg / G) * D;
                 float *oh = out + hg * D;
@@ -81,14 +97,15 @@ static void attend_row(const job_t *j, int b, float *scores) {
 }
 
 /* Returns 0 on success. q, out: (rows, Hkv, group, D) contiguous; k_cache, v_cache: (slots, Hkv, D)
-   contiguous, slot = block * block_size + offset; block_tables: (rows, max_blocks). */
-int paged_decode_attention(const float *q, const float *k_cache, const float *v_cache,
-                           const int *lengths, const int *block_tables, float *out,
+   contiguous, slot = block * block_size + offset, float32 or (with k_lut, v_lut) FP8 bytes;
+   block_tables: (rows, max_blocks). */
+int paged_decode_attention(const float *q, const void *k_cache, const void *v_cache,
+                           const float *k_lut, const float *v_lut, const int *lengths, const int *block_tables, float *out,
                            int num_rows, int num_kv_heads, int group, int head_dim,
                            int block_size, int max_blocks, float scale, int num_threads) {
     int max_len = 1;
     for (int b = 0; b < num_rows; b++) max_len = lengths[b] > max_len ? lengths[b] : max_len;
-    const job_t j = {q, k_cache, v_cache, lengths, block_tables, out, num_kv_heads, group, head_dim,
+    const job_t j = {q, k_cache, v_cache, k_lut, v_lut, lengths, block_tables, out, num_kv_heads, group, head_dim,
                      block_size, max_blocks, scale};
     int failed = 0;
     /* OpenMP from torch's own libgomp (same soname, already loaded): torch's worker threads, which
@@ -97,11 +114,12 @@ int paged_decode_attention(const float *q, const float *k_cache, const float *v_
     #pragma omp parallel num_threads(num_threads) reduction(|:failed)
     {
         float *scores = (float *)malloc(sizeof(float) * (size_t)num_kv_heads * group * (size_t)max_len);
-        if (!scores) failed = 1;
+        float *row = (float *)malloc(sizeof(float) * (size_t)num_kv_heads * head_dim);  /* a widened record */
+        if (!scores || !row) failed = 1;
         #pragma omp for schedule(dynamic, 1)
         for (int b = 0; b < num_rows; b++)
-            if (scores) attend_row(&j, b, scores);
-        free(scores);
+            if (scores && row) attend_row(&j, b, scores, row);
+        free(scores); free(row);
     }
     return failed;
 }

@@ -4,7 +4,8 @@
    Each (chunk, KV head) gathers its keys [0, context + queries) out of their blocks once (K
    transposed, V in rows), then computes scores in 6 x 16 register tiles, an exact softmax per row
    over the keys it may see, and P V in 6 x 64 tiles: no padding, no mask tensor. Work items are
-   split over torch's OpenMP threads. Called from kernels/cpu_paged_attention.py, which checks every
+   split over torch's OpenMP threads. FP8 caches (k_lut/v_lut not NULL) are widened through the
+   layer's 256-entry table (byte -> value * scale) in that gather. Called from kernels/cpu_paged_attention.py, which checks every
    argument first. */
 
 #include <float.h>
@@ -23,7 +24,9 @@ static inline vec16 load16(const float *p) { vec16 v; __builtin_memcpy(&v, p, si
 static inline void store16(float *p, vec16 v) { __builtin_memcpy(p, &v, sizeof v); }
 
 typedef struct {
-    const float *q, *k_cache, *v_cache;
+    const float *q;
+    const void *k_cache, *v_cache;  /* float32, or FP8 bytes when the tables below are set */
+    const float *k_lut, *v_lut;  /* (256,) byte -> value * scale, or NULL for a float32 cache */
     float *out;
     long q_token_stride, out_token_stride;
     const int *token_starts, *query_lens, *context_lens, *block_tables;
@@ -72,10 +75,21 @@ static void prefill_rows(const prefill_job_t *j, int seq, int h, int row_begin, 
     const long token_stride = (long)j->num_kv_heads * D;
     const int *table = j->block_tables + (long)seq * j->max_blocks;
     for (int key = 0; key < num_keys; key++) {  /* gather K^T and V rows out of their blocks */
-        const long slot = (long)table[key / BS] * BS + key % BS;
-        const float *kr = j->k_cache + slot * token_stride + (long)h * D;
-        const float *vr = j->v_cache + slot * token_stride + (long)h * D;
-        for (int d = 0; d < D; d++) { kt[(long)d * padded + key] = kr[d]; vb[(long)key * D + d] = vr[d]; }
+        const long offset = ((long)table[key / BS] * BS + key % BS) * token_stride + (long)h * D;
+        if (j->k_lut) {
+            const unsigned char *kr = (const unsigned char *)j->k_cache + offset;
+            for (int d = 0; d < D; d++) kt[(long)d * padded + key] = j->k_lut[kr[d]];
+        } else {
+            const float *kr = (const float *)j->k_cache + offset;
+            for (int d = 0; d < D; d++) kt[(long)d * padded + key] = kr[d];
+        }
+        if (j->v_lut) {
+            const unsigned char *vr = (const unsigned char *)j->v_cache + offset;
+            for (int d = 0; d < D; d++) vb[(long)key * D + d] = j->v_lut[vr[d]];
+        } else {
+            const float *vr = (const float *)j->v_cache + offset;
+            for (int d = 0; d < D; d++) vb[(long)key * D + d] = vr[d];
+        }
     }
     for (int d = 0; d < D; d++)
         for (int key = num_keys; key < padded; key++) kt[(long)d * padded + key] = 0.f;
@@ -120,10 +134,10 @@ static void prefill_rows(const prefill_job_t *j, int seq, int h, int row_begin, 
 }
 
 /* Returns 0 on success. q: (T, H, D) with token stride q_token_stride (contiguous heads); out likewise;
-   caches as for decode; per prefill sequence: its first flat token, query and context lengths and
+   caches as for decode (float32, or FP8 bytes with k_lut, v_lut); per prefill sequence: its first flat token, query and context lengths and
    block table (max_blocks). head_dim must be a multiple of 16. */
-int paged_prefill_attention(const float *q, long q_token_stride, const float *k_cache, const float *v_cache,
-                            float *out, long out_token_stride, const int *token_starts, const int *query_lens,
+int paged_prefill_attention(const float *q, long q_token_stride, const void *k_cache, const void *v_cache,
+                            const float *k_lut, const float *v_lut, float *out, long out_token_stride, const int *token_starts, const int *query_lens,
                             const int *context_lens, const int *block_tables, int num_seqs, int max_blocks,
                             int num_kv_heads, int group, int head_dim, int block_size, float scale,
                             int num_threads) {
@@ -136,7 +150,7 @@ int paged_prefill_attention(const float *q, long q_token_stride, const float *k_
     /* Few long sequences: split each one's query rows so every thread has work. */
     const int num_pairs = num_seqs * num_kv_heads;
     const int num_splits = num_pairs >= 4 * num_threads ? 1 : (4 * num_threads + num_pairs - 1) / num_pairs;
-    const prefill_job_t j = {q, k_cache, v_cache, out, q_token_stride, out_token_stride, token_starts,
+    const prefill_job_t j = {q, k_cache, v_cache, k_lut, v_lut, out, q_token_stride, out_token_stride, token_starts,
                              query_lens, context_lens, block_tables, max_blocks, num_kv_heads, group, head_dim,
                              block_size, scale};
     int failed = 0;

@@ -11,6 +11,7 @@ import torch
 
 from batchgen.engine import SamplingParams
 from batchgen.engine.attention.cpu import CpuAttention
+from batchgen.engine.attention.kv_cache import LayerKVCache
 from batchgen.engine.attention.decode_staging import DecodeRows, StagingPool, row_ranges
 from batchgen.engine.attention.sdpa import SdpaAttention, SdpaAttentionMetadata, split_by_padding
 from batchgen.engine.llm_engine import LLMEngine
@@ -55,9 +56,9 @@ def test_staged_and_paged_decodes_match_gather_across_joins_and_departures():
         q = torch.randn(len(order), num_heads, head_dim)
         k = torch.randn(len(order), num_kv_heads, head_dim)
         v = torch.randn(len(order), num_kv_heads, head_dim)
-        expected = sdpa.forward(0, q, k, v, (k_cache.clone(), v_cache.clone()), gathered_meta)
-        paged = cpu.forward(0, q, k, v, (k_cache.clone(), v_cache.clone()), paged_meta)  # the C kernel
-        staged = sdpa.forward(0, q, k, v, (k_cache, v_cache), staged_meta)  # SDPA on dense rows
+        expected = sdpa.forward(0, q, k, v, LayerKVCache(k_cache.clone(), v_cache.clone()), gathered_meta)
+        paged = cpu.forward(0, q, k, v, LayerKVCache(k_cache.clone(), v_cache.clone()), paged_meta)  # the C kernel
+        staged = sdpa.forward(0, q, k, v, LayerKVCache(k_cache, v_cache), staged_meta)  # SDPA on dense rows
         torch.testing.assert_close(staged, expected, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(paged, expected, rtol=1e-5, atol=1e-5)
         for s in order:
@@ -96,8 +97,8 @@ def test_staged_decode_in_several_row_ranges_matches_gather():
     gathered = _builder(backend, k_cache, block_size).build(
         [1] * len(order), [s.num_computed_tokens for s in order], [s.block_ids for s in order], len(order))
     staged = SdpaAttentionMetadata(gathered.slot_mapping, len(order), staging=step, staging_buffers=pool.layers)
-    expected = backend.forward(0, q, k, v, (k_cache.clone(), v_cache.clone()), gathered)
-    torch.testing.assert_close(backend.forward(0, q, k, v, (k_cache, v_cache), staged), expected, rtol=1e-5, atol=1e-5)
+    expected = backend.forward(0, q, k, v, LayerKVCache(k_cache.clone(), v_cache.clone()), gathered)
+    torch.testing.assert_close(backend.forward(0, q, k, v, LayerKVCache(k_cache, v_cache), staged), expected, rtol=1e-5, atol=1e-5)
 
 
 @pytest.fixture
@@ -180,12 +181,12 @@ def test_padded_groups_give_the_same_attention_as_one_group():
     v = torch.randn(num_tokens, num_kv_heads, head_dim)
     meta = builder.build(query_lens, context_lens, tables, 0)
     assert len(meta.groups) == 2
-    split = backend.forward(0, q, k, v, (k_cache, v_cache), meta)
+    split = backend.forward(0, q, k, v, LayerKVCache(k_cache, v_cache), meta)
     # Reference: each sequence alone (a group of one cannot pad).
     start = 0
     for i, n in enumerate(query_lens):
         alone = builder.build([n], [context_lens[i]], [tables[i]], 0)
-        ref = backend.forward(0, q[start:start + n], k[start:start + n], v[start:start + n], (k_cache, v_cache), alone)
+        ref = backend.forward(0, q[start:start + n], k[start:start + n], v[start:start + n], LayerKVCache(k_cache, v_cache), alone)
         torch.testing.assert_close(split[start:start + n], ref)
         start += n
 
@@ -223,7 +224,7 @@ def test_decodes_fresh_prompts_and_chunks_with_context_match_a_naive_reference(b
             # Fresh prompts are attended in place; the decode and the chunk with cached context gather.
             assert [n for _, n in meta.fresh] == [n for n, c in zip(query_lens[1:], context_lens[1:]) if c == 0]
             assert [g.num_tokens for g in meta.groups] == [n for n, c in zip(query_lens, context_lens) if c > 0]
-        out = backend.forward(0, q, k, v, (k_cache, v_cache), meta)
+        out = backend.forward(0, q, k, v, LayerKVCache(k_cache, v_cache), meta)
         start = 0
         for n, c, table in zip(query_lens, context_lens, tables):
             slots = torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(c + n)])

@@ -11,6 +11,7 @@ from batchgen.engine import EngineConfig, SamplingParams
 from batchgen.engine.attention.cpu import CpuAttention
 from batchgen.engine.attention.sdpa import SdpaAttention
 from batchgen.engine.attention.selector import select_attention_backend
+from batchgen.engine.attention.triton import TritonAttention
 from batchgen.engine.llm_engine import LLMEngine
 from batchgen.engine.models.cpu_linear import PackedLinear, PackedSiluMulLinear
 from batchgen.kernels import cpu_elementwise, cpu_paged_attention, cpu_sampling
@@ -25,12 +26,16 @@ def without_c_attention(monkeypatch):
     monkeypatch.setattr(cpu_paged_attention, "is_available", lambda: False)
 
 
-def test_auto_and_torch_pick_the_c_kernels_on_the_cpu_in_float32_and_sdpa_elsewhere():
+def test_auto_and_torch_pick_triton_on_cuda_and_the_c_kernels_on_the_cpu_in_float32_else_sdpa():
     assert cpu_paged_attention.is_available()  # CI has a C compiler
     for requested in ("auto", "torch"):
         assert select_attention_backend(requested, CPU, torch.float32, 64) is CpuAttention
-        assert select_attention_backend(requested, CUDA, torch.bfloat16, 64) is SdpaAttention
+        assert select_attention_backend(requested, CUDA, torch.bfloat16, 64) is TritonAttention
+        assert select_attention_backend(requested, CUDA, torch.float16, 80, is_fp8_kv=True) is TritonAttention
+    assert select_attention_backend("auto", CPU, torch.float32, 64, is_fp8_kv=True) is CpuAttention
     assert select_attention_backend("auto", CPU, torch.bfloat16, 64) is SdpaAttention
+    # Under the interpreter (tests set TRITON_INTERPRET=1) triton is selectable on the CPU, never auto.
+    assert select_attention_backend("triton", CPU, torch.float32, 64) is TritonAttention
     assert select_attention_backend("auto", CPU, torch.float32, 24) is SdpaAttention  # head_dim % 16
     assert select_attention_backend("sdpa", CPU, torch.float32, 64) is SdpaAttention
     assert select_attention_backend("cpu", CPU, torch.float32, 64) is CpuAttention
@@ -41,10 +46,22 @@ def test_a_backend_that_cannot_run_here_is_a_clear_error():
         select_attention_backend("cpu", CUDA, torch.float32, 64)
     with pytest.raises(ValueError, match="'torch' \\(torch means cpu on cpu\\) cannot run here: .*float32"):
         select_attention_backend("torch", CPU, torch.bfloat16, 64)
-    with pytest.raises(ValueError, match="must be one of auto, torch, cpu, sdpa; got 'triton'"):
-        select_attention_backend("triton", CUDA, torch.bfloat16, 64)
-    with pytest.raises(ValueError, match="attention_backend"):
-        EngineConfig(model=MODEL, attention_backend="triton")  # not offered until it exists
+    with pytest.raises(ValueError, match="must be one of auto, torch, cpu, sdpa, triton; got 'flash'"):
+        select_attention_backend("flash", CUDA, torch.bfloat16, 64)
+    with pytest.raises(ValueError, match="'sdpa' cannot run here: it is the CPU's fallback"):
+        select_attention_backend("sdpa", CUDA, torch.bfloat16, 64)
+    with pytest.raises(ValueError, match="'sdpa' cannot run here: it has no FP8 KV cache"):
+        select_attention_backend("sdpa", CPU, torch.float32, 64, is_fp8_kv=True)
+    with pytest.raises(ValueError, match="no attention backend can run here .*sdpa: it has no FP8 KV cache"):
+        select_attention_backend("auto", CPU, torch.bfloat16, 64, is_fp8_kv=True)
+    with pytest.raises(ValueError, match="interpreter computes float32/float16 only"):
+        select_attention_backend("triton", CPU, torch.bfloat16, 64)
+
+
+def test_triton_on_the_cpu_needs_the_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="only under TRITON_INTERPRET=1"):
+        select_attention_backend("triton", CPU, torch.float32, 64)
 
 
 def test_without_the_c_kernels_auto_picks_sdpa_and_cpu_is_refused(without_c_attention):

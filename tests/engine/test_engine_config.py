@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from batchgen.engine import LLM, EngineConfig, SamplingParams
 from batchgen.engine.config import ATTENTION_BACKENDS, DTYPES, SettingError
@@ -12,7 +13,9 @@ from batchgen.engine.config import ATTENTION_BACKENDS, DTYPES, SettingError
     ({"dtype": "float64"}, "dtype"),
     ({"quantization": "int3"}, "quantization"),
     ({"fp8_mode": "w4a4"}, "fp8_mode"),
-    ({"attention_backend": "triton"}, "attention_backend"),  # not offered until it is built
+    ({"attention_backend": "flash"}, "attention_backend"),
+    ({"kv_cache_dtype": "int8"}, "kv_cache_dtype"),
+    ({"kv_cache_dtype": "fp8_e4m3fn"}, "kv_cache_dtype"),  # vLLM's names only
     ({"device": "tpu"}, "device"),
     ({"device": "cuda:x"}, "device"),
     ({"block_size": 0}, "block_size"),
@@ -40,7 +43,11 @@ def test_every_offered_choice_is_accepted():
     for memory in ("auto", "8GiB", 0.5, 1.0, 2**30):
         EngineConfig(model="m", kv_cache_memory=memory)
     assert EngineConfig(model="m", device="cuda:1").device == "cuda:1"
-    assert set(ATTENTION_BACKENDS) == {"auto", "cpu", "sdpa", "torch"}
+    assert set(ATTENTION_BACKENDS) == {"auto", "cpu", "sdpa", "triton", "torch"}
+    kv_dtypes = {name: EngineConfig(model="m", device="cpu", kv_cache_dtype=name).kv_torch_dtype
+                 for name in ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")}
+    assert kv_dtypes == {"auto": torch.float32, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
+                         "fp8_e5m2": torch.float8_e5m2}
 
 
 def test_llm_keywords_are_engine_config_fields_and_a_typo_lists_them():

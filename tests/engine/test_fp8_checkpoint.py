@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from batchgen.bench.direct_runner import teacher_forced_logits
+from batchgen.bench.direct_runner import DirectRunner, teacher_forced_logits
 from batchgen.engine import LLM, SamplingParams
 from batchgen.engine.capacity import weight_bytes
 from batchgen.engine.config import EngineConfig
@@ -180,12 +180,17 @@ def test_compressed_tensors_fp8_config_is_accepted(tiny, tmp_path):
     assert len(fp8_layers(load(folder))) == 8
 
 
-def test_kv_cache_scales_are_accepted_and_left_unused(tiny, tmp_path):
+def test_kv_cache_scales_are_read_and_used_only_by_an_fp8_kv_cache(tiny, tmp_path):
     folder = shutil.copytree(tiny["channel"], tmp_path / "ckpt")
     tensors = load_file(str(folder / "model.safetensors"))
-    for i in range(2):  # both spellings AutoFP8 / llm-compressor have used for KV-cache scales
-        tensors[f"model.layers.{i}.self_attn.k_proj.output_scale"] = torch.tensor(0.5)
-        tensors[f"model.layers.{i}.self_attn.k_scale"] = torch.tensor(0.5)
-        tensors[f"model.layers.{i}.self_attn.v_scale"] = torch.tensor(0.5)
+    # Both spellings AutoFP8 / llm-compressor have used: layer 0 k_proj/v_proj output_scale, layer 1 k_scale/v_scale.
+    tensors["model.layers.0.self_attn.k_proj.output_scale"] = torch.tensor(0.25)
+    tensors["model.layers.0.self_attn.v_proj.output_scale"] = torch.tensor(0.125)
+    tensors["model.layers.1.self_attn.k_scale"] = torch.tensor(0.5)
+    tensors["model.layers.1.self_attn.v_scale"] = torch.tensor(2.0)
     save_file(tensors, str(folder / "model.safetensors"))
-    assert torch.equal(logits(load(folder)), logits(load(tiny["channel"])))
+    model = load(folder)
+    assert model.kv_cache_scales == {0: {"k": 0.25, "v": 0.125}, 1: {"k": 0.5, "v": 2.0}}
+    assert torch.equal(logits(model), logits(load(tiny["channel"])))  # a float cache ignores them
+    runner = DirectRunner(model, 1, 8, kv_cache_dtype=torch.float8_e4m3fn)
+    assert [(c.k_scale.item(), c.v_scale.item()) for c in runner.kv_caches] == [(0.25, 0.125), (0.5, 2.0)]

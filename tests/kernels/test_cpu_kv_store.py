@@ -1,4 +1,5 @@
-"""The C cache write against its reference (index_copy_), bit for bit, from strided views of a qkv output."""
+"""The C cache write against the shared reference (kernels/reference.py's kv_store_reference), bit for
+bit, from strided views of a qkv output; into float32 and FP8 caches."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import pytest
 import torch
 
 from batchgen.kernels import cpu_kv_store
-from batchgen.kernels.reference import store_kv_ref
+from batchgen.kernels.reference import kv_store_reference
 
 
 def test_store_kv_writes_strided_rows_into_their_slots_like_the_reference():
@@ -17,8 +18,7 @@ def test_store_kv_writes_strided_rows_into_their_slots_like_the_reference():
     v = qkv[:, 4 * 48:].view(num_tokens, num_kv_heads, head_dim)
     slots = torch.randperm(100)[:num_tokens]
     k_cache, v_cache = torch.randn(100, num_kv_heads, head_dim), torch.randn(100, num_kv_heads, head_dim)
-    expected_k, expected_v = k_cache.clone(), v_cache.clone()
-    store_kv_ref(k, v, expected_k, expected_v, slots)
+    expected_k, expected_v = kv_store_reference(k, v, k_cache, v_cache, slots)
     cpu_kv_store.store_kv(k, v, k_cache, v_cache, slots)
     torch.testing.assert_close(k_cache, expected_k, rtol=0, atol=0)
     torch.testing.assert_close(v_cache, expected_v, rtol=0, atol=0)
@@ -39,3 +39,24 @@ def test_store_kv_refuses_what_the_caches_do_not_hold():
         cpu_kv_store.store_kv(torch.zeros(3, 1, 16), torch.zeros(3, 1, 16), cache, cache, torch.arange(3))
     with pytest.raises(ValueError, match="contiguous"):
         cpu_kv_store.store_kv(rows, rows, cache[::2], cache[::2], torch.arange(3))
+
+
+def test_store_kv_quantizes_into_fp8_caches_like_the_reference():
+    """clamp(x / scale) cast to FP8 (torch's cast: exact, unlike the Triton interpreter's), at the given
+    slots only; values past the format's range are clamped to its largest finite value."""
+    gen = torch.Generator().manual_seed(1)
+    num_tokens, num_kv_heads, head_dim = 6, 2, 16
+    k = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen) * 3
+    v = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen)
+    k[0, 0, 0] = 1e6  # far past 448 * scale: clamped, not NaN
+    k_scale, v_scale = torch.tensor(0.01), torch.tensor(0.5)
+    slots = torch.tensor([9, 2, 30, 17, 0, 5])
+    k_cache = torch.zeros(32, num_kv_heads, head_dim, dtype=torch.float8_e4m3fn)
+    v_cache = torch.zeros(32, num_kv_heads, head_dim, dtype=torch.float8_e4m3fn)
+    expected_k, expected_v = kv_store_reference(k, v, k_cache, v_cache, slots, k_scale, v_scale)
+    cpu_kv_store.store_kv(k, v, k_cache, v_cache, slots, k_scale, v_scale)
+    assert torch.equal(k_cache.view(torch.uint8), expected_k.view(torch.uint8))
+    assert torch.equal(v_cache.view(torch.uint8), expected_v.view(torch.uint8))
+    assert k_cache[9, 0, 0].float().item() == 448.0
+    with pytest.raises(ValueError, match="k_scale and v_scale"):
+        cpu_kv_store.store_kv(k, v, k_cache, v_cache, slots)

@@ -1,5 +1,6 @@
-"""The C paged-attention kernels (decode and prefill) against their float64 references
-(kernels/reference.py) and SDPA, on blocks scattered through the cache."""
+"""The C paged-attention kernels (decode and prefill) against the float64 reference
+(kernels/reference.py's paged_attention_reference, shared with the Triton kernel) and SDPA, on
+blocks scattered through the cache; float32 and FP8 caches (read through the lookup table)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from batchgen.kernels import cpu_paged_attention
-from batchgen.kernels.reference import paged_decode_attention_ref, paged_prefill_attention_ref
+from batchgen.kernels.cpu_paged_attention import fp8_lookup_table
+from batchgen.kernels.reference import paged_attention_reference, quantize_kv_reference
 from tests.kernels.helpers import fresh_library, scattered_paged_cache
 
 
@@ -21,9 +23,59 @@ def test_matches_float64_reference_on_scattered_blocks(num_kv_heads, group, head
     lengths = [1, 5, 48, 17, 33, 2, 40, 16]  # block-aligned, one past, one short of a block
     k_cache, v_cache, tables, _, _ = scattered_paged_cache(lengths, num_kv_heads, head_dim, block_size, seed=0)
     q = torch.randn(len(lengths), num_kv_heads, group, head_dim)
-    args = (q, k_cache, v_cache, tables, torch.tensor(lengths, dtype=torch.int32), block_size, head_dim ** -0.5)
-    torch.testing.assert_close(cpu_paged_attention.paged_decode_attention(*args), paged_decode_attention_ref(*args),
+    lengths = torch.tensor(lengths, dtype=torch.int32)
+    got = cpu_paged_attention.paged_decode_attention(q, k_cache, v_cache, tables, lengths, block_size,
+                                                     head_dim ** -0.5)
+    torch.testing.assert_close(got, decode_reference(q, k_cache, v_cache, tables, lengths, block_size),
                                rtol=1e-5, atol=1e-5)
+
+
+def decode_reference(q, k_cache, v_cache, tables, lengths, block_size, k_scale=None, v_scale=None):
+    """The shared reference on decode rows: q (B, Hkv, G, D) as B one-query sequences."""
+    num_rows, num_kv_heads, group, head_dim = q.shape
+    cu = torch.arange(num_rows + 1, dtype=torch.int32)
+    out = paged_attention_reference(q.reshape(num_rows, num_kv_heads * group, head_dim), k_cache, v_cache,
+                                    tables, cu, lengths, head_dim ** -0.5, block_size, k_scale, v_scale)
+    return out.view(q.shape)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
+def test_fp8_cache_decode_and_prefill_match_reference_over_dequantized_cache(cache_dtype):
+    """FP8 caches are read through the 256-entry table (value * scale): the reference attends the
+    dequantized cache, so the only differences are float32 rounding. Without the scale applied the
+    result would be far off (checked)."""
+    num_kv_heads, group, head_dim, block_size = 3, 3, 64, 16
+    lengths = [1, 17, 40, 33]
+    k32, v32, tables, _, _ = scattered_paged_cache(lengths, num_kv_heads, head_dim, block_size, seed=5)
+    k_scale, v_scale = torch.tensor(0.02), torch.tensor(0.05)
+    k_cache = quantize_kv_reference(k32.nan_to_num(0.0), cache_dtype, k_scale)
+    v_cache = quantize_kv_reference(v32.nan_to_num(0.0), cache_dtype, v_scale)
+    k_lut, v_lut = fp8_lookup_table(cache_dtype, k_scale), fp8_lookup_table(cache_dtype, v_scale)
+    q = torch.randn(len(lengths), num_kv_heads, group, head_dim, generator=torch.Generator().manual_seed(6))
+    lens = torch.tensor(lengths, dtype=torch.int32)
+    got = cpu_paged_attention.paged_decode_attention(q, k_cache, v_cache, tables, lens, block_size,
+                                                     head_dim ** -0.5, k_lut, v_lut)
+    expected = decode_reference(q, k_cache, v_cache, tables, lens, block_size, k_scale, v_scale)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    unscaled = cpu_paged_attention.paged_decode_attention(
+        q, k_cache, v_cache, tables, lens, block_size, head_dim ** -0.5,
+        fp8_lookup_table(cache_dtype, torch.tensor(1.0)), fp8_lookup_table(cache_dtype, torch.tensor(1.0)))
+    assert (unscaled - got).abs().max() > 1.0
+    # Prefill: the same rows as chunks (queries 1, 9, 20, 33 over contexts 0, 8, 20, 0).
+    query_lens = [1, 9, 20, 33]
+    num_tokens = sum(query_lens)
+    q_flat = torch.randn(num_tokens, num_kv_heads * group, head_dim, generator=torch.Generator().manual_seed(7))
+    starts = torch.tensor([0, 1, 10, 30], dtype=torch.int32)
+    contexts = torch.tensor([n - m for n, m in zip(lengths, query_lens)], dtype=torch.int32)
+    out = torch.empty_like(q_flat)
+    cpu_paged_attention.paged_prefill_attention(q_flat, k_cache, v_cache, starts, torch.tensor(query_lens, dtype=torch.int32),
+                                                contexts, tables, block_size, head_dim ** -0.5, out, k_lut, v_lut)
+    cu = torch.tensor([0, 1, 10, 30, 63], dtype=torch.int32)
+    expected = paged_attention_reference(q_flat, k_cache, v_cache, tables, cu, lens, head_dim ** -0.5, block_size,
+                                         k_scale, v_scale)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="k_lut and v_lut"):
+        cpu_paged_attention.paged_decode_attention(q, k_cache, v_cache, tables, lens, block_size, 0.1)
 
 
 def test_matches_sdpa_at_smollm_shapes():
@@ -90,11 +142,13 @@ def test_prefill_matches_float64_reference_with_and_without_context(num_kv_heads
     scale = head_dim ** -0.5
     args = (q, k_cache, v_cache, as_int(starts), as_int([n for n, _ in chunks]), as_int([c for _, c in chunks]),
             tables, block_size, scale)
-    expected = out.clone()
     cpu_paged_attention.paged_prefill_attention(*args, out)
-    paged_prefill_attention_ref(*args, expected)
+    # The reference over the chunks alone (its query offsets start at 0).
+    cu = torch.tensor([0] + [n for n, _ in chunks]).cumsum(0).to(torch.int32)
+    expected = paged_attention_reference(q[num_decode_rows:], k_cache, v_cache, tables, cu, as_int(lengths),
+                                         scale, block_size)
     assert bool((out[:num_decode_rows] == 7.0).all())
-    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out[num_decode_rows:], expected, rtol=1e-5, atol=1e-5)
 
 
 def test_prefill_refuses_head_dims_it_has_no_tiles_for():

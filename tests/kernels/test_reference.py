@@ -12,8 +12,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_
 from batchgen.kernels.reference import (
     add_rms_norm_ref,
     argmax_log_z_ref,
-    paged_decode_attention_ref,
-    paged_prefill_attention_ref,
+    paged_attention_reference,
     rms_norm_ref,
     rotary_ref,
     silu_mul_ref,
@@ -64,7 +63,9 @@ def test_paged_decode_ref_is_sdpa_on_each_rows_keys():
     k_cache, v_cache, tables, keys, values = scattered_paged_cache(
         lengths, num_kv_heads, head_dim, block_size, seed=3)
     q = torch.randn(len(lengths), num_kv_heads, group, head_dim)
-    got = paged_decode_attention_ref(q, k_cache, v_cache, tables, torch.tensor(lengths), block_size, 0.3)
+    cu = torch.arange(len(lengths) + 1)  # one query per sequence
+    got = paged_attention_reference(q.reshape(len(lengths), -1, head_dim), k_cache, v_cache, tables, cu,
+                                    torch.tensor(lengths), 0.3, block_size).view(q.shape)
     assert got.dtype == torch.float32
     for b, (k, v) in enumerate(zip(keys, values)):  # (Hkv, G, D) queries against (Hkv, n, D) keys
         expected = F.scaled_dot_product_attention(q[b], k.transpose(0, 1), v.transpose(0, 1), scale=0.3)
@@ -76,14 +77,12 @@ def test_paged_prefill_ref_is_causal_sdpa_over_context_and_queries():
     chunks = [(6, 0), (3, 9), (1, 4)]  # (queries, cached context)
     k_cache, v_cache, tables, keys, values = scattered_paged_cache(
         [q + c for q, c in chunks], num_kv_heads, head_dim, block_size, seed=4)
-    num_tokens = 2 + sum(q for q, _ in chunks)  # 2 rows ahead that the reference must leave alone
+    num_tokens = sum(q for q, _ in chunks)
     q = torch.randn(num_tokens, group * num_kv_heads, head_dim)
-    starts = [2 + sum(n for n, _ in chunks[:i]) for i in range(len(chunks))]
-    out = torch.full(q.shape, 7.0)
-    query_lens, context_lens = torch.tensor([n for n, _ in chunks]), torch.tensor([c for _, c in chunks])
-    paged_prefill_attention_ref(q, k_cache, v_cache, torch.tensor(starts), query_lens, context_lens, tables,
-                                block_size, 0.25, out)
-    assert bool((out[:2] == 7.0).all())
+    starts = [sum(n for n, _ in chunks[:i]) for i in range(len(chunks))]
+    cu = torch.tensor(starts + [num_tokens])
+    out = paged_attention_reference(q, k_cache, v_cache, tables, cu, torch.tensor([n + c for n, c in chunks]),
+                                    0.25, block_size)
     for (num_q, context), start, k, v in zip(chunks, starts, keys, values):
         is_visible = torch.arange(context + num_q)[None, :] <= context + torch.arange(num_q)[:, None]
         expected = F.scaled_dot_product_attention(

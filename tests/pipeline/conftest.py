@@ -83,7 +83,8 @@ class FakeEngine:
 
     @property
     def stats(self) -> dict:
-        return {"prefix_cache_hit_rate": 0.0, "kernels": {"attention_backend": "fake"}}
+        return {"prefix_cache_hit_rate": 0.0, "kernels": {"attention_backend": "fake"},
+                "kv_cache": {"dtype": "float32", "bytes_per_token": 4}}
 
     def encode(self, prompt, allow_special_tokens: bool = True) -> list[int]:
         text = prompt if isinstance(prompt, str) else "|".join(f"{m['role']}:{m['content']}" for m in prompt)

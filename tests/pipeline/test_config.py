@@ -70,8 +70,10 @@ def test_relative_paths_are_relative_to_the_job_files_folder(tmp_path, monkeypat
     ("input", "on_overlong", "drop", ["input.on_overlong", "'error' or 'truncate_left'", "'drop'"]),
     ("model", "dtype", "fp64", ["model.dtype: must be one of auto, float32, bfloat16, float16 (got 'fp64')"]),
     ("engine", "device", "tpu", ["engine.device", "auto, cpu, cuda, cuda:N", "(got 'tpu')"]),
-    ("engine", "attention_backend", "triton",
-     ["engine.attention_backend: must be one of auto, cpu, sdpa, torch (got 'triton')"]),
+    ("engine", "attention_backend", "flash",
+     ["engine.attention_backend: must be one of auto, cpu, sdpa, triton, torch (got 'flash')"]),
+    ("engine", "kv_cache_dtype", "int8",
+     ["engine.kv_cache_dtype: must be one of auto, fp8, fp8_e4m3, fp8_e5m2 (got 'int8')"]),
     ("engine", "kv_cache_memory", "lots", ["engine.kv_cache_memory", "8GiB"]),
     ("engine", "max_num_seqs", 0, ["engine.max_num_seqs: must be >= 1 (got 0)"]),
     ("sampling", "top_p", 2, ["sampling.top_p: must be in (0, 1] (got 2.0)"]),
@@ -134,13 +136,17 @@ def test_config_hash_covers_what_changes_outputs_only(tmp_path):
     job_file = write_job(tmp_path, BASE)
     base = load_job(job_file).config_hash()
     same = ["engine.max_num_seqs=4", "engine.kv_cache_memory=1GiB", "output.path=/elsewhere",
-            "batching.window=16", "input.storage_options={anon: true}", "output.keep_columns=[a]", "name=other"]
+            "batching.window=16", "input.storage_options={anon: true}", "output.keep_columns=[a]", "name=other",
+            "engine.kv_cache_dtype=auto", "engine.calculate_kv_scales=false", "engine.attention_backend=cpu"]
     for item in same:
         assert load_job(job_file, [item]).config_hash() == base, item
     different = ["sampling.temperature=0.5", "sampling.seed=1", "input.rows_per_unit=5", "model.max_model_len=2048",
-                 "input.system_prompt=hi", "sampling_columns.temperature=t", "model.dtype=float32"]
+                 "input.system_prompt=hi", "sampling_columns.temperature=t", "model.dtype=float32",
+                 "engine.kv_cache_dtype=fp8", "engine.calculate_kv_scales=true"]
     for item in different:
         assert load_job(job_file, [item]).config_hash() != base, item
+    fp8_kv = {load_job(job_file, [f"engine.kv_cache_dtype={name}"]).config_hash() for name in ("fp8", "fp8_e5m2")}
+    assert len(fp8_kv) == 2
     assert load_job(job_file).config_hash(limit=10) != base  # a limited run must not pass for a full one
 
 

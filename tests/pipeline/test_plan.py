@@ -60,6 +60,18 @@ def test_mistral_7b_worked_example(mistral_dir):
     assert fp8["kv_bytes"] == plan["kv_bytes"]
 
 
+def test_fp8_kv_cache_halves_bf16_kv_bytes_and_fits_more_requests(mistral_dir):
+    args = (str(mistral_dir), "--max-model-len", str(CONTEXT), "--concurrency", "32", "--dtype", "bfloat16",
+            "--memory", "141GB")
+    bf16, fp8 = plan_json(*args), plan_json(*args, "--kv-cache-dtype", "fp8")
+    assert (bf16["kv_cache_dtype"], fp8["kv_cache_dtype"]) == ("bfloat16", "float8_e4m3fn")
+    assert fp8["kv_bytes_per_token"] == 2 * 32 * 8 * 128 * 1 == bf16["kv_bytes_per_token"] // 2
+    assert fp8["weight_bytes"] == bf16["weight_bytes"]
+    assert fp8["max_concurrency"] > 1.9 * bf16["max_concurrency"]
+    text = CliRunner().invoke(app, ["plan", str(mistral_dir), "--kv-cache-dtype", "fp8_e5m2"]).stdout
+    assert "1 bytes (float8_e5m2)" in text and "float8_e5m2 KV cache" in text
+
+
 def test_text_output_uses_decimal_gb(mistral_dir):
     result = CliRunner().invoke(app, ["plan", str(mistral_dir), "--concurrency", "32", "--memory", "141GB"])
     assert result.exit_code == 0, result.output

@@ -32,18 +32,22 @@ def tiny_config(vocab_size: int, eos_token_id: int | None, max_position_embeddin
 
 def write_tiny_model(folder: Path, tokenizer, *, hidden: int = HIDDEN, intermediate: int = INTERMEDIATE,
                      num_layers: int = NUM_LAYERS, num_heads: int = NUM_HEADS,
-                     num_kv_heads: int = NUM_KV_HEADS) -> Path:
-    """`tokenizer`: a transformers tokenizer (with its chat template) that the tiny model reuses."""
+                     num_kv_heads: int = NUM_KV_HEADS, weight_std: float = 0.02,
+                     vocab_size: int | None = None) -> Path:
+    """`tokenizer`: a transformers tokenizer (with its chat template) that the tiny model reuses.
+    `weight_std`: the random weights' spread (larger: logits further from uniform, fewer near-ties).
+    `vocab_size`: fewer logits than the tokenizer's vocabulary (a smaller lm_head; the model then
+    writes only the first vocab_size tokens); None: the tokenizer's."""
     folder.mkdir(parents=True, exist_ok=True)
     tokenizer.save_pretrained(folder)
-    vocab = len(tokenizer)
+    vocab = vocab_size or len(tokenizer)
     (folder / "config.json").write_text(json.dumps(tiny_config(
         vocab, tokenizer.eos_token_id, hidden=hidden, intermediate=intermediate, num_layers=num_layers,
         num_heads=num_heads, num_kv_heads=num_kv_heads)))
     gen = torch.Generator().manual_seed(0)
 
     def rand(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=gen) * 0.02
+        return torch.randn(*shape, generator=gen) * weight_std
 
     head_dim = hidden // num_heads
     weights = {"model.embed_tokens.weight": rand(vocab, hidden), "model.norm.weight": torch.ones(hidden)}
