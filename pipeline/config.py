@@ -131,6 +131,24 @@ class OutputSection(_Section):
     storage_options: dict[str, Any] = Field(default_factory=dict)  # fsspec options; not hashed
 
 
+class ClusterSection(_Section):
+    """Where the job runs: this process (local) or engine replicas on Ray. Not in the config hash:
+    a row's output does not depend on where it ran."""
+
+    backend: Literal["local", "ray"] = "local"
+    address: str | None = None  # Ray's: null starts a local cluster (or joins RAY_ADDRESS); auto or ray://...
+    replicas: int | Literal["auto"] = "auto"  # auto: one per GPU in the cluster, one on a CPU-only cluster
+    gpus_per_replica: float = Field(default=1, ge=0)
+    cpus_per_replica: float | None = Field(default=None, ge=0)  # null: Ray's default for an actor
+
+    @field_validator("replicas")
+    @classmethod
+    def _positive_replicas(cls, value: int | str) -> int | str:
+        if isinstance(value, int) and value < 1:
+            raise ValueError("must be auto or >= 1")
+        return value
+
+
 class JobConfig(_Section):
     """One job file, validated. Paths are resolved (relative to the job file's folder) by `load_job`."""
 
@@ -142,6 +160,7 @@ class JobConfig(_Section):
     sampling_columns: dict[str, str] = Field(default_factory=dict)
     batching: BatchingSection = Field(default_factory=BatchingSection)
     output: OutputSection = Field(default_factory=OutputSection)
+    cluster: ClusterSection = Field(default_factory=ClusterSection)
 
     @field_validator("sampling_columns")
     @classmethod
@@ -187,7 +206,7 @@ class JobConfig(_Section):
     def config_hash(self, limit: int | None = None) -> str:
         """sha256 over what changes outputs: model, input, sampling, sampling_columns (and --limit, if set).
 
-        Engine knobs, batching, output and storage options (credentials) are left out.
+        Engine knobs, batching, cluster, output and storage options (credentials) are left out.
         """
         payload = {
             "model": self.model.model_dump(),

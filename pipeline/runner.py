@@ -4,26 +4,19 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import pyarrow.parquet as pq
 
-from batchgen.engine import EngineConfig, LLMEngine, RequestOutput
+from batchgen.engine import EngineConfig, LLMEngine
 from batchgen.pipeline.config import JobConfig
 from batchgen.pipeline.errors import JobError
-from batchgen.pipeline.feeder import Feeder
-from batchgen.pipeline.id_scan import repeat_key
 from batchgen.pipeline.lock import FolderLock, lock_folder
 from batchgen.pipeline.output_folder import SUCCESS_NAME, describe_redo, raise_if_refused
 from batchgen.pipeline.preflight import JobPlan, plan_job
-from batchgen.pipeline.progress import Progress
-from batchgen.pipeline.reader import read_rows
-from batchgen.pipeline.requests import RequestBuilder, RowTask
-from batchgen.pipeline.rows import decode_batch
-from batchgen.pipeline.summary import SUMMARY_COLUMNS, Totals, success_record
-from batchgen.pipeline.units import WorkUnit, contiguous_runs
-from batchgen.pipeline.writer import CommitContext, UnitWriter
+from batchgen.pipeline.summary import SUMMARY_COLUMNS, success_record
+from batchgen.pipeline.unit_runner import UnitSource, run_units
+from batchgen.pipeline.writer import CommitContext
 
 log = logging.getLogger("batchgen.pipeline")
 
@@ -46,6 +39,12 @@ def run_job(job: JobConfig, *, engine: LLMEngine | None = None, limit: int | Non
     `engine`: an already-built engine whose config equals the job's (tests and notebooks reuse one);
     None builds one from the job's model and engine sections.
     """
+    if job.cluster.backend == "ray":
+        from batchgen.pipeline.ray_driver import run_on_ray
+
+        if engine is not None:
+            raise ValueError("cluster.backend: ray starts its engines in the replicas; do not pass one")
+        return run_on_ray(job, limit=limit, overwrite=overwrite, progress=progress)
     plan = plan_job(job, limit)
     if not overwrite:
         raise_if_refused(plan.state)  # before the lock: nothing is written into a folder that is not ours
@@ -70,49 +69,26 @@ def _run_locked(plan: JobPlan, lock: FolderLock, engine: LLMEngine | None, overw
     if skipped:
         log.info("resuming: skipping %d finished unit(s) (%s); %d to run", len(skipped),
                  ", ".join(u.output_name for u in skipped), len(pending))
-    engine = _engine_for(job, engine)
-    _check_engine_can_run(job, engine)
+    engine = engine_for(job, engine)
+    check_engine_can_run(job, engine)
 
-    this_run = Totals()
-    writer = UnitWriter(plan.output.storage, plan.inputs.output_schema(job),
-                        [job.input.id_column, *job.output.keep_columns], job.sampling.n,
-                        CommitContext(plan.config_hash, lock.holder.run_id, lock.check), on_rows=this_run.add_table)
-    bar = Progress(engine, sum(u.num_rows for u in pending), job.name, enabled=progress)
-
-    def on_output(task: RowTask, out: RequestOutput) -> None:
-        writer.add_output(task, out)
-        bar.advance(1, sum(len(c.token_ids) for c in out.outputs))
-
-    def on_error(task: RowTask) -> None:
-        writer.add_error(task)
-        bar.advance(1)
-
-    feeder = Feeder(engine, _iter_tasks(plan, pending, RequestBuilder(job, engine), writer),
-                    window=job.batching.window, sort_by_length=job.batching.sort_by_length,
-                    max_in_flight=2 * engine.config.max_num_seqs, on_output=on_output, on_error=on_error)
-    try:
-        feeder.run()
-    except BaseException:
-        writer.abort()  # unfinished parts leave no temp file behind
-        raise
-    finally:
-        bar.close()
-    if writer.num_open_units:  # every row was handed back, so every unit must have been written
-        raise RuntimeError(f"{writer.num_open_units} unit(s) were not completed")
-
+    source = UnitSource(job, plan.inputs.output_schema(job), plan.repeats)
+    ran = run_units(source, plan.input_storage, plan.output.storage, pending, engine,
+                    CommitContext(plan.config_hash, lock.holder.run_id, lock.check), progress=progress)
+    this_run = ran.totals
     whole = dataclasses.replace(this_run, ttft_s=[], tpot_s=[])  # latency figures: this run only
     for unit in skipped:  # counts cover the whole output, also what an earlier run wrote
         path = plan.output.storage.join(unit.output_name)
         with plan.output.storage.fs.open(path, "rb") as f:
             whole.add_table(pq.read_table(f, columns=SUMMARY_COLUMNS))
-    record = success_record(job.name, plan.config_hash, whole, this_run, feeder.generation_seconds,
+    record = success_record(job.name, plan.config_hash, whole, this_run, ran.generation_seconds,
                             resumed=bool(skipped), kernels=engine.stats["kernels"])
     lock.check()
     plan.output.write_success(record)
     return RunResult(record, success_path, len(pending), len(skipped), dict(state.redo))
 
 
-def _engine_for(job: JobConfig, engine: LLMEngine | None) -> LLMEngine:
+def engine_for(job: JobConfig, engine: LLMEngine | None) -> LLMEngine:
     wanted = job.engine_config()
     if engine is not None:
         differing = _differing_fields(wanted, engine.config)
@@ -130,37 +106,7 @@ def _differing_fields(a: EngineConfig, b: EngineConfig) -> str:
     return ", ".join(f"{n}: job {getattr(a, n)!r} vs engine {getattr(b, n)!r}" for n in names)
 
 
-def _check_engine_can_run(job: JobConfig, engine: LLMEngine) -> None:
+def check_engine_can_run(job: JobConfig, engine: LLMEngine) -> None:
     if job.input.apply_chat_template and not engine.tokenizer.has_chat_template:
         raise JobError(f"model.path: {job.model.path} has no chat template; set input.apply_chat_template: "
                        "false and use prompt_column (raw prompts)")
-
-
-def _iter_tasks(plan: JobPlan, units: list[WorkUnit], builder: RequestBuilder,
-                writer: UnitWriter) -> Iterator[RowTask]:
-    """Every pending row as a RowTask, in input order; each unit's id/kept columns go to the writer."""
-    job = plan.job
-    columns = list(dict.fromkeys([job.input.id_column, job.input.text_column, *job.sampling_columns.values(),
-                                  *job.output.keep_columns]))
-    for run in contiguous_runs(units):
-        file = run[0].file
-        position = run[0].start
-        unit_iter = iter(run)
-        unit = next(unit_iter)
-        writer.open_unit(unit)
-        for batch in read_rows(plan.input_storage, file, run[0].start, run[-1].stop, columns):
-            while batch.num_rows:
-                if position == unit.stop:
-                    unit = next(unit_iter)
-                    writer.open_unit(unit)
-                piece = batch.slice(0, min(batch.num_rows, unit.stop - position))
-                batch = batch.slice(piece.num_rows)
-                writer.add_source(unit.index, piece)
-                first_offset = position - unit.start
-                position += piece.num_rows
-                for i, row in enumerate(decode_batch(piece, job)):
-                    task = builder.build(row, unit.index, first_offset + i)
-                    occurrence = plan.repeats.get((file.path, unit.start + first_offset + i))
-                    if occurrence and task.request_id is not None:
-                        task.request_id = repeat_key(task.request_id, occurrence)
-                    yield task
