@@ -33,7 +33,8 @@ _LOCK_RE = re.compile(r"_batchgen\.(shard-.+\.)?lock(\.shared-.+)?")
 
 def _is_bookkeeping(name: str) -> bool:
     """Ours, but says nothing about whose output the folder holds (a run may stop before its manifest)."""
-    return is_temp_name(name) or _LOCK_RE.fullmatch(name) is not None or name == COMMITS_DIR
+    return (is_temp_name(name) or _LOCK_RE.fullmatch(name) is not None or name == COMMITS_DIR
+            or name.startswith("_batchgen.probe-"))  # the Ray driver's shared-folder probe (shared_storage.py)
 
 
 @dataclass(frozen=True)
