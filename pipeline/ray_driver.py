@@ -1,8 +1,9 @@
 """`cluster.backend: ray`: this process is the driver; engine replicas (Ray actors) run the units.
 
 The driver plans the units, checks the output folder and holds its lock, starts `replicas` EngineReplica
-actors, and keeps at most two unit descriptors in flight per ready replica (one running, one queued, so
-a replica never waits on a round trip). Rows never pass through the driver. When a replica dies (its
+actors, and keeps at most two unit descriptors in flight per replica (one running, one queued, so a
+replica never waits on a round trip; a replacement gets units only once its engine is loaded, since it
+may wait for resources that never come back). Rows never pass through the driver. When a replica dies (its
 process killed, its node lost, OOM), the driver puts its in-flight units back at the front of the queue
 and starts a replacement, at most `max(MIN_RESTARTS, replicas)` times in all; past that the job fails
 (exit 1) naming the units not committed, and a rerun resumes. A Python error inside a unit is a bug or
@@ -36,7 +37,7 @@ from batchgen.pipeline.units import WorkUnit
 log = logging.getLogger("batchgen.pipeline")
 
 UNITS_IN_FLIGHT = 2  # per replica: the one it runs and the next, already on its queue
-MIN_RESTARTS = 3  # replacement replicas allowed per job: max(MIN_RESTARTS, replicas)
+MIN_RESTARTS = 2  # replacement replicas allowed per job: max(MIN_RESTARTS, replicas)
 WAIT_SECONDS = 1.0  # how often the driver wakes without a result (progress bar, replicas alive)
 
 
@@ -77,8 +78,13 @@ def replica_count(ray, cluster: ClusterSection) -> tuple[int, float]:
 class Replica:
     handle: object
     ready_ref: object | None  # the pending ready() call; None once it answered
+    is_replacement: bool  # a replacement gets units only once ready: it may wait for resources forever
     in_flight: dict = field(default_factory=dict)  # ObjectRef -> WorkUnit
     where: dict = field(default_factory=dict)  # host, pid once ready
+
+    @property
+    def takes_units(self) -> bool:
+        return self.ready_ref is None or not self.is_replacement
 
 
 def run_on_ray(job: JobConfig, *, limit: int | None = None, overwrite: bool = False, progress: bool = True,
@@ -155,9 +161,9 @@ class _Driver:
                 "replica_failures": self.failures, "units_retried": sorted(self.retried),
                 "replicas": self.started}
 
-    def _start_replica(self) -> None:
+    def _start_replica(self, is_replacement: bool = False) -> None:
         handle = self.actor_class.remote(*self.init_args)
-        self.replicas.append(Replica(handle, handle.ready.remote()))
+        self.replicas.append(Replica(handle, handle.ready.remote(), is_replacement))
 
     def run(self, units: list[WorkUnit]) -> Totals:
         queue = deque(units)
@@ -195,7 +201,7 @@ class _Driver:
 
     def _submit(self, queue: deque) -> None:
         for replica in self.replicas:
-            while replica.ready_ref is None and len(replica.in_flight) < UNITS_IN_FLIGHT and queue:
+            while replica.takes_units and len(replica.in_flight) < UNITS_IN_FLIGHT and queue:
                 unit = queue.popleft()
                 ref = replica.handle.run_unit.remote(unit, repeats_of(self.plan.repeats, [unit]))
                 replica.in_flight[ref] = unit
@@ -238,7 +244,7 @@ class _Driver:
             log.warning("ray: replica %s died (%s); %d unit(s) re-queued (%s); starting a replacement "
                         "(%d more allowed)", where, reason, len(lost), ", ".join(u.output_name for u in lost) or "-",
                         self.restarts_left)
-            self._start_replica()
+            self._start_replica(is_replacement=True)
         else:
             log.warning("ray: replica %s died (%s); no restarts left", where, reason)
 
