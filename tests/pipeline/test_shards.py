@@ -138,3 +138,21 @@ def test_shard_selection_from_slurm_and_kubernetes():
 class _Unit:
     def __init__(self, index: int):
         self.index = index
+
+
+def test_shards_on_an_object_store_write_success_once(tmp_path, fake_engine_for):
+    """memory:// stands for an object store: shared leases, the shard leases, conditional creates."""
+    from batchgen.pipeline.shards import ShardSpec, run_shard
+    from batchgen.pipeline.storage import Storage
+    from tests.pipeline.conftest import make_job, write_parquet
+
+    path = write_parquet(tmp_path / "in.parquet", {"id": list(range(7)), "prompt": [f"p{i}" for i in range(7)]})
+    job = make_job(tmp_path, str(path), input={"rows_per_unit": 2}, output={"path": "memory://shards-test/out"})
+    first = run_shard(job, ShardSpec(1, 2, "--shard"), engine=fake_engine_for(job), progress=False)
+    assert first.finalized.missing == ["part-00000.parquet", "part-00002.parquet"] and not first.finalized.created
+    second = run_shard(job, ShardSpec(0, 2, "--shard"), engine=fake_engine_for(job), progress=False)
+    assert second.finalized.created and second.finalized.record["num_rows"] == 7
+    storage = Storage("memory://shards-test/out")
+    assert json.loads(storage.read_text("_SUCCESS")) == second.finalized.record
+    again = run_shard(job, ShardSpec(0, 2, "--shard"), engine=fake_engine_for(job), progress=False)
+    assert again.num_units_run == 0 and not again.finalized.created  # complete: nothing to do
