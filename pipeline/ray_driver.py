@@ -88,9 +88,9 @@ class Replica:
 
 
 def run_on_ray(job: JobConfig, *, limit: int | None = None, overwrite: bool = False, progress: bool = True,
-               engine_factory: Callable | None = None,
                probe: Callable = probe_nodes):
-    """Run the job on Ray replicas; returns a RunResult like a local run. `engine_factory`: see EngineReplica."""
+    """Run the job on Ray replicas; returns a RunResult like a local run. `probe`: how each node's view of
+    a local output folder is read (shared_storage.probe_nodes; tests stand in a node that sees nothing)."""
     from batchgen.pipeline.runner import RunResult
 
     plan = plan_job(job, limit)
@@ -111,7 +111,7 @@ def run_on_ray(job: JobConfig, *, limit: int | None = None, overwrite: bool = Fa
                 log.warning("%s", describe_redo(state.redo))
             pending = plan.pending_units
             skipped = [u for u in plan.units if u.output_name in state.done_names]
-            driver = _Driver(ray, plan, lock.holder.run_id, engine_factory, progress)
+            driver = _Driver(ray, plan, lock.holder.run_id, progress)
             this_run = driver.run(pending)
             lock.check()
             missing = [u.output_name for u in plan.units
@@ -137,7 +137,7 @@ def run_on_ray(job: JobConfig, *, limit: int | None = None, overwrite: bool = Fa
 class _Driver:
     """The scheduling loop: replicas, the unit queue, failures, the progress bar."""
 
-    def __init__(self, ray, plan: JobPlan, run_id: str, engine_factory: Callable | None, progress: bool):
+    def __init__(self, ray, plan: JobPlan, run_id: str, progress: bool):
         self.ray = ray
         self.plan = plan
         self.job = plan.job
@@ -147,7 +147,7 @@ class _Driver:
         if self.job.cluster.cpus_per_replica is not None:
             options["num_cpus"] = self.job.cluster.cpus_per_replica
         self.actor_class = ray.remote(EngineReplica).options(**options)
-        self.init_args = (self.job, plan.inputs.output_schema(self.job), plan.config_hash, run_id, engine_factory)
+        self.init_args = (self.job, plan.inputs.output_schema(self.job), plan.config_hash, run_id)
         self.replicas: list[Replica] = []
         self.failures = 0
         self.retried: set[str] = set()

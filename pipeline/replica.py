@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Callable
 
 import pyarrow as pa
 
@@ -25,16 +24,15 @@ from batchgen.pipeline.writer import CommitContext
 
 
 class EngineReplica:
-    """One engine replica. `engine_factory(job)`: an engine other than the job's own (tests: a null engine)."""
+    """One engine replica: the job's engine, built once in the actor's process."""
 
-    def __init__(self, job: JobConfig, output_schema: pa.Schema, config_hash: str, run_id: str,
-                 engine_factory: Callable | None = None):
+    def __init__(self, job: JobConfig, output_schema: pa.Schema, config_hash: str, run_id: str):
         from batchgen.pipeline.runner import check_engine_can_run, engine_for
 
         self.job = job
         self.output_schema = output_schema
         self.commit = CommitContext(config_hash, run_id)
-        self.engine = engine_factory(job) if engine_factory is not None else engine_for(job, None)
+        self.engine = engine_for(job, None)
         check_engine_can_run(job, self.engine)
         self.input_storage = Storage(job.input.path, job.input.storage_options)
         self.output_storage = Storage(job.output.path, job.output.storage_options)

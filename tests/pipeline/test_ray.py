@@ -20,6 +20,7 @@ from tests.pipeline.ray_helpers import Killer, replica_pids
 from tests.pipeline.scale_helpers import NUM_ROWS, assert_each_row_once, row_key, write_job
 from tests.pipeline.tiny_model import write_tiny_model
 
+
 @pytest.fixture(scope="module")
 def ray_cluster():
     ray.init(num_cpus=2, include_dashboard=False, address="local", _node_ip_address="127.0.0.1",
