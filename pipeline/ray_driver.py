@@ -210,7 +210,7 @@ class _Driver:
         ray = self.ray
         try:
             result = ray.get(ref)
-        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as exc:
+        except _replica_lost(ray) as exc:
             self._replica_died(replica, queue, exc)
             return
         except ray.exceptions.RayTaskError as exc:
@@ -262,6 +262,13 @@ class _Driver:
             except Exception:
                 pass
         self.replicas = []
+
+
+def _replica_lost(ray) -> tuple[type[BaseException], ...]:
+    """What a call raises when its replica's process is gone: killed, crashed, its node lost, or ended by
+    Ray's memory monitor (OOM). The units it held are run again elsewhere."""
+    errors = ray.exceptions
+    return (errors.RayActorError, errors.OutOfMemoryError, errors.WorkerCrashedError, errors.NodeDiedError)
 
 
 def _merge(into: Totals, other: Totals) -> None:

@@ -23,10 +23,14 @@ from tests.pipeline.tiny_model import write_tiny_model
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    ray.init(num_cpus=2, include_dashboard=False, address="local", _node_ip_address="127.0.0.1",
-             log_to_driver=False)
-    yield ray
-    ray.shutdown()
+    # Ray's memory monitor kills workers when the machine's memory is above 95%, whoever uses it: on a
+    # shared test machine that would kill replicas for other processes' memory. Off for these tests.
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("RAY_memory_monitor_refresh_ms", "0")
+        ray.init(num_cpus=2, include_dashboard=False, address="local", _node_ip_address="127.0.0.1",
+                 log_to_driver=False)
+        yield ray
+        ray.shutdown()
 
 
 @pytest.fixture(scope="module")
