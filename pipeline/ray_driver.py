@@ -172,9 +172,10 @@ class _Driver:
         totals = Totals()
         for _ in range(self.num_replicas):
             self._start_replica()
-        log.info("ray: %d replica(s) (%s GPU each), %d unit(s) to run", self.num_replicas, self.gpus, len(units))
-        bar = tqdm(total=sum(u.num_rows for u in units), desc=self.job.name, unit="req", disable=not self.progress,
-                   dynamic_ncols=True)
+        log.info("ray: %d replica(s) (%s GPU each), %d unit(s) to run", self.num_replicas, self.gpus,
+                 len(units))
+        bar = tqdm(total=sum(u.num_rows for u in units), desc=self.job.name, unit="req",
+                   disable=not self.progress, dynamic_ncols=True)
         start = time.monotonic()
         try:
             while queue or any(r.in_flight for r in self.replicas):
@@ -247,8 +248,8 @@ class _Driver:
         if self.restarts_left > 0:
             self.restarts_left -= 1
             log.warning("ray: replica %s died (%s); %d unit(s) re-queued (%s); starting a replacement "
-                        "(%d more allowed)", where, reason, len(lost), ", ".join(u.output_name for u in lost) or "-",
-                        self.restarts_left)
+                        "(%d more allowed)", where, reason, len(lost),
+                        ", ".join(u.output_name for u in lost) or "-", self.restarts_left)
             self._start_replica(is_replacement=True)
         else:
             log.warning("ray: replica %s died (%s); no restarts left", where, reason)
@@ -256,9 +257,10 @@ class _Driver:
     def _exhausted(self, queue: deque) -> ReplicasFailed:
         names = [u.output_name for u in sorted(queue, key=lambda u: u.index)]
         shown = ", ".join(names[:20]) + (" ..." if len(names) > 20 else "")
-        return ReplicasFailed(f"every replica died ({self.failures} failures; the bound of "
-                              f"{max(MIN_RESTARTS, self.num_replicas)} replacements is spent): {len(names)} unit(s) "
-                              f"not committed: {shown}. Rerun the job: it resumes from the committed units")
+        bound = max(MIN_RESTARTS, self.num_replicas)
+        return ReplicasFailed(f"every replica died ({self.failures} failures; the bound of {bound} "
+                              f"replacements is spent): {len(names)} unit(s) not committed: {shown}. "
+                              "Rerun the job: it resumes from the committed units")
 
     def _stop_all(self) -> None:
         for replica in self.replicas:
@@ -277,7 +279,8 @@ def _replica_lost(ray) -> tuple[type[BaseException], ...]:
 
 
 def _merge(into: Totals, other: Totals) -> None:
-    for name in ("num_requests", "num_rows", "num_errors", "prompt_tokens", "cached_tokens", "completion_tokens"):
+    counts = ("num_requests", "num_rows", "num_errors", "prompt_tokens", "cached_tokens", "completion_tokens")
+    for name in counts:
         setattr(into, name, getattr(into, name) + getattr(other, name))
     into.ttft_s.extend(other.ttft_s)
     into.tpot_s.extend(other.tpot_s)

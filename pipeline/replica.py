@@ -39,7 +39,8 @@ class EngineReplica:
 
     def ready(self) -> dict:
         """Where this replica runs (answered once the engine is loaded)."""
-        return {"host": socket.gethostname(), "pid": os.getpid(), "kernels": self.engine.stats.get("kernels", {})}
+        return {"host": socket.gethostname(), "pid": os.getpid(),
+                "kernels": self.engine.stats.get("kernels", {})}
 
     def run_unit(self, unit: WorkUnit, repeats: dict[Position, int]) -> dict:
         """Generate one unit and commit its part; its figures (a Totals) and this process's id."""

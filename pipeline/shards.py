@@ -160,13 +160,14 @@ def run_shard(job: JobConfig, shard: ShardSpec, *, engine=None, limit: int | Non
             totals, seconds, kernels = ran.totals, ran.generation_seconds, engine.stats["kernels"]
         summary = _shard_summary(plan, shard, mine, pending, skipped, redo, totals, seconds, kernels, started)
         may_commit()
-        storage.write_text_atomic(f"{WORKERS_DIR}/shard-{shard.name}.json", json.dumps(summary, indent=1) + "\n")
+        storage.write_text_atomic(f"{WORKERS_DIR}/shard-{shard.name}.json",
+                                  json.dumps(summary, indent=1) + "\n")
         finalized = finalize_folder(storage)
     if finalized.created:
         log.info("shard %d/%d found every unit committed and wrote _SUCCESS", shard.index, shard.count)
     elif finalized.missing:
-        log.info("shard %d/%d done; %d unit(s) of other shards not committed yet (%s); the shard that commits "
-                 "the last one writes _SUCCESS", shard.index, shard.count, len(finalized.missing),
+        log.info("shard %d/%d done; %d unit(s) of other shards not committed yet (%s); the shard that "
+                 "commits the last one writes _SUCCESS", shard.index, shard.count, len(finalized.missing),
                  ", ".join(finalized.missing[:10]) + (" ..." if len(finalized.missing) > 10 else ""))
     return ShardResult(shard, summary, finalized, len(pending), len(skipped), redo)
 
@@ -175,15 +176,15 @@ def _prepare(plan: JobPlan, shard: ShardSpec, mine: list[WorkUnit]) -> dict[str,
     """The folder under the shared lock: the manifests created once (and checked), this shard's own
     leftovers cleared. Other shards are live beside us, so only what belongs to our units is touched."""
     storage, job = plan.output.storage, plan.job
-    create_text_once(storage, MANIFEST_NAME, manifest_text(job.name, plan.config_hash, plan.inputs.fingerprint,
-                                                           plan.units))
+    manifest = manifest_text(job.name, plan.config_hash, plan.inputs.fingerprint, plan.units)
+    create_text_once(storage, MANIFEST_NAME, manifest)
     shards_text = json.dumps({"num_shards": shard.count, "config_hash": plan.config_hash}, indent=1) + "\n"
     create_text_once(storage, SHARDS_MANIFEST_NAME, shards_text)
     recorded = json.loads(storage.read_text(SHARDS_MANIFEST_NAME))
     if recorded.get("num_shards") != shard.count:
         raise JobError(f"--shard {shard.index}/{shard.count}: {storage.url} was started with "
-                       f"{recorded.get('num_shards')} shards, this run says {shard.count} (from {shard.source}); "
-                       "run every shard with the same N")
+                       f"{recorded.get('num_shards')} shards, this run says {shard.count} "
+                       f"(from {shard.source}); run every shard with the same N")
     # Read again now that the manifest is ours for sure: a shard with another config that raced us to
     # an empty folder lost the create above and is refused here, naming both hashes.
     state = plan.output.state(plan.config_hash, plan.inputs.fingerprint, plan.units)

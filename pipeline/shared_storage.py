@@ -61,7 +61,7 @@ def check_output_shared(ray, storage: Storage,
         os.remove(path)
     blind = sorted(label for label, content in seen.items() if content != token)
     if blind:
-        raise JobError(f"output.path: {storage.url} is a local path, and Ray node(s) {', '.join(blind)} do not "
-                       "see the folder the driver sees (a probe file written there was not readable on them): "
-                       "replicas write their parts themselves, so output.path must be on a filesystem every "
-                       "node shares, or an object store (s3://, gs://)")
+        raise JobError(f"output.path: {storage.url} is a local path, and Ray node(s) {', '.join(blind)} do "
+                       "not see the folder the driver sees (a probe file written there was not readable on "
+                       "them): replicas write their parts themselves, so output.path must be on a filesystem "
+                       "every node shares, or an object store (s3://, gs://)")
