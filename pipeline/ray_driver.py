@@ -88,9 +88,10 @@ class Replica:
 
 
 def run_on_ray(job: JobConfig, *, limit: int | None = None, overwrite: bool = False, progress: bool = True,
-               probe: Callable = probe_nodes):
+               probe: Callable = probe_nodes, replica_class: type = EngineReplica):
     """Run the job on Ray replicas; returns a RunResult like a local run. `probe`: how each node's view of
-    a local output folder is read (shared_storage.probe_nodes; tests stand in a node that sees nothing)."""
+    a local output folder is read (shared_storage.probe_nodes; tests stand in a node that sees nothing);
+    `replica_class`: the actor (EngineReplica's methods; tests: one without an engine)."""
     from batchgen.pipeline.runner import RunResult
 
     plan = plan_job(job, limit)
@@ -112,7 +113,7 @@ def run_on_ray(job: JobConfig, *, limit: int | None = None, overwrite: bool = Fa
                 log.warning("%s", describe_redo(state.redo))
             pending = plan.pending_units
             skipped = [u for u in plan.units if u.output_name in state.done_names]
-            driver = _Driver(ray, plan, lock.holder.run_id, progress)
+            driver = _Driver(ray, plan, lock.holder.run_id, progress, replica_class)
             this_run = driver.run(pending)
             lock.check()
             missing = [u.output_name for u in plan.units
@@ -138,7 +139,7 @@ def run_on_ray(job: JobConfig, *, limit: int | None = None, overwrite: bool = Fa
 class _Driver:
     """The scheduling loop: replicas, the unit queue, failures, the progress bar."""
 
-    def __init__(self, ray, plan: JobPlan, run_id: str, progress: bool):
+    def __init__(self, ray, plan: JobPlan, run_id: str, progress: bool, replica_class: type = EngineReplica):
         self.ray = ray
         self.plan = plan
         self.job = plan.job
@@ -147,7 +148,7 @@ class _Driver:
         options = {"num_gpus": self.gpus, "max_restarts": 0, "max_task_retries": 0}
         if self.job.cluster.cpus_per_replica is not None:
             options["num_cpus"] = self.job.cluster.cpus_per_replica
-        self.actor_class = ray.remote(EngineReplica).options(**options)
+        self.actor_class = ray.remote(replica_class).options(**options)
         self.init_args = (self.job, plan.inputs.output_schema(self.job), plan.config_hash, run_id)
         self.replicas: list[Replica] = []
         self.failures = 0
