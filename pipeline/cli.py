@@ -54,6 +54,12 @@ def run(
     limit: LimitOpt = None,
     overwrite: Annotated[bool, typer.Option(
         "--overwrite", help="Replace the output of a different job config in output.path.")] = False,
+    shard: Annotated[str | None, typer.Option(
+        "--shard", metavar="I/N|auto",
+        help="Run only the units k with k mod N == I (static shards on one output folder); auto: from "
+             "SLURM_ARRAY_TASK_ID or JOB_COMPLETION_INDEX (with --num-shards).")] = None,
+    num_shards: Annotated[int | None, typer.Option(
+        "--num-shards", min=1, help="With --shard auto: the shard count (Kubernetes: the Job's completions).")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print the _SUCCESS JSON instead of the table.")] = False,
     progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Show the progress bar.")] = True,
 ) -> None:
@@ -68,6 +74,9 @@ def run(
     _setup_logging()
     try:
         config = load_job(job, set_ or [])
+        if shard is not None or num_shards is not None:
+            _run_shard(config, shard, num_shards, limit, overwrite, json_out, progress)
+            return
         result = run_job(config, limit=limit, overwrite=overwrite, progress=progress)
     except Exception as exc:
         raise _fail(exc) from None
@@ -78,6 +87,62 @@ def run(
         typer.echo(f"batchgen: {config.name} done: {result.num_units_run} unit(s) run{redone}, "
                    f"{result.num_units_skipped} already done")
         typer.echo(format_summary(result.record, result.success_path))
+
+
+def _run_shard(config, shard: str | None, num_shards: int | None, limit: int | None, overwrite: bool,
+               json_out: bool, progress: bool) -> None:
+    from batchgen.pipeline.shards import parse_shard, run_shard
+    from batchgen.pipeline.summary import format_summary
+
+    if shard is None:
+        raise JobError("--num-shards goes with --shard auto")
+    if overwrite:
+        raise JobError("--overwrite does not combine with --shard: one shard would delete the others' work; "
+                       "clear the folder with a plain `batchgen run --overwrite`, or choose another output.path")
+    spec = parse_shard(shard, num_shards)
+    result = run_shard(config, spec, limit=limit, progress=progress)
+    done = result.finalized
+    if json_out:
+        typer.echo(json.dumps(done.record if done.record else result.summary, indent=2))
+        return
+    typer.echo(f"batchgen: {config.name} shard {spec.index}/{spec.count} (from {spec.source}) done: "
+               f"{result.num_units_run} unit(s) run, {result.num_units_skipped} already done")
+    if done.record is not None:
+        typer.echo(("this shard wrote _SUCCESS:\n" if done.created else "the job is complete:\n")
+                   + format_summary(done.record, config.output.path.rstrip("/") + "/_SUCCESS"))
+    else:
+        typer.echo(f"waiting for other shards: {len(done.missing)} unit(s) not committed yet; the shard that "
+                   "commits the last one writes _SUCCESS (or run `batchgen finalize OUT` once all are done)")
+
+
+@app.command()
+def finalize(
+    output: Annotated[str, typer.Argument(metavar="OUT", help="The job's output folder or URI.", show_default=False)],
+    json_out: Annotated[bool, typer.Option("--json", help="Print the _SUCCESS JSON instead of the table.")] = False,
+) -> None:
+    """Write _SUCCESS from the committed parts (after static shards), if every planned unit is committed.
+
+    Exit 0 with _SUCCESS written or already there; 1 when units are missing (they are named).
+    """
+    from batchgen.pipeline.finalize import finalize_folder
+    from batchgen.pipeline.storage import Storage
+    from batchgen.pipeline.summary import format_summary
+
+    try:
+        storage = Storage(output)
+        done = finalize_folder(storage)
+    except Exception as exc:
+        raise _fail(exc) from None
+    if done.record is None:
+        shown = ", ".join(done.missing[:20]) + (" ..." if len(done.missing) > 20 else "")
+        typer.echo(f"batchgen: {output}: {len(done.missing)} unit(s) not committed: {shown}; run their "
+                   "shards again (they resume)", err=True)
+        raise typer.Exit(EXIT_FAILURE)
+    if json_out:
+        typer.echo(json.dumps(done.record, indent=2))
+    else:
+        typer.echo(("wrote _SUCCESS\n" if done.created else "_SUCCESS was already there\n")
+                   + format_summary(done.record, storage.join("_SUCCESS")))
 
 
 @app.command()

@@ -169,6 +169,24 @@ class OutputSection(_Section):
     storage_options: dict[str, Any] = Field(default_factory=dict)  # fsspec options; not hashed
 
 
+class ClusterSection(_Section):
+    """Where the job runs: this process (local) or engine replicas on Ray. Not in the config hash:
+    a row's output does not depend on where it ran."""
+
+    backend: Literal["local", "ray"] = "local"
+    address: str | None = None  # Ray's: null starts a local cluster (or joins RAY_ADDRESS); auto or ray://...
+    replicas: int | Literal["auto"] = "auto"  # auto: one per GPU in the cluster, one on a CPU-only cluster
+    gpus_per_replica: float = Field(default=1, ge=0)
+    cpus_per_replica: float | None = Field(default=None, ge=0)  # null: Ray's default for an actor
+
+    @field_validator("replicas")
+    @classmethod
+    def _positive_replicas(cls, value: int | str) -> int | str:
+        if isinstance(value, int) and value < 1:
+            raise ValueError("must be auto or >= 1")
+        return value
+
+
 class JobConfig(_Section):
     """One job file, validated. Paths are resolved (relative to the job file's folder) by `load_job`."""
 
@@ -180,6 +198,7 @@ class JobConfig(_Section):
     sampling_columns: dict[str, str] = Field(default_factory=dict)
     batching: BatchingSection = Field(default_factory=BatchingSection)
     output: OutputSection = Field(default_factory=OutputSection)
+    cluster: ClusterSection = Field(default_factory=ClusterSection)
 
     @field_validator("sampling_columns")
     @classmethod
@@ -251,8 +270,9 @@ class JobConfig(_Section):
         format when not the default (engine.kv_cache_dtype, engine.calculate_kv_scales: FP8 KV changes
         the numbers) and --limit, if set.
 
-        Other engine knobs, batching, output and storage options (credentials) are left out; a job
-        with the default KV cache keeps the hash it had before these keys existed.
+        Engine knobs other than the KV cache's, batching, cluster, output and storage options
+        (credentials) are left out; a job with the default KV cache keeps the hash it had before
+        these keys existed.
         """
         # The formats enter the hash only when not parquet, so the hash of every Parquet job stays what
         # it was before the formats existed (its output folders still resume).

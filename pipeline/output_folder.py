@@ -3,9 +3,10 @@
 Files: part-NNNNN.parquet (one per finished unit), `_commits/part-NNNNN.json` (what each part holds,
 written after it: see commits.py), `_batchgen.json` (the job name, config hash and the input's
 fingerprint, written when a run starts, so a later run can tell "resume this" from "a different job"
-or "a changed input"), `_batchgen.lock` (the run lock, see lock.py), with output.format openai_batch `output.jsonl` and
-`errors.jsonl` (assembled from the parts just before _SUCCESS, see batch_output.py) and `_SUCCESS`
-(written last).
+or "a changed input"), `_batchgen.lock` (the run lock, see lock.py), `_batchgen.shards.json` and
+`_workers/` (static shards: their count and per-shard summaries, see shards.py), with output.format
+openai_batch `output.jsonl` and `errors.jsonl` (assembled from the parts just before _SUCCESS, see
+batch_output.py) and `_SUCCESS` (written last).
 Names starting with _ or . are skipped by Parquet dataset readers.
 """
 
@@ -28,13 +29,16 @@ MANIFEST_NAME = "_batchgen.json"
 SUCCESS_NAME = "_SUCCESS"
 OUTPUT_JSONL = "output.jsonl"
 ERRORS_JSONL = "errors.jsonl"
+SHARDS_MANIFEST_NAME = "_batchgen.shards.json"  # static shards: how many the folder was started with
+WORKERS_DIR = "_workers"  # one summary per shard / Ray driver run (merged into _SUCCESS)
 _PART_RE = re.compile(r"part-\d{5,}\.parquet")
 _LOCK_RE = re.compile(r"_batchgen\.(shard-.+\.)?lock(\.shared-.+)?")
 
 
 def _is_bookkeeping(name: str) -> bool:
     """Ours, but says nothing about whose output the folder holds (a run may stop before its manifest)."""
-    return is_temp_name(name) or _LOCK_RE.fullmatch(name) is not None or name == COMMITS_DIR
+    return (is_temp_name(name) or _LOCK_RE.fullmatch(name) is not None or name == COMMITS_DIR
+            or name.startswith("_batchgen.probe-"))  # the Ray driver's shared-folder probe (shared_storage.py)
 
 
 @dataclass(frozen=True)
@@ -146,24 +150,33 @@ class OutputFolder:
             if self.storage.fs.exists(self.storage.join(record_name(name))):
                 self.storage.remove(record_name(name))
         if not state.has_manifest:
-            manifest = {"job": job_name, "config_hash": config_hash, "input": {"files": to_manifest(fingerprint)}}
-            self.storage.write_text_atomic(MANIFEST_NAME, json.dumps(manifest, indent=1) + "\n")
+            self.storage.write_text_atomic(MANIFEST_NAME, manifest_text(job_name, config_hash, fingerprint, units))
         return FolderState(state.done_names, False, None, state.redo, has_manifest=True)
 
     def clear(self) -> None:
-        """Remove what batchgen wrote here (unit files, records, manifest, _SUCCESS, the .jsonl outputs,
-        temp files); not the lock."""
+        """Remove what batchgen wrote here (unit files, records, manifests, summaries, _SUCCESS, the .jsonl
+        outputs, temp files); not the locks."""
         for name in self.storage.list_names():
-            if _PART_RE.fullmatch(name) or name in (MANIFEST_NAME, SUCCESS_NAME, OUTPUT_JSONL, ERRORS_JSONL) \
+            if _PART_RE.fullmatch(name) or name in (MANIFEST_NAME, SUCCESS_NAME, SHARDS_MANIFEST_NAME, OUTPUT_JSONL,
+                                                    ERRORS_JSONL) \
                     or is_temp_name(name):
                 self.storage.remove(name)
         self.storage.remove_tree(COMMITS_DIR)
+        self.storage.remove_tree(WORKERS_DIR)
 
     def write_success(self, record: dict) -> str:
         return self.storage.write_text_atomic(SUCCESS_NAME, json.dumps(record, indent=2) + "\n")
 
     def read_success(self) -> dict:
         return json.loads(self.storage.read_text(SUCCESS_NAME))
+
+
+def manifest_text(job_name: str, config_hash: str, fingerprint: list[FileFingerprint], units: list[WorkUnit]) -> str:
+    """`_batchgen.json`: whose output this is, the input's fingerprint, and how many units the job plans
+    (so `batchgen finalize` can tell a complete folder from the folder alone)."""
+    manifest = {"job": job_name, "config_hash": config_hash, "input": {"files": to_manifest(fingerprint)},
+                "units": {"count": len(units), "num_rows": sum(u.num_rows for u in units)}}
+    return json.dumps(manifest, indent=1) + "\n"
 
 
 def _input_refusal(display: str, recorded: dict | None, fingerprint: list[FileFingerprint]) -> str | None:

@@ -4,28 +4,21 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import pyarrow.parquet as pq
 
-from batchgen.engine import EngineConfig, LLMEngine, RequestOutput
-from batchgen.pipeline.batch_output import OpenAILines, write_batch_outputs
-from batchgen.pipeline.batch_requests import decode_batch_lines
+from batchgen.engine import EngineConfig, LLMEngine
+from batchgen.pipeline.batch_output import write_batch_outputs
 from batchgen.pipeline.config import JobConfig
 from batchgen.pipeline.errors import JobError
-from batchgen.pipeline.feeder import Feeder
-from batchgen.pipeline.id_scan import repeat_key
 from batchgen.pipeline.lock import FolderLock, lock_folder
 from batchgen.pipeline.output_folder import SUCCESS_NAME, describe_redo, raise_if_refused
 from batchgen.pipeline.preflight import JobPlan, plan_job
-from batchgen.pipeline.progress import Progress
-from batchgen.pipeline.reader import read_rows
-from batchgen.pipeline.requests import RequestBuilder, RowTask
-from batchgen.pipeline.rows import decode_batch
 from batchgen.pipeline.summary import SUMMARY_COLUMNS, Totals, success_record
-from batchgen.pipeline.units import WorkUnit, contiguous_runs
-from batchgen.pipeline.writer import CommitContext, UnitWriter
+from batchgen.pipeline.unit_runner import UnitSource, run_units
+from batchgen.pipeline.units import WorkUnit
+from batchgen.pipeline.writer import CommitContext
 
 log = logging.getLogger("batchgen.pipeline")
 
@@ -48,6 +41,12 @@ def run_job(job: JobConfig, *, engine: LLMEngine | None = None, limit: int | Non
     `engine`: an already-built engine whose config equals the job's (tests and notebooks reuse one);
     None builds one from the job's model and engine sections.
     """
+    if job.cluster.backend == "ray":
+        from batchgen.pipeline.ray_driver import run_on_ray
+
+        if engine is not None:
+            raise ValueError("cluster.backend: ray starts its engines in the replicas; do not pass one")
+        return run_on_ray(job, limit=limit, overwrite=overwrite, progress=progress)
     plan = plan_job(job, limit)
     if not overwrite:
         raise_if_refused(plan.state)  # before the lock: nothing is written into a folder that is not ours
@@ -72,57 +71,39 @@ def _run_locked(plan: JobPlan, lock: FolderLock, engine: LLMEngine | None, overw
     if skipped:
         log.info("resuming: skipping %d finished unit(s) (%s); %d to run", len(skipped),
                  ", ".join(u.output_name for u in skipped), len(pending))
-    engine = _engine_for(job, engine)
-    _check_engine_can_run(job, engine)
+    engine = engine_for(job, engine)
+    check_engine_can_run(job, engine)
 
-    this_run = Totals()
-    openai_lines = OpenAILines(job, plan.config_hash, engine.tokenizer) if job.writes_batch_output else None
-    # A batch line whose settings cannot be read writes one error row (its n is unknown).
-    n = 1 if job.input.is_batch_file else job.sampling.n
-    writer = UnitWriter(plan.output.storage, plan.inputs.output_schema(job),
-                        [job.input.id_column, *job.output.keep_columns], n,
-                        CommitContext(plan.config_hash, lock.holder.run_id, lock.check),
-                        on_rows=this_run.add_table, openai_lines=openai_lines)
-    bar = Progress(engine, sum(u.num_rows for u in pending), job.name, enabled=progress)
+    source = UnitSource(job, plan.inputs.output_schema(job), plan.repeats)
+    ran = run_units(source, plan.input_storage, plan.output.storage, pending, engine,
+                    CommitContext(plan.config_hash, lock.holder.run_id, lock.check), progress=progress)
+    record = write_job_success(plan, lock, skipped, ran.totals, ran.generation_seconds,
+                               kernels=engine.stats["kernels"], kv_cache=engine.stats.get("kv_cache"))
+    return RunResult(record, success_path, len(pending), len(skipped), dict(state.redo))
 
-    def on_output(task: RowTask, out: RequestOutput) -> None:
-        writer.add_output(task, out)
-        bar.advance(1, sum(len(c.token_ids) for c in out.outputs))
 
-    def on_error(task: RowTask) -> None:
-        writer.add_error(task)
-        bar.advance(1)
-
-    feeder = Feeder(engine, _iter_tasks(plan, pending, RequestBuilder(job, engine), writer),
-                    window=job.batching.window, sort_by_length=job.batching.sort_by_length,
-                    max_in_flight=2 * engine.config.max_num_seqs, on_output=on_output, on_error=on_error)
-    try:
-        feeder.run()
-    except BaseException:
-        writer.abort()  # unfinished parts leave no temp file behind
-        raise
-    finally:
-        bar.close()
-    if writer.num_open_units:  # every row was handed back, so every unit must have been written
-        raise RuntimeError(f"{writer.num_open_units} unit(s) were not completed")
-
+def write_job_success(plan: JobPlan, lock: FolderLock, skipped: list[WorkUnit], this_run: Totals,
+                      generation_seconds: float, *, kernels: dict, kv_cache: dict | None = None,
+                      workers: dict | None = None) -> dict:
+    """The run's `_SUCCESS`, written last (after output.jsonl/errors.jsonl for openai_batch output) while
+    the run still holds its folder: counts over the whole output, speed and latency over this run."""
+    job = plan.job
     whole = dataclasses.replace(this_run, ttft_s=[], tpot_s=[])  # latency figures: this run only
     for unit in skipped:  # counts cover the whole output, also what an earlier run wrote
         path = plan.output.storage.join(unit.output_name)
         with plan.output.storage.fs.open(path, "rb") as f:
             whole.add_table(pq.read_table(f, columns=SUMMARY_COLUMNS))
-    record = success_record(job.name, plan.config_hash, whole, this_run, feeder.generation_seconds,
-                            resumed=bool(skipped), kernels=engine.stats["kernels"],
-                            kv_cache=engine.stats.get("kv_cache"))
-    if job.writes_batch_output:  # before _SUCCESS, from the committed parts (also an earlier run's)
+    record = success_record(job.name, plan.config_hash, whole, this_run, generation_seconds,
+                            resumed=bool(skipped), kernels=kernels, kv_cache=kv_cache, workers=workers)
+    if job.writes_batch_output:  # from the committed parts (also an earlier run's)
         lock.check()
         write_batch_outputs(plan.output.storage, plan.unit_names)
     lock.check()
     plan.output.write_success(record)
-    return RunResult(record, success_path, len(pending), len(skipped), dict(state.redo))
+    return record
 
 
-def _engine_for(job: JobConfig, engine: LLMEngine | None) -> LLMEngine:
+def engine_for(job: JobConfig, engine: LLMEngine | None) -> LLMEngine:
     wanted = job.engine_config()
     if engine is not None:
         differing = _differing_fields(wanted, engine.config)
@@ -140,41 +121,10 @@ def _differing_fields(a: EngineConfig, b: EngineConfig) -> str:
     return ", ".join(f"{n}: job {getattr(a, n)!r} vs engine {getattr(b, n)!r}" for n in names)
 
 
-def _check_engine_can_run(job: JobConfig, engine: LLMEngine) -> None:
+def check_engine_can_run(job: JobConfig, engine: LLMEngine) -> None:
     # A batch file's chat lines need the template and its completions lines do not: a chat line on a
     # model without one becomes that line's error row.
     needs_template = job.input.apply_chat_template and not job.input.is_batch_file
     if needs_template and not engine.tokenizer.has_chat_template:
         raise JobError(f"model.path: {job.model.path} has no chat template; set input.apply_chat_template: "
                        "false and use prompt_column (raw prompts)")
-
-
-def _iter_tasks(plan: JobPlan, units: list[WorkUnit], builder: RequestBuilder,
-                writer: UnitWriter) -> Iterator[RowTask]:
-    """Every pending row as a RowTask, in input order; each unit's id/kept columns go to the writer."""
-    job = plan.job
-    columns = list(dict.fromkeys([job.input.id_column, job.input.text_column, *job.sampling_columns.values(),
-                                  *job.output.keep_columns]))
-    decode = decode_batch_lines if job.input.is_batch_file else decode_batch
-    for run in contiguous_runs(units):
-        file = run[0].file
-        position = run[0].start
-        unit_iter = iter(run)
-        unit = next(unit_iter)
-        writer.open_unit(unit)
-        for batch in read_rows(plan.input_storage, file, run[0].start, run[-1].stop, columns):
-            while batch.num_rows:
-                if position == unit.stop:
-                    unit = next(unit_iter)
-                    writer.open_unit(unit)
-                piece = batch.slice(0, min(batch.num_rows, unit.stop - position))
-                batch = batch.slice(piece.num_rows)
-                writer.add_source(unit.index, piece)
-                first_offset = position - unit.start
-                position += piece.num_rows
-                for i, row in enumerate(decode(piece, job)):
-                    task = builder.build(row, unit.index, first_offset + i)
-                    occurrence = plan.repeats.get((file.path, unit.start + first_offset + i))
-                    if occurrence and task.request_id is not None:
-                        task.request_id = repeat_key(task.request_id, occurrence)
-                    yield task

@@ -10,7 +10,7 @@ import pyarrow.compute as pc
 
 SUCCESS_KEYS = ("job", "config_hash", "num_requests", "num_rows", "num_errors", "prompt_tokens",
                 "cached_tokens", "completion_tokens", "generation_seconds", "completion_tokens_per_s",
-                "ttft_s", "tpot_s", "resumed", "kernels", "kv_cache")
+                "ttft_s", "tpot_s", "resumed", "kernels", "kv_cache", "workers")
 SUMMARY_COLUMNS = ["sample_index", "finish_reason", "prompt_tokens", "cached_tokens", "completion_tokens",
                    "ttft_s", "tpot_s"]
 
@@ -53,10 +53,12 @@ def percentiles(chunks: list[np.ndarray]) -> dict[str, float | None]:
 
 
 def success_record(job: str, config_hash: str, whole: Totals, this_run: Totals, generation_seconds: float,
-                   resumed: bool, kernels: dict, kv_cache: dict | None = None) -> dict:
+                   resumed: bool, kernels: dict, kv_cache: dict | None = None,
+                   workers: dict | None = None) -> dict:
     """The `_SUCCESS` JSON: counts over the whole output; speed and latency figures over this run;
     `kernels`: the implementations this run's engine used (its stats' `kernels`); `kv_cache`: its KV
-    cache's dtype and bytes per token (its stats' `kv_cache`)."""
+    cache's dtype and bytes per token (its stats' `kv_cache`); `workers`: how the job ran
+    (`{"backend": "local"}`, static shards, or Ray replicas with their failures)."""
     record = {
         "job": job,
         "config_hash": config_hash,
@@ -73,9 +75,30 @@ def success_record(job: str, config_hash: str, whole: Totals, this_run: Totals, 
         "resumed": resumed,
         "kernels": kernels,
         "kv_cache": kv_cache or {},
+        "workers": workers if workers is not None else local_workers(),
     }
     assert tuple(record) == SUCCESS_KEYS
     return record
+
+
+def local_workers() -> dict:
+    return {"backend": "local", "num_workers": 1, "replica_failures": 0, "units_retried": []}
+
+
+def describe_workers(workers: dict | None) -> str:
+    if not workers:
+        return "-"
+    backend = workers.get("backend")
+    if backend == "shards":
+        text = f"{workers['num_shards']} static shards"
+    elif backend == "ray":
+        text = f"ray, {workers['num_workers']} replica(s)"
+    else:
+        text = "local"
+    failures, retried = workers.get("replica_failures", 0), workers.get("units_retried", [])
+    if failures or retried:
+        text += f"; {failures} replica failure(s), {len(retried)} unit(s) retried"
+    return text
 
 
 def format_summary(record: dict, success_path: str) -> str:
@@ -102,6 +125,7 @@ def format_summary(record: dict, success_path: str) -> str:
         # A _SUCCESS written by an older batchgen (a complete job run again) has no `kernels`.
         ("kernels", ", ".join(f"{k} {v}" for k, v in record.get("kernels", {}).items()) or "-"),
         ("KV cache", ", ".join(f"{k} {v}" for k, v in record.get("kv_cache", {}).items()) or "-"),
+        ("workers", describe_workers(record.get("workers"))),
         ("success file", success_path),
     ]
     width = max(len(k) for k, _ in lines)

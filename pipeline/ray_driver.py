@@ -1,0 +1,279 @@
+"""`cluster.backend: ray`: this process is the driver; engine replicas (Ray actors) run the units.
+
+The driver plans the units, checks the output folder and holds its lock, starts `replicas` EngineReplica
+actors, and keeps at most two unit descriptors in flight per replica (one running, one queued, so a
+replica never waits on a round trip; a replacement gets units only once its engine is loaded, since it
+may wait for resources that never come back). Rows never pass through the driver. When a replica dies (its
+process killed, its node lost, OOM), the driver puts its in-flight units back at the front of the queue
+and starts a replacement, at most `max(MIN_RESTARTS, replicas)` times in all; past that the job fails
+(exit 1) naming the units not committed, and a rerun resumes. A Python error inside a unit is a bug or
+a bad row the pipeline did not catch: it fails the job at once, it is not retried. The driver, not a
+replica, writes `_SUCCESS`, after reading the folder back: every unit must be committed.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from tqdm.auto import tqdm
+
+from batchgen.pipeline.config import ClusterSection, JobConfig
+from batchgen.pipeline.errors import JobError
+from batchgen.pipeline.lock import lock_folder
+from batchgen.pipeline.output_folder import SUCCESS_NAME, describe_redo, raise_if_refused
+from batchgen.pipeline.preflight import JobPlan, plan_job
+from batchgen.pipeline.replica import EngineReplica
+from batchgen.pipeline.shared_storage import check_output_shared, probe_nodes
+from batchgen.pipeline.summary import Totals
+from batchgen.pipeline.unit_runner import repeats_of
+from batchgen.pipeline.units import WorkUnit
+
+log = logging.getLogger("batchgen.pipeline")
+
+UNITS_IN_FLIGHT = 2  # per replica: the one it runs and the next, already on its queue
+MIN_RESTARTS = 2  # replacement replicas allowed per job: max(MIN_RESTARTS, replicas)
+WAIT_SECONDS = 1.0  # how often the driver wakes without a result (progress bar, replicas alive)
+
+
+class ReplicasFailed(RuntimeError):
+    """Every replica died and the restart bound is spent (exit 1); the message names the missing units."""
+
+
+def import_ray():
+    try:
+        import ray
+    except ImportError:
+        raise JobError("cluster.backend: ray needs Ray: pip install 'batchgen[ray]'") from None
+    return ray
+
+
+def connect(ray, cluster: ClusterSection) -> bool:
+    """Join or start the cluster unless this process is connected already; True when this call connected.
+
+    address null: Ray's own rule (RAY_ADDRESS if set, else a new local cluster); auto or ray://...: join.
+    """
+    if ray.is_initialized():
+        return False
+    ray.init(address=cluster.address, log_to_driver=False)
+    return True
+
+
+def replica_count(ray, cluster: ClusterSection) -> tuple[int, float]:
+    """(replicas, GPUs per replica): auto is one per GPU in the cluster, one on a CPU-only cluster."""
+    num_gpus = int(ray.cluster_resources().get("GPU", 0))
+    gpus = cluster.gpus_per_replica if num_gpus else 0.0
+    if cluster.replicas == "auto":
+        return (max(1, int(num_gpus // cluster.gpus_per_replica)) if num_gpus and cluster.gpus_per_replica
+                else 1), gpus
+    return cluster.replicas, gpus
+
+
+@dataclass
+class Replica:
+    handle: object
+    ready_ref: object | None  # the pending ready() call; None once it answered
+    is_replacement: bool  # a replacement gets units only once ready: it may wait for resources forever
+    in_flight: dict = field(default_factory=dict)  # ObjectRef -> WorkUnit
+    where: dict = field(default_factory=dict)  # host, pid once ready
+
+    @property
+    def takes_units(self) -> bool:
+        return self.ready_ref is None or not self.is_replacement
+
+
+def run_on_ray(job: JobConfig, *, limit: int | None = None, overwrite: bool = False, progress: bool = True,
+               probe: Callable = probe_nodes, replica_class: type = EngineReplica):
+    """Run the job on Ray replicas; returns a RunResult like a local run. `probe`: how each node's view of
+    a local output folder is read (shared_storage.probe_nodes; tests stand in a node that sees nothing);
+    `replica_class`: the actor (EngineReplica's methods; tests: one without an engine)."""
+    from batchgen.pipeline.runner import RunResult, write_job_success
+
+    plan = plan_job(job, limit)
+    if not overwrite:
+        raise_if_refused(plan.state)
+    ray = import_ray()
+    connected = connect(ray, job.cluster)
+    try:
+        check_output_shared(ray, plan.output.storage, probe)  # before any replica loads a model
+        with lock_folder(plan.output.storage) as lock:
+            state = plan.output.prepare(job.name, plan.config_hash, plan.inputs.fingerprint, plan.units,
+                                        overwrite)
+            plan.state = state
+            success_path = plan.output.storage.join(SUCCESS_NAME)
+            if plan.is_complete:
+                log.info("%s is complete (_SUCCESS present); nothing to do", job.output.path)
+                return RunResult(plan.output.read_success(), success_path, 0, len(plan.units))
+            if state.redo:
+                log.warning("%s", describe_redo(state.redo))
+            pending = plan.pending_units
+            skipped = [u for u in plan.units if u.output_name in state.done_names]
+            driver = _Driver(ray, plan, lock.holder.run_id, progress, replica_class)
+            this_run = driver.run(pending)
+            lock.check()
+            missing = [u.output_name for u in plan.units
+                       if u.output_name not in plan.output.state(plan.config_hash, plan.inputs.fingerprint,
+                                                                 plan.units).done_names]
+            if missing:
+                raise RuntimeError(f"replicas reported every unit done, but {len(missing)} unit(s) are not "
+                                   f"committed in {job.output.path}: {', '.join(missing[:20])}")
+            record = write_job_success(plan, lock, skipped, this_run, driver.generation_seconds,
+                                       kernels=driver.kernels, workers=driver.workers())
+            return RunResult(record, success_path, len(pending), len(skipped), dict(state.redo))
+    finally:
+        if connected:
+            ray.shutdown()
+
+
+class _Driver:
+    """The scheduling loop: replicas, the unit queue, failures, the progress bar."""
+
+    def __init__(self, ray, plan: JobPlan, run_id: str, progress: bool, replica_class: type = EngineReplica):
+        self.ray = ray
+        self.plan = plan
+        self.job = plan.job
+        self.num_replicas, self.gpus = replica_count(ray, self.job.cluster)
+        self.restarts_left = max(MIN_RESTARTS, self.num_replicas)
+        options = {"num_gpus": self.gpus, "max_restarts": 0, "max_task_retries": 0}
+        if self.job.cluster.cpus_per_replica is not None:
+            options["num_cpus"] = self.job.cluster.cpus_per_replica
+        self.actor_class = ray.remote(replica_class).options(**options)
+        self.init_args = (self.job, plan.inputs.output_schema(self.job), plan.config_hash, run_id)
+        self.replicas: list[Replica] = []
+        self.failures = 0
+        self.retried: set[str] = set()
+        self.kernels: dict = {}
+        self.started: list[dict] = []
+        self.generation_seconds = 0.0
+        self.first_ready: float | None = None  # monotonic time the first replica was ready
+        self.progress = progress
+
+    def workers(self) -> dict:
+        return {"backend": "ray", "num_workers": self.num_replicas, "gpus_per_replica": self.gpus,
+                "replica_failures": self.failures, "units_retried": sorted(self.retried),
+                "replicas": self.started}
+
+    def _start_replica(self, is_replacement: bool = False) -> None:
+        handle = self.actor_class.remote(*self.init_args)
+        self.replicas.append(Replica(handle, handle.ready.remote(), is_replacement))
+
+    def run(self, units: list[WorkUnit]) -> Totals:
+        queue = deque(units)
+        totals = Totals()
+        for _ in range(self.num_replicas):
+            self._start_replica()
+        log.info("ray: %d replica(s) (%s GPU each), %d unit(s) to run", self.num_replicas, self.gpus,
+                 len(units))
+        bar = tqdm(total=sum(u.num_rows for u in units), desc=self.job.name, unit="req",
+                   disable=not self.progress, dynamic_ncols=True)
+        start = time.monotonic()
+        try:
+            while queue or any(r.in_flight for r in self.replicas):
+                self._submit(queue)
+                waiting = {ref: r for r in self.replicas for ref in
+                           ([r.ready_ref] if r.ready_ref is not None else []) + list(r.in_flight)}
+                if not waiting:
+                    raise self._exhausted(queue)
+                done, _ = self.ray.wait(list(waiting), num_returns=1, timeout=WAIT_SECONDS)
+                for ref in done:
+                    replica = waiting[ref]
+                    if replica not in self.replicas:
+                        continue  # a result of a replica already declared dead
+                    self._collect(ref, replica, queue, totals, bar)
+                rate = totals.completion_tokens / max(time.monotonic() - start, 1e-9)
+                alive = sum(r.ready_ref is None for r in self.replicas)
+                bar.set_postfix_str(f"{rate:,.1f} tok/s, {alive}/{self.num_replicas} replicas", refresh=False)
+        except BaseException:
+            self._stop_all()
+            raise
+        finally:
+            bar.close()
+        # As a local run's: from the first engine able to take a request (a replica ready), not from the
+        # replicas' model loading, to the last result.
+        self.generation_seconds = time.monotonic() - (self.first_ready or start)
+        self._stop_all()
+        return totals
+
+    def _submit(self, queue: deque) -> None:
+        for replica in self.replicas:
+            while replica.takes_units and len(replica.in_flight) < UNITS_IN_FLIGHT and queue:
+                unit = queue.popleft()
+                ref = replica.handle.run_unit.remote(unit, repeats_of(self.plan.repeats, [unit]))
+                replica.in_flight[ref] = unit
+
+    def _collect(self, ref, replica: Replica, queue: deque, totals: Totals, bar) -> None:
+        ray = self.ray
+        try:
+            result = ray.get(ref)
+        except _replica_lost(ray) as exc:
+            self._replica_died(replica, queue, exc)
+            return
+        except ray.exceptions.RayTaskError as exc:
+            unit = replica.in_flight.get(ref)
+            name = unit.output_name if unit is not None else "its engine start"
+            raise RuntimeError(f"a replica failed on {name}: {exc}") from None
+        if ref is replica.ready_ref:
+            replica.ready_ref = None
+            self.first_ready = self.first_ready or time.monotonic()
+            replica.where = {"host": result["host"], "pid": result["pid"]}
+            self.kernels = self.kernels or result["kernels"]
+            self.started.append(replica.where)
+            return
+        unit = replica.in_flight.pop(ref)
+        _merge(totals, result["totals"])
+        bar.update(unit.num_rows)
+
+    def _replica_died(self, replica: Replica, queue: deque, exc: BaseException) -> None:
+        lost = sorted(replica.in_flight.values(), key=lambda u: u.index)
+        self.failures += 1
+        self.retried.update(u.output_name for u in lost)
+        queue.extendleft(reversed(lost))  # back at the front, in unit order
+        self.replicas.remove(replica)
+        try:
+            self.ray.kill(replica.handle)
+        except Exception:  # already gone
+            pass
+        where = replica.where or "before it was ready"
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        if self.restarts_left > 0:
+            self.restarts_left -= 1
+            log.warning("ray: replica %s died (%s); %d unit(s) re-queued (%s); starting a replacement "
+                        "(%d more allowed)", where, reason, len(lost),
+                        ", ".join(u.output_name for u in lost) or "-", self.restarts_left)
+            self._start_replica(is_replacement=True)
+        else:
+            log.warning("ray: replica %s died (%s); no restarts left", where, reason)
+
+    def _exhausted(self, queue: deque) -> ReplicasFailed:
+        names = [u.output_name for u in sorted(queue, key=lambda u: u.index)]
+        shown = ", ".join(names[:20]) + (" ..." if len(names) > 20 else "")
+        bound = max(MIN_RESTARTS, self.num_replicas)
+        return ReplicasFailed(f"every replica died ({self.failures} failures; the bound of {bound} "
+                              f"replacements is spent): {len(names)} unit(s) not committed: {shown}. "
+                              "Rerun the job: it resumes from the committed units")
+
+    def _stop_all(self) -> None:
+        for replica in self.replicas:
+            try:
+                self.ray.kill(replica.handle)
+            except Exception:
+                pass
+        self.replicas = []
+
+
+def _replica_lost(ray) -> tuple[type[BaseException], ...]:
+    """What a call raises when its replica's process is gone: killed, crashed, its node lost, or ended by
+    Ray's memory monitor (OOM). The units it held are run again elsewhere."""
+    errors = ray.exceptions
+    return (errors.RayActorError, errors.OutOfMemoryError, errors.WorkerCrashedError, errors.NodeDiedError)
+
+
+def _merge(into: Totals, other: Totals) -> None:
+    counts = ("num_requests", "num_rows", "num_errors", "prompt_tokens", "cached_tokens", "completion_tokens")
+    for name in counts:
+        setattr(into, name, getattr(into, name) + getattr(other, name))
+    into.ttft_s.extend(other.ttft_s)
+    into.tpot_s.extend(other.tpot_s)

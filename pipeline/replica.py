@@ -1,0 +1,51 @@
+"""EngineReplica: one engine in a Ray actor, loaded once, running unit descriptors into their parts.
+
+The driver (ray_driver.py) sends (unit, repeats) descriptors, never rows: the actor reads its unit's
+rows through fsspec itself, runs them with the same ordering as a local run, writes the part and its
+commit record atomically to `output.path` (shared storage) and returns the unit's figures. Running a
+unit twice (its first actor died after the commit) writes the same part again, which is harmless.
+This module does not import Ray: the driver wraps the class with `ray.remote`, so the class name is
+what `ray list actors` and the dashboard show.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pyarrow as pa
+
+from batchgen.pipeline.config import JobConfig
+from batchgen.pipeline.id_scan import Position
+from batchgen.pipeline.storage import Storage
+from batchgen.pipeline.unit_runner import UnitSource, run_units
+from batchgen.pipeline.units import WorkUnit
+from batchgen.pipeline.writer import CommitContext
+
+
+class EngineReplica:
+    """One engine replica: the job's engine, built once in the actor's process."""
+
+    def __init__(self, job: JobConfig, output_schema: pa.Schema, config_hash: str, run_id: str):
+        from batchgen.pipeline.runner import check_engine_can_run, engine_for
+
+        self.job = job
+        self.output_schema = output_schema
+        self.commit = CommitContext(config_hash, run_id)
+        self.engine = engine_for(job, None)
+        check_engine_can_run(job, self.engine)
+        self.input_storage = Storage(job.input.path, job.input.storage_options)
+        self.output_storage = Storage(job.output.path, job.output.storage_options)
+
+    def ready(self) -> dict:
+        """Where this replica runs (answered once the engine is loaded)."""
+        return {"host": socket.gethostname(), "pid": os.getpid(),
+                "kernels": self.engine.stats.get("kernels", {})}
+
+    def run_unit(self, unit: WorkUnit, repeats: dict[Position, int]) -> dict:
+        """Generate one unit and commit its part; its figures (a Totals) and this process's id."""
+        source = UnitSource(self.job, self.output_schema, repeats)
+        ran = run_units(source, self.input_storage, self.output_storage, [unit], self.engine, self.commit,
+                        progress=False)
+        return {"unit": unit.index, "totals": ran.totals, "generation_seconds": ran.generation_seconds,
+                "pid": os.getpid()}

@@ -1,0 +1,232 @@
+"""Static shards: `batchgen run job.yaml --shard I/N` runs the units k with k mod N == I.
+
+For clusters without Ray (Slurm arrays, Kubernetes Indexed Jobs): N processes, anywhere, on one
+output folder (a shared filesystem or an object store). Each shard holds the folder's lock shared (no
+plain run can start beside them) and its own shard's lock exclusively (the same shard twice is
+refused), writes its parts and `_workers/shard-I-of-N.json`, then tries to finalize: the shard that
+finds every unit committed writes `_SUCCESS` (create-if-absent, see finalize.py). The unit list is the
+job's deterministic plan, pinned by the input fingerprint in `_batchgen.json`; `_batchgen.shards.json`
+pins N. A shard whose config hash, input or N differs from the folder's refuses to start (exit 2).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import socket
+import time
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+
+from batchgen.pipeline.commits import record_name
+from batchgen.pipeline.config import JobConfig
+from batchgen.pipeline.create_once import create_text_once
+from batchgen.pipeline.errors import JobError
+from batchgen.pipeline.finalize import Finalized, finalize_folder
+from batchgen.pipeline.lock import lock_folder, lock_name
+from batchgen.pipeline.output_folder import (
+    MANIFEST_NAME,
+    SHARDS_MANIFEST_NAME,
+    SUCCESS_NAME,
+    WORKERS_DIR,
+    describe_redo,
+    manifest_text,
+    raise_if_refused,
+)
+from batchgen.pipeline.preflight import JobPlan, plan_job
+from batchgen.pipeline.storage import is_temp_name
+from batchgen.pipeline.summary import SUMMARY_COLUMNS, Totals
+from batchgen.pipeline.unit_runner import UnitSource, run_units
+from batchgen.pipeline.units import WorkUnit
+from batchgen.pipeline.writer import CommitContext
+
+log = logging.getLogger("batchgen.pipeline")
+
+_SHARD_RE = re.compile(r"(\d+)/(\d+)")
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    index: int
+    count: int
+    source: str  # where the index came from: "--shard", "SLURM_ARRAY_TASK_ID", "JOB_COMPLETION_INDEX"
+
+    @property
+    def name(self) -> str:
+        return f"{self.index:05d}-of-{self.count:05d}"
+
+    def owns(self, unit: WorkUnit) -> bool:
+        return unit.index % self.count == self.index
+
+    def to_dict(self) -> dict:
+        return {"index": self.index, "count": self.count, "source": self.source}
+
+
+def parse_shard(text: str, num_shards: int | None = None, env: dict[str, str] | None = None) -> ShardSpec:
+    """`I/N`, or `auto`: Slurm's array variables, or Kubernetes' JOB_COMPLETION_INDEX with --num-shards.
+
+    `auto` is opt-in because a run inside an unrelated array job must not shard by surprise.
+    """
+    env = os.environ if env is None else env
+    match = _SHARD_RE.fullmatch(text.strip())
+    if match:
+        if num_shards is not None:
+            raise JobError("--num-shards goes with --shard auto; --shard I/N names the count already")
+        return _checked(int(match.group(1)), int(match.group(2)), "--shard")
+    if text.strip() != "auto":
+        raise JobError(f"--shard {text!r}: expected I/N (e.g. 0/4) or auto")
+    if "SLURM_ARRAY_TASK_ID" in env:
+        # Arrays may start anywhere (--array=1-8): the shard is the task's position in the array.
+        try:
+            task, first = int(env["SLURM_ARRAY_TASK_ID"]), int(env.get("SLURM_ARRAY_TASK_MIN", "0"))
+            count = int(env["SLURM_ARRAY_TASK_COUNT"]) if num_shards is None else num_shards
+        except KeyError:
+            raise JobError("--shard auto: SLURM_ARRAY_TASK_ID is set but SLURM_ARRAY_TASK_COUNT is not; "
+                           "pass --num-shards N") from None
+        except ValueError as exc:
+            raise JobError(f"--shard auto: unreadable Slurm array variable ({exc})") from None
+        return _checked(task - first, count, "SLURM_ARRAY_TASK_ID")
+    if "JOB_COMPLETION_INDEX" in env:
+        if num_shards is None:
+            raise JobError("--shard auto on Kubernetes (JOB_COMPLETION_INDEX) needs --num-shards N "
+                           "(the Job's completions)")
+        try:
+            index = int(env["JOB_COMPLETION_INDEX"])
+        except ValueError as exc:
+            raise JobError(f"--shard auto: unreadable JOB_COMPLETION_INDEX ({exc})") from None
+        return _checked(index, num_shards, "JOB_COMPLETION_INDEX")
+    raise JobError("--shard auto: neither SLURM_ARRAY_TASK_ID (a Slurm array) nor JOB_COMPLETION_INDEX "
+                   "(a Kubernetes Indexed Job) is set; pass --shard I/N")
+
+
+def _checked(index: int, count: int, source: str) -> ShardSpec:
+    if count < 1 or not 0 <= index < count:
+        raise JobError(f"--shard: shard {index} of {count} (from {source}) is not one of 0..{count - 1}")
+    return ShardSpec(index, count, source)
+
+
+@dataclass
+class ShardResult:
+    shard: ShardSpec
+    summary: dict  # this shard's _workers/ summary
+    finalized: Finalized
+    num_units_run: int
+    num_units_skipped: int
+    redone: dict[str, str] = field(default_factory=dict)
+
+
+def run_shard(job: JobConfig, shard: ShardSpec, *, engine=None, limit: int | None = None,
+              progress: bool = True) -> ShardResult:
+    """Run this shard's units (resuming like a local run), write its summary, try to finalize."""
+    from batchgen.pipeline.runner import check_engine_can_run, engine_for
+
+    if job.cluster.backend != "local":
+        raise JobError("--shard runs on this machine: it does not combine with cluster.backend: ray "
+                       "(Ray places the units itself)")
+    plan = plan_job(job, limit)
+    raise_if_refused(plan.state)
+    storage = plan.output.storage
+    with ExitStack() as locks:
+        folder_lock = locks.enter_context(lock_folder(storage, shared=True))
+        shard_lock = locks.enter_context(lock_folder(storage, name=lock_name(shard.name)))
+        started = time.time()
+        mine = [u for u in plan.units if shard.owns(u)]
+        redo = _prepare(plan, shard, mine)
+        if plan.is_complete:
+            log.info("%s is complete (_SUCCESS present); nothing to do", job.output.path)
+            finalized = Finalized(plan.output.read_success(), False, [])
+            return ShardResult(shard, {}, finalized, 0, len(mine))
+        pending = [u for u in plan.pending_units if shard.owns(u)]
+        skipped = [u for u in mine if u.output_name in plan.state.done_names]
+        if redo:
+            log.warning("%s", describe_redo(redo))
+        log.info("shard %d/%d (from %s): %d of the job's %d units, %d done, %d to run", shard.index,
+                 shard.count, shard.source, len(mine), len(plan.units), len(skipped), len(pending))
+
+        def may_commit() -> None:
+            folder_lock.check()
+            shard_lock.check()
+
+        totals, seconds, kernels = Totals(), 0.0, {}
+        if pending:
+            engine = engine_for(job, engine)
+            check_engine_can_run(job, engine)
+            source = UnitSource(job, plan.inputs.output_schema(job), plan.repeats)
+            ran = run_units(source, plan.input_storage, storage, pending, engine,
+                            CommitContext(plan.config_hash, folder_lock.holder.run_id, may_commit),
+                            progress=progress)
+            totals, seconds, kernels = ran.totals, ran.generation_seconds, engine.stats["kernels"]
+        summary = _shard_summary(plan, shard, mine, pending, skipped, redo, totals, seconds, kernels, started)
+        may_commit()
+        storage.write_text_atomic(f"{WORKERS_DIR}/shard-{shard.name}.json",
+                                  json.dumps(summary, indent=1) + "\n")
+        finalized = finalize_folder(storage)
+    if finalized.created:
+        log.info("shard %d/%d found every unit committed and wrote _SUCCESS", shard.index, shard.count)
+    elif finalized.missing:
+        log.info("shard %d/%d done; %d unit(s) of other shards not committed yet (%s); the shard that "
+                 "commits the last one writes _SUCCESS", shard.index, shard.count, len(finalized.missing),
+                 ", ".join(finalized.missing[:10]) + (" ..." if len(finalized.missing) > 10 else ""))
+    return ShardResult(shard, summary, finalized, len(pending), len(skipped), redo)
+
+
+def _prepare(plan: JobPlan, shard: ShardSpec, mine: list[WorkUnit]) -> dict[str, str]:
+    """The folder under the shared lock: the manifests created once (and checked), this shard's own
+    leftovers cleared. Other shards are live beside us, so only what belongs to our units is touched."""
+    storage, job = plan.output.storage, plan.job
+    manifest = manifest_text(job.name, plan.config_hash, plan.inputs.fingerprint, plan.units)
+    create_text_once(storage, MANIFEST_NAME, manifest)
+    shards_text = json.dumps({"num_shards": shard.count, "config_hash": plan.config_hash}, indent=1) + "\n"
+    create_text_once(storage, SHARDS_MANIFEST_NAME, shards_text)
+    recorded = json.loads(storage.read_text(SHARDS_MANIFEST_NAME))
+    if recorded.get("num_shards") != shard.count:
+        raise JobError(f"--shard {shard.index}/{shard.count}: {storage.url} was started with "
+                       f"{recorded.get('num_shards')} shards, this run says {shard.count} "
+                       f"(from {shard.source}); run every shard with the same N")
+    # Read again now that the manifest is ours for sure: a shard with another config that raced us to
+    # an empty folder lost the create above and is refused here, naming both hashes.
+    state = plan.output.state(plan.config_hash, plan.inputs.fingerprint, plan.units)
+    raise_if_refused(state)
+    plan.state = state
+    own = {u.output_name for u in mine}
+    for name in storage.list_names():  # temp files of our units are a dead run's of this very shard
+        if is_temp_name(name) and any(name.startswith(f".{part}.") for part in own):
+            storage.remove(name)
+    redo = {name: why for name, why in state.redo.items() if name in own}
+    if state.has_success and not state.is_complete(plan.unit_names):
+        storage.remove(SUCCESS_NAME)  # it stood beside a missing or damaged part: this job is not complete
+    for name in redo:
+        if storage.fs.exists(storage.join(record_name(name))):
+            storage.remove(record_name(name))
+    return redo
+
+
+def _shard_summary(plan: JobPlan, shard: ShardSpec, mine, pending, skipped, redo, totals: Totals,
+                   seconds: float, kernels: dict, started: float) -> dict:
+    """This shard's figures: its units (all of them, also those an earlier run wrote), what this run did."""
+    import pyarrow.parquet as pq
+
+    from batchgen.pipeline.summary import percentiles
+
+    whole = Totals(num_requests=totals.num_requests, num_rows=totals.num_rows, num_errors=totals.num_errors,
+                   prompt_tokens=totals.prompt_tokens, cached_tokens=totals.cached_tokens,
+                   completion_tokens=totals.completion_tokens)
+    storage = plan.output.storage
+    for unit in skipped:
+        with storage.fs.open(storage.join(unit.output_name), "rb") as f:
+            whole.add_table(pq.read_table(f, columns=SUMMARY_COLUMNS))
+    return {
+        "job": plan.job.name, "config_hash": plan.config_hash, "shard": shard.to_dict(),
+        "host": socket.gethostname(), "pid": os.getpid(), "started": started, "finished": time.time(),
+        "num_units": len(mine), "units_run": [u.output_name for u in pending],
+        "num_units_skipped": len(skipped), "units_redone": sorted(redo), "resumed": bool(skipped),
+        "num_requests": whole.num_requests, "num_rows": whole.num_rows, "num_errors": whole.num_errors,
+        "prompt_tokens": whole.prompt_tokens, "cached_tokens": whole.cached_tokens,
+        # Speed: this run's generation only.
+        "completion_tokens": whole.completion_tokens,
+        "generated_completion_tokens": totals.completion_tokens, "generation_seconds": seconds,
+        "completion_tokens_per_s": totals.completion_tokens / seconds if seconds > 0 else 0.0,
+        "ttft_s": percentiles(totals.ttft_s), "tpot_s": percentiles(totals.tpot_s), "kernels": kernels,
+    }

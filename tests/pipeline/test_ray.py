@@ -1,0 +1,116 @@
+"""Ray backend on one local cluster (2 CPUs, 127.0.0.1): two replicas give a local run's rows; a replica
+killed mid-job, and replicas that keep dying; a local output path that other nodes do not see is refused."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import ray
+from typer.testing import CliRunner
+
+from batchgen.pipeline.cli import app
+from batchgen.pipeline.config import load_job
+from batchgen.pipeline.errors import JobError
+from batchgen.pipeline.ray_driver import run_on_ray
+from batchgen.pipeline.runner import run_job
+from tests.pipeline.conftest import read_output
+from tests.pipeline.ray_helpers import Killer, replica_pids
+from tests.pipeline.scale_helpers import NUM_ROWS, assert_each_row_once, row_key, write_job
+from tests.pipeline.tiny_model import write_tiny_model
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    # Ray's memory monitor kills workers when the machine's memory is above 95%, whoever uses it: on a
+    # shared test machine that would kill replicas for other processes' memory. Off for these tests.
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("RAY_memory_monitor_refresh_ms", "0")
+        ray.init(num_cpus=2, include_dashboard=False, address="local", _node_ip_address="127.0.0.1",
+                 log_to_driver=False)
+        yield ray
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory, engine):
+    return write_tiny_model(tmp_path_factory.mktemp("tiny") / "model", engine.tokenizer.hf)
+
+
+@pytest.fixture(scope="module")
+def local_rows(tmp_path_factory, tiny_model):
+    tmp = tmp_path_factory.mktemp("local")
+    run_job(load_job(write_job(tmp, tiny_model)), progress=False)
+    return row_key(read_output(tmp / "out" / "scaled"))
+
+
+RAY = {"backend": "ray", "replicas": 2}
+
+
+def test_a_local_output_path_other_nodes_do_not_see_is_refused(tmp_path, ray_cluster, tiny_model):
+    job = load_job(write_job(tmp_path, tiny_model, cluster=RAY))
+    out = tmp_path / "out" / "scaled"
+
+    def blind_node(ray_module, path):  # a second machine whose disk does not hold the driver's folder
+        seen = {"head": open(path).read()}
+        seen["node-2 (10.0.0.2)"] = None
+        return seen
+
+    with pytest.raises(JobError, match=r"node\(s\) node-2 \(10.0.0.2\) do not see the folder"):
+        run_on_ray(job, progress=False, probe=blind_node)
+    # Refused before any replica started (this test runs first in the module: no replica ever ran).
+    assert not list(out.glob("part-*")) and replica_pids() == []
+    assert not list(out.glob("_batchgen.probe-*"))  # the probe file is removed
+
+
+def test_two_replicas_give_the_local_rows(tmp_path, ray_cluster, tiny_model, local_rows):
+    result = run_job(load_job(write_job(tmp_path, tiny_model, cluster=RAY)), progress=False)
+    out = tmp_path / "out" / "scaled"
+    assert row_key(read_output(out)) == local_rows
+    record = json.loads((out / "_SUCCESS").read_text())
+    assert record == result.record and record["num_rows"] == NUM_ROWS
+    workers = record["workers"]
+    assert (workers["backend"], workers["num_workers"], workers["replica_failures"]) == ("ray", 2, 0)
+    assert len({r["pid"] for r in workers["replicas"]}) == 2  # two engines did the work
+    deadline = time.monotonic() + 30
+    while replica_pids() and time.monotonic() < deadline:  # ray.kill returns before the process is gone
+        time.sleep(0.1)
+    assert replica_pids() == []  # the driver stops its replicas
+
+
+def test_a_replica_killed_mid_job_loses_no_row(tmp_path, ray_cluster, tiny_model, local_rows):
+    job = load_job(write_job(tmp_path, tiny_model, cluster=RAY))
+    out = tmp_path / "out" / "scaled"
+    killer = Killer(out, after_commits=2, count=1)
+    killer.start()
+    result = run_job(job, progress=False)
+    killer.stop.set()
+    assert len(killer.killed) == 1
+    assert_each_row_once(out)
+    assert row_key(read_output(out)) == local_rows
+    workers = result.record["workers"]
+    assert workers["replica_failures"] == 1
+    assert 1 <= len(workers["units_retried"]) <= 2  # what the dead replica had in flight
+
+
+def test_replicas_that_keep_dying_fail_naming_the_missing_units_and_a_rerun_resumes(tmp_path, ray_cluster,
+                                                                                      tiny_model):
+    # One replica: it and its replacements (the bound: ray_driver.MIN_RESTARTS) are all killed.
+    job_file = write_job(tmp_path, tiny_model, cluster={"backend": "ray", "replicas": 1}, sampling={"max_tokens": 12})
+    out = tmp_path / "out" / "scaled"
+    killer = Killer(out, after_commits=1, count=None)
+    killer.start()
+    failed = CliRunner().invoke(app, ["run", str(job_file), "--no-progress"])
+    killer.stop.set()
+    killer.join()
+    assert failed.exit_code == 1, failed.output
+    assert "every replica died" in failed.output and "not committed: part-" in failed.output
+    committed = {p.stem for p in (out / "_commits").glob("*.json")}
+    named = failed.output.split("not committed: ", 1)[1]
+    assert all(f"part-{k:05d}" in named for k in range(NUM_ROWS) if f"part-{k:05d}" not in committed)
+    assert not (out / "_SUCCESS").exists()
+
+    rerun = run_job(load_job(job_file), progress=False)
+    assert rerun.num_units_skipped == len(committed) and rerun.record["resumed"] is True
+    assert_each_row_once(out)

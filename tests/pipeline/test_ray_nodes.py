@@ -1,0 +1,74 @@
+"""Ray on a two-node cluster (ray.cluster_utils.Cluster on 127.0.0.1): a node removed mid-job loses no row.
+
+The head has no CPU for actors, each node one, and each replica asks for one: one replica per node, so
+removing a node kills exactly one replica. Its replacement finds no free CPU and never becomes ready;
+the surviving replica finishes the job and the driver stops the pending one.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import ray
+from ray.cluster_utils import Cluster
+
+from batchgen.pipeline.config import load_job
+from batchgen.pipeline.runner import run_job
+from tests.pipeline.conftest import read_output
+from tests.pipeline.ray_helpers import num_committed
+from tests.pipeline.scale_helpers import assert_each_row_once, row_key, write_job
+from tests.pipeline.tiny_model import write_tiny_model
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    # Every node is a raylet on this machine, on its own address (Ray 2.60's Cluster with
+    # node_ip_address=127.0.0.1 leaves the driver unable to reach the GCS). Fast node-death detection:
+    # the default health check takes ~15 s to declare a node dead.
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("RAY_memory_monitor_refresh_ms", "0")  # as in test_ray.py: not killed for others' memory
+        cluster = Cluster(initialize_head=True, head_node_args={
+            "num_cpus": 0, "include_dashboard": False,
+            "_system_config": {"health_check_period_ms": 500, "health_check_failure_threshold": 2}})
+        nodes = [cluster.add_node(num_cpus=1) for _ in range(2)]
+        ray.init(address=cluster.address, log_to_driver=False)
+        cluster.wait_for_nodes()
+        yield cluster, nodes
+        ray.shutdown()
+        cluster.shutdown()
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory, engine):
+    return write_tiny_model(tmp_path_factory.mktemp("tiny") / "model", engine.tokenizer.hf)
+
+
+def test_a_node_removed_mid_job_loses_no_row(tmp_path, cluster, tiny_model):
+    ray_cluster, nodes = cluster
+    local_tmp = tmp_path / "local"
+    run_job(load_job(write_job(local_tmp, tiny_model)), progress=False)
+    local_rows = row_key(read_output(local_tmp / "out" / "scaled"))
+
+    job = load_job(write_job(tmp_path, tiny_model, cluster={"backend": "ray", "replicas": 2, "cpus_per_replica": 1}))
+    out = tmp_path / "out" / "scaled"
+    removed = threading.Event()
+
+    def remove_a_node() -> None:
+        deadline = time.monotonic() + 240
+        while num_committed(out) < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        ray_cluster.remove_node(nodes[1], allow_graceful=False)
+        removed.set()
+
+    remover = threading.Thread(target=remove_a_node, daemon=True)
+    remover.start()
+    result = run_job(job, progress=False)
+    remover.join()
+    assert removed.is_set()
+    assert_each_row_once(out)
+    assert row_key(read_output(out)) == local_rows
+    workers = result.record["workers"]
+    assert workers["replica_failures"] == 1
+    assert 1 <= len(workers["units_retried"]) <= 2
