@@ -231,7 +231,8 @@ class LLMEngine:
     # ---- counters -------------------------------------------------------------------------------
     @property
     def stats(self) -> dict:
-        """Counters since the engine started, and `kernels`: the implementations that run (Capabilities)."""
+        """Counters since the engine started, `kernels`: the implementations that run (Capabilities), and
+        `weights`: the weight format and the decoder's linear bytes (quant/weight_report.py)."""
         s = self.scheduler.stats
         pool = self.kv_cache_manager.pool
         return {
@@ -242,6 +243,7 @@ class LLMEngine:
             "num_free_blocks": pool.num_free_blocks, "num_blocks": pool.num_blocks,
             "prefix_cache_hit_rate": pool.num_hit_blocks / pool.num_queried_blocks if pool.num_queried_blocks else 0.0,
             "kernels": self.capabilities.as_dict(),
+            "weights": dict(self.loaded.weights),
         }
 
 

@@ -106,7 +106,8 @@ def _run_locked(plan: JobPlan, lock: FolderLock, engine: LLMEngine | None, overw
         with plan.output.storage.fs.open(path, "rb") as f:
             whole.add_table(pq.read_table(f, columns=SUMMARY_COLUMNS))
     record = success_record(job.name, plan.config_hash, whole, this_run, feeder.generation_seconds,
-                            resumed=bool(skipped), kernels=engine.stats["kernels"])
+                            resumed=bool(skipped), kernels=engine.stats["kernels"],
+                            weights=engine.stats["weights"])
     lock.check()
     plan.output.write_success(record)
     return RunResult(record, success_path, len(pending), len(skipped), dict(state.redo))

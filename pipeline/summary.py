@@ -10,7 +10,7 @@ import pyarrow.compute as pc
 
 SUCCESS_KEYS = ("job", "config_hash", "num_requests", "num_rows", "num_errors", "prompt_tokens",
                 "cached_tokens", "completion_tokens", "generation_seconds", "completion_tokens_per_s",
-                "ttft_s", "tpot_s", "resumed", "kernels")
+                "ttft_s", "tpot_s", "resumed", "kernels", "weights")
 SUMMARY_COLUMNS = ["sample_index", "finish_reason", "prompt_tokens", "cached_tokens", "completion_tokens",
                    "ttft_s", "tpot_s"]
 
@@ -53,9 +53,10 @@ def percentiles(chunks: list[np.ndarray]) -> dict[str, float | None]:
 
 
 def success_record(job: str, config_hash: str, whole: Totals, this_run: Totals, generation_seconds: float,
-                   resumed: bool, kernels: dict) -> dict:
+                   resumed: bool, kernels: dict, weights: dict | None = None) -> dict:
     """The `_SUCCESS` JSON: counts over the whole output; speed and latency figures over this run;
-    `kernels`: the implementations this run's engine used (its stats' `kernels`)."""
+    `kernels`: the implementations this run's engine used (its stats' `kernels`); `weights`: its weight
+    format and linear bytes (its stats' `weights`)."""
     record = {
         "job": job,
         "config_hash": config_hash,
@@ -71,9 +72,17 @@ def success_record(job: str, config_hash: str, whole: Totals, this_run: Totals, 
         "tpot_s": percentiles(this_run.tpot_s),
         "resumed": resumed,
         "kernels": kernels,
+        "weights": weights or {},
     }
     assert tuple(record) == SUCCESS_KEYS
     return record
+
+
+def _weights_line(weights: dict) -> str:
+    if not weights:
+        return "-"
+    return (f"{weights['format']} ({weights['origin']}), linear layers {weights['linear_bytes'] / 1e6:,.1f} MB "
+            f"({weights['linear_bytes_vs_float32']:.1%} of float32)")
 
 
 def format_summary(record: dict, success_path: str) -> str:
@@ -99,6 +108,7 @@ def format_summary(record: dict, success_path: str) -> str:
         ("resumed", "yes (speed and latency cover this run only)" if record["resumed"] else "no"),
         # A _SUCCESS written by an older batchgen (a complete job run again) has no `kernels`.
         ("kernels", ", ".join(f"{k} {v}" for k, v in record.get("kernels", {}).items()) or "-"),
+        ("weights", _weights_line(record.get("weights") or {})),
         ("success file", success_path),
     ]
     width = max(len(k) for k, _ in lines)
