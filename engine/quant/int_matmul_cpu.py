@@ -33,21 +33,40 @@ class Int8PackKernel:
         return w.bits == 8 and w.num_groups == 1 and not w.is_act_order and w.offsets is None
 
     def __init__(self, w: IntWeight, shared: dict | None = None):
+        shared = {} if shared is None else shared
         self.weight = signed_codes(w, shared)  # (N, K) int8, the same tensor the dequant kernel reads
-        self.scale = w.scales.float().reshape(-1).contiguous()  # (N,)
-        # (z - 128) * s per output channel, or None for symmetric weights.
-        self.correction = None if w.zeros is None else \
-            ((w.zeros.float().reshape(-1) - w.midpoint) * self.scale).contiguous()  # (N,)
+        self.scale = float_scales(w, shared).reshape(-1)  # (N,), a view of the dequant kernel's (N, 1)
+        # -(z - 128) * s per output channel (the dequant kernel's -z*s table), or None for symmetric weights.
+        neg_zs = int8_neg_zs(w, shared)
+        self.neg_zs = None if neg_zs is None else neg_zs.reshape(-1)  # (N,)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # (M, K) float32 -> (M, N)
         y = torch._weight_int8pack_mm(x, self.weight, self.scale)
-        if self.correction is not None:
-            y = y - x.sum(dim=1, keepdim=True) * self.correction
+        if self.neg_zs is not None:  # x @ ((q - z) s)^T = x @ ((q - 128) s)^T - sum(x) (z - 128) s
+            y = y + x.sum(dim=1, keepdim=True) * self.neg_zs
         return y
 
     def num_bytes(self) -> int:
-        extra = 0 if self.correction is None else self.correction.numel() * 4
+        extra = 0 if self.neg_zs is None else self.neg_zs.numel() * 4
         return self.weight.numel() + self.scale.numel() * 4 + extra
+
+
+def float_scales(w: IntWeight, shared: dict) -> torch.Tensor:
+    """(N, G) float32 scales, made once per layer."""
+    if "scale" not in shared:
+        shared["scale"] = w.scales.float().contiguous()
+    return shared["scale"]
+
+
+def int8_neg_zs(w: IntWeight, shared: dict) -> torch.Tensor | None:
+    """(N, G) float32 -(z - 128) * s (+ minima) of an 8-bit weight, None when that is 0; made once per layer."""
+    if "neg_zs8" not in shared:
+        scale = float_scales(w, shared)
+        neg_zs = None if w.zeros is None else -(w.zeros.float() - w.midpoint) * scale
+        if w.offsets is not None:
+            neg_zs = w.offsets.float() if neg_zs is None else neg_zs + w.offsets.float()
+        shared["neg_zs8"] = None if neg_zs is None else neg_zs.contiguous()
+    return shared["neg_zs8"]
 
 
 def signed_codes(w: IntWeight, shared: dict | None) -> torch.Tensor:
@@ -133,20 +152,21 @@ class DequantKernel:
         return True
 
     def __init__(self, w: IntWeight, shared: dict | None = None, tile_bytes: int = DEQUANT_TILE_BYTES):
+        shared = {} if shared is None else shared
         self.bits = w.bits
         self.in_features = w.in_features
-        self.scale = w.scales.float().contiguous()  # (N, G)
+        self.scale = float_scales(w, shared)  # (N, G) float32
         if w.bits == 8:
             # Signed codes q - 128 (shared with the int8 kernel): w = (q - 128) s - (z - 128) s + m.
             self.codes = signed_codes(w, shared)  # (N, K) int8
-            neg_zs = None if w.zeros is None else -(w.zeros.float() - w.midpoint) * self.scale
+            self.neg_zs = int8_neg_zs(w, shared)  # (N, G) or None
         else:  # two codes per byte: low nibble = even column
             codes = F.pad(w.qweight, (0, w.in_features % 2))
             self.codes = (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous()  # (N, ceil(K / 2)) uint8
             neg_zs = -w.zero_points().float() * self.scale
-        if w.offsets is not None:
-            neg_zs = w.offsets.float() if neg_zs is None else neg_zs + w.offsets.float()
-        self.neg_zs = None if neg_zs is None else neg_zs.contiguous()  # (N, G): -z * s + m, None when 0
+            if w.offsets is not None:
+                neg_zs = neg_zs + w.offsets.float()
+            self.neg_zs = neg_zs.contiguous()  # (N, G): -z * s + m
         # Each column's scale comes from repeat_interleave (groups in order) or index_select (act-order):
         # both write contiguous (rows, K) tables, which the fused multiply-add then streams; a broadcast
         # view with a stride-0 last dimension measured ~19x slower in torch's CPU elementwise loops.
@@ -163,7 +183,7 @@ class DequantKernel:
         for lo in range(0, n, self.tile_rows):
             hi = min(n, lo + self.tile_rows)
             torch.mm(self.dequantize_rows(lo, hi), x_t, out=out_t[lo:hi])
-        return out_t.t()
+        return out_t.t().contiguous()  # callers (the C elementwise kernels) want contiguous rows
 
     def dequantize_rows(self, lo: int, hi: int) -> torch.Tensor:
         """Rows [lo, hi) of the weight as float32 (hi - lo, K): q * s - z * s in one fused pass."""
