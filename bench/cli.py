@@ -53,7 +53,11 @@ def bench_command(
     gemm_tokens: Annotated[int, typer.Option(help="Rows of the prefill-shape GEMM measurement.")] = PREFILL_NUM_TOKENS,
     warmup: Annotated[bool, typer.Option("--warmup/--no-warmup", help="Warm both sides up untimed.")] = True,
     quality: Annotated[bool, typer.Option(
-        "--quality", help="Run the FP8 quality bench (agreement and KL against float32) instead.")] = False,
+        "--quality", help="Run the quality bench (FP8, and --quantization's: agreement and KL against float32) "
+                          "instead.")] = False,
+    quantization: Annotated[str | None, typer.Option(
+        "--quantization", help="int8,int4: also run the engine with those weights over the same workload "
+                               "(with --quality: also compare them).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
     output: Annotated[Path | None, typer.Option(
         help="Also write the JSON result here, e.g. benchmarks/results/random-2core.json.")] = None,
@@ -64,7 +68,8 @@ def bench_command(
                             input_len_max=input_len_max, output_len=output_len, seed=seed, peer=peer,
                             peer_batch_sizes=_parse_batch_sizes(peer_batch_sizes),
                             engine_overrides=parse_engine_overrides(engine), num_threads=threads,
-                            prompts=prompts, prefill_gemm_tokens=gemm_tokens, is_warmup=warmup, is_quality=quality)
+                            prompts=prompts, prefill_gemm_tokens=gemm_tokens, is_warmup=warmup, is_quality=quality,
+                            quantizations=[q for q in (quantization or "").replace(" ", "").split(",") if q])
         result = run_quality(opts) if opts.is_quality else run_bench(opts)
     except (ValueError, FileNotFoundError, PeerUnavailable) as exc:
         typer.echo(f"batchgen bench: {exc}", err=True)

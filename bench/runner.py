@@ -90,7 +90,8 @@ def run_quality(opts: BenchOptions) -> dict:
     """`--quality`: FP8 against the unquantized model on the same text (top-1 agreement, KL, greedy)."""
     if opts.num_threads:
         torch.set_num_threads(opts.num_threads)
-    return {"model": opts.model, "quality": run_quality_bench(opts.model, num_prompts=opts.num_requests),
+    return {"model": opts.model, "quality": run_quality_bench(opts.model, num_prompts=opts.num_requests,
+                                                              int_methods=opts.quantizations),
             "machine": machine_fingerprint()}
 
 
@@ -132,6 +133,13 @@ def run_bench(opts: BenchOptions, engine: LLMEngine | None = None, peer_model=No
         engine_runs["engine"] = _timed_engine_run(engine, workload, opts, "engine", say)
         del engine
     gc.collect()
+    for method in opts.quantizations:  # the same workload with integer weights quantized at load
+        say(f"loading the engine with {method} weights")
+        quantized = build_engine(opts.model, opts.num_threads, {**opts.engine_overrides, "quantization": method})
+        engine_runs[f"engine_{method}"] = _timed_engine_run(quantized, workload, opts, f"engine ({method} weights)", say)
+        engine_runs[f"engine_{method}"].details["weights"] = quantized.stats["weights"]
+        del quantized
+        gc.collect()
 
     peer: TimedRun | None = None
     if opts.is_peer:
@@ -169,6 +177,10 @@ def run_bench(opts: BenchOptions, engine: LLMEngine | None = None, peer_model=No
     if peer:
         result["ratio_vs_peer"] = main.completion_tokens_per_s / peer.completion_tokens_per_s
         result["agreement"]["engine vs peer"] = _agreement(main, peer)
+    for method in opts.quantizations:
+        run = engine_runs[f"engine_{method}"]
+        result.setdefault("ratio_quantized", {})[method] = run.completion_tokens_per_s / main.completion_tokens_per_s
+        result["agreement"][f"{method} vs float32"] = _agreement(run, main)
     if "engine_no_prefix_caching" in engine_runs:
         off = engine_runs["engine_no_prefix_caching"]
         result["ratio_prefix_caching"] = main.completion_tokens_per_s / off.completion_tokens_per_s

@@ -15,7 +15,7 @@ from tests.conftest import MODEL, TEST_ENGINE_KWARGS
 from tests.engine.helpers import captured_logits, run_requests
 from tests.engine.prompts import BOUNDARY_CHATS, CHAT_PROMPTS
 
-NUM_TOKENS = 12
+NUM_TOKENS = 8
 TIE_MARGIN = 1e-3
 PROMPTS = (CHAT_PROMPTS + list(BOUNDARY_CHATS.values()))[:24]
 
