@@ -22,8 +22,9 @@ class TritonIntKernel:
 
     @staticmethod
     def can_run(w: IntWeight) -> bool:
-        # Float minima (GGUF Q4_1) have no place in the kernel's (q - z) * s: those use the dequant kernel.
-        return w.bits in (4, 8) and w.offsets is None
+        # Float minima (GGUF Q4_1) fold into a float zero, (q - (z - m / s)) * s = (q - z) s + m, except in
+        # groups whose scale is 0 but minimum is not (all weights equal m): those use the dequant kernel.
+        return w.bits in (4, 8) and (w.offsets is None or not bool(((w.scales == 0) & (w.offsets != 0)).any()))
 
     def __init__(self, w: IntWeight, device: torch.device, shared: dict | None = None):
         from batchgen.kernels.triton_int_matmul import pack_codes
@@ -34,7 +35,13 @@ class TritonIntKernel:
         # zeros in the scales' width: 0..256 is exact in float16 and bfloat16. None: symmetric.
         side = w.scales.dtype if w.scales.dtype in (torch.float16, torch.bfloat16) else torch.float32
         self.scales = w.scales.to(side).contiguous().to(device)  # (N, G)
-        self.zeros = None if w.zeros is None else w.zeros.to(side).contiguous().to(device)  # (N, G)
+        if w.offsets is not None:  # float zeros in float32: m / s needs more than 16 bits
+            safe = torch.where(w.scales == 0, torch.ones_like(w.scales), w.scales).float()
+            zeros = w.zero_points().float() - w.offsets.float() / safe
+            self.scales = self.scales.float()
+            self.zeros = zeros.contiguous().to(device)  # (N, G) float32
+        else:
+            self.zeros = None if w.zeros is None else w.zeros.to(side).contiguous().to(device)  # (N, G)
         self.g_idx = None if w.g_idx is None else w.g_idx.to(device)  # (K,) int32
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

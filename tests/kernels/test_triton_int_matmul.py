@@ -96,3 +96,19 @@ def test_16_bit_tables_and_symmetric_without_zeros():
             out = int_weight_matmul(x, pack_codes(codes, bits), scales, None, bits, 64)
             ref = int_weight_matmul_ref(x, codes, scales, mid, 64)
             torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+
+
+def test_the_engine_kernel_folds_float_minima_into_float_zeros():
+    # GGUF Q4_1 (w = d * q + m per 32) through the engine's Triton layer: m becomes a float zero z - m / d.
+    from batchgen.engine.quant.int_formats import IntWeight
+    from batchgen.engine.quant.int_matmul_cuda import TritonIntKernel
+
+    gen = torch.Generator().manual_seed(3)
+    w = IntWeight(torch.randint(0, 16, (40, 96), generator=gen, dtype=torch.uint8),
+                  (torch.rand(40, 3, generator=gen) * 0.02 + 0.001).half(), torch.zeros(40, 3, dtype=torch.int16),
+                  group_size=32, bits=4, offsets=(-torch.rand(40, 3, generator=gen) * 0.1).half())
+    assert TritonIntKernel.can_run(w)
+    x = torch.randn(3, 96, generator=gen)
+    ref = x @ w.dequantize().t()
+    out = TritonIntKernel(w, torch.device("cpu"))(x)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
