@@ -107,7 +107,7 @@ def _run_locked(plan: JobPlan, lock: FolderLock, engine: LLMEngine | None, overw
             whole.add_table(pq.read_table(f, columns=SUMMARY_COLUMNS))
     record = success_record(job.name, plan.config_hash, whole, this_run, feeder.generation_seconds,
                             resumed=bool(skipped), kernels=engine.stats["kernels"],
-                            weights=engine.stats["weights"])
+                            weights=engine.stats.get("weights", {}))
     lock.check()
     plan.output.write_success(record)
     return RunResult(record, success_path, len(pending), len(skipped), dict(state.redo))
