@@ -72,7 +72,11 @@ def bench_command(
     gemm_tokens: Annotated[int, typer.Option(help="Rows of the prefill-shape GEMM measurement.")] = PREFILL_NUM_TOKENS,
     warmup: Annotated[bool, typer.Option("--warmup/--no-warmup", help="Warm both sides up untimed.")] = True,
     quality: Annotated[bool, typer.Option(
-        "--quality", help="Run the FP8 quality bench (agreement and KL against float32) instead.")] = False,
+        "--quality", help="Run the quality bench (FP8, and --quantization's: agreement and KL against float32) "
+                          "instead.")] = False,
+    quantization: Annotated[str | None, typer.Option(
+        "--quantization", help="int8,int4: also run the engine with those weights over the same workload "
+                               "(with --quality: also compare them).")] = None,
     request_rates: Annotated[str, typer.Option(
         help="serve: Poisson request rates (req/s) to run, comma-separated.")] = "1,4",
     max_concurrency: Annotated[int, typer.Option(help="serve: streaming clients at most in flight.")] = 16,
@@ -97,7 +101,8 @@ def bench_command(
                             peer_batch_sizes=_parse_batch_sizes(peer_batch_sizes),
                             engine_overrides=overrides, num_threads=threads,
                             prompts=prompts, prefill_gemm_tokens=gemm_tokens, is_warmup=warmup, is_quality=quality,
-                            kv_cache_dtype=kv_cache_dtype)
+                            kv_cache_dtype=kv_cache_dtype,
+                            quantizations=[q for q in (quantization or "").replace(" ", "").split(",") if q])
         if opts.is_quality:
             result = run_quality(opts)
         elif opts.workload == "overhead":

@@ -9,6 +9,7 @@ from batchgen.bench.peer import DEFAULT_BATCH_SIZES
 from batchgen.bench.workloads import WORKLOADS
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
+BENCH_QUANTIZATIONS = ("int8", "int4")  # weights quantized at load from the same float checkpoint
 DEFAULT_NUM_REQUESTS = 64  # random and shared-prefix; chat takes the whole prompt set
 
 
@@ -32,12 +33,18 @@ class BenchOptions:
     decode_gemm_tokens: int = DECODE_NUM_TOKENS
     gemm_min_seconds: float = 0.3
     is_warmup: bool = True
-    is_quality: bool = False  # run the FP8 quality bench instead of the throughput comparison
+    is_quality: bool = False  # run the quality bench (FP8, and `quantizations`) instead of the throughput comparison
+    # int8 / int4: also run the engine with those weights (quantized at load) over the same workload,
+    # in the same process, beside the float32 engine; with --quality, also compare their logits.
+    quantizations: list[str] = field(default_factory=list)
     kv_cache_dtype: str | None = None  # with is_quality: FP8 KV against the float32 cache; else an engine setting
 
     def __post_init__(self) -> None:
         if self.workload not in WORKLOADS:
             raise ValueError(f"workload must be one of {', '.join(WORKLOADS)}; got {self.workload!r}")
+        unknown = [q for q in self.quantizations if q not in BENCH_QUANTIZATIONS]
+        if unknown:
+            raise ValueError(f"--quantization takes {', '.join(BENCH_QUANTIZATIONS)}; got {', '.join(unknown)}")
 
     @property
     def is_peer(self) -> bool:

@@ -1,4 +1,4 @@
-"""FP8 quality benchmark: how far the FP8 model's next-token distributions drift from the unquantized model's.
+"""Quantization quality benchmark: how far FP8 / int8 / int4 next-token distributions drift from the unquantized model's.
 
 On the committed chat prompts, the unquantized model writes greedy reference completions. Both models
 then read prompt + reference (teacher forcing), and over the completion positions only we report:
@@ -7,10 +7,11 @@ then read prompt + reference (teacher forcing), and over the completion position
 - greedy_exact_match / greedy_token_agreement: the FP8 model's own greedy completion equals the
   reference / share of reference tokens reproduced before the first divergence.
 
-Both models are the modules the engine runs: the FP8 one is the loaded float model quantized by
-quantize_model_fp8 exactly as at load, so one checkpoint read serves every mode.
+Both models are the modules the engine runs: the quantized ones are the loaded float model quantized
+by quantize_model_fp8 / quantize_model_int exactly as at load, so one checkpoint read serves every mode.
 
 CLI: python -m batchgen.bench.quality [--model M] [--num-prompts N] [--max-tokens T] [--fp8-mode w8a16 ...]
+     [--quantization int8 --quantization int4]
 """
 
 from __future__ import annotations
@@ -28,6 +29,10 @@ from batchgen.engine.config import EngineConfig
 from batchgen.engine.loader.model_loader import model_weight_bytes, unique_storage_bytes
 from batchgen.engine.quant.fp8 import quantize_model_fp8
 from batchgen.engine.quant.fp8_linear import Fp8Linear
+from batchgen.engine.quant.int_checkpoint import IntLinearParts
+from batchgen.engine.quant.int_linear import IntLinear
+from batchgen.engine.quant.int_model import quantize_model_int
+from batchgen.engine.quant.weight_report import weight_report
 from batchgen.pipeline.ordering import num_shared_prefix
 
 log = logging.getLogger("batchgen.bench")
@@ -50,9 +55,15 @@ def compare_greedy(ref: list[list[int]], test: list[list[int]]) -> dict:
             "greedy_token_agreement": sum(num_shared_prefix(a, b) for a, b in zip(ref, test)) / sum(map(len, ref))}
 
 
+QUANTIZED_LAYERS = (Fp8Linear, IntLinear, IntLinearParts)
+INT_METHODS = ("int8", "int4")
+
+
 def linear_bytes_ratio(float_model: torch.nn.Module, fp8_model: torch.nn.Module) -> dict:
-    """Storage bytes of the FP8 layers (weights + scales) over those of the same layers in the float model."""
-    fp8_layers = {n: m for n, m in fp8_model.named_modules() if isinstance(m, Fp8Linear)}
+    """Storage bytes of the quantized layers (weights + scales) over those of the same layers in the float model
+    (the keys keep their FP8 names: num_fp8_layers, linear_fp8_bytes)."""
+    fp8_layers = {n: m for n, m in fp8_model.named_modules() if isinstance(m, QUANTIZED_LAYERS)
+                  and ".parts." not in n}
     float_bytes = sum(unique_storage_bytes(float_model.get_submodule(n)) for n in fp8_layers)
     fp8_bytes = sum(unique_storage_bytes(m) for m in fp8_layers.values())
     return {"num_fp8_layers": len(fp8_layers), "linear_float_bytes": float_bytes, "linear_fp8_bytes": fp8_bytes,
@@ -62,12 +73,14 @@ def linear_bytes_ratio(float_model: torch.nn.Module, fp8_model: torch.nn.Module)
 def run_quality_bench(model: str = "smollm2-135m-instruct", prompts: list | None = None, max_tokens: int = 32,
                       fp8_mode: str | list[str] = ("w8a16", "w8a8"), num_prompts: int | None = None,
                       dtype: str = "float32", device: str = "cpu", quantize_lm_head: bool = False,
-                      engine=None) -> dict:
-    """Compare the FP8 model (one entry per fp8_mode) with the unquantized one; returns a JSON-able dict.
+                      engine=None, int_methods: list[str] | tuple = (), greedy: bool = True) -> dict:
+    """Compare the FP8 model (one entry per fp8_mode) and the int8 / int4 models (one per int_methods entry)
+    with the unquantized one; returns a JSON-able dict.
 
     prompts: chat message lists or raw strings (default: the committed QUALITY_PROMPTS, first num_prompts).
     engine: an unquantized LLMEngine whose loaded weights and tokenizer to reuse (then model, dtype and
-    device are its own); None loads `model` once.
+    device are its own); None loads `model` once. greedy=False skips the int8 / int4 models' own greedy
+    runs (their greedy_* keys are then absent; FP8 entries always have them).
     """
     modes = [fp8_mode] if isinstance(fp8_mode, str) else list(fp8_mode)
     prompts = list(prompts if prompts is not None else QUALITY_PROMPTS)[:num_prompts]
@@ -82,7 +95,7 @@ def run_quality_bench(model: str = "smollm2-135m-instruct", prompts: list | None
     else:
         config, ref_model, tokenizer, eos = engine.config, engine.runner.model, engine.tokenizer, engine.eos_token_ids
         model, device = config.model, str(config.torch_device)
-        if any(isinstance(m, Fp8Linear) for m in ref_model.modules()):
+        if any(isinstance(m, QUANTIZED_LAYERS) for m in ref_model.modules()):
             raise ValueError("the reference engine must run the unquantized model")
     prompt_ids = [tokenizer.encode(p) if isinstance(p, str) else tokenizer.encode_messages(p) for p in prompts]
     references = greedy_generate(ref_model, prompt_ids, max_tokens, eos)
@@ -93,18 +106,25 @@ def run_quality_bench(model: str = "smollm2-135m-instruct", prompts: list | None
               "num_prompts": len(prompts), "max_tokens": max_tokens,
               "num_completion_tokens": sum(map(len, references)), "reference_self_consistency": ref_self,
               "float_weight_bytes": model_weight_bytes(ref_model), "results": []}
-    for mode in modes:
-        fp8_model = copy.deepcopy(ref_model)
-        quantize_model_fp8(fp8_model, config.replace(quantization="fp8", fp8_mode=mode,
-                                                      quantize_lm_head=quantize_lm_head))
-        entry = {"fp8_mode": mode, "fp8_weight_bytes": model_weight_bytes(fp8_model),
-                 **linear_bytes_ratio(ref_model, fp8_model),
-                 **compare_logits(ref_logits, teacher_forced_logits(fp8_model, prompt_ids, references)),
-                 **compare_greedy(references, greedy_generate(fp8_model, prompt_ids, max_tokens, eos))}
-        log.info("fp8 quality %s: top-1 agreement %.2f%%, mean KL %.4f, greedy exact %.2f%%", mode,
-                 100 * entry["top1_agreement"], entry["mean_kl"], 100 * entry["greedy_exact_match"])
+    variants = [("fp8", mode) for mode in modes] + [(method, None) for method in int_methods]
+    for method, mode in variants:
+        quantized = copy.deepcopy(ref_model)
+        if method == "fp8":
+            quantize_model_fp8(quantized, config.replace(quantization="fp8", fp8_mode=mode,
+                                                          quantize_lm_head=quantize_lm_head))
+        else:
+            quantize_model_int(quantized, config.replace(quantization=method, quantize_lm_head=quantize_lm_head),
+                               method)
+        entry = {"quantization": method, "fp8_mode": mode, "fp8_weight_bytes": model_weight_bytes(quantized),
+                 "weights": weight_report(quantized, method, "at load"),
+                 **linear_bytes_ratio(ref_model, quantized),
+                 **compare_logits(ref_logits, teacher_forced_logits(quantized, prompt_ids, references))}
+        if greedy or method == "fp8":
+            entry.update(compare_greedy(references, greedy_generate(quantized, prompt_ids, max_tokens, eos)))
+        log.info("%s quality%s: top-1 agreement %.2f%%, mean KL %.4f", method, f" {mode}" if mode else "",
+                 100 * entry["top1_agreement"], entry["mean_kl"])
         result["results"].append(entry)
-        del fp8_model
+        del quantized
     return result
 
 
@@ -159,10 +179,13 @@ def format_quality_table(result: dict) -> str:
         return format_kv_quality_table(result)
     lines = [f"{result['model']} ({result['dtype']}, {result['device']}): {result['num_prompts']} prompts, "
              f"{result['num_completion_tokens']} reference tokens",
-             "mode    linear bytes  top-1 agree  mean KL   greedy exact  greedy tokens"]
+             "mode        linear bytes  top-1 agree  mean KL   greedy exact  greedy tokens"]
     for r in result["results"]:
-        lines.append(f"{r['fp8_mode']:<7} {r['linear_bytes_ratio']:>11.1%}  {r['top1_agreement']:>10.2%}  "
-                     f"{r['mean_kl']:>7.4f}  {r['greedy_exact_match']:>12.1%}  {r['greedy_token_agreement']:>12.1%}")
+        label = f"fp8 {r['fp8_mode']}" if r.get("fp8_mode") else r["quantization"]
+        greedy = (f"  {r['greedy_exact_match']:>12.1%}  {r['greedy_token_agreement']:>12.1%}"
+                  if "greedy_exact_match" in r else "")
+        lines.append(f"{label:<11} {r['linear_bytes_ratio']:>11.1%}  {r['top1_agreement']:>10.2%}  "
+                     f"{r['mean_kl']:>7.4f}{greedy}")
     return "\n".join(lines)
 
 
@@ -174,12 +197,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--fp8-mode", action="append", choices=["w8a16", "w8a8"])
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--quantization", action="append", choices=list(INT_METHODS),
+                        help="also compare int8 / int4 weights quantized at load (repeatable)")
     parser.add_argument("--quantize-lm-head", action="store_true")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     args = parser.parse_args(argv)
     result = run_quality_bench(args.model, max_tokens=args.max_tokens, fp8_mode=args.fp8_mode or ["w8a16", "w8a8"],
                                num_prompts=args.num_prompts, dtype=args.dtype, device=args.device,
-                               quantize_lm_head=args.quantize_lm_head)
+                               quantize_lm_head=args.quantize_lm_head, int_methods=args.quantization or ())
     print(json.dumps(result, indent=2) if args.json else format_quality_table(result))
 
 

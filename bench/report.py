@@ -36,6 +36,10 @@ def format_report(result: dict) -> str:
         lines.append(f"  ratio prefix caching on / off: {result['ratio_prefix_caching']:.2f}x "
                      f"(shared prefix {w.get('shared_prefix_tokens', '?')} tokens; cache hit rate "
                      f"{engines['engine']['prefix_cache_hit_rate']:.1%} of prompt tokens)")
+    for method, ratio in result.get("ratio_quantized", {}).items():
+        weights = engines[f"engine_{method}"].get("weights", {})
+        share = f", linear layers {weights['linear_bytes_vs_float32']:.1%} of float32 bytes" if weights else ""
+        lines.append(f"  ratio {method} / float32 weights (completion tokens/s): {ratio:.2f}x{share}")
     g = result["gemm"]
     lines.append(f"  GEMM float32: {g['prefill']['gflops_per_s']:.1f} GFLOP/s at prefill shapes "
                  f"({g['prefill']['num_tokens']} rows), {g['decode']['gflops_per_s']:.1f} GFLOP/s at decode "

@@ -96,7 +96,7 @@ def run_quality(opts: BenchOptions) -> dict:
             opts.model, opts.kv_cache_dtype, num_prompts=opts.num_requests,
             calculate_kv_scales=bool(opts.engine_overrides.get("calculate_kv_scales", False)))
     else:
-        quality = run_quality_bench(opts.model, num_prompts=opts.num_requests)
+        quality = run_quality_bench(opts.model, num_prompts=opts.num_requests, int_methods=opts.quantizations)
     return {"model": opts.model, "quality": quality, "machine": machine_fingerprint()}
 
 
@@ -138,6 +138,13 @@ def run_bench(opts: BenchOptions, engine: LLMEngine | None = None, peer_model=No
         engine_runs["engine"] = _timed_engine_run(engine, workload, opts, "engine", say)
         del engine
     gc.collect()
+    for method in opts.quantizations:  # the same workload with integer weights quantized at load
+        say(f"loading the engine with {method} weights")
+        quantized = build_engine(opts.model, opts.num_threads, {**opts.engine_overrides, "quantization": method})
+        engine_runs[f"engine_{method}"] = _timed_engine_run(quantized, workload, opts, f"engine ({method} weights)", say)
+        engine_runs[f"engine_{method}"].details["weights"] = quantized.stats["weights"]
+        del quantized
+        gc.collect()
 
     peer: TimedRun | None = None
     if opts.is_peer:
@@ -175,6 +182,10 @@ def run_bench(opts: BenchOptions, engine: LLMEngine | None = None, peer_model=No
     if peer:
         result["ratio_vs_peer"] = main.completion_tokens_per_s / peer.completion_tokens_per_s
         result["agreement"]["engine vs peer"] = _agreement(main, peer)
+    for method in opts.quantizations:
+        run = engine_runs[f"engine_{method}"]
+        result.setdefault("ratio_quantized", {})[method] = run.completion_tokens_per_s / main.completion_tokens_per_s
+        result["agreement"][f"{method} vs float32"] = _agreement(run, main)
     if "engine_no_prefix_caching" in engine_runs:
         off = engine_runs["engine_no_prefix_caching"]
         result["ratio_prefix_caching"] = main.completion_tokens_per_s / off.completion_tokens_per_s

@@ -9,6 +9,7 @@ import torch
 
 from batchgen.engine.config import EngineConfig, parse_memory_size
 from batchgen.engine.models.config import ModelConfig
+from batchgen.engine.quant.int_formats.rtn import INT4_GROUP_SIZE
 
 # kv_cache_memory "auto" on the CPU: 20% of RAM capped at 4 GiB (the weights, activations and the
 # rest of the machine keep the remainder). On CUDA the pool is sized by engine/gpu_memory.py.
@@ -61,33 +62,63 @@ KV_FRAGMENTATION_FRACTION = 0.10
 
 
 def weight_bytes(cfg: ModelConfig, dtype: torch.dtype, quantization: str = "none",
-                 quantize_lm_head: bool = False) -> int:
+                 quantize_lm_head: bool = False, declared=None) -> int:
     """Bytes of the model's weights as the engine holds them (rotary tables excluded), from the
     config's shapes alone (no weights read); equals the engine's measurement from tensor storage.
 
-    FP8 linear layers hold 1 byte per weight plus one float32 scale per output channel; embeddings,
-    norms, biases and (unless quantize_lm_head) lm_head stay in `dtype`; a tied lm_head shares the
-    embedding's storage, but an FP8 lm_head is a copy of its own.
+    Linear layers per `quantization` (int_linear_bytes for the integer formats); embeddings, norms,
+    biases and (unless quantize_lm_head) lm_head stay in `dtype`; a tied lm_head shares the
+    embedding's storage, but a quantized lm_head is a copy of its own. `declared`: the checkpoint's
+    DeclaredQuantization for gptq / awq / compressed-tensors (bits, group size, zeros, act-order).
     """
     elem = dtype_bytes(dtype)
-    is_fp8 = quantization == "fp8"
 
     def linear_bytes(out_features: int, in_features: int, quantized: bool) -> int:
-        if quantized:
+        if not quantized or quantization in ("none", "auto", "gguf"):
+            return out_features * in_features * elem
+        if quantization == "fp8":
             return out_features * in_features + out_features * FP8_SCALE_BYTES
-        return out_features * in_features * elem
+        return int_linear_bytes(out_features, in_features, dtype, quantization, declared)
 
-    per_layer = sum(linear_bytes(n, k, is_fp8) for n, k in cfg.linear_shapes().values())
+    per_layer = sum(linear_bytes(n, k, True) for n, k in cfg.linear_shapes().values())
     per_layer += 2 * cfg.hidden_size * elem  # input and post-attention norms
     if cfg.attention_bias:
         per_layer += (cfg.q_size + 2 * cfg.kv_size) * elem
     if cfg.qk_norm:
         per_layer += 2 * cfg.head_dim * elem
     total = cfg.num_layers * per_layer + cfg.vocab_size * cfg.hidden_size * elem + cfg.hidden_size * elem
-    is_lm_head_fp8 = is_fp8 and quantize_lm_head
-    if is_lm_head_fp8 or not cfg.tie_word_embeddings:
-        total += linear_bytes(*cfg.lm_head_shape, is_lm_head_fp8)
+    is_lm_head_quantized = quantize_lm_head and quantization in ("fp8", "int8", "int4")
+    if is_lm_head_quantized or not cfg.tie_word_embeddings:
+        total += linear_bytes(*cfg.lm_head_shape, is_lm_head_quantized)
     return total
+
+
+def int_linear_bytes(out_features: int, in_features: int, dtype: torch.dtype, quantization: str,
+                     declared=None) -> int:
+    """One integer linear layer as IntLinear holds it: bits / 8 per code plus the side tables.
+
+    int8 / int4 at load: symmetric per channel / asymmetric groups of 128. Side tables: for a float32
+    model (the CPU kernels) the scale and -zero * scale per group in float32 (a symmetric int8 weight:
+    the scale only); for 16-bit models (the GPU kernel) the scale and, when asymmetric, the zero in
+    16 bits. Act-order checkpoints add one group index per input column (int64 on the CPU, int32 on GPU).
+    """
+    if quantization == "int8":
+        bits, group_size, symmetric, act_order = 8, -1, True, False
+    elif quantization == "int4":
+        bits, group_size, symmetric, act_order = 4, INT4_GROUP_SIZE, False, False
+    elif declared is not None:
+        bits, group_size = declared.bits, declared.group_size
+        symmetric, act_order = declared.is_symmetric, declared.has_act_order
+    else:
+        raise ValueError(f"quantization {quantization} needs the checkpoint's declared quantization_config")
+    n, k = out_features, in_features
+    num_groups = 1 if group_size <= 0 else -(-k // group_size)
+    codes = n * k if bits == 8 else n * -(-k // 2)
+    is_float32 = dtype == torch.float32
+    side_elem = 4 if is_float32 else 2
+    num_tables = 1 + (not symmetric or (is_float32 and bits == 4))
+    g_idx = k * (8 if is_float32 else 4) if act_order else 0
+    return codes + n * num_groups * side_elem * num_tables + g_idx
 
 
 def activation_workspace_bytes(cfg: ModelConfig, dtype: torch.dtype, max_num_batched_tokens: int,
@@ -178,13 +209,14 @@ class CapacityPlan:
 def plan_capacity(cfg: ModelConfig, dtype: torch.dtype, max_model_len: int, concurrency: int = 1,
                   quantization: str = "none", memory_bytes: int | None = None, block_size: int = 16,
                   max_num_batched_tokens: int = 4096, quantize_lm_head: bool = False,
-                  kv_dtype: torch.dtype | None = None) -> CapacityPlan:
+                  declared=None, kv_dtype: torch.dtype | None = None) -> CapacityPlan:
     """The capacity arithmetic `batchgen plan` prints; KV per token is the pool's own kv_bytes_per_token
-    (kv_dtype: the KV cache's dtype, e.g. FP8; None: the model dtype)."""
+    (kv_dtype: the KV cache's dtype, e.g. FP8; None: the model dtype); `declared`: a folder's declared
+    quantization_config (its integer layout decides the weight bytes)."""
     return CapacityPlan(
         dtype=dtype, quantization=quantization, max_model_len=max_model_len, concurrency=concurrency,
         block_size=block_size, max_num_batched_tokens=max_num_batched_tokens,
-        weight_bytes=weight_bytes(cfg, dtype, quantization, quantize_lm_head),
+        weight_bytes=weight_bytes(cfg, dtype, quantization, quantize_lm_head, declared),
         kv_bytes_per_token=kv_bytes_per_token(cfg, kv_dtype or dtype),
         step_activation_bytes=activation_workspace_bytes(cfg, dtype, max_num_batched_tokens, 0),
         logits_bytes_per_seq=logits_bytes_per_seq(cfg), memory_bytes=memory_bytes, kv_dtype=kv_dtype)

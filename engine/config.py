@@ -17,7 +17,8 @@ import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # the one table
 DTYPE_CHOICES = ("auto", *DTYPES)
-QUANTIZATIONS = ("none", "fp8")
+# engine/quant/methods.py says what each means and how auto resolves against a checkpoint.
+QUANTIZATIONS = ("auto", "none", "fp8", "int8", "int4", "gptq", "awq", "compressed-tensors", "gguf")
 FP8_MODES = ("auto", "w8a8", "w8a16")
 # Names only: the attention selector resolves them at engine start (torch, kept for older job files:
 # cpu on the CPU, triton on CUDA).
@@ -86,9 +87,9 @@ class EngineConfig:
 
     model: str
     dtype: str = "auto"  # auto (float32 on CPU, bfloat16 on GPU) | float32 | bfloat16 | float16
-    quantization: str = "none"  # none | fp8
+    quantization: str = "auto"  # auto | none | fp8 | int8 | int4 | gptq | awq | compressed-tensors | gguf
     fp8_mode: str = "auto"  # auto | w8a8 | w8a16
-    quantize_lm_head: bool = False  # with fp8: lm_head too (the logits' last matmul stays in dtype otherwise)
+    quantize_lm_head: bool = False  # with fp8 / int8 / int4: lm_head too (the logits' last matmul stays in dtype otherwise)
     max_model_len: int | None = None  # None: the model's own context length
     device: str = "auto"  # auto | cpu | cuda[:N]
     attention_backend: str = "auto"  # auto (triton on CUDA, cpu on the CPU) | cpu | sdpa | triton | torch

@@ -290,7 +290,8 @@ class LLMEngine:
     # ---- counters -------------------------------------------------------------------------------
     @property
     def stats(self) -> dict:
-        """Counters since the engine started, and `kernels`: the implementations that run (Capabilities)."""
+        """Counters since the engine started, `kernels`: the implementations that run (Capabilities), and
+        `weights`: the weight format and the decoder's linear bytes (quant/weight_report.py)."""
         s = self.scheduler.stats
         pool = self.kv_cache_manager.pool
         return {
@@ -303,6 +304,7 @@ class LLMEngine:
             "kv_cache": {"dtype": str(self.config.kv_torch_dtype).removeprefix("torch."),
                          "bytes_per_token": self.kv_bytes_per_token},
             "kernels": self.capabilities.as_dict(),
+            "weights": dict(self.loaded.weights),
         }
 
 

@@ -3,7 +3,8 @@
 Weight layout (prepared once by the engine, see pack_codes):
 - codes: (N, K) uint8 for 8 bits; (N, ceil(K / 2)) uint8 for 4 bits, column 2j in the low nibble of
   byte j and column 2j + 1 in the high nibble;
-- scales, zeros: (N, G) float32 (zeros in code units, 2**(bits-1) for symmetric weights);
+- scales, zeros: (N, G) float32, float16 or bfloat16 (zeros in code units; None for symmetric weights,
+  whose zero is 2**(bits-1)): 16-bit tables halve the side bytes, and the kernel widens them to float32;
 - g_idx: (K,) int32 group of each input column for act-order weights, else groups are k // group_size.
 Every K tile reads its codes once, looks up each column's scale and zero, and accumulates in float32;
 K, N and M need not be multiples of anything (masked). Tiles are chosen by M: decode-sized M uses a
@@ -22,7 +23,7 @@ def _int_matmul_kernel(
     x_ptr, codes_ptr, scales_ptr, zeros_ptr, g_idx_ptr, out_ptr,
     M, N, K, G, GROUP_SIZE,
     stride_xm, stride_xk, stride_cn, stride_om, stride_on,
-    BITS: tl.constexpr, HAS_G_IDX: tl.constexpr, IS_FP32: tl.constexpr,
+    BITS: tl.constexpr, HAS_G_IDX: tl.constexpr, HAS_ZEROS: tl.constexpr, IS_FP32: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -48,15 +49,21 @@ def _int_matmul_kernel(
         else:
             g = k // GROUP_SIZE
         sz_offs = offs_n[None, :] * G + g[:, None]  # (BLOCK_K, BLOCK_N) into the (N, G) tables
-        s = tl.load(scales_ptr + sz_offs, mask=mask_kn, other=0.0)
-        z = tl.load(zeros_ptr + sz_offs, mask=mask_kn, other=0.0)
-        w = (q.to(tl.float32) - z) * s  # masked lanes: (0 - 0) * 0 = 0, never garbage
+        s = tl.load(scales_ptr + sz_offs, mask=mask_kn, other=0.0).to(tl.float32)
+        if HAS_ZEROS:
+            z = tl.load(zeros_ptr + sz_offs, mask=mask_kn, other=0.0).to(tl.float32)
+        else:
+            z = (1 << (BITS - 1)) * 1.0
+        w = (q.to(tl.float32) - z) * s  # masked lanes: scale 0, so w = 0, never garbage
         if IS_FP32:
             acc += tl.dot(x, w, input_precision="ieee")  # no silent TF32 for float32 models
         else:
             acc += tl.dot(x, w.to(x.dtype))
     tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on,
              acc.to(out_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & is_n[None, :])
+
+
+SIDE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # scales and zeros tables
 
 
 def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
@@ -77,10 +84,11 @@ def tiles_for(num_rows: int) -> tuple[int, int, int]:
     return 64, 128, 32
 
 
-def int_weight_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+def int_weight_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
                       bits: int, group_size: int, g_idx: torch.Tensor | None = None,
                       tiles: tuple[int, int, int] | None = None) -> torch.Tensor:
-    """x (M, K) float16/bfloat16/float32, codes from pack_codes, scales/zeros (N, G) float32 -> (M, N) in x's dtype."""
+    """x (M, K) float16/bfloat16/float32, codes from pack_codes, scales/zeros (N, G) float32/16/bf16
+    (zeros None: symmetric) -> (M, N) in x's dtype."""
     if bits not in (4, 8):
         raise ValueError(f"bits must be 4 or 8, got {bits}")
     if x.dim() != 2 or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
@@ -91,8 +99,9 @@ def int_weight_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor
         raise ValueError(f"codes {codes.dtype} {tuple(codes.shape)} do not hold {bits}-bit (N, K={in_features})")
     num_groups = scales.shape[1]
     for name, t in (("scales", scales), ("zeros", zeros)):
-        if t.dtype != torch.float32 or t.shape != (n, num_groups) or not t.is_contiguous():
-            raise ValueError(f"{name} must be contiguous float32 (N={n}, G), got {t.dtype} {tuple(t.shape)}")
+        if t is not None and (t.dtype not in SIDE_DTYPES or t.shape != (n, num_groups) or not t.is_contiguous()):
+            raise ValueError(f"{name} must be contiguous float32, float16 or bfloat16 (N={n}, G), "
+                             f"got {t.dtype} {tuple(t.shape)}")
     if g_idx is not None and (g_idx.dtype != torch.int32 or g_idx.shape != (in_features,)):
         raise ValueError(f"g_idx must be int32 (K={in_features},), got {g_idx.dtype} {tuple(g_idx.shape)}")
     block_m, block_n, block_k = tiles or tiles_for(num_rows)
@@ -102,10 +111,10 @@ def int_weight_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor
     out = torch.empty(num_rows, n, dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(num_rows, block_m), triton.cdiv(n, block_n))
     _int_matmul_kernel[grid](
-        x, codes, scales, zeros, scales if g_idx is None else g_idx, out,
+        x, codes, scales, scales if zeros is None else zeros, scales if g_idx is None else g_idx, out,
         num_rows, n, in_features, num_groups, group_size,
         x.stride(0), x.stride(1), codes.stride(0), out.stride(0), out.stride(1),
-        BITS=bits, HAS_G_IDX=g_idx is not None, IS_FP32=x.dtype == torch.float32,
+        BITS=bits, HAS_G_IDX=g_idx is not None, HAS_ZEROS=zeros is not None, IS_FP32=x.dtype == torch.float32,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
     )
     return out

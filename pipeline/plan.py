@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -16,6 +15,7 @@ import typer
 from batchgen.engine.capacity import KV_FRAGMENTATION_FRACTION, CapacityPlan, plan_capacity
 from batchgen.engine.config import EngineConfig, parse_memory_size
 from batchgen.engine.models.config import ModelConfig
+from batchgen.engine.quant.methods import DeclaredQuantization, declared_quantization, resolve_quantization
 from batchgen.pipeline.errors import JobError
 
 EXIT_BAD_INPUT = 2
@@ -29,12 +29,14 @@ class PlanTarget:
     name: str
     model_cfg: ModelConfig
     dtype: str = "auto"
-    quantization: str = "none"
+    quantization: str = "auto"
     kv_cache_dtype: str = "auto"
     max_model_len: int | None = None
     concurrency: int = 1
     block_size: int = EngineConfig.block_size
     max_num_batched_tokens: int = EngineConfig.max_num_batched_tokens
+    declared: DeclaredQuantization | None = None  # the folder's quantization_config
+    is_gguf: bool = False
 
 
 def read_target(model_or_job: str) -> PlanTarget:
@@ -43,20 +45,22 @@ def read_target(model_or_job: str) -> PlanTarget:
         from batchgen.pipeline.config import load_job
 
         job = load_job(model_or_job)
-        cfg, is_fp8_checkpoint = read_model(job.model.path)
+        cfg, declared, is_gguf = read_model(job.model.path)
         return PlanTarget(
             name=f"{job.name} ({job.model.path})", model_cfg=cfg, dtype=job.model.dtype,
-            quantization="fp8" if is_fp8_checkpoint else job.model.quantization,
+            quantization=job.model.quantization,
             kv_cache_dtype=job.engine.kv_cache_dtype, max_model_len=job.model.max_model_len, concurrency=job.engine.max_num_seqs,
-            block_size=job.engine.block_size, max_num_batched_tokens=job.engine.max_num_batched_tokens)
-    cfg, is_fp8_checkpoint = read_model(model_or_job)
-    return PlanTarget(name=model_or_job, model_cfg=cfg, quantization="fp8" if is_fp8_checkpoint else "none")
+            block_size=job.engine.block_size, max_num_batched_tokens=job.engine.max_num_batched_tokens,
+            declared=declared, is_gguf=is_gguf)
+    cfg, declared, is_gguf = read_model(model_or_job)
+    return PlanTarget(name=model_or_job, model_cfg=cfg, declared=declared, is_gguf=is_gguf)
 
 
-def read_model(path: str) -> tuple[ModelConfig, bool]:
-    """(config, is an FP8 checkpoint) from an alias, an HF folder (config.json is enough) or a .gguf."""
+def read_model(path: str) -> tuple[ModelConfig, DeclaredQuantization | None, bool]:
+    """(config, the declared quantization_config or None, is a GGUF file) from an alias, an HF folder
+    (config.json is enough) or a .gguf."""
     from batchgen.engine.loader.hf_loader import read_hf_config
-    from batchgen.engine.loader.model_loader import read_model_config
+    from batchgen.engine.loader.model_loader import read_declared_quantization, read_model_config
     from batchgen.engine.loader.source import resolve_model
 
     try:
@@ -64,23 +68,37 @@ def read_model(path: str) -> tuple[ModelConfig, bool]:
             return _read_remote_config(path)  # only config.json travels, never the weights
         source = resolve_model(path)
         if source.is_gguf:
-            return read_model_config(source), False
-        return read_hf_config(source.folder), _is_fp8_checkpoint(source.folder)
+            return read_model_config(source), None, True
+        return read_hf_config(source.folder), read_declared_quantization(source), False
     except (FileNotFoundError, ValueError) as exc:
         raise JobError(str(exc)) from None
 
 
-def _is_fp8_checkpoint(folder: Path) -> bool:
-    # The engine loads an FP8 checkpoint as FP8 whatever model.quantization says.
-    from batchgen.engine.quant.fp8_checkpoint import read_fp8_quant_config
+def read_declared(path: str) -> tuple[DeclaredQuantization | None, bool]:
+    """(declared quantization, is a GGUF file) without parsing a GGUF file's metadata."""
+    from batchgen.engine.loader.model_loader import read_declared_quantization
+    from batchgen.engine.loader.source import resolve_model
 
-    return read_fp8_quant_config(folder) is not None
+    try:
+        if "://" in path and not path.startswith("file://") and not path.endswith(".gguf"):
+            return _read_remote_config(path)[1], False
+        source = resolve_model(path)
+        return read_declared_quantization(source), source.is_gguf
+    except (FileNotFoundError, ValueError) as exc:
+        raise JobError(str(exc)) from None
 
 
-def _read_remote_config(uri: str) -> tuple[ModelConfig, bool]:
+def resolve_plan_quantization(requested: str, declared: DeclaredQuantization | None, is_gguf: bool,
+                              where: str) -> str:
+    """The engine's own resolution (engine/quant/methods.py); a conflict is a JobError naming both."""
+    try:
+        return resolve_quantization(requested, declared, is_gguf=is_gguf, where=where)
+    except ValueError as exc:
+        raise JobError(str(exc)) from None
+
+
+def _read_remote_config(uri: str) -> tuple[ModelConfig, DeclaredQuantization | None, bool]:
     import fsspec
-
-    from batchgen.engine.quant.fp8_checkpoint import fp8_quant_config
 
     config_uri = uri.rstrip("/") + "/config.json"
     try:
@@ -88,7 +106,7 @@ def _read_remote_config(uri: str) -> tuple[ModelConfig, bool]:
             raw = json.load(f)
     except (OSError, json.JSONDecodeError) as exc:
         raise ValueError(f"cannot read {config_uri}: {exc}") from exc
-    return ModelConfig.from_hf_dict(raw), fp8_quant_config(raw, config_uri) is not None
+    return ModelConfig.from_hf_dict(raw), declared_quantization(raw, config_uri), False
 
 
 def make_plan(target: PlanTarget, max_model_len: int | None = None, concurrency: int | None = None,
@@ -102,6 +120,7 @@ def make_plan(target: PlanTarget, max_model_len: int | None = None, concurrency:
                                 kv_cache_dtype=kv_cache_dtype or target.kv_cache_dtype)
     except ValueError as exc:
         raise JobError(f"--{exc}") from None
+    weight_format = resolve_plan_quantization(settings.quantization, target.declared, target.is_gguf, target.name)
     memory_bytes = None
     if memory is not None:
         try:
@@ -112,8 +131,22 @@ def make_plan(target: PlanTarget, max_model_len: int | None = None, concurrency:
             raise JobError(f"--memory is a size such as 80GB or 141GiB, not a fraction; got {memory!r}")
     length = max_model_len or target.max_model_len or target.model_cfg.max_position_embeddings
     return plan_capacity(
-        target.model_cfg, settings.torch_dtype, length, concurrency or target.concurrency, settings.quantization,
-        memory_bytes, target.block_size, target.max_num_batched_tokens, kv_dtype=settings.kv_torch_dtype)
+        target.model_cfg, settings.torch_dtype, length, concurrency or target.concurrency, weight_format,
+        memory_bytes, target.block_size, target.max_num_batched_tokens, declared=target.declared,
+        kv_dtype=settings.kv_torch_dtype)
+
+
+_REST = "embeddings, norms, lm_head {dtype}"
+WEIGHT_NOTES = {
+    "none": "{dtype}",
+    "gguf": "planned as {dtype} (the file's kept blocks are smaller: see the engine's weights report)",
+    "fp8": "fp8 linear weights + per-channel float32 scales; " + _REST,
+    "int8": "int8 linear weights + per-channel scales; " + _REST,
+    "int4": "int4 linear weights, groups of 128 with scales and zeros; " + _REST,
+    "gptq": "the checkpoint's GPTQ codes + scales (zeros, g_idx); " + _REST,
+    "awq": "the checkpoint's AWQ codes + scales and zeros; " + _REST,
+    "compressed-tensors": "the checkpoint's integer codes + scales (zeros); " + _REST,
+}
 
 
 def _gb(num_bytes: int) -> str:
@@ -125,8 +158,7 @@ def format_capacity_plan(target: PlanTarget, plan: CapacityPlan) -> str:
     cfg = target.model_cfg
     dtype = str(plan.dtype).removeprefix("torch.")
     kv_dtype = str(plan.kv_dtype or plan.dtype).removeprefix("torch.")
-    weights_note = dtype if plan.quantization == "none" else (
-        f"fp8 linear weights + per-channel float32 scales; embeddings, norms, lm_head {dtype}")
+    weights_note = WEIGHT_NOTES.get(plan.quantization, "{dtype}").format(dtype=dtype)
     num_kv_values = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim
     requests = f"{plan.concurrency} concurrent request" + ("s" if plan.concurrency != 1 else "")
     rows = [
@@ -142,7 +174,7 @@ def format_capacity_plan(target: PlanTarget, plan: CapacityPlan) -> str:
          f"{plan.max_num_batched_tokens:,} batched tokens, {plan.concurrency} sampled rows"),
         ("total with margin", _gb(plan.total_bytes), ""),
     ]
-    weights = ", fp8 weights" if plan.quantization == "fp8" else ""
+    weights = "" if plan.quantization == "none" else f", {plan.quantization} weights"
     weights += f", {kv_dtype} KV cache" if kv_dtype != dtype else ""
     lines = [(f"model    {target.name}: {cfg.model_type}, {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
               f"{cfg.num_heads} heads / {cfg.num_kv_heads} KV heads"),
@@ -172,7 +204,8 @@ def plan_command(
         help="auto | float32 | bfloat16 | float16 (auto plans for bfloat16, the GPU default).")] = None,
     quantization: Annotated[str | None, typer.Option(
         "--quantization",
-        help="none | fp8 (FP8 linear weights; embeddings and lm_head stay in dtype).")] = None,
+        help="auto | none | fp8 | int8 | int4 | gptq | awq | compressed-tensors | gguf (default: the "
+             "job's, else auto: what the checkpoint declares).")] = None,
     memory: Annotated[str | None, typer.Option(
         "--memory", help="Device memory to fit, e.g. 80GB or 141GiB: prints how many requests fit.")] = None,
     kv_cache_dtype: Annotated[str | None, typer.Option(

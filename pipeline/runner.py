@@ -78,13 +78,14 @@ def _run_locked(plan: JobPlan, lock: FolderLock, engine: LLMEngine | None, overw
     ran = run_units(source, plan.input_storage, plan.output.storage, pending, engine,
                     CommitContext(plan.config_hash, lock.holder.run_id, lock.check), progress=progress)
     record = write_job_success(plan, lock, skipped, ran.totals, ran.generation_seconds,
-                               kernels=engine.stats["kernels"], kv_cache=engine.stats.get("kv_cache"))
+                               kernels=engine.stats["kernels"], kv_cache=engine.stats.get("kv_cache"),
+                               weights=engine.stats.get("weights", {}))
     return RunResult(record, success_path, len(pending), len(skipped), dict(state.redo))
 
 
 def write_job_success(plan: JobPlan, lock: FolderLock, skipped: list[WorkUnit], this_run: Totals,
                       generation_seconds: float, *, kernels: dict, kv_cache: dict | None = None,
-                      workers: dict | None = None) -> dict:
+                      weights: dict | None = None, workers: dict | None = None) -> dict:
     """The run's `_SUCCESS`, written last (after output.jsonl/errors.jsonl for openai_batch output) while
     the run still holds its folder: counts over the whole output, speed and latency over this run."""
     job = plan.job
@@ -94,7 +95,8 @@ def write_job_success(plan: JobPlan, lock: FolderLock, skipped: list[WorkUnit], 
         with plan.output.storage.fs.open(path, "rb") as f:
             whole.add_table(pq.read_table(f, columns=SUMMARY_COLUMNS))
     record = success_record(job.name, plan.config_hash, whole, this_run, generation_seconds,
-                            resumed=bool(skipped), kernels=kernels, kv_cache=kv_cache, workers=workers)
+                            resumed=bool(skipped), kernels=kernels, kv_cache=kv_cache, weights=weights,
+                            workers=workers)
     if job.writes_batch_output:  # from the committed parts (also an earlier run's)
         lock.check()
         write_batch_outputs(plan.output.storage, plan.unit_names)

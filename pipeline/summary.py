@@ -10,7 +10,7 @@ import pyarrow.compute as pc
 
 SUCCESS_KEYS = ("job", "config_hash", "num_requests", "num_rows", "num_errors", "prompt_tokens",
                 "cached_tokens", "completion_tokens", "generation_seconds", "completion_tokens_per_s",
-                "ttft_s", "tpot_s", "resumed", "kernels", "kv_cache", "workers")
+                "ttft_s", "tpot_s", "resumed", "kernels", "kv_cache", "weights", "workers")
 SUMMARY_COLUMNS = ["sample_index", "finish_reason", "prompt_tokens", "cached_tokens", "completion_tokens",
                    "ttft_s", "tpot_s"]
 
@@ -53,12 +53,13 @@ def percentiles(chunks: list[np.ndarray]) -> dict[str, float | None]:
 
 
 def success_record(job: str, config_hash: str, whole: Totals, this_run: Totals, generation_seconds: float,
-                   resumed: bool, kernels: dict, kv_cache: dict | None = None,
+                   resumed: bool, kernels: dict, kv_cache: dict | None = None, weights: dict | None = None,
                    workers: dict | None = None) -> dict:
     """The `_SUCCESS` JSON: counts over the whole output; speed and latency figures over this run;
     `kernels`: the implementations this run's engine used (its stats' `kernels`); `kv_cache`: its KV
-    cache's dtype and bytes per token (its stats' `kv_cache`); `workers`: how the job ran
-    (`{"backend": "local"}`, static shards, or Ray replicas with their failures)."""
+    cache's dtype and bytes per token (its stats' `kv_cache`); `weights`: its weight format and linear
+    bytes (its stats' `weights`); `workers`: how the job ran (`{"backend": "local"}`, static shards, or
+    Ray replicas with their failures)."""
     record = {
         "job": job,
         "config_hash": config_hash,
@@ -75,6 +76,7 @@ def success_record(job: str, config_hash: str, whole: Totals, this_run: Totals, 
         "resumed": resumed,
         "kernels": kernels,
         "kv_cache": kv_cache or {},
+        "weights": weights or {},
         "workers": workers if workers is not None else local_workers(),
     }
     assert tuple(record) == SUCCESS_KEYS
@@ -101,6 +103,13 @@ def describe_workers(workers: dict | None) -> str:
     return text
 
 
+def _weights_line(weights: dict) -> str:
+    if not weights:
+        return "-"
+    return (f"{weights['format']} ({weights['origin']}), linear layers {weights['linear_bytes'] / 1e6:,.1f} MB "
+            f"({weights['linear_bytes_vs_float32']:.1%} of float32)")
+
+
 def format_summary(record: dict, success_path: str) -> str:
     """The readable table printed at the end of a run."""
 
@@ -125,6 +134,7 @@ def format_summary(record: dict, success_path: str) -> str:
         # A _SUCCESS written by an older batchgen (a complete job run again) has no `kernels`.
         ("kernels", ", ".join(f"{k} {v}" for k, v in record.get("kernels", {}).items()) or "-"),
         ("KV cache", ", ".join(f"{k} {v}" for k, v in record.get("kv_cache", {}).items()) or "-"),
+        ("weights", _weights_line(record.get("weights") or {})),
         ("workers", describe_workers(record.get("workers"))),
         ("success file", success_path),
     ]

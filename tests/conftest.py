@@ -13,6 +13,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # measured on the 2-core VM at load ~10, LLM.generate of 2 prompts x 8 tokens took 14 s with the
 # default policy and 0.9-1.4 s with PASSIVE (read by libgomp when torch is first imported: set here).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Ray on the loopback address only (tests talk to 127.0.0.1 alone): Ray resolves a node's address
+# through ray_constants.ENABLE_RAY_CLUSTER, false -> the loopback IP; read when ray is imported here and
+# from the environment in the processes it starts. Without it a Cluster's GCS takes the machine's address.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 # Triton kernels run under the interpreter on the CPU. Set before any test module imports triton:
 # transformers' model modules may import it first, and triton reads the variable at import.
 os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -87,24 +87,45 @@ def _reverse_permute(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, dim, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
 
 
-def iter_gguf_weights(path: Path, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, float32 tensor) for every tensor in the file."""
+def hf_tensor_name(gguf_name: str) -> str | None:
+    """The HF name of a GGUF tensor, or None for tensors the model recomputes (rope_freqs)."""
+    parts = gguf_name.split(".")
+    if parts[0] == "blk":
+        layer, base, kind = parts[1], parts[2], parts[3]
+        return f"model.layers.{layer}.{_TENSOR_NAMES[base]}.{kind}"
+    base, kind = parts[0], parts[1]
+    if base not in _TENSOR_NAMES:
+        return None  # e.g. rope_freqs: recomputed from the config
+    return f"{_TENSOR_NAMES[base]}.{kind}"
+
+
+def _is_rope_permuted(cfg: ModelConfig, base: str) -> bool:
+    return cfg.model_type in ("llama", "mistral") and base in ("attn_q", "attn_k")
+
+
+def row_permutation(cfg: ModelConfig, base: str, num_rows: int) -> np.ndarray | None:
+    """The row order _reverse_permute gives a q/k weight of num_rows rows (None for other tensors)."""
+    if not _is_rope_permuted(cfg, base):
+        return None
+    heads = cfg.num_heads if base == "attn_q" else cfg.num_kv_heads
+    return _reverse_permute(np.arange(num_rows), heads)
+
+
+def iter_gguf_weights(path: Path, cfg: ModelConfig, skip: frozenset[str] = frozenset()
+                      ) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, float32 tensor) for every tensor in the file but the HF names in `skip`."""
     from gguf.quants import dequantize
 
     reader = _reader(path)
     for tensor in reader.tensors:
         parts = tensor.name.split(".")
-        if parts[0] == "blk":
-            layer, base, kind = parts[1], parts[2], parts[3]
-            name = f"model.layers.{layer}.{_TENSOR_NAMES[base]}.{kind}"
-        else:
-            base, kind = parts[0], parts[1]
-            if base not in _TENSOR_NAMES:
-                continue  # e.g. rope_freqs: recomputed from the config
-            name = f"{_TENSOR_NAMES[base]}.{kind}"
+        name = hf_tensor_name(tensor.name)
+        if name is None or name in skip:
+            continue
+        base = parts[2] if parts[0] == "blk" else parts[0]
         array = dequantize(tensor.data, tensor.tensor_type)
         array = np.asarray(array, dtype=np.float32).reshape(list(reversed([int(d) for d in tensor.shape])))
-        if cfg.model_type in ("llama", "mistral") and parts[0] == "blk" and base in ("attn_q", "attn_k"):
+        if parts[0] == "blk" and _is_rope_permuted(cfg, base):
             array = _reverse_permute(array, cfg.num_heads if base == "attn_q" else cfg.num_kv_heads)
         if not array.flags.writeable or not array.flags.c_contiguous:  # F32 tensors are views of the mmap
             array = np.array(array, order="C")

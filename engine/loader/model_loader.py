@@ -1,9 +1,14 @@
-"""Build the model for an EngineConfig: resolve the source, read config and weights, cast, quantize."""
+"""Build the model for an EngineConfig: resolve the source, read config and weights, cast, quantize.
+
+The weight format is decided once, before the model is built (engine/quant/methods.py): integer
+checkpoints and kept GGUF blocks become IntLinear layers before the float tensors stream in;
+fp8 / int8 / int4 at load swap the float layers after.
+"""
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -29,6 +34,7 @@ class LoadedModel:
     max_model_len: int
     weight_bytes: int
     capabilities: Capabilities  # what runs here, decided once before the model was built
+    weights: dict = field(default_factory=dict)  # the weight format and linear bytes (weight_report)
 
 
 def read_model_config(source: ModelSource) -> ModelConfig:
@@ -72,28 +78,62 @@ def build_empty_model(model_cfg: ModelConfig, max_positions: int, backend, devic
     return model
 
 
+def read_declared_quantization(source: ModelSource):
+    """The folder's DeclaredQuantization (None for GGUF files and unquantized folders)."""
+    from batchgen.engine.loader.hf_loader import read_hf_config_dict
+    from batchgen.engine.quant.methods import declared_quantization
+
+    if source.is_gguf:
+        return None
+    return declared_quantization(read_hf_config_dict(source.folder), str(source.folder))
+
+
+def resolve_weight_format(config: EngineConfig, source: ModelSource):
+    """(format name, DeclaredQuantization or None): what config.quantization loads for this source."""
+    from batchgen.engine.quant.methods import resolve_quantization
+
+    declared = read_declared_quantization(source)
+    name = resolve_quantization(config.quantization, declared, is_gguf=source.is_gguf, where=source.display_name)
+    return name, declared
+
+
 def load_model(config: EngineConfig) -> LoadedModel:
+    from batchgen.engine.quant.methods import INT_CHECKPOINTS
+
     source = resolve_model(config.model)
     model_cfg = read_model_config(source)
     max_model_len = config.max_model_len or model_cfg.max_position_embeddings
     device, dtype = config.torch_device, config.torch_dtype
-    is_fp8_checkpoint = False
-    if not source.is_gguf:
-        from batchgen.engine.quant.fp8_checkpoint import read_fp8_quant_config
-
-        # FP8 checkpoints (refused: other methods, block-wise scales) load as stored, never re-quantized.
-        is_fp8_checkpoint = read_fp8_quant_config(source.folder) is not None
-    capabilities = detect_capabilities(config, model_cfg,
-                                       has_fp8_layers=config.quantization == "fp8" or is_fp8_checkpoint)
+    weight_format, declared = resolve_weight_format(config, source)
+    capabilities = detect_capabilities(config, model_cfg, has_fp8_layers=weight_format == "fp8")
     backend = ATTENTION_BACKENDS[capabilities.attention_backend](model_cfg.num_heads, model_cfg.num_kv_heads,
                                                                  model_cfg.head_dim)
     model = build_empty_model(model_cfg, max_model_len, backend, device, dtype)
+    origin = "float"
     if source.is_gguf:
-        weights = iter_gguf_weights(source.folder / source.gguf_file, model_cfg)
-    else:
-        from batchgen.engine.quant.fp8_checkpoint import prepare_fp8_checkpoint
+        path = source.folder / source.gguf_file
+        kept = {}
+        if weight_format == "gguf":
+            from batchgen.engine.loader.gguf_blocks import read_gguf_int_weights
+            from batchgen.engine.loader.gguf_loader import hf_tensor_name, row_permutation
+            from batchgen.engine.quant.int_checkpoint import install_int_layers
 
-        prepare_fp8_checkpoint(model, source.folder)
+            kept = read_gguf_int_weights(path, hf_tensor_name, lambda base, rows: row_permutation(model_cfg, base, rows))
+            install_int_layers(model, {k.removeprefix("model."): w for k, w in kept.items()}, device, str(path))
+            origin = "GGUF blocks"
+        weights = iter_gguf_weights(path, model_cfg, skip=frozenset(f"{k}.weight" for k in kept))
+    elif weight_format in INT_CHECKPOINTS:
+        from batchgen.engine.quant.int_checkpoint import install_int_layers, read_int_checkpoint, without
+
+        int_weights, consumed = read_int_checkpoint(source.folder, declared)
+        install_int_layers(model, int_weights, device, source.display_name)
+        weights = without(iter_hf_weights(source.folder), consumed, model)
+        origin = "checkpoint"
+    else:
+        if weight_format == "fp8" and declared is not None:
+            from batchgen.engine.quant.fp8_checkpoint import prepare_fp8_checkpoint
+
+            prepare_fp8_checkpoint(model, source.folder)  # FP8 checkpoints load as stored, never re-quantized
         weights = iter_hf_weights(source.folder)
     model.load_weights(weights)
     # Rotary tables are computed, not loaded (they were left empty on the meta device).
@@ -108,12 +148,22 @@ def load_model(config: EngineConfig) -> LoadedModel:
         from batchgen.engine.quant.fp8 import quantize_model_fp8
 
         quantize_model_fp8(model, config, source, capabilities)
-    if capabilities.is_onednn_packed_linear:  # after FP8, which leaves only the layers it did not quantize
+        origin = "checkpoint" if declared is not None else "at load"
+    elif weight_format in ("int8", "int4"):
+        from batchgen.engine.quant.int_model import quantize_model_int
+
+        quantize_model_int(model, config, weight_format)
+        origin = "at load"
+    if capabilities.is_onednn_packed_linear:  # after quantizing, which leaves only the layers it did not swap
         log.info("packed %d linear layers for oneDNN", pack_linears(model, capabilities.is_onednn_silu_mul))
     weight_bytes = model_weight_bytes(model)
-    log.info("loaded %s (%s, %d layers) as %s on %s", source.display_name, model_cfg.model_type,
-             model_cfg.num_layers, dtype, device)
-    return LoadedModel(source, model_cfg, model, max_model_len, weight_bytes, capabilities)
+    from batchgen.engine.quant.weight_report import weight_report
+
+    weights_info = weight_report(model, weight_format, origin)
+    log.info("loaded %s (%s, %d layers) as %s on %s; weights %s (%s), linear layers %.1f MB (%.1f%% of float32)",
+             source.display_name, model_cfg.model_type, model_cfg.num_layers, dtype, device, weight_format, origin,
+             weights_info["linear_bytes"] / 1e6, 100 * weights_info["linear_bytes_vs_float32"])
+    return LoadedModel(source, model_cfg, model, max_model_len, weight_bytes, capabilities, weights_info)
 
 
 def build_loaded_model(config: EngineConfig, model_cfg: ModelConfig, max_model_len: int,

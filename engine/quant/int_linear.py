@@ -16,13 +16,15 @@ import torch
 from torch import nn
 
 from batchgen.engine.quant.int_formats.int_weight import IntWeight
-from batchgen.engine.quant.int_matmul_cpu import DequantKernel, Int4PackKernel, Int8PackKernel
+from batchgen.engine.quant.int_matmul_cpu import CPU_KERNELS, DequantKernel, Int8PackKernel
 
 # Per bit width, the CPU kernel to use up to a number of rows, best first; measured on float32
 # activations (benchmarks/NOTES.md). A kernel that cannot hold the weight is skipped.
+# int8: torch's kernel for one row, dequant from two (both read the same int8 codes: one copy);
+# int4: dequant at every size (torch's int4 kernel wins at M = 1 but keeps a second, opaque copy).
 CPU_PLAN = {
     8: [(1, Int8PackKernel), (None, DequantKernel)],
-    4: [(1, Int4PackKernel), (None, DequantKernel)],
+    4: [(None, DequantKernel)],
 }
 
 
@@ -38,14 +40,22 @@ class IntLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach().to(device), requires_grad=False)
         device = torch.device(device)
         self.plan = _make_plan(weight, device, kernel)  # [(max rows or None, kernel object)]
+        # The kernels' tensors as (non-persistent) buffers: the model's storage count sees them, and
+        # tensors two kernels share count once.
+        for i, (_, k) in enumerate(self.plan):
+            for name, value in vars(k).items():
+                if isinstance(value, torch.Tensor):
+                    self.register_buffer(f"plan{i}_{name}", value, persistent=False)
 
     @property
     def kernel_names(self) -> list[str]:
         return [k.name for _, k in self.plan]
 
     def num_weight_bytes(self) -> int:
-        """Bytes the kernels hold for the weight (codes, scales, zeros, permutations), bias excluded."""
-        return sum(k.num_bytes() for _, k in self.plan)
+        """Bytes the kernels hold for the weight (codes, scales, zeros, permutations), bias excluded;
+        a tensor two kernels share counts once."""
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in self.buffers()}
+        return sum(storages.values())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
@@ -66,13 +76,14 @@ class IntLinear(nn.Module):
 
 
 def _make_plan(weight: IntWeight, device: torch.device, kernel: str | None) -> list:
+    shared: dict = {}  # tensors the kernels of one plan share (the int8 codes)
     if device.type == "cpu":
-        candidates = {k.name: k for _, k in CPU_PLAN[weight.bits]} | {DequantKernel.name: DequantKernel}
+        candidates = {k.name: k for k in CPU_KERNELS.values() if weight.bits in k.supported_bits}
         if kernel is not None:  # tests and the benchmark pin one kernel
             if kernel not in candidates or not candidates[kernel].can_run(weight):
                 raise ValueError(f"kernel {kernel!r} cannot run this int{weight.bits} weight on the CPU")
-            return [(None, candidates[kernel](weight))]
-        plan = [(rows, k(weight)) for rows, k in CPU_PLAN[weight.bits] if k.can_run(weight)]
+            return [(None, candidates[kernel](weight, shared))]
+        plan = [(rows, k(weight, shared)) for rows, k in CPU_PLAN[weight.bits] if k.can_run(weight)]
         return plan
     from batchgen.engine.quant.int_matmul_cuda import make_cuda_plan
 

@@ -25,31 +25,60 @@ DEQUANT_TILE_BYTES = 1 << 20  # float32 tile of the weight dequantized per GEMM:
 
 
 class Int8PackKernel:
+    supported_bits = (8,)
     name = "int8pack"
 
     @staticmethod
     def can_run(w: IntWeight) -> bool:
-        return w.bits == 8 and w.num_groups == 1 and not w.is_act_order
+        return w.bits == 8 and w.num_groups == 1 and not w.is_act_order and w.offsets is None
 
-    def __init__(self, w: IntWeight):
-        self.weight = w.signed_codes().contiguous()  # (N, K) int8
-        self.scale = w.scales.float().reshape(-1).contiguous()  # (N,)
-        # (z - 128) * s per output channel, or None for symmetric weights.
-        self.correction = None if w.zeros is None else \
-            ((w.zeros.float().reshape(-1) - w.midpoint) * self.scale).contiguous()  # (N,)
+    def __init__(self, w: IntWeight, shared: dict | None = None):
+        shared = {} if shared is None else shared
+        self.weight = signed_codes(w, shared)  # (N, K) int8, the same tensor the dequant kernel reads
+        self.scale = float_scales(w, shared).reshape(-1)  # (N,), a view of the dequant kernel's (N, 1)
+        # -(z - 128) * s per output channel (the dequant kernel's -z*s table), or None for symmetric weights.
+        neg_zs = int8_neg_zs(w, shared)
+        self.neg_zs = None if neg_zs is None else neg_zs.reshape(-1)  # (N,)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # (M, K) float32 -> (M, N)
         y = torch._weight_int8pack_mm(x, self.weight, self.scale)
-        if self.correction is not None:
-            y = y - x.sum(dim=1, keepdim=True) * self.correction
+        if self.neg_zs is not None:  # x @ ((q - z) s)^T = x @ ((q - 128) s)^T - sum(x) (z - 128) s
+            y = y + x.sum(dim=1, keepdim=True) * self.neg_zs
         return y
 
     def num_bytes(self) -> int:
-        extra = 0 if self.correction is None else self.correction.numel() * 4
+        extra = 0 if self.neg_zs is None else self.neg_zs.numel() * 4
         return self.weight.numel() + self.scale.numel() * 4 + extra
 
 
+def float_scales(w: IntWeight, shared: dict) -> torch.Tensor:
+    """(N, G) float32 scales, made once per layer."""
+    if "scale" not in shared:
+        shared["scale"] = w.scales.float().contiguous()
+    return shared["scale"]
+
+
+def int8_neg_zs(w: IntWeight, shared: dict) -> torch.Tensor | None:
+    """(N, G) float32 -(z - 128) * s (+ minima) of an 8-bit weight, None when that is 0; made once per layer."""
+    if "neg_zs8" not in shared:
+        scale = float_scales(w, shared)
+        neg_zs = None if w.zeros is None else -(w.zeros.float() - w.midpoint) * scale
+        if w.offsets is not None:
+            neg_zs = w.offsets.float() if neg_zs is None else neg_zs + w.offsets.float()
+        shared["neg_zs8"] = None if neg_zs is None else neg_zs.contiguous()
+    return shared["neg_zs8"]
+
+
+def signed_codes(w: IntWeight, shared: dict | None) -> torch.Tensor:
+    """(N, K) int8 codes - 128 of an 8-bit weight, made once per layer: kernels of one plan share it."""
+    shared = {} if shared is None else shared
+    if "signed_codes" not in shared:
+        shared["signed_codes"] = w.signed_codes().contiguous()
+    return shared["signed_codes"]
+
+
 class Int4PackKernel:
+    supported_bits = (4,)
     name = "int4pack"
 
     @staticmethod
@@ -58,7 +87,7 @@ class Int4PackKernel:
             return False
         return _int4pack_layout(w) is not None
 
-    def __init__(self, w: IntWeight):
+    def __init__(self, w: IntWeight, shared: dict | None = None):
         group_size, perm = _int4pack_layout(w)
         codes, groups = w.qweight, w.group_index()
         if perm is not None:  # act-order: columns sorted by group make the groups contiguous
@@ -70,6 +99,8 @@ class Int4PackKernel:
         codes = F.pad(codes, (0, self.pad), value=8)  # padding columns meet zero columns of x
         s = w.scales.float()  # (N, G)
         zero = (w.midpoint - w.zero_points().float()) * s  # (N, G): (q - z) s = (q - 8) s + (8 - z) s
+        if w.offsets is not None:  # float minima (GGUF Q4_1) add to the same per-group term
+            zero = zero + w.offsets.float()
         # Map every padded column to the scale/zero of its group (per-channel weights repeat their one group).
         col_group = F.pad(groups, (0, self.pad), value=int(groups[-1]) if k else 0)
         first_col = torch.arange(0, padded_k, group_size)
@@ -113,22 +144,29 @@ def _int4pack_layout(w: IntWeight) -> tuple[int, torch.Tensor | None] | None:
 
 
 class DequantKernel:
+    supported_bits = (4, 8)
     name = "dequant"
 
     @staticmethod
     def can_run(w: IntWeight) -> bool:
         return True
 
-    def __init__(self, w: IntWeight, tile_bytes: int = DEQUANT_TILE_BYTES):
+    def __init__(self, w: IntWeight, shared: dict | None = None, tile_bytes: int = DEQUANT_TILE_BYTES):
+        shared = {} if shared is None else shared
         self.bits = w.bits
         self.in_features = w.in_features
-        codes = w.qweight
-        if w.bits == 4:  # two codes per byte: low nibble = even column
-            codes = F.pad(codes, (0, w.in_features % 2))
-            codes = codes[:, 0::2] | (codes[:, 1::2] << 4)
-        self.codes = codes.contiguous()  # (N, K) or (N, ceil(K / 2)) uint8
-        self.scale = w.scales.float().contiguous()  # (N, G)
-        self.neg_zs = (-w.zero_points().float() * self.scale).contiguous()  # (N, G): -z * s
+        self.scale = float_scales(w, shared)  # (N, G) float32
+        if w.bits == 8:
+            # Signed codes q - 128 (shared with the int8 kernel): w = (q - 128) s - (z - 128) s + m.
+            self.codes = signed_codes(w, shared)  # (N, K) int8
+            self.neg_zs = int8_neg_zs(w, shared)  # (N, G) or None
+        else:  # two codes per byte: low nibble = even column
+            codes = F.pad(w.qweight, (0, w.in_features % 2))
+            self.codes = (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous()  # (N, ceil(K / 2)) uint8
+            neg_zs = -w.zero_points().float() * self.scale
+            if w.offsets is not None:
+                neg_zs = neg_zs + w.offsets.float()
+            self.neg_zs = neg_zs.contiguous()  # (N, G): -z * s + m
         # Each column's scale comes from repeat_interleave (groups in order) or index_select (act-order):
         # both write contiguous (rows, K) tables, which the fused multiply-add then streams; a broadcast
         # view with a stride-0 last dimension measured ~19x slower in torch's CPU elementwise loops.
@@ -145,7 +183,7 @@ class DequantKernel:
         for lo in range(0, n, self.tile_rows):
             hi = min(n, lo + self.tile_rows)
             torch.mm(self.dequantize_rows(lo, hi), x_t, out=out_t[lo:hi])
-        return out_t.t()
+        return out_t.t().contiguous()  # callers (the C elementwise kernels) want contiguous rows
 
     def dequantize_rows(self, lo: int, hi: int) -> torch.Tensor:
         """Rows [lo, hi) of the weight as float32 (hi - lo, K): q * s - z * s in one fused pass."""
@@ -155,15 +193,17 @@ class DequantKernel:
         q = codes.float()
         k = self.in_features
         if self.group_size is not None:
-            scale = self.scale[lo:hi].repeat_interleave(self.group_size, dim=1)[:, :k]  # (rows, K)
-            neg_zs = self.neg_zs[lo:hi].repeat_interleave(self.group_size, dim=1)[:, :k]
+            def per_column(t):
+                return t[lo:hi].repeat_interleave(self.group_size, dim=1)[:, :k]  # (rows, K)
         else:
-            scale = self.scale[lo:hi].index_select(1, self.groups)
-            neg_zs = self.neg_zs[lo:hi].index_select(1, self.groups)
-        return torch.addcmul(neg_zs, q, scale)
+            def per_column(t):
+                return t[lo:hi].index_select(1, self.groups)
+        if self.neg_zs is None:
+            return q.mul_(per_column(self.scale))
+        return torch.addcmul(per_column(self.neg_zs), q, per_column(self.scale))
 
     def num_bytes(self) -> int:
-        return self.codes.numel() + self.scale.numel() * 4 + self.neg_zs.numel() * 4
+        return self.codes.numel() + self.scale.numel() * 4 + (0 if self.neg_zs is None else self.neg_zs.numel() * 4)
 
 
 CPU_KERNELS = {k.name: k for k in (Int8PackKernel, Int4PackKernel, DequantKernel)}

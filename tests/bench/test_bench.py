@@ -201,6 +201,7 @@ def test_engine_overrides_are_typed_and_checked():
     (["--engine", "bogus=1"], "unknown engine key"),
     (["--workload", "nope"], "workload must be one of"),
     (["--peer-batch-sizes", "16,x"], "comma-separated integers"),
+    (["--quantization", "int8,int3"], "--quantization takes int8, int4; got int3"),
 ])
 def test_bad_options_fail_before_any_loading(args, message):
     app = typer.Typer()

@@ -28,6 +28,18 @@ def sdpa_llm():
 
 
 @pytest.fixture(scope="session")
+def quality(llm):
+    """One quality-bench run over the session's float32 model: FP8 (both matmul paths, with greedy runs)
+    and int8 / int4 at load (teacher-forced only), against one set of float references: the 16
+    committed chat prompts, 9 greedy reference tokens each (test_fp8_quality.py says why 9)."""
+    from batchgen.bench.quality import run_quality_bench
+    from batchgen.bench.quality_prompts import QUALITY_PROMPTS
+
+    return run_quality_bench(prompts=QUALITY_PROMPTS[:16], max_tokens=9, fp8_mode=["w8a16", "w8a8"],
+                             int_methods=["int8", "int4"], greedy=False, engine=llm.engine)
+
+
+@pytest.fixture(scope="session")
 def chunked_llm(llm):
     """Small step budget: long prompts prefill in chunks, mixed with other requests' decodes."""
     return llm.with_engine_settings(max_num_batched_tokens=64)

@@ -58,7 +58,7 @@ def test_per_channel_checkpoint_equals_quantizing_at_load_without_requantizing(t
         raise AssertionError("an FP8 checkpoint must not be quantized again")
 
     monkeypatch.setattr(Fp8Linear, "from_linear", no_requantizing)
-    stored = load(tiny["channel"])  # quantization: none -- the checkpoint itself says FP8
+    stored = load(tiny["channel"])  # quantization: auto -- the checkpoint itself says FP8
     layers_at_load, layers_stored = fp8_layers(at_load), fp8_layers(stored)
     assert sorted(layers_stored) == sorted(layers_at_load) and len(layers_stored) == 8  # 2 layers x 4; lm_head not
     for name, layer in layers_stored.items():
@@ -141,8 +141,10 @@ def write_config(folder: Path, quantization_config: dict) -> None:
         "weights": {"num_bits": 8, "type": "float", "strategy": "block", "block_structure": [128, 128]}}}},
      "block-wise"),
     ({"quant_method": "compressed-tensors", "config_groups": {"group_0": {
-        "weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 128}}}}, "is not FP8"),
-    ({"quant_method": "gptq", "bits": 4}, "not supported"),
+        "weights": {"num_bits": 2, "type": "int", "strategy": "group", "group_size": 128}}},
+      "format": "pack-quantized"}, "only 4- or 8-bit int"),
+    ({"quant_method": "gptq", "bits": 3}, "GPTQ bits 3 are not supported"),
+    ({"quant_method": "bitsandbytes"}, "not supported"),
 ])
 def test_unsupported_quantization_configs_are_refused(tiny, tmp_path, quantization_config, message):
     folder = shutil.copytree(tiny["channel"], tmp_path / "ckpt")

@@ -8,11 +8,8 @@ decode step per token through every model, so 9 steps instead of 24.
 
 from __future__ import annotations
 
-import pytest
 import torch
 
-from batchgen.bench.quality import run_quality_bench
-from batchgen.bench.quality_prompts import QUALITY_PROMPTS
 from batchgen.engine.capacity import weight_bytes
 
 NUM_PROMPTS, MAX_TOKENS = 16, 9
@@ -29,14 +26,12 @@ GREEDY_TOKEN_AGREEMENT_FLOOR = 0.45  # measured 0.757 (w8a16), 0.743 (w8a8)
 LINEAR_BYTES_RATIO_MAX = 0.26  # E4M3 bytes plus one float32 scale per row: measured 0.2515
 
 
-@pytest.fixture(scope="module")
-def quality(llm):
-    return run_quality_bench(prompts=QUALITY_PROMPTS[:NUM_PROMPTS], max_tokens=MAX_TOKENS,
-                             fp8_mode=["w8a16", "w8a8"], engine=llm.engine)
+# `quality`: the session's one quality-bench run (tests/engine/conftest.py), 16 prompts x 9 tokens,
+# shared with test_int_quality.py.
 
 
 def by_mode(quality) -> dict[str, dict]:
-    return {r["fp8_mode"]: r for r in quality["results"]}
+    return {r["fp8_mode"]: r for r in quality["results"] if r["quantization"] == "fp8"}
 
 
 def test_the_harness_reproduces_the_reference(quality):

@@ -86,3 +86,31 @@ def test_int8_at_load_is_close_to_the_float_layer():
     ref = linear(x).detach()
     out = IntLinear(quantize_int8_per_channel(linear.weight))(x)
     assert ((out - ref).norm() / ref.norm()) < 5e-3
+
+
+@pytest.mark.parametrize("m", [1, 17])
+def test_float_minima_through_every_kernel(m):
+    # GGUF Q4_1: w = d * q + m per block of 32 (zero 0, float minima); N = 48 lets torch's int4 kernel run too.
+    gen = torch.Generator().manual_seed(m)
+    codes = torch.randint(0, 16, (48, 96), generator=gen, dtype=torch.uint8)
+    scales = (torch.rand(48, 3, generator=gen) * 0.02 + 0.001).half()
+    minima = (-torch.rand(48, 3, generator=gen) * 0.1).half()
+    w = IntWeight(codes, scales, torch.zeros(48, 3, dtype=torch.int16), group_size=32, bits=4, offsets=minima)
+    x = torch.randn(m, 96, generator=gen)
+    ref = x @ w.dequantize().t()
+    names = [name for name, kernel in CPU_KERNELS.items() if kernel.can_run(w)]
+    assert names == ["int4pack", "dequant"]
+    for name in names:
+        torch.testing.assert_close(IntLinear(w, kernel=name)(x), ref, rtol=1e-4,
+                                   atol=1e-4 * ref.abs().max().item(), msg=name)
+
+
+def test_one_copy_of_the_weight_per_layer():
+    # int8: torch's kernel (M = 1) and the dequant kernel (M > 1) read the same int8 codes and scales.
+    w8 = quantize_int8_per_channel(torch.randn(64, 256))
+    layer = IntLinear(w8)
+    assert layer.kernel_names == ["int8pack", "dequant"]
+    assert layer.num_weight_bytes() == 64 * 256 + 64 * 4
+    w4 = quantize_int4_groups(torch.randn(64, 256))
+    assert IntLinear(w4).kernel_names == ["dequant"]
+    assert IntLinear(w4).num_weight_bytes() == 64 * 128 + 2 * 64 * 2 * 4  # nibbles + float32 scale and -z*s

@@ -74,8 +74,41 @@ def test_bad_arguments_are_refused():
     with pytest.raises(ValueError, match="codes"):
         int_weight_matmul(x, codes, scales, zeros, 4, 32)  # unpacked codes given as 4-bit
     with pytest.raises(ValueError, match="scales"):
-        int_weight_matmul(x, pack_codes(codes, 4), scales.half(), zeros, 4, 32)
+        int_weight_matmul(x, pack_codes(codes, 4), scales.double(), zeros, 4, 32)
     with pytest.raises(ValueError, match="bits"):
         int_weight_matmul(x, pack_codes(codes, 4), scales, zeros, 3, 32)
     with pytest.raises(ValueError, match="g_idx"):
         int_weight_matmul(x, pack_codes(codes, 4), scales, zeros, 4, 32, torch.zeros(63, dtype=torch.int32))
+
+
+def test_16_bit_tables_and_symmetric_without_zeros():
+    # float16 scales and zeros (the engine's GPU layout: 4 side bytes per group), and zeros=None
+    # meaning the symmetric midpoint; m = 1 and 17 straddle the decode and prefill tiles.
+    for bits in (4, 8):
+        codes, scales, zeros, _ = weight(40, 200, bits, 64, seed=bits + 50)
+        scales = scales.half()
+        for m in (1, 17):
+            x = torch.randn(m, 200, generator=torch.Generator().manual_seed(m))
+            out = int_weight_matmul(x, pack_codes(codes, bits), scales, zeros.half(), bits, 64)
+            ref = int_weight_matmul_ref(x, codes, scales, zeros, 64)
+            torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+            mid = torch.full_like(zeros, float(1 << (bits - 1)))
+            out = int_weight_matmul(x, pack_codes(codes, bits), scales, None, bits, 64)
+            ref = int_weight_matmul_ref(x, codes, scales, mid, 64)
+            torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+
+
+def test_the_engine_kernel_folds_float_minima_into_float_zeros():
+    # GGUF Q4_1 (w = d * q + m per 32) through the engine's Triton layer: m becomes a float zero z - m / d.
+    from batchgen.engine.quant.int_formats import IntWeight
+    from batchgen.engine.quant.int_matmul_cuda import TritonIntKernel
+
+    gen = torch.Generator().manual_seed(3)
+    w = IntWeight(torch.randint(0, 16, (40, 96), generator=gen, dtype=torch.uint8),
+                  (torch.rand(40, 3, generator=gen) * 0.02 + 0.001).half(), torch.zeros(40, 3, dtype=torch.int16),
+                  group_size=32, bits=4, offsets=(-torch.rand(40, 3, generator=gen) * 0.1).half())
+    assert TritonIntKernel.can_run(w)
+    x = torch.randn(3, 96, generator=gen)
+    ref = x @ w.dequantize().t()
+    out = TritonIntKernel(w, torch.device("cpu"))(x)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())

@@ -38,7 +38,7 @@ def test_defaults_follow_the_design_contract(tmp_path):
     job = load_job(write_job(tmp_path, BASE))
     m = job.model
     assert (m.dtype, m.quantization, m.fp8_mode, m.quantize_lm_head, m.max_model_len) == \
-        ("auto", "none", "auto", False, 4096)
+        ("auto", "auto", "auto", False, 4096)
     e = job.engine
     assert (e.device, e.attention_backend, e.block_size, e.max_num_seqs, e.max_num_batched_tokens,
             e.enable_prefix_caching, e.kv_cache_memory) == ("auto", "auto", 16, 128, 4096, True, "auto")

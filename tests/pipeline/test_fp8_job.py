@@ -37,6 +37,9 @@ def test_fp8_job_runs_end_to_end_and_matches_the_fp8_engine(tmp_path, caplog):
     rows = pa.concat_tables([pq.read_table(p) for p in sorted((tmp_path / "out").glob("part-*.parquet"))])
     assert rows.column("id").to_pylist() == [10, 11, 12]
     assert rows.column("finish_reason").to_pylist() == ["length"] * 3
+    weights = json.loads((tmp_path / "out" / "_SUCCESS").read_text())["weights"]  # the format and linear bytes
+    assert (weights["format"], weights["origin"], weights["num_linear_layers"]) == ("fp8", "at load", 8)
+    assert 0.25 < weights["linear_bytes_vs_float32"] < 0.27  # 1 byte + a float32 scale per row of 64 or 128
     # The job's completions are the FP8 engine's own (W8A8 through torch._scaled_mm on the CPU).
     llm = LLM(str(model), dtype="float32", device="cpu", quantization="fp8", fp8_mode="w8a8",
               max_model_len=128, kv_cache_memory="16MiB")

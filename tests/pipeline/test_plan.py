@@ -126,8 +126,8 @@ def test_remote_config_names_an_fp8_checkpoint_as_the_loader_does(name, quantiza
 
 
 def test_remote_config_with_an_unsupported_quantization_exits_2():
-    folder = "memory://plan-test/awq"
+    folder = "memory://plan-test/bnb"
     with fsspec.open(f"{folder}/config.json", "w") as f:
-        json.dump({**MISTRAL_7B_SHAPE, "quantization_config": {"quant_method": "awq"}}, f)
+        json.dump({**MISTRAL_7B_SHAPE, "quantization_config": {"quant_method": "bitsandbytes"}}, f)
     result = CliRunner().invoke(app, ["plan", folder])
-    assert result.exit_code == 2 and "'awq' is not supported" in result.stderr, result.output
+    assert result.exit_code == 2 and "'bitsandbytes' is not supported" in result.stderr, result.output

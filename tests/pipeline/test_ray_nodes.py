@@ -24,16 +24,18 @@ from tests.pipeline.tiny_model import write_tiny_model
 
 @pytest.fixture(scope="module")
 def cluster():
-    # Every node is a raylet on this machine, on its own address (Ray 2.60's Cluster with
-    # node_ip_address=127.0.0.1 leaves the driver unable to reach the GCS). Fast node-death detection:
+    # Every node is a raylet on this machine, all on the loopback address (see tests/conftest.py's
+    # RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER; checked below). Fast node-death detection:
     # the default health check takes ~15 s to declare a node dead.
     with pytest.MonkeyPatch.context() as env:
         env.setenv("RAY_memory_monitor_refresh_ms", "0")  # as in test_ray.py: not killed for others' memory
+        loopback = "127.0.0.1"
         cluster = Cluster(initialize_head=True, head_node_args={
-            "num_cpus": 0, "include_dashboard": False,
+            "num_cpus": 0, "include_dashboard": False, "node_ip_address": loopback,
             "_system_config": {"health_check_period_ms": 500, "health_check_failure_threshold": 2}})
-        nodes = [cluster.add_node(num_cpus=1) for _ in range(2)]
-        ray.init(address=cluster.address, log_to_driver=False)
+        nodes = [cluster.add_node(num_cpus=1, node_ip_address=loopback) for _ in range(2)]
+        ray.init(address=cluster.address, _node_ip_address=loopback, log_to_driver=False)
+        assert {node["NodeManagerAddress"] for node in ray.nodes()} == {loopback}
         cluster.wait_for_nodes()
         yield cluster, nodes
         ray.shutdown()

@@ -1,12 +1,14 @@
 """IntWeight: the one internal form of an integer-quantized linear weight, whatever checkpoint it came from.
 
-    w[n, k] = (q[n, k] - z[n, g(k)]) * s[n, g(k)]
+    w[n, k] = (q[n, k] - z[n, g(k)]) * s[n, g(k)] (+ m[n, g(k)] for formats with float minima)
 
 - q: unsigned codes in [0, 2**bits), one uint8 per weight (the readers unpack the formats' int32 words);
   signed formats are shifted by 2**(bits-1) (int8 -5 becomes code 123).
 - z: integer zero points in code units, (N, G); None means symmetric, z = 2**(bits-1) everywhere.
   int16 because AutoGPTQ's "minus one" zeros read back as 1..2**bits (one past the code range).
 - s: (N, G) scales in the checkpoint's dtype (float16, bfloat16 or float32), kept as stored.
+- m: optional (N, G) float minima added after the scale, for formats whose offset is not an integer
+  number of steps (GGUF Q4_1: w = d * q + m, i.e. z = 0, s = d, m = m); None for every other format.
 - g(k): k // group_size, or g_idx[k] for act-order checkpoints whose columns were quantized out of order.
 
 Dequantizing computes (q - z) in float32 and multiplies by the float32 scale: every term is exact for
@@ -32,6 +34,7 @@ class IntWeight:
     group_size: int  # columns per group; K for one group per output channel
     bits: int
     g_idx: torch.Tensor | None = None  # (K,) int32 group of each input column; None: k // group_size
+    offsets: torch.Tensor | None = None  # (N, G) float minima added after the scale (GGUF Q4_1), or None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -79,7 +82,10 @@ class IntWeight:
         q = self.qweight.float()
         z = self.zero_points().float()[:, groups]  # (N, K)
         s = self.scales.float()[:, groups]  # (N, K)
-        return ((q - z) * s).to(dtype)
+        w = (q - z) * s
+        if self.offsets is not None:
+            w = w + self.offsets.float()[:, groups]
+        return w.to(dtype)
 
     def signed_codes(self) -> torch.Tensor:
         """(N, K) int8: q - 2**(bits-1), the codes of a symmetric weight as signed integers."""
@@ -92,6 +98,8 @@ class IntWeight:
             total += self.zeros.numel() * (1 if self.bits <= 8 and int(self.zeros.max()) < 256 else 2)
         if self.g_idx is not None:
             total += self.g_idx.numel() * 4
+        if self.offsets is not None:
+            total += self.offsets.numel() * self.offsets.element_size()
         return total
 
     def validate(self) -> None:
@@ -116,6 +124,10 @@ class IntWeight:
                 raise ValueError(f"zeros {tuple(self.zeros.shape)} and scales {tuple(self.scales.shape)} differ in shape")
             if self.zeros.numel() and (int(self.zeros.min()) < 0 or int(self.zeros.max()) > 1 << self.bits):
                 raise ValueError(f"zero points outside [0, 2**{self.bits}]")
+        if self.offsets is not None and (self.offsets.shape != self.scales.shape
+                                         or not self.offsets.is_floating_point()):
+            raise ValueError(f"offsets must be float like the scales {tuple(self.scales.shape)}, "
+                             f"got {self.offsets.dtype} {tuple(self.offsets.shape)}")
         if self.g_idx is not None:
             if self.g_idx.shape != (k,):
                 raise ValueError(f"g_idx must have K={k} entries, got {tuple(self.g_idx.shape)}")
@@ -144,7 +156,6 @@ def unpack_int32(packed: torch.Tensor, bits: int, dim: int, order: list[int] | N
     """
     if packed.dtype != torch.int32:
         raise ValueError(f"packed integer weights must be int32 words, got {packed.dtype}")
-    per_word = 32 // bits
     shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=packed.device)  # (per_word,)
     moved = packed.movedim(dim, -1).unsqueeze(-1)  # (..., W, 1)
     codes = (moved >> shifts) & ((1 << bits) - 1)  # (..., W, per_word); & drops the sign extension of >>
@@ -162,3 +173,35 @@ def num_groups_for(in_features: int, group_size: int) -> int:
 def resolve_group_size(in_features: int, group_size: int) -> int:
     """-1 (per output channel) -> K; anything else as given."""
     return in_features if group_size <= 0 else group_size
+
+
+def select_rows(w: IntWeight, index: torch.Tensor) -> IntWeight:
+    """The weight's output rows in `index` order (GGUF's q/k row permutation acts on whole rows)."""
+    def pick(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.index_select(0, index).contiguous()
+
+    return IntWeight(qweight=pick(w.qweight), scales=pick(w.scales), zeros=pick(w.zeros), group_size=w.group_size,
+                     bits=w.bits, g_idx=w.g_idx, offsets=pick(w.offsets))
+
+
+def concat_out_features(parts: list[IntWeight]) -> IntWeight | None:
+    """q/k/v or gate/up stacked along the output dim as one weight; None when the parts cannot share
+    one layout (bit widths, group sizes or act-order permutations differ): then they stay separate."""
+    first = parts[0]
+    for p in parts[1:]:
+        if (p.bits, p.group_size, p.in_features, p.num_groups) != (first.bits, first.group_size, first.in_features,
+                                                                   first.num_groups):
+            return None
+        if (p.g_idx is None) != (first.g_idx is None) or (p.g_idx is not None and not torch.equal(p.g_idx, first.g_idx)):
+            return None
+    scale_dtype = first.scales.dtype if all(p.scales.dtype == first.scales.dtype for p in parts) else torch.float32
+    zeros = None
+    if any(p.zeros is not None for p in parts):
+        zeros = torch.cat([p.zero_points() for p in parts])
+    offsets = None
+    if any(p.offsets is not None for p in parts):
+        offsets = torch.cat([p.offsets.float() if p.offsets is not None else torch.zeros_like(p.scales, dtype=torch.float32)
+                             for p in parts])
+    return IntWeight(qweight=torch.cat([p.qweight for p in parts]),
+                     scales=torch.cat([p.scales.to(scale_dtype) for p in parts]), zeros=zeros,
+                     group_size=first.group_size, bits=first.bits, g_idx=first.g_idx, offsets=offsets)

@@ -1,0 +1,43 @@
+"""What the loaded model's weights are: format, where they came from, and the decoder's linear bytes.
+
+Reported by the engine's stats (`weights`) and the job's `_SUCCESS`; `linear_bytes` counts the
+storage the decoder's linear layers hold (codes, scales, zeros, minima; biases excluded; shared tensors
+once), `float32_linear_bytes` what the same layers would take as float32 weights.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def linear_layers(model: nn.Module) -> dict[str, nn.Module]:
+    """The decoder's linear layers (q/k/v, o, gate/up, down per layer), whatever class holds them."""
+    return {name: module for name, module in model.named_modules()
+            if name.startswith("layers.") and name.rsplit(".", 1)[-1] in ("qkv_proj", "o_proj", "gate_up_proj",
+                                                                          "down_proj")}
+
+
+def layer_weight_bytes(module: nn.Module) -> int:
+    """Storage bytes of one linear layer's weight (tensors shared within the layer once), bias excluded."""
+    seen: dict[int, int] = {}
+    bias = getattr(module, "bias", None)
+    for t in list(module.parameters()) + list(module.buffers()):
+        if bias is not None and t is bias:
+            continue
+        if t.layout == torch._mkldnn:  # opaque oneDNN tensor (packed weight): no storage to look at
+            seen[id(t)] = t.numel() * t.element_size()
+            continue
+        storage = t.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+def weight_report(model: nn.Module, weight_format: str, origin: str) -> dict:
+    """{format, origin, num_linear_layers, linear_bytes, float32_linear_bytes, linear_bytes_vs_float32}."""
+    layers = linear_layers(model)
+    linear_bytes = sum(layer_weight_bytes(m) for m in layers.values())
+    float32_bytes = sum(m.in_features * m.out_features * 4 for m in layers.values())
+    return {"format": weight_format, "origin": origin, "num_linear_layers": len(layers),
+            "linear_bytes": linear_bytes, "float32_linear_bytes": float32_bytes,
+            "linear_bytes_vs_float32": linear_bytes / float32_bytes if float32_bytes else 0.0}
