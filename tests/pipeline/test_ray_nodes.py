@@ -61,7 +61,11 @@ def test_a_node_removed_mid_job_loses_no_row(tmp_path, cluster, tiny_model):
         deadline = time.monotonic() + 240
         while num_committed(out) < 2 and time.monotonic() < deadline:
             time.sleep(0.02)
-        ray_cluster.remove_node(nodes[1], allow_graceful=False)
+        # A node whose one CPU a replica holds (its actor asked for cpus_per_replica: 1), so the node
+        # taken away surely had units in flight.
+        free = ray._private.state.available_resources_per_node()
+        busy = [node for node in nodes if free.get(node.node_id, {}).get("CPU", 0) == 0]
+        ray_cluster.remove_node(busy[-1], allow_graceful=False)
         removed.set()
 
     remover = threading.Thread(target=remove_a_node, daemon=True)
