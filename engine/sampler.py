@@ -5,8 +5,10 @@ and host flags saying which treatments any row needs, so it never asks the devic
 `.item()`, `.tolist()`); penalties read the device-side token counts of a PenaltyState. It returns
 device tensors; the model runner reads them back in one copy.
 
-Each sequence draws from its own generator (seeded by job seed, request id and sample index) with
-one exponential race per token, so a sample never depends on its batch mates.
+
+Every random row draws its noise from the keyed generator (keyed_random.py): a pure function of
+(job seed, request key, sample index, output position), one exponential race per token, so a sample
+never depends on its batch mates, on preemption or on speculation.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from batchgen.engine.keyed_random import keyed_exponential, keyed_exponential_at
 from batchgen.engine.sampling_batch import PenaltyState, SamplingBatch, sampling_batch_for
 from batchgen.engine.sequence import Sequence
 from batchgen.kernels import cpu_sampling
@@ -87,10 +90,23 @@ def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
     return logits
 
 
-def draw_exponential_noise(seqs: list[Sequence], vocab: int, device: torch.device) -> torch.Tensor:
-    """(R, V) Exp(1) draws, one row per random sequence from its own generator."""
-    return torch.stack([torch.empty(vocab, device=device).exponential_(generator=seq.get_generator(device))
-                        for seq in seqs])
+def race(probs: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """(R,) long: one draw from each row of `probs` (R, V), argmax(p / E) with E ~ Exp(1) keyed by
+    (keys[r], positions[r]) (the exponential race, exact for any p).
+
+    Where the filters left a small support, the noise is computed at the support's entries only:
+    the same values as the dense draw, so the token is the same either way.
+    """
+    if probs.device.type != "cpu":  # one dense draw: counting the support would read the device
+        return (probs / keyed_exponential(keys, positions, probs.shape[-1])).argmax(dim=-1)
+    support = probs > 0
+    num_support = int(support.sum())
+    if 4 * num_support >= probs.numel():
+        return (probs / keyed_exponential(keys, positions, probs.shape[-1])).argmax(dim=-1)
+    rows, cols = support.nonzero(as_tuple=True)  # (M,), (M,)
+    ratio = torch.zeros_like(probs)
+    ratio[rows, cols] = probs[rows, cols] / keyed_exponential_at(keys[rows], positions[rows], cols)
+    return ratio.argmax(dim=-1)
 
 
 @dataclass
@@ -126,7 +142,7 @@ class Sampler:
         """logits: (N, V) float32 raw model logits, one row per sequence (the sampler may edit them in
         place). Chosen tokens, their raw log-probabilities (the model's own, before any penalty) and
         the top-N raw log-probabilities where asked; the sampled tokens join `penalties`' counts.
-        `seqs` are read only for the random rows' generators."""
+        `seqs` are not read: every per-row value comes in `batch`."""
         num_rows, vocab = logits.shape
         result = SampledTokens(tokens=logits.new_empty(0, dtype=torch.long), logprobs=logits.new_empty(0))
         if batch.top_index is not None:  # before anything edits the logits
@@ -159,9 +175,8 @@ class Sampler:
             scaled = logits.index_select(0, rows) / batch.temperature[:, None]
             probs = filter_logits(scaled, batch.top_k, batch.top_p, batch.min_p,
                                   has_top_k_or_p=batch.has_top_k_or_p, has_min_p=batch.has_min_p).softmax(dim=-1)
-            # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p; one draw per token per sequence.
-            noise = draw_exponential_noise([seqs[i] for i in batch.random_rows], vocab, logits.device)
-            tokens = tokens.index_copy(0, rows, (probs / noise).argmax(dim=-1))
+            # Exponential race, E ~ Exp(1) keyed by (sample key, output position): see keyed_random.py.
+            tokens = tokens.index_copy(0, rows, race(probs, batch.random_keys(), batch.random_position.long()))
         result.tokens = tokens
         result.logprobs = raw.gather(-1, tokens[:, None]).squeeze(-1) - log_z
         if batch.has_penalties:

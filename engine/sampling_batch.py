@@ -32,6 +32,9 @@ class SamplingBatch:
     top_k: torch.Tensor | None = None  # (R,) int32 (vocab: off)
     top_p: torch.Tensor | None = None  # (R,) float32
     min_p: torch.Tensor | None = None  # (R,) float32
+    random_key_lo: torch.Tensor | None = None  # (R,) int32: low and high words of the sample's 63-bit key
+    random_key_hi: torch.Tensor | None = None  # (R,) int32
+    random_position: torch.Tensor | None = None  # (R,) int32: the output position being sampled
     has_top_k_or_p: bool = False
     has_min_p: bool = False
     # Rows with penalties: their PenaltyState rows and values.
@@ -61,6 +64,10 @@ class SamplingBatch:
     @property
     def max_top_logprobs(self) -> int:
         return max(self.top_counts, default=0)
+
+    def random_keys(self) -> torch.Tensor:
+        """(R,) int64: each random row's sample key, put back together from its two int32 words."""
+        return (self.random_key_hi.long() << 32) | (self.random_key_lo.long() & 0xFFFFFFFF)
 
 
 class PenaltyState:
@@ -148,6 +155,12 @@ class PenaltyState:
         self.output_counts.index_put_((batch.penalty_rows.long(), chosen), ones, accumulate=True)
 
 
+def _int32_words(value: int) -> tuple[int, int]:
+    """A 64-bit key as its (low, high) 32-bit words, each as the signed int32 the buffer holds."""
+    lo, hi = value & 0xFFFFFFFF, (value >> 32) & 0xFFFFFFFF
+    return lo - (1 << 32) if lo >= 1 << 31 else lo, hi - (1 << 32) if hi >= 1 << 31 else hi
+
+
 def add_sampling_sections(packer: StepPacker, seqs: list[Sequence], eos_token_ids: tuple[int, ...],
                           vocab_size: int, penalties: PenaltyState) -> SamplingBatch:
     """Add the sampling sections of `seqs` (one per sampling row) to the step's packer. Returns the
@@ -158,6 +171,9 @@ def add_sampling_sections(packer: StepPacker, seqs: list[Sequence], eos_token_id
     top_k: list[int] = []
     top_p: list[float] = []
     min_p: list[float] = []
+    key_lo: list[int] = []
+    key_hi: list[int] = []
+    position: list[int] = []
     penalty_index: list[int] = []
     penalty_rows: list[int] = []
     repetition: list[float] = []
@@ -184,6 +200,10 @@ def add_sampling_sections(packer: StepPacker, seqs: list[Sequence], eos_token_id
             top_k.append(k)
             top_p.append(p.top_p)
             min_p.append(p.min_p)
+            lo, hi = _int32_words(seq.random_key)
+            key_lo.append(lo)
+            key_hi.append(hi)
+            position.append(seq.num_output_tokens)
             batch.has_top_k_or_p |= k < vocab_size or p.top_p < 1
             batch.has_min_p |= p.min_p > 0
         if p.has_penalties:
@@ -216,6 +236,9 @@ def add_sampling_sections(packer: StepPacker, seqs: list[Sequence], eos_token_id
         packer.add_ints("s.top_k", top_k)
         packer.add_floats("s.top_p", top_p)
         packer.add_floats("s.min_p", min_p)
+        packer.add_ints("s.random_key_lo", key_lo)
+        packer.add_ints("s.random_key_hi", key_hi)
+        packer.add_ints("s.random_position", position)
     if penalty_index:
         packer.add_ints("s.penalty_index", penalty_index)
         packer.add_ints("s.penalty_rows", penalty_rows)

@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import enum
-import hashlib
 import time
 
-import torch
-
+from batchgen.engine.keyed_random import sequence_key
 from batchgen.engine.sampling_params import SamplingParams
 
 
@@ -15,15 +13,6 @@ class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
-
-
-def sample_seed(seed: int, sample_key: str, sample_index: int) -> int:
-    """A stable 63-bit seed for (seed, sample key, sample index): no batch, order or resume effect.
-
-    The sample key is the request id unless the caller gives another (see LLMEngine.add_request).
-    """
-    digest = hashlib.sha256(f"{seed}\x00{sample_key}\x00{sample_index}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
 class Sequence:
@@ -37,7 +26,7 @@ class Sequence:
                  params: SamplingParams, arrival_time: float, max_total_tokens: int,
                  sample_key: str | None = None):
         self.request_id = request_id
-        self.sample_key = request_id if sample_key is None else sample_key  # keys the generator
+        self.sample_key = request_id if sample_key is None else sample_key  # keys the random draws
         self.sample_index = sample_index
         self.prompt_token_ids = prompt_token_ids
         self.token_ids: list[int] = list(prompt_token_ids)
@@ -61,7 +50,8 @@ class Sequence:
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
-        self.generator: torch.Generator | None = None  # made lazily on the sampling device
+        # Keys every random draw of this sample (with the output position): see keyed_random.py.
+        self.random_key = sequence_key(params.seed or 0, self.sample_key, sample_index)
 
     @property
     def num_tokens(self) -> int:
@@ -78,15 +68,6 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status == SequenceStatus.FINISHED
-
-    def seed(self) -> int:
-        return sample_seed(self.params.seed or 0, self.sample_key, self.sample_index)
-
-    def get_generator(self, device: torch.device) -> torch.Generator:
-        if self.generator is None:
-            self.generator = torch.Generator(device=device)
-            self.generator.manual_seed(self.seed())
-        return self.generator
 
     def append_token(self, token_id: int, logprob: float | None,
                      top_logprobs: list[tuple[int, float]] | None = None) -> None:

@@ -42,6 +42,19 @@ def allowed_tokens(logits: torch.Tensor, top_k: int, top_p: float, min_p: float)
     return {t for t in nucleus if probs[t].item() >= min_p * top}
 
 
+def draws_at_successive_positions(sampler: Sampler, logits: torch.Tensor, seqs: list[Sequence],
+                                  num_positions: int) -> list[list[int]]:
+    """Sample every sequence at `num_positions` successive output positions (each drawn token is
+    appended, as the engine does): the keyed draws differ by position, not by call."""
+    result = []
+    for _ in range(num_positions):
+        tokens, _ = sampler(logits.clone(), seqs)
+        for seq, token in zip(seqs, tokens):
+            seq.token_ids.append(token)
+        result.append(tokens)
+    return result
+
+
 FILTER_CASES = [  # (top_k, top_p, min_p)
     (1, 1.0, 0.0), (5, 1.0, 0.0), (VOCAB, 1.0, 0.0),
     (-1, 0.5, 0.0), (-1, 0.9, 0.0), (-1, 0.05, 0.0),
@@ -85,8 +98,7 @@ def test_sampler_never_emits_a_filtered_token(top_k, top_p, min_p):
     sampler = Sampler(eos_token_ids=(EOS,))
     num_multi_choice_draws = 0
     distinct_per_row = [set() for _ in range(128)]
-    for _ in range(25):  # 25 draws from each of 128 seeded generators
-        tokens, _ = sampler(logits.clone(), seqs)
+    for tokens in draws_at_successive_positions(sampler, logits, seqs, 25):  # 25 positions of 128 samples
         for i, token in enumerate(tokens):
             assert token in allowed[i], f"row {i}: token {token} outside {sorted(allowed[i])}"
             distinct_per_row[i].add(token)
@@ -105,8 +117,7 @@ def test_sampled_frequencies_follow_the_tempered_distribution():
             for i in range(num_seqs)]
     sampler = Sampler(eos_token_ids=(EOS,))
     counts = torch.zeros(VOCAB)
-    for _ in range(num_draws):
-        tokens, _ = sampler(logits.clone(), seqs)
+    for tokens in draws_at_successive_positions(sampler, logits, seqs, num_draws):
         counts += torch.bincount(torch.tensor(tokens), minlength=VOCAB)
     top6 = torch.topk(row, 6).indices
     expected = torch.zeros(VOCAB)
@@ -125,7 +136,7 @@ def test_seeded_draws_repeat_and_depend_on_seed_request_and_sample_index():
         seqs = [make_seq(SamplingParams(temperature=1.0, seed=seed, n=2), request_id=rid, sample_index=idx)
                 for seed, rid, idx in specs]
         sampler = Sampler(eos_token_ids=(EOS,))
-        return [tuple(col) for col in zip(*(sampler(logits.clone(), seqs)[0] for _ in range(20)))]
+        return [tuple(col) for col in zip(*draws_at_successive_positions(sampler, logits, seqs, 20))]
 
     specs = [(1, "a", 0), (1, "a", 1), (1, "b", 0), (2, "a", 0)]
     first = draws(specs)
