@@ -56,7 +56,8 @@ def test_keyed_draws_pass_a_chi_square_test_of_the_processed_distribution():
 def test_a_sampler_that_ignores_top_p_fails_the_same_test(monkeypatch):
     real_filter = sampler_module.filter_logits
     monkeypatch.setattr(sampler_module, "filter_logits",
-                        lambda logits, top_k, top_p, min_p: real_filter(logits, top_k, torch.ones_like(top_p), min_p))
+                        lambda logits, top_k, top_p, min_p, **flags: real_filter(logits, top_k, torch.ones_like(top_p),
+                                                                                  min_p, **flags))
     counts, expected = sampled_counts()
     assert chi_square_p_value(counts, expected) < 0.001
 

@@ -81,12 +81,14 @@ def assert_one_copy_each_way(counter: TransferCounter) -> None:
 
 
 def decode_step_on_meta(monkeypatch, *, graphs: bool):
-    """A runner on meta with four sequences prefilled: greedy, a penalty row, min_tokens, top logprobs."""
+    """A runner on meta with five sequences prefilled: greedy, a penalty row, min_tokens, top logprobs,
+    and a sampled one (its keyed draw's key and position travel in the packed copy)."""
     runner = tiny_runner(META, monkeypatch=monkeypatch)
     params = [SamplingParams(temperature=0, max_tokens=8),
               SamplingParams(temperature=0, max_tokens=8, repetition_penalty=1.3, frequency_penalty=0.5),
               SamplingParams(temperature=0, max_tokens=8, min_tokens=4, stop_token_ids=[3]),
-              SamplingParams(temperature=0, max_tokens=8, logprobs=3)]
+              SamplingParams(temperature=0, max_tokens=8, logprobs=3),
+              SamplingParams(temperature=0.8, top_p=0.9, top_k=20, seed=3, max_tokens=8)]
     seqs = [make_seq(f"r{i}", [1 + i, 2, 3, 4, 5][:3 + i % 3], p, first_block=1 + 4 * i) for i, p in enumerate(params)]
     with TransferCounter():  # the penalty row is made here, in the prefill step (meta reads need the mode)
         advance(runner.execute(prefill(seqs)))
@@ -111,7 +113,7 @@ def test_a_decode_step_copies_its_inputs_once_and_reads_back_once(monkeypatch, g
     runner, seqs = decode_step_on_meta(monkeypatch, graphs=graphs)
     with TransferCounter() as counter:
         results = runner.execute(decode(seqs))
-    assert len(results) == 4 and results[3][3] is not None and len(results[3][3]) == 3  # top-3 came back too
+    assert len(results) == len(seqs) and results[3][3] is not None and len(results[3][3]) == 3  # top-3 came back too
     assert_one_copy_each_way(counter)
     assert runner.penalties.rows  # the penalty row exists and was updated on the device
 
