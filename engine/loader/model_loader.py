@@ -41,10 +41,13 @@ def read_model_config(source: ModelSource) -> ModelConfig:
     return read_gguf_config(source.folder / source.gguf_file) if source.is_gguf else read_hf_config(source.folder)
 
 
-def unique_storage_bytes(module: torch.nn.Module) -> int:
-    """Bytes of the distinct storages behind parameters and buffers (tied weights counted once)."""
+def unique_storage_bytes(module: torch.nn.Module, exclude: tuple[torch.Tensor, ...] = ()) -> int:
+    """Bytes of the distinct storages behind parameters and buffers (tied weights counted once),
+    leaving out the tensors in `exclude` (e.g. a layer's bias)."""
     seen: dict[int, int] = {}
     for t in list(module.parameters()) + list(module.buffers()):
+        if any(t is e for e in exclude):
+            continue
         if t.layout == torch._mkldnn:  # opaque oneDNN tensor (packed weight): no storage to look at
             seen[id(t)] = t.numel() * t.element_size()
             continue
@@ -136,14 +139,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
             prepare_fp8_checkpoint(model, source.folder)  # FP8 checkpoints load as stored, never re-quantized
         weights = iter_hf_weights(source.folder)
     model.load_weights(weights)
-    # Rotary tables are computed, not loaded (they were left empty on the meta device).
-    model.rotary = RotaryEmbedding(model_cfg.head_dim, max_model_len, model_cfg.rope_theta,
-                                   model_cfg.rope_scaling).to(device)
-    model.eval()
-    if capabilities.elementwise_ops == "compiled":
-        model.enable_compile()
-    elif capabilities.elementwise_ops == "c":
-        model.enable_cpu_kernels()
+    _prepare_for_inference(model, model_cfg, max_model_len, capabilities, device)
     if capabilities.fp8_mode is not None:
         from batchgen.engine.quant.fp8 import quantize_model_fp8
 
@@ -166,6 +162,19 @@ def load_model(config: EngineConfig) -> LoadedModel:
     return LoadedModel(source, model_cfg, model, max_model_len, weight_bytes, capabilities, weights_info)
 
 
+def _prepare_for_inference(model: LlamaForCausalLM, model_cfg: ModelConfig, max_model_len: int,
+                           capabilities: Capabilities, device: torch.device) -> None:
+    """After the weights are in: the rotary tables (computed, not loaded: they were left empty on the
+    meta device), eval mode and the elementwise ops the capabilities chose."""
+    model.rotary = RotaryEmbedding(model_cfg.head_dim, max_model_len, model_cfg.rope_theta,
+                                   model_cfg.rope_scaling).to(device)
+    model.eval()
+    if capabilities.elementwise_ops == "compiled":
+        model.enable_compile()
+    elif capabilities.elementwise_ops == "c":
+        model.enable_cpu_kernels()
+
+
 def build_loaded_model(config: EngineConfig, model_cfg: ModelConfig, max_model_len: int,
                        fill_weights) -> LoadedModel:
     """A LoadedModel from weights the caller has: `fill_weights(model)` fills the empty model in place
@@ -179,13 +188,7 @@ def build_loaded_model(config: EngineConfig, model_cfg: ModelConfig, max_model_l
     model = build_empty_model(model_cfg, max_model_len, backend, device, config.torch_dtype)
     with torch.no_grad():
         fill_weights(model)
-    model.rotary = RotaryEmbedding(model_cfg.head_dim, max_model_len, model_cfg.rope_theta,
-                                   model_cfg.rope_scaling).to(device)
-    model.eval()
-    if capabilities.elementwise_ops == "compiled":
-        model.enable_compile()
-    elif capabilities.elementwise_ops == "c":
-        model.enable_cpu_kernels()
+    _prepare_for_inference(model, model_cfg, max_model_len, capabilities, device)
     if capabilities.fp8_mode is not None:
         from batchgen.engine.quant.fp8 import quantize_model_fp8
 

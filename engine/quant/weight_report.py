@@ -7,7 +7,6 @@ once), `float32_linear_bytes` what the same layers would take as float32 weights
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 
@@ -20,17 +19,10 @@ def linear_layers(model: nn.Module) -> dict[str, nn.Module]:
 
 def layer_weight_bytes(module: nn.Module) -> int:
     """Storage bytes of one linear layer's weight (tensors shared within the layer once), bias excluded."""
-    seen: dict[int, int] = {}
+    from batchgen.engine.loader.model_loader import unique_storage_bytes  # the loader imports this module
+
     bias = getattr(module, "bias", None)
-    for t in list(module.parameters()) + list(module.buffers()):
-        if bias is not None and t is bias:
-            continue
-        if t.layout == torch._mkldnn:  # opaque oneDNN tensor (packed weight): no storage to look at
-            seen[id(t)] = t.numel() * t.element_size()
-            continue
-        storage = t.untyped_storage()
-        seen[storage.data_ptr()] = storage.nbytes()
-    return sum(seen.values())
+    return unique_storage_bytes(module, exclude=() if bias is None else (bias,))
 
 
 def weight_report(model: nn.Module, weight_format: str, origin: str) -> dict:
