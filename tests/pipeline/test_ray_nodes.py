@@ -15,10 +15,12 @@ import ray
 from ray.cluster_utils import Cluster
 
 from batchgen.pipeline.config import load_job
+from batchgen.pipeline.ray_driver import run_on_ray
 from batchgen.pipeline.runner import run_job
 from tests.pipeline.conftest import read_output
 from tests.pipeline.ray_helpers import num_committed
 from tests.pipeline.scale_helpers import assert_each_row_once, row_key, write_job
+from tests.pipeline.slow_replica import SlowReplica
 from tests.pipeline.tiny_model import write_tiny_model
 
 
@@ -70,7 +72,7 @@ def test_a_node_removed_mid_job_loses_no_row(tmp_path, cluster, tiny_model):
 
     remover = threading.Thread(target=remove_a_node, daemon=True)
     remover.start()
-    result = run_job(job, progress=False)
+    result = run_on_ray(job, progress=False, replica_class=SlowReplica)
     remover.join()
     assert removed.is_set()
     assert_each_row_once(out)
