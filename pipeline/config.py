@@ -1,4 +1,5 @@
-"""JobConfig: the job file contract (design.md) as pydantic models, loading, `--set` overrides, config hash."""
+"""JobConfig: the job file contract (the README's job reference) as pydantic models, loading, `--set`
+overrides, config hash."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Input and output schemas: what a job's columns must look like, and the rows it writes (design.md)."""
+"""Input and output schemas: what a job's columns must look like, and the rows it writes (the README's
+Output section)."""
 
 from __future__ import annotations
 

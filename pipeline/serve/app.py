@@ -156,7 +156,7 @@ def _prepare(body: ChatCompletionRequest | CompletionRequest, prompt, prompt_fie
             token_ids = list(prompt)
         else:
             try:
-                # Control-token text in message content is text (issue 8); a raw prompt is the
+                # Control-token text in message content is text (as in jobs); a raw prompt is the
                 # caller's own template, as in vLLM.
                 token_ids = engine.encode(prompt, allow_special_tokens=not isinstance(prompt, list))
             except ValueError as exc:  # no chat template
