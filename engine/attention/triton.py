@@ -29,6 +29,7 @@ from batchgen.engine.attention.base import (
     token_starts,
 )
 from batchgen.engine.attention.kv_cache import LayerKVCache
+from batchgen.engine.step_inputs import StepInputs
 
 
 @dataclass
@@ -55,6 +56,13 @@ class TritonMetadataBuilder(AttentionMetadataBuilder):
             block_tables=padded_block_tables(block_tables, seq_lens, self.block_size, device),
             cu_query_lens=torch.tensor(token_starts(query_lens), dtype=torch.int32, device=device),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device), block_size=self.block_size)
+
+    def build_packed(self, step: StepInputs) -> TritonAttentionMetadata:
+        """The step's packed tensors as they are: the kernels take int32 offsets, lengths and tables,
+        so nothing is built here and a decode graph's capture records reads of its static buffers."""
+        return TritonAttentionMetadata(step.slot_mapping, step.num_decodes, block_tables=step.block_tables_t,
+                                       cu_query_lens=step.query_start_loc, seq_lens=step.seq_lens,
+                                       block_size=self.block_size)
 
 
 def _triton_reason() -> str | None:

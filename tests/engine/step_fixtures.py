@@ -84,9 +84,10 @@ class TorchStepAttention(AttentionBackend):
 
 
 def tiny_runner(device: torch.device, num_blocks: int = 32, max_num_seqs: int = 16, seed: int = 0,
-                monkeypatch=None) -> ModelRunner:
-    """A ModelRunner over the tiny model with the torch-step backend on `device` (meta or cpu)."""
-    backend = TorchStepAttention(TINY.num_heads, TINY.num_kv_heads, TINY.head_dim)
+                monkeypatch=None, backend_class: type[AttentionBackend] | None = None) -> ModelRunner:
+    """A ModelRunner over the tiny model on `device` (meta or cpu), with the torch-step backend
+    unless `backend_class` names another."""
+    backend = (backend_class or TorchStepAttention)(TINY.num_heads, TINY.num_kv_heads, TINY.head_dim)
     model = build_empty_model(TINY, 256, backend, device, torch.float32)
     if device.type != "meta":
         gen = torch.Generator().manual_seed(seed)
@@ -98,7 +99,7 @@ def tiny_runner(device: torch.device, num_blocks: int = 32, max_num_seqs: int = 
     config = EngineConfig(model="tiny", dtype="float32", device="cpu", block_size=BLOCK, max_num_seqs=max_num_seqs)
     if monkeypatch is not None and device.type != "cpu":
         monkeypatch.setattr(EngineConfig, "torch_device", property(lambda self: device))
-    capabilities = Capabilities(device=device.type, attention_backend="torch-step", elementwise_ops="eager",
+    capabilities = Capabilities(device=device.type, attention_backend=backend.name, elementwise_ops="eager",
                                 is_c_sampling=False, is_onednn_packed_linear=False, is_onednn_silu_mul=False,
                                 has_triton=False, has_fp8_matmul=False, fp8_mode=None, is_triton_fp8_w8a16=False)
     return ModelRunner(config, TINY, model, num_blocks, (EOS,), capabilities)

@@ -77,3 +77,34 @@ def test_steps_that_are_not_decode_only_or_too_large_run_eagerly():
     assert capturer.num_replays == 0
     advance(runner.execute(decode(seqs[:1])))
     assert capturer.num_replays == 1
+
+
+def test_triton_decode_graphs_read_the_static_buffers_like_the_eager_step():
+    """The Triton backend's metadata is views of the packed step (no tensor of its own), so a graph
+    captured over the static buffers replays a step of fewer rows (padding: slot -1, one key) with
+    the eager step's logits. Under TRITON_INTERPRET=1 (tests/conftest.py), the capture is eager."""
+    from batchgen.engine.attention.triton import TritonAttention
+
+    eager = tiny_runner(CPU, max_num_seqs=4, backend_class=TritonAttention)
+    graphed = tiny_runner(CPU, max_num_seqs=4, backend_class=TritonAttention)
+    capturer = EagerCapturer()
+    graphed.capture_decode_graphs(max_model_len=64, capturer=capturer)
+    seqs = {id(runner): _three_sequences() for runner in (eager, graphed)}
+    logits = {}
+    for runner in (eager, graphed):
+        advance(runner.execute(prefill(seqs[id(runner)])))
+        sampler, records = runner.sampler, logits.setdefault(id(runner), [])
+
+        class Recording:
+            def sample(self, step_logits, *args, sampler=sampler, records=records):
+                records.append(step_logits.clone())
+                return sampler.sample(step_logits, *args)
+
+        runner.sampler = Recording()
+        for _ in range(2):
+            advance(runner.execute(decode(seqs[id(runner)])))
+    assert capturer.num_replays == 2  # both decode steps of 3 rows replayed the 4-row graph
+    assert [s.output_token_ids for s in seqs[id(eager)]] == [s.output_token_ids for s in seqs[id(graphed)]]
+    for a, b in zip(logits[id(eager)], logits[id(graphed)]):
+        assert a.shape == b.shape == (3, 96)
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
