@@ -93,9 +93,10 @@ def merged_record(storage: Storage, manifest: dict, workers: dict, summaries: li
     ends = [s["finished"] for s in summaries if s.get("finished")]
     span = max(ends) - min(starts) if starts and ends else 0.0
     resumed = any(s.get("resumed") for s in summaries)
-    kernels = next((s["kernels"] for s in summaries if s.get("kernels")), {})
+    # Every worker loads the same job: the first that ran an engine speaks for all.
+    reports = next((s["engine"] for s in summaries if s.get("engine", {}).get("kernels")), {"kernels": {}})
     return success_record(manifest.get("job", ""), manifest["config_hash"], whole, generated, span,
-                          resumed=resumed, kernels=kernels, workers=workers)
+                          resumed=resumed, workers=workers, **reports)
 
 
 def finalize_folder(storage: Storage, workers: dict | None = None) -> Finalized:

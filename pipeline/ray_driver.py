@@ -121,7 +121,7 @@ def run_on_ray(job: JobConfig, *, limit: int | None = None, overwrite: bool = Fa
                 raise RuntimeError(f"replicas reported every unit done, but {len(missing)} unit(s) are not "
                                    f"committed in {job.output.path}: {', '.join(missing[:20])}")
             record = write_job_success(plan, lock, skipped, this_run, driver.generation_seconds,
-                                       kernels=driver.kernels, workers=driver.workers())
+                                       workers=driver.workers(), **driver.engine_reports)
             return RunResult(record, success_path, len(pending), len(skipped), dict(state.redo))
     finally:
         if connected:
@@ -145,7 +145,7 @@ class _Driver:
         self.replicas: list[Replica] = []
         self.failures = 0
         self.retried: set[str] = set()
-        self.kernels: dict = {}
+        self.engine_reports: dict = {"kernels": {}}  # the first replica's (every replica loads the same job)
         self.started: list[dict] = []
         self.generation_seconds = 0.0
         self.first_ready: float | None = None  # monotonic time the first replica was ready
@@ -219,7 +219,8 @@ class _Driver:
             replica.ready_ref = None
             self.first_ready = self.first_ready or time.monotonic()
             replica.where = {"host": result["host"], "pid": result["pid"]}
-            self.kernels = self.kernels or result["kernels"]
+            if not self.started:
+                self.engine_reports = result["engine"]
             self.started.append(replica.where)
             return
         unit = replica.in_flight.pop(ref)

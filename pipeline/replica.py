@@ -38,9 +38,10 @@ class EngineReplica:
         self.output_storage = Storage(job.output.path, job.output.storage_options)
 
     def ready(self) -> dict:
-        """Where this replica runs (answered once the engine is loaded)."""
-        return {"host": socket.gethostname(), "pid": os.getpid(),
-                "kernels": self.engine.stats.get("kernels", {})}
+        """Where this replica runs and what its engine loaded (answered once the engine is loaded)."""
+        from batchgen.pipeline.runner import engine_reports
+
+        return {"host": socket.gethostname(), "pid": os.getpid(), "engine": engine_reports(self.engine)}
 
     def run_unit(self, unit: WorkUnit, repeats: dict[Position, int]) -> dict:
         """Generate one unit and commit its part; its figures (a Totals) and this process's id."""

@@ -77,10 +77,14 @@ def _run_locked(plan: JobPlan, lock: FolderLock, engine: LLMEngine | None, overw
     source = UnitSource(job, plan.inputs.output_schema(job), plan.repeats)
     ran = run_units(source, plan.input_storage, plan.output.storage, pending, engine,
                     CommitContext(plan.config_hash, lock.holder.run_id, lock.check), progress=progress)
-    record = write_job_success(plan, lock, skipped, ran.totals, ran.generation_seconds,
-                               kernels=engine.stats["kernels"], kv_cache=engine.stats.get("kv_cache"),
-                               weights=engine.stats.get("weights", {}))
+    record = write_job_success(plan, lock, skipped, ran.totals, ran.generation_seconds, **engine_reports(engine))
     return RunResult(record, success_path, len(pending), len(skipped), dict(state.redo))
+
+
+def engine_reports(engine: LLMEngine) -> dict:
+    """What `_SUCCESS` says of the engine that ran: its kernels, KV cache and weight format."""
+    stats = engine.stats
+    return {"kernels": stats.get("kernels", {}), "kv_cache": stats.get("kv_cache"), "weights": stats.get("weights", {})}
 
 
 def write_job_success(plan: JobPlan, lock: FolderLock, skipped: list[WorkUnit], this_run: Totals,

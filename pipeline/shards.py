@@ -120,7 +120,7 @@ class ShardResult:
 def run_shard(job: JobConfig, shard: ShardSpec, *, engine=None, limit: int | None = None,
               progress: bool = True) -> ShardResult:
     """Run this shard's units (resuming like a local run), write its summary, try to finalize."""
-    from batchgen.pipeline.runner import check_engine_can_run, engine_for
+    from batchgen.pipeline.runner import check_engine_can_run, engine_for, engine_reports
 
     if job.cluster.backend != "local":
         raise JobError("--shard runs on this machine: it does not combine with cluster.backend: ray "
@@ -149,7 +149,7 @@ def run_shard(job: JobConfig, shard: ShardSpec, *, engine=None, limit: int | Non
             folder_lock.check()
             shard_lock.check()
 
-        totals, seconds, kernels = Totals(), 0.0, {}
+        totals, seconds, reports = Totals(), 0.0, {"kernels": {}}
         if pending:
             engine = engine_for(job, engine)
             check_engine_can_run(job, engine)
@@ -157,8 +157,8 @@ def run_shard(job: JobConfig, shard: ShardSpec, *, engine=None, limit: int | Non
             ran = run_units(source, plan.input_storage, storage, pending, engine,
                             CommitContext(plan.config_hash, folder_lock.holder.run_id, may_commit),
                             progress=progress)
-            totals, seconds, kernels = ran.totals, ran.generation_seconds, engine.stats["kernels"]
-        summary = _shard_summary(plan, shard, mine, pending, skipped, redo, totals, seconds, kernels, started)
+            totals, seconds, reports = ran.totals, ran.generation_seconds, engine_reports(engine)
+        summary = _shard_summary(plan, shard, mine, pending, skipped, redo, totals, seconds, reports, started)
         may_commit()
         storage.write_text_atomic(f"{WORKERS_DIR}/shard-{shard.name}.json",
                                   json.dumps(summary, indent=1) + "\n")
@@ -204,7 +204,7 @@ def _prepare(plan: JobPlan, shard: ShardSpec, mine: list[WorkUnit]) -> dict[str,
 
 
 def _shard_summary(plan: JobPlan, shard: ShardSpec, mine, pending, skipped, redo, totals: Totals,
-                   seconds: float, kernels: dict, started: float) -> dict:
+                   seconds: float, reports: dict, started: float) -> dict:
     """This shard's figures: its units (all of them, also those an earlier run wrote), what this run did."""
     import pyarrow.parquet as pq
 
@@ -228,5 +228,6 @@ def _shard_summary(plan: JobPlan, shard: ShardSpec, mine, pending, skipped, redo
         "completion_tokens": whole.completion_tokens,
         "generated_completion_tokens": totals.completion_tokens, "generation_seconds": seconds,
         "completion_tokens_per_s": totals.completion_tokens / seconds if seconds > 0 else 0.0,
-        "ttft_s": percentiles(totals.ttft_s), "tpot_s": percentiles(totals.tpot_s), "kernels": kernels,
+        "ttft_s": percentiles(totals.ttft_s), "tpot_s": percentiles(totals.tpot_s),
+        "engine": reports,  # engine_reports(): kernels, KV cache, weights
     }

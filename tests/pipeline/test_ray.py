@@ -73,6 +73,9 @@ def test_two_replicas_give_the_local_rows(tmp_path, ray_cluster, tiny_model, loc
     workers = record["workers"]
     assert (workers["backend"], workers["num_workers"], workers["replica_failures"]) == ("ray", 2, 0)
     assert len({r["pid"] for r in workers["replicas"]}) == 2  # two engines did the work
+    # The replicas' engine reports reach _SUCCESS as a local run's do (float32 tiny model).
+    assert record["kernels"]["device"] == "cpu" and record["kv_cache"]["dtype"] == "float32"
+    assert record["kv_cache"]["bytes_per_token"] > 0 and record["weights"]["origin"] == "float"
     deadline = time.monotonic() + 30
     while replica_pids() and time.monotonic() < deadline:  # ray.kill returns before the process is gone
         time.sleep(0.1)

@@ -56,7 +56,8 @@ def test_three_shard_processes_give_the_local_rows_and_one_success(tmp_path, tin
 
     assert row_key(read_output(out)) == rows  # ids, sample indexes, token ids: as the local run's
     success = json.loads((out / "_SUCCESS").read_text())
-    for key in ("num_requests", "num_rows", "num_errors", "prompt_tokens", "completion_tokens"):
+    for key in ("num_requests", "num_rows", "num_errors", "prompt_tokens", "completion_tokens",
+                "kernels", "kv_cache", "weights"):  # the engine's reports came from the shards' engines
         assert success[key] == local_record[key], key
     assert success["num_rows"] == NUM_ROWS
     workers = success["workers"]
