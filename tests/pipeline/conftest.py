@@ -52,6 +52,15 @@ def read_output(folder: Path | str) -> pa.Table:
     return pa.concat_tables([pq.read_table(p) for p in parts])
 
 
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory, engine):
+    """A tiny random-weight Llama folder with the bundled model's tokenizer (already loaded by the
+    session engine: no second read of the GGUF), for tests where the bundled model is not the point."""
+    from tests.pipeline.tiny_model import write_tiny_model
+
+    return write_tiny_model(tmp_path_factory.mktemp("tiny") / "model", engine.tokenizer.hf)
+
+
 @pytest.fixture(scope="session")
 def engine(llm):
     """The session model's weights with a 256-token context: the engine of every job built by make_job."""

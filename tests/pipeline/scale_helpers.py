@@ -39,6 +39,15 @@ def write_job(tmp_path: Path, tiny_model: Path, name: str = "scaled", **sections
     return path
 
 
+def run_locally(tmp_path: Path, tiny_model: Path) -> tuple[list[tuple], dict]:
+    """The reference for every placement: write_job's job run locally, in this process -> (row_key, _SUCCESS)."""
+    from batchgen.pipeline.config import load_job
+    from batchgen.pipeline.runner import run_job
+
+    result = run_job(load_job(write_job(tmp_path, tiny_model)), progress=False)
+    return row_key(read_output(tmp_path / "out" / "scaled")), result.record
+
+
 def batchgen(*args: str) -> list[str]:
     return [sys.executable, "-m", "batchgen.pipeline.cli", *args]
 

@@ -17,8 +17,7 @@ from batchgen.pipeline.ray_driver import run_on_ray
 from batchgen.pipeline.runner import run_job
 from tests.pipeline.conftest import read_output
 from tests.pipeline.ray_helpers import Killer, replica_pids
-from tests.pipeline.scale_helpers import NUM_ROWS, assert_each_row_once, row_key, write_job
-from tests.pipeline.tiny_model import write_tiny_model
+from tests.pipeline.scale_helpers import NUM_ROWS, assert_each_row_once, row_key, run_locally, write_job
 
 
 @pytest.fixture(scope="module")
@@ -34,15 +33,8 @@ def ray_cluster():
 
 
 @pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory, engine):
-    return write_tiny_model(tmp_path_factory.mktemp("tiny") / "model", engine.tokenizer.hf)
-
-
-@pytest.fixture(scope="module")
 def local_rows(tmp_path_factory, tiny_model):
-    tmp = tmp_path_factory.mktemp("local")
-    run_job(load_job(write_job(tmp, tiny_model)), progress=False)
-    return row_key(read_output(tmp / "out" / "scaled"))
+    return run_locally(tmp_path_factory.mktemp("local"), tiny_model)[0]
 
 
 RAY = {"backend": "ray", "replicas": 2}

@@ -16,12 +16,10 @@ from ray.cluster_utils import Cluster
 
 from batchgen.pipeline.config import load_job
 from batchgen.pipeline.ray_driver import run_on_ray
-from batchgen.pipeline.runner import run_job
 from tests.pipeline.conftest import read_output
 from tests.pipeline.ray_helpers import num_committed
-from tests.pipeline.scale_helpers import assert_each_row_once, row_key, write_job
+from tests.pipeline.scale_helpers import assert_each_row_once, row_key, run_locally, write_job
 from tests.pipeline.slow_replica import SlowReplica
-from tests.pipeline.tiny_model import write_tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -44,16 +42,9 @@ def cluster():
         cluster.shutdown()
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory, engine):
-    return write_tiny_model(tmp_path_factory.mktemp("tiny") / "model", engine.tokenizer.hf)
-
-
 def test_a_node_removed_mid_job_loses_no_row(tmp_path, cluster, tiny_model):
     ray_cluster, nodes = cluster
-    local_tmp = tmp_path / "local"
-    run_job(load_job(write_job(local_tmp, tiny_model)), progress=False)
-    local_rows = row_key(read_output(local_tmp / "out" / "scaled"))
+    local_rows, _ = run_locally(tmp_path / "local", tiny_model)
 
     job = load_job(write_job(tmp_path, tiny_model, cluster={"backend": "ray", "replicas": 2, "cpus_per_replica": 1}))
     out = tmp_path / "out" / "scaled"

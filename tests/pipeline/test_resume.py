@@ -16,15 +16,8 @@ import yaml
 from batchgen.pipeline.errors import JobError
 from batchgen.pipeline.runner import run_job
 from tests.pipeline.conftest import FakeEngine, make_job, read_output, write_parquet
-from tests.pipeline.tiny_model import write_tiny_model
 
 NUM_ROWS, N = 5, 2
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory, engine):
-    # The shared engine's tokenizer is already loaded: no second read of the GGUF.
-    return write_tiny_model(tmp_path_factory.mktemp("tiny") / "model", engine.tokenizer.hf)
 
 
 def batchgen(*args: str) -> list[str]:

@@ -15,24 +15,14 @@ from typer.testing import CliRunner
 from batchgen.pipeline.cli import app
 from batchgen.pipeline.config import load_job
 from batchgen.pipeline.errors import JobError
-from batchgen.pipeline.runner import run_job
 from batchgen.pipeline.shards import parse_shard
 from tests.pipeline.conftest import read_output
-from tests.pipeline.scale_helpers import NUM_ROWS, assert_each_row_once, batchgen, row_key, write_job
-from tests.pipeline.tiny_model import write_tiny_model
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory, engine):
-    return write_tiny_model(tmp_path_factory.mktemp("tiny") / "model", engine.tokenizer.hf)
+from tests.pipeline.scale_helpers import NUM_ROWS, assert_each_row_once, batchgen, row_key, run_locally, write_job
 
 
 @pytest.fixture(scope="module")
 def local_rows(tmp_path_factory, tiny_model):
-    """The reference: the same job run locally, in this process."""
-    tmp = tmp_path_factory.mktemp("local")
-    result = run_job(load_job(write_job(tmp, tiny_model)), progress=False)
-    return row_key(read_output(tmp / "out" / "scaled")), result.record
+    return run_locally(tmp_path_factory.mktemp("local"), tiny_model)
 
 
 def shard_cmd(job_file, shard: str, *extra: str) -> list[str]:
