@@ -2,7 +2,8 @@
 
 The torch w8a16 path materializes the whole widened weight in memory on every call; this kernel
 reads the 1-byte weight once per output tile instead, so a decode step moves half the bytes of bf16.
-The per-output-channel scale is applied once to the accumulator (it is constant along K).
+The per-output-channel scale is applied once to the accumulator (it is constant along K). Tiles are
+chosen by M (kernels/matmul_tiles.py, shared with the integer GEMM).
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from batchgen.kernels.matmul_tiles import check_tiles, tiles_for
 
 FP8_DTYPE = torch.float8_e4m3fn
 
@@ -50,7 +53,7 @@ def _fp8_w8a16_matmul_kernel(
 
 
 def fp8_w8a16_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-                     block_m: int = 16, block_n: int = 64, block_k: int = 64) -> torch.Tensor:
+                     tiles: tuple[int, int, int] | None = None) -> torch.Tensor:
     """x (M, K) float16/bfloat16/float32, weight (N, K) float8_e4m3fn, scale (N,) or (1,) float32 -> (M, N) in x's dtype."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"expected x (M, K) and weight (N, K); got {tuple(x.shape)} and {tuple(weight.shape)}")
@@ -64,10 +67,9 @@ def fp8_w8a16_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                          f"got {scale.dtype} {tuple(scale.shape)}")
     if x.device != weight.device or x.device != scale.device:
         raise ValueError("x, weight and scale must be on the same device")
-    for block in (block_m, block_n, block_k):
-        if block < 16 or block & (block - 1):
-            raise ValueError(f"block sizes must be powers of two >= 16 (tl.dot), got {block}")
     m = x.shape[0]
+    block_m, block_n, block_k = tiles = tiles or tiles_for(m)  # by M (kernels/matmul_tiles.py)
+    check_tiles(tiles)
     out = torch.empty(m, num_rows, dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(m, block_m), triton.cdiv(num_rows, block_n))
     _fp8_w8a16_matmul_kernel[grid](

@@ -27,6 +27,13 @@ def fp8_w8a16_matmul_ref(x: torch.Tensor, weight: torch.Tensor, scale: torch.Ten
     return ((x.float() @ weight.float().t()) * scale.float().reshape(1, -1)).to(x.dtype)
 
 
+def quantize_fp8_per_token_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (M, K) -> (q (M, K) float8_e4m3fn, scale (M, 1) float32): scale = max(amax(|row|) / 448, 1e-12)."""
+    x32 = x.float()
+    scale = (x32.abs().amax(dim=1, keepdim=True) / 448.0).clamp(min=1e-12)
+    return (x32 / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn), scale
+
+
 # ---- elementwise (cpu_elementwise): the engine's eager ops --------------------------------------------
 
 

@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from batchgen.kernels.matmul_tiles import check_tiles, tiles_for
+
 
 @triton.jit
 def _int_matmul_kernel(
@@ -74,16 +76,6 @@ def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     return (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous()
 
 
-def tiles_for(num_rows: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K) by M: decode steps are weight-bound (wide N tiles, no wasted M rows),
-    prefill steps compute-bound (square tiles reuse each dequantized weight tile across more rows)."""
-    if num_rows <= 16:
-        return 16, 64, 64
-    if num_rows <= 64:
-        return 32, 64, 64
-    return 64, 128, 32
-
-
 def int_weight_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
                       bits: int, group_size: int, g_idx: torch.Tensor | None = None,
                       tiles: tuple[int, int, int] | None = None) -> torch.Tensor:
@@ -104,10 +96,8 @@ def int_weight_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor
                              f"got {t.dtype} {tuple(t.shape)}")
     if g_idx is not None and (g_idx.dtype != torch.int32 or g_idx.shape != (in_features,)):
         raise ValueError(f"g_idx must be int32 (K={in_features},), got {g_idx.dtype} {tuple(g_idx.shape)}")
-    block_m, block_n, block_k = tiles or tiles_for(num_rows)
-    for block in (block_m, block_n, block_k):
-        if block < 16 or block & (block - 1):
-            raise ValueError(f"block sizes must be powers of two >= 16 (tl.dot), got {block}")
+    block_m, block_n, block_k = tiles = tiles or tiles_for(num_rows)
+    check_tiles(tiles)
     out = torch.empty(num_rows, n, dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(num_rows, block_m), triton.cdiv(n, block_n))
     _int_matmul_kernel[grid](

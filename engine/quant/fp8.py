@@ -84,12 +84,15 @@ def quantize_model_fp8(model: nn.Module, config: EngineConfig, source=None,
                 num_float_bytes += module.weight.numel() * module.weight.element_size()
                 _replace_module(model, name, Fp8Linear.from_linear(module))
     layers = [m for m in model.modules() if isinstance(m, Fp8Linear)]
+    quantize_on_triton = mode == "w8a8" and can_use_triton_fp8_quant(config.torch_device, config.torch_dtype)
     for m in layers:
         m.set_mode(mode)
         m.use_triton = use_triton
+        m.quantize_on_triton = quantize_on_triton
     num_fp8_bytes = sum(fp8_layer_bytes(m) for m in layers)
     num_fallback = sum(m.mode != mode for m in layers)
-    summary = {"fp8_mode": mode, "reason": why, "uses_triton": use_triton, "from_checkpoint": from_checkpoint,
+    summary = {"fp8_mode": mode, "reason": why, "uses_triton": use_triton,
+               "quantizes_activations_on_triton": quantize_on_triton, "from_checkpoint": from_checkpoint,
                "num_layers": len(layers), "num_float_bytes": num_float_bytes, "num_fp8_bytes": num_fp8_bytes,
                "num_w8a16_fallback_layers": num_fallback}
     origin = f"read from the checkpoint {getattr(source, 'display_name', '')}".rstrip() if from_checkpoint \
@@ -101,15 +104,28 @@ def quantize_model_fp8(model: nn.Module, config: EngineConfig, source=None,
     return summary
 
 
-def can_use_triton_w8a16(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether the Triton weight-only kernel compiles and matches its reference here (CUDA only).
+def _passes_probe(what: str, fallback: str, compare) -> bool:
+    """Run `compare()` (the kernel against its reference on a small input -> is it close); False,
+    with a warning naming the fallback, if it raises or disagrees.
 
-    A probe rather than a capability table: if Triton is missing or cannot build the kernel for this
-    GPU, w8a16 falls back to dequantize-then-matmul instead of failing mid-run.
-    """
+    A probe rather than a capability table: if Triton is missing or cannot build a kernel for this
+    GPU, the layer takes its torch path instead of failing mid-run."""
+    try:
+        is_ok = bool(compare())
+    except Exception as exc:
+        log.warning("fp8: Triton %s unavailable (%s: %s); using %s", what, type(exc).__name__, exc, fallback)
+        return False
+    if not is_ok:
+        log.warning("fp8: Triton %s disagrees with its reference here; using %s", what, fallback)
+    return is_ok
+
+
+def can_use_triton_w8a16(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the Triton weight-only kernel compiles and matches its reference here (CUDA only)."""
     if device.type != "cuda":
         return False
-    try:
+
+    def compare() -> bool:
         from batchgen.engine.quant.fp8_tensor import quantize_fp8
         from batchgen.kernels.fp8_matmul import fp8_w8a16_matmul
         from batchgen.kernels.reference import fp8_w8a16_matmul_ref
@@ -118,14 +134,26 @@ def can_use_triton_w8a16(device: torch.device, dtype: torch.dtype) -> bool:
         q, scale = quantize_fp8(torch.randn(96, 80, device=device, generator=gen))
         x = torch.randn(5, 80, device=device, generator=gen).to(dtype)
         out, ref = fp8_w8a16_matmul(x, q, scale).float(), fp8_w8a16_matmul_ref(x, q, scale).float()
-        is_ok = bool(((out - ref).norm() / ref.norm()) < 1e-2)
-    except Exception as exc:
-        log.warning("fp8: Triton w8a16 kernel unavailable (%s: %s); using dequantize-then-matmul",
-                    type(exc).__name__, exc)
+        return ((out - ref).norm() / ref.norm()) < 1e-2
+
+    return _passes_probe("w8a16 kernel", "dequantize-then-matmul", compare)
+
+
+def can_use_triton_fp8_quant(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the fused per-token activation quantization (kernels/fp8_quant.py) compiles and matches
+    its reference here (CUDA only): W8A8 layers then quantize their input in one launch."""
+    if device.type != "cuda":
         return False
-    if not is_ok:
-        log.warning("fp8: Triton w8a16 kernel disagrees with its reference here; using dequantize-then-matmul")
-    return is_ok
+
+    def compare() -> bool:
+        from batchgen.kernels.fp8_quant import quantize_fp8_per_token_triton
+        from batchgen.kernels.reference import quantize_fp8_per_token_ref
+
+        x = torch.randn(5, 80, device=device, generator=torch.Generator(device=device).manual_seed(0)).to(dtype)
+        (q, scale), (q_ref, scale_ref) = quantize_fp8_per_token_triton(x), quantize_fp8_per_token_ref(x)
+        return torch.equal(scale, scale_ref) and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+
+    return _passes_probe("per-token quantization kernel", "torch ops", compare)
 
 
 def fp8_layer_bytes(module: Fp8Linear) -> int:

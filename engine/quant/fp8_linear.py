@@ -36,6 +36,7 @@ class Fp8Linear(nn.Module):
         self.out_features = out_features
         self.mode = mode
         self.use_triton = False  # w8a16 through batchgen.kernels.fp8_matmul (CUDA only; set by quantize_model_fp8)
+        self.quantize_on_triton = False  # w8a8: the input quantized by kernels/fp8_quant.py (CUDA; likewise)
         # Parameters (not buffers) so the model's loader finds and shape-checks them like nn.Linear's.
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=FP8_DTYPE, device=device),
                                    requires_grad=False)
@@ -88,13 +89,20 @@ class Fp8Linear(nn.Module):
         # E4M3 values are exact in bf16/fp16/fp32, so the widening cast loses nothing.
         return F.linear(x, self.weight.to(x.dtype)) * self.weight_scale.to(x.dtype)
 
+    def _quantize_per_token(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.quantize_on_triton and x.stride(-1) == 1:
+            from batchgen.kernels.fp8_quant import quantize_fp8_per_token_triton
+
+            return quantize_fp8_per_token_triton(x)  # one launch instead of eight
+        return quantize_fp8_per_token(x)
+
     def _forward_w8a8(self, x: torch.Tensor) -> torch.Tensor:
         num_tokens = x.shape[0]
         if self.input_scale is not None:
             x_q = quantize_fp8_static(x, self.input_scale)
             x_scale = self.input_scale.float().reshape(1, 1).expand(num_tokens, 1).contiguous()  # (M, 1)
         else:
-            x_q, x_scale = quantize_fp8_per_token(x)  # (M, K) E4M3, (M, 1)
+            x_q, x_scale = self._quantize_per_token(x)  # (M, K) E4M3, (M, 1)
         if self.is_per_tensor:
             w_scale = self.weight_scale.expand(self.out_features).reshape(1, -1).contiguous()  # (1, N)
         else:

@@ -107,3 +107,27 @@ def test_w8a16_through_the_triton_kernel_equals_the_torch_path():
     torch_path = layer(x)
     layer.use_triton = True  # quantize_model_fp8 sets this only on CUDA, after a probe
     torch.testing.assert_close(layer(x), torch_path, rtol=1e-5, atol=1e-5)
+
+
+def test_w8a8_quantizes_its_input_with_the_fused_kernel_when_told(monkeypatch):
+    """The wiring: with quantize_on_triton the layer calls kernels/fp8_quant.py once per forward and
+    feeds its codes and scales to the same _scaled_mm (tests/kernels/test_fp8_quant.py checks the
+    kernel itself; here it is stood in by its reference, so the output must be the torch path's)."""
+    import batchgen.kernels.fp8_quant as fp8_quant
+    from batchgen.kernels.reference import quantize_fp8_per_token_ref
+
+    calls = []
+
+    def kernel_stand_in(x):
+        calls.append(tuple(x.shape))
+        return quantize_fp8_per_token_ref(x)
+
+    monkeypatch.setattr(fp8_quant, "quantize_fp8_per_token_triton", kernel_stand_in)
+    torch.manual_seed(0)
+    layer = Fp8Linear.from_linear(torch.nn.Linear(80, 48, bias=True), mode="w8a8")
+    x = torch.randn(2, 3, 80)
+    torch_path = layer(x)
+    assert calls == []
+    layer.quantize_on_triton = True  # quantize_model_fp8 sets this only on CUDA, after a probe
+    torch.testing.assert_close(layer(x), torch_path, rtol=0, atol=0)
+    assert calls == [(6, 80)]  # once, on the flattened (M, K) input

@@ -58,3 +58,22 @@ def rotary_tables(positions: torch.Tensor, head_dim: int, base: float = 10000.0)
     half = head_dim // 2
     signed_sin = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)
     return cos, sin, cos[:, None].contiguous(), signed_sin[:, None].contiguous()
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The raw bytes of a tensor, so NaN sentinels compare equal to themselves."""
+    return t.contiguous().view(torch.uint8)
+
+
+def assert_within_one_fp8_step(got: torch.Tensor, expected: torch.Tensor):
+    """The interpreter's float32 -> FP8 cast (numpy emulation, not the GPU's instruction) mis-rounds a
+    few values: ties go away from zero (one step off), and a value that rounds up to a power of two
+    loses its carry and comes out as half of it. Allow those, for a few percent of values only."""
+    got_code = bits(got).to(torch.int16)
+    expected_code = bits(expected).to(torch.int16)
+    is_same = got_code == expected_code
+    is_adjacent = ((got_code - expected_code).abs() == 1) & ((got_code ^ expected_code) < 0x80)
+    got_value, expected_value = got.float(), expected.float()
+    is_lost_carry = (got_value * 2 == expected_value) & (torch.frexp(expected_value).mantissa.abs() == 0.5)
+    assert (is_same | is_adjacent | is_lost_carry).all(), "an FP8 value off by more than the interpreter errs"
+    assert (~is_same).float().mean() < 0.05

@@ -26,8 +26,9 @@ def quantized(n: int, k: int, per_channel: bool, seed: int) -> tuple[torch.Tenso
     return q, scale.float().contiguous()
 
 
-# Odd sizes straddle the block edges (16 x 64 x 64 tiles): masks on M, N and K all matter.
-@pytest.mark.parametrize("m, n, k", [(1, 64, 64), (5, 70, 96), (17, 33, 130)])
+# Odd sizes straddle the block edges: masks on M, N and K all matter. M picks the tiles
+# (kernels/matmul_tiles.py): 1 and 5 the decode tiles, 17 the middle ones, 70 the prefill ones.
+@pytest.mark.parametrize("m, n, k", [(1, 64, 64), (5, 70, 96), (17, 33, 130), (70, 40, 48)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("per_channel", [True, False])
 def test_matches_reference(m, n, k, dtype, per_channel):
@@ -57,4 +58,4 @@ def test_bad_arguments_are_refused():
     with pytest.raises(ValueError, match="scale"):
         fp8_w8a16_matmul(x, q, scale[:5])
     with pytest.raises(ValueError, match="block sizes"):
-        fp8_w8a16_matmul(x, q, scale, block_m=8)
+        fp8_w8a16_matmul(x, q, scale, tiles=(8, 64, 64))

@@ -13,8 +13,9 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernel module is im
 import pytest
 import torch
 
+from batchgen.kernels.matmul_tiles import tiles_for
 from batchgen.kernels.reference import int_weight_matmul_ref
-from batchgen.kernels.triton_int_matmul import int_weight_matmul, pack_codes, tiles_for
+from batchgen.kernels.triton_int_matmul import int_weight_matmul, pack_codes
 
 
 def weight(n: int, k: int, bits: int, group_size: int, seed: int, act_order: bool = False,
