@@ -28,6 +28,19 @@ def _three_sequences():
     return [make_seq(f"r{i}", list(range(3 + i, 8 + 2 * i)), params, first_block=1 + 4 * i) for i in range(3)]
 
 
+def record_sampled_logits(runner) -> list[torch.Tensor]:
+    """From now on, a copy of the logits of every step the runner samples (the list fills as it runs)."""
+    sampler, records = runner.sampler, []
+
+    class Recording:
+        def sample(self, step_logits, *args):
+            records.append(step_logits.clone())
+            return sampler.sample(step_logits, *args)
+
+    runner.sampler = Recording()
+    return records
+
+
 def test_graph_replay_pads_rows_and_matches_the_eager_step():
     eager, graphed = tiny_runner(CPU, max_num_seqs=8), tiny_runner(CPU, max_num_seqs=8)
     capturer = EagerCapturer()
@@ -39,15 +52,7 @@ def test_graph_replay_pads_rows_and_matches_the_eager_step():
     assert capturer.num_replays == 0
     logits = {}
     for runner, seqs in ((eager, eager_seqs), (graphed, graph_seqs)):
-        sampler = runner.sampler
-        records = logits.setdefault(id(runner), [])
-
-        class Recording:
-            def sample(self, step_logits, *args, sampler=sampler, records=records):
-                records.append(step_logits.clone())
-                return sampler.sample(step_logits, *args)
-
-        runner.sampler = Recording()
+        logits[id(runner)] = record_sampled_logits(runner)
         for _ in range(4):
             advance(runner.execute(decode(seqs)))
     assert capturer.num_replays == 4  # every decode step of 3 rows replayed the 4-row graph
@@ -93,14 +98,7 @@ def test_triton_decode_graphs_read_the_static_buffers_like_the_eager_step():
     logits = {}
     for runner in (eager, graphed):
         advance(runner.execute(prefill(seqs[id(runner)])))
-        sampler, records = runner.sampler, logits.setdefault(id(runner), [])
-
-        class Recording:
-            def sample(self, step_logits, *args, sampler=sampler, records=records):
-                records.append(step_logits.clone())
-                return sampler.sample(step_logits, *args)
-
-        runner.sampler = Recording()
+        logits[id(runner)] = record_sampled_logits(runner)
         for _ in range(2):
             advance(runner.execute(decode(seqs[id(runner)])))
     assert capturer.num_replays == 2  # both decode steps of 3 rows replayed the 4-row graph
