@@ -73,7 +73,8 @@ def bench_command(
     warmup: Annotated[bool, typer.Option("--warmup/--no-warmup", help="Warm both sides up untimed.")] = True,
     quality: Annotated[bool, typer.Option(
         "--quality", help="Run the quality bench (FP8, and --quantization's: agreement and KL against float32) "
-                          "instead.")] = False,
+                          "instead; on a GPTQ / AWQ / compressed-tensors --model, that checkpoint against its "
+                          "dequantized weights in float32 first.")] = False,
     quantization: Annotated[str | None, typer.Option(
         "--quantization", help="int8,int4: also run the engine with those weights over the same workload "
                                "(with --quality: also compare them).")] = None,

@@ -9,6 +9,9 @@ then read prompt + reference (teacher forcing), and over the completion position
 
 Both models are the modules the engine runs: the quantized ones are the loaded float model quantized
 by quantize_model_fp8 / quantize_model_int exactly as at load, so one checkpoint read serves every mode.
+A GPTQ / AWQ / compressed-tensors folder is measured as the engine loads it (its own entry first)
+against the same architecture in float32 holding the folder's dequantized weights
+(dequantized_float_model), which is then also the float model the other modes start from.
 
 CLI: python -m batchgen.bench.quality [--model M] [--num-prompts N] [--max-tokens T] [--fp8-mode w8a16 ...]
      [--quantization int8 --quantization int4]
@@ -22,6 +25,7 @@ import json
 import logging
 
 import torch
+from torch import nn
 
 from batchgen.bench.direct_runner import greedy_generate, teacher_forced_logits
 from batchgen.bench.quality_prompts import QUALITY_PROMPTS
@@ -56,7 +60,39 @@ def compare_greedy(ref: list[list[int]], test: list[list[int]]) -> dict:
 
 
 QUANTIZED_LAYERS = (Fp8Linear, IntLinear, IntLinearParts)
+INT_LAYERS = (IntLinear, IntLinearParts)
 INT_METHODS = ("int8", "int4")
+
+
+def dequantized_float_model(model: nn.Module) -> nn.Module:
+    """A copy of `model` whose integer layers are float32 nn.Linear holding exactly the weights those
+    layers multiply by (IntLinear.dequantized_weight) and their biases; everything else is copied."""
+    if any(isinstance(m, Fp8Linear) for m in model.modules()):
+        raise ValueError("the quality bench compares integer checkpoints with their dequantized weights; "
+                         "this model holds FP8 layers")
+    memo: dict[int, nn.Module] = {}  # deepcopy takes these as the layers' copies: no integer buffers copied
+    for module in model.modules():
+        if isinstance(module, INT_LAYERS):
+            weight = module.dequantized_weight()  # (N, K) float32
+            linear = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None,
+                               device=weight.device)
+            linear.weight = nn.Parameter(weight, requires_grad=False)
+            if module.bias is not None:
+                linear.bias = nn.Parameter(module.bias.detach().float().clone(), requires_grad=False)
+            memo[id(module)] = linear
+    return copy.deepcopy(model, memo)
+
+
+def encode_prompts(tokenizer, prompts: list) -> list[list[int]]:
+    """Token ids of raw strings or chat message lists; a tokenizer without a chat template reads the
+    messages' text as one raw prompt (small test checkpoints have none)."""
+    def encode(p):
+        if isinstance(p, str):
+            return tokenizer.encode(p)
+        if tokenizer.has_chat_template:
+            return tokenizer.encode_messages(p)
+        return tokenizer.encode(" ".join(m["content"] for m in p))
+    return [encode(p) for p in prompts]
 
 
 def linear_bytes_ratio(float_model: torch.nn.Module, fp8_model: torch.nn.Module) -> dict:
@@ -73,7 +109,8 @@ def linear_bytes_ratio(float_model: torch.nn.Module, fp8_model: torch.nn.Module)
 def run_quality_bench(model: str = "smollm2-135m-instruct", prompts: list | None = None, max_tokens: int = 32,
                       fp8_mode: str | list[str] = ("w8a16", "w8a8"), num_prompts: int | None = None,
                       dtype: str = "float32", device: str = "cpu", quantize_lm_head: bool = False,
-                      engine=None, int_methods: list[str] | tuple = (), greedy: bool = True) -> dict:
+                      engine=None, int_methods: list[str] | tuple = (), greedy: bool = True,
+                      reference: nn.Module | None = None) -> dict:
     """Compare the FP8 model (one entry per fp8_mode) and the int8 / int4 models (one per int_methods entry)
     with the unquantized one; returns a JSON-able dict.
 
@@ -81,6 +118,9 @@ def run_quality_bench(model: str = "smollm2-135m-instruct", prompts: list | None
     engine: an unquantized LLMEngine whose loaded weights and tokenizer to reuse (then model, dtype and
     device are its own); None loads `model` once. greedy=False skips the int8 / int4 models' own greedy
     runs (their greedy_* keys are then absent; FP8 entries always have them).
+    model a GPTQ / AWQ / compressed-tensors folder: the first entry is that folder's engine (quantization
+    gptq / awq / compressed-tensors) against its dequantized float32 copy, or against `reference`, a
+    float model of the same architecture given instead (tests: a perturbed copy).
     """
     modes = [fp8_mode] if isinstance(fp8_mode, str) else list(fp8_mode)
     prompts = list(prompts if prompts is not None else QUALITY_PROMPTS)[:num_prompts]
@@ -92,12 +132,20 @@ def run_quality_bench(model: str = "smollm2-135m-instruct", prompts: list | None
         loaded = load_model(config)
         ref_model, tokenizer = loaded.model, Tokenizer(loaded.source)
         eos = tuple(sorted(set(loaded.model_cfg.eos_token_ids) | {tokenizer.eos_token_id} - {None}))
+        loaded_weights = loaded.weights
     else:
         config, ref_model, tokenizer, eos = engine.config, engine.runner.model, engine.tokenizer, engine.eos_token_ids
         model, device = config.model, str(config.torch_device)
+        loaded_weights = engine.stats["weights"]
         if any(isinstance(m, QUANTIZED_LAYERS) for m in ref_model.modules()):
             raise ValueError("the reference engine must run the unquantized model")
-    prompt_ids = [tokenizer.encode(p) if isinstance(p, str) else tokenizer.encode_messages(p) for p in prompts]
+    checkpoint_model = None  # the integer checkpoint's own model, as the engine loaded it
+    if loaded_weights.get("origin") == "checkpoint" and any(isinstance(m, INT_LAYERS) for m in ref_model.modules()):
+        checkpoint_model = ref_model
+        ref_model = reference if reference is not None else dequantized_float_model(checkpoint_model)
+    elif reference is not None:
+        raise ValueError(f"reference replaces an integer checkpoint's dequantized copy; {model} is not one")
+    prompt_ids = encode_prompts(tokenizer, prompts)
     references = greedy_generate(ref_model, prompt_ids, max_tokens, eos)
     ref_logits = teacher_forced_logits(ref_model, prompt_ids, references)
     # Sanity check of the harness: the reference's own argmax reproduces its greedy tokens.
@@ -106,6 +154,15 @@ def run_quality_bench(model: str = "smollm2-135m-instruct", prompts: list | None
               "num_prompts": len(prompts), "max_tokens": max_tokens,
               "num_completion_tokens": sum(map(len, references)), "reference_self_consistency": ref_self,
               "float_weight_bytes": model_weight_bytes(ref_model), "results": []}
+    if checkpoint_model is not None:
+        method = loaded_weights["format"]
+        entry = {"quantization": method, "fp8_mode": None, "fp8_weight_bytes": model_weight_bytes(checkpoint_model),
+                 "weights": loaded_weights, **linear_bytes_ratio(ref_model, checkpoint_model),
+                 **compare_logits(ref_logits, teacher_forced_logits(checkpoint_model, prompt_ids, references)),
+                 **compare_greedy(references, greedy_generate(checkpoint_model, prompt_ids, max_tokens, eos))}
+        log.info("%s checkpoint quality: top-1 agreement %.2f%%, mean KL %.4f", method,
+                 100 * entry["top1_agreement"], entry["mean_kl"])
+        result["results"].append(entry)
     variants = [("fp8", mode) for mode in modes] + [(method, None) for method in int_methods]
     for method, mode in variants:
         quantized = copy.deepcopy(ref_model)

@@ -25,6 +25,8 @@ BLOCK = 32
 KEPT_TYPES = ("Q8_0", "Q4_0", "Q4_1")
 # GGUF base names of the decoder's linear layers (the loader maps them to HF names).
 LINEAR_BASES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+# Tensors the model fuses into one layer (qkv_proj, gate_up_proj): kept only when every part is.
+FUSED_BASES = (("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up"))
 
 
 def decode_blocks(raw: np.ndarray, type_name: str, out_features: int, in_features: int) -> IntWeight:
@@ -52,19 +54,24 @@ def read_gguf_int_weights(path: Path, hf_name, row_permutation) -> dict[str, Int
     """{HF layer name (no ".weight"): IntWeight} for the decoder linear layers stored in KEPT_TYPES.
 
     hf_name(tensor name) -> HF name; row_permutation(base, num_rows) -> index array or None (llama.cpp's
-    q/k row order, undone as for float weights). Other types are left for the float path, noted once.
+    q/k row order, undone as for float weights). Other types are left for the float path, noted once,
+    and so are the kept-type parts of a fused layer whose other parts are not kept (llama.cpp mixes
+    types within a layer, e.g. a K-quant attn_k beside a Q4_0 attn_q).
     """
     from batchgen.engine.loader.gguf_loader import _reader
 
     reader = _reader(path)
     kept: dict[str, IntWeight] = {}
     dequantized: dict[str, int] = {}
-    for tensor in reader.tensors:
+    linear = [t for t in reader.tensors if _is_linear(t.name)]
+    names = {t.name for t in linear}
+    kept_names = {t.name for t in linear if t.tensor_type.name in KEPT_TYPES}
+    for tensor in linear:
         parts = tensor.name.split(".")
-        if parts[0] != "blk" or parts[2] not in LINEAR_BASES or parts[3] != "weight":
-            continue
         type_name = tensor.tensor_type.name
-        if type_name not in KEPT_TYPES:
+        siblings = next((group for group in FUSED_BASES if parts[2] in group), (parts[2],))
+        sibling_names = [f"blk.{parts[1]}.{b}.weight" for b in siblings]
+        if type_name not in KEPT_TYPES or any(n in names and n not in kept_names for n in sibling_names):
             dequantized[type_name] = dequantized.get(type_name, 0) + 1
             continue
         in_features, out_features = (int(d) for d in tensor.shape)
@@ -74,7 +81,13 @@ def read_gguf_int_weights(path: Path, hf_name, row_permutation) -> dict[str, Int
             w = select_rows(w, torch.from_numpy(perm))
         kept[hf_name(tensor.name).removesuffix(".weight")] = w
     if dequantized:
-        log.info("gguf: %s linear tensors have no kept-block form here and are dequantized to float",
+        log.info("gguf: %s linear tensors have no kept-block form here (or share a fused layer with one that "
+                 "has none) and are dequantized to float",
                  ", ".join(f"{n} {t}" for t, n in sorted(dequantized.items())))
     log.info("gguf: %d linear tensors kept as their %s blocks", len(kept), "/".join(KEPT_TYPES))
     return kept
+
+
+def _is_linear(name: str) -> bool:
+    parts = name.split(".")
+    return len(parts) == 4 and parts[0] == "blk" and parts[2] in LINEAR_BASES and parts[3] == "weight"

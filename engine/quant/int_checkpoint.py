@@ -96,6 +96,10 @@ class IntLinearParts(nn.Module):
     def num_weight_bytes(self) -> int:
         return sum(p.num_weight_bytes() for p in self.parts)
 
+    def dequantized_weight(self) -> torch.Tensor:
+        """(N, K) float32, the parts' weights stacked (IntLinear.dequantized_weight), bias left out."""
+        return torch.cat([p.dequantized_weight() for p in self.parts])
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = torch.cat([p(x) for p in self.parts], dim=-1)
         return y if self.bias is None else y + self.bias

@@ -60,12 +60,27 @@ class IntLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)  # (M, K)
-        num_rows = x2.shape[0]
-        kernel = next(k for max_rows, k in self.plan if max_rows is None or num_rows <= max_rows)
-        y = kernel(x2)  # (M, N)
+        y = self._kernel_for(x2.shape[0])(x2)  # (M, N)
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*lead, self.out_features)
+
+    def _kernel_for(self, num_rows: int):
+        return next(k for max_rows, k in self.plan if max_rows is None or num_rows <= max_rows)
+
+    @torch.no_grad()
+    def dequantized_weight(self, chunk_rows: int = 1024) -> torch.Tensor:
+        """(N, K) float32: the weight this layer multiplies by, read back through its own kernels
+        applied to rows of the identity (exact in float32: each output is one weight times 1 plus
+        zeros), bias left out. For float references of a quantized model (the quality bench)."""
+        device = next(self.buffers()).device
+        columns = []
+        for lo in range(0, self.in_features, chunk_rows):
+            hi = min(self.in_features, lo + chunk_rows)
+            eye = torch.zeros(hi - lo, self.in_features, dtype=torch.float32, device=device)  # (rows, K)
+            eye[:, lo:hi] = torch.eye(hi - lo, dtype=torch.float32, device=device)
+            columns.append(self._kernel_for(hi - lo)(eye).float())  # (rows, N): W^T's rows lo..hi
+        return torch.cat(columns).t().contiguous()
 
     def extra_repr(self) -> str:
         layout = "symmetric" if self.is_symmetric else "zero points"

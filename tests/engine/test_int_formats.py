@@ -148,6 +148,39 @@ def test_gguf_blocks_decode_to_ggufs_own_dequantized_floats(type_name):
     assert torch.equal(w.dequantize(), expected)
 
 
+
+def test_a_fused_layer_is_kept_only_when_every_part_is(monkeypatch, caplog):
+    """llama.cpp mixes types inside a layer: a Q6_K attn_k beside Q4_1 attn_q / attn_v sends the whole
+    q/k/v layer to the float path (the model fuses them), while the other layers keep their blocks."""
+    import logging
+    from types import SimpleNamespace
+
+    import gguf
+    import numpy as np
+
+    from batchgen.engine.loader import gguf_blocks, gguf_loader
+
+    rng = np.random.default_rng(9)
+
+    def tensor(base: str, type_name: str, layer: int = 0):
+        raw = (gguf.quants.quantize(rng.standard_normal((16, 64)).astype(np.float32), gguf.GGMLQuantizationType[type_name])
+               if type_name in gguf_blocks.KEPT_TYPES else np.zeros((16, 8), dtype=np.uint8))  # bytes never read
+        return SimpleNamespace(name=f"blk.{layer}.{base}.weight", tensor_type=SimpleNamespace(name=type_name),
+                               shape=(64, 16), data=raw)
+
+    tensors = [tensor("attn_q", "Q4_1"), tensor("attn_k", "Q6_K"), tensor("attn_v", "Q4_1"),
+               tensor("attn_output", "Q4_0"), tensor("ffn_gate", "Q8_0"), tensor("ffn_up", "Q4_1"),
+               tensor("ffn_down", "Q5_K"), tensor("attn_q", "Q4_1", 1), tensor("attn_k", "Q4_1", 1),
+               tensor("attn_v", "Q4_1", 1)]
+    monkeypatch.setattr(gguf_loader, "_reader", lambda path: SimpleNamespace(tensors=tensors))
+    with caplog.at_level(logging.INFO, logger="batchgen.engine"):
+        kept = gguf_blocks.read_gguf_int_weights("unused.gguf", lambda name: name, lambda base, rows: None)
+    # gate (Q8_0) and up (Q4_1) are both kept: they differ in bits, so they run as two parts.
+    assert sorted(kept) == ["blk.0.attn_output", "blk.0.ffn_gate", "blk.0.ffn_up",
+                            "blk.1.attn_k", "blk.1.attn_q", "blk.1.attn_v"]
+    assert kept["blk.0.ffn_gate"].bits == 8 and kept["blk.0.attn_output"].bits == 4
+    assert "2 Q4_1, 1 Q5_K, 1 Q6_K linear tensors have no kept-block form" in caplog.text
+
 # ---- round-to-nearest at load ----
 
 def test_int8_per_channel_round_trip():

@@ -10,10 +10,12 @@ import torch
 
 from batchgen.engine.capacity import weight_bytes
 
-INT8_TOP1_FLOOR, INT8_KL_CEILING = 0.97, 0.01  # the issue's bar; measured 0.9792 / 0.0047
+# The issue's bar; measured 0.9792 / 0.0047 here (on the FP8 figures' 478 positions: 0.9665 / 0.0039).
+INT8_TOP1_FLOOR, INT8_KL_CEILING = 0.97, 0.01
 # int4 (groups of 128, asymmetric, round to nearest, re-quantized from the dequantized Q4_1 weights)
-# measured 0.7014 / 0.463 on this setting: BELOW the issue's 80% bar (see benchmarks/NOTES.md); the
-# floor guards against getting worse, and a broken layout lands near chance (top-1 < 5%, KL > 5).
+# measured 0.7014 / 0.463 on this setting (0.7197 / 0.447 on 478 positions): BELOW the issue's 80% bar,
+# and not from a bug (test_int4_rtn_error.py, benchmarks/NOTES.md); the floor guards against getting
+# worse, and a broken layout lands near chance (top-1 < 5%, KL > 5).
 INT4_TOP1_FLOOR, INT4_KL_CEILING = 0.62, 0.7
 
 

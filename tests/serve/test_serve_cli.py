@@ -40,6 +40,8 @@ def test_flags_become_engine_settings_with_their_types():
     assert (config.model, config.max_num_seqs, config.enable_prefix_caching, config.kv_cache_memory,
             config.max_model_len, config.dtype) == ("smollm2-135m-instruct", 8, False, "256MiB", 1024, "float32")
     assert _config("smollm2-135m-instruct") == EngineConfig(model="smollm2-135m-instruct")
+    for name in ("int8", "int4", "gptq", "awq", "compressed-tensors", "gguf"):  # the job key's names
+        assert _config("smollm2-135m-instruct", "--quantization", name).quantization == name
 
 
 def test_a_job_file_gives_its_model_and_engine_sections_and_flags_override_them():
@@ -53,6 +55,7 @@ def test_a_job_file_gives_its_model_and_engine_sections_and_flags_override_them(
     (["--max-num-seqs", "0"], "--max-num-seqs must be >= 1"),
     (["--max-num-seqs", "many"], "--max-num-seqs: cannot read 'many'"),
     (["--dtype", "float64"], "--dtype must be one of"),
+    (["--quantization", "int3"], "--quantization must be one of"),
 ])
 def test_a_bad_value_names_its_flag(argv, message):
     with pytest.raises(ValueError, match=message):
