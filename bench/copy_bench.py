@@ -26,6 +26,8 @@ from batchgen.engine import LLMEngine, SamplingParams
 
 COPY_BATCHES = (1, 8, 64)
 NUM_SWITCH_REPEATS = 3
+# The batch switch runs the README's random workload: 64 requests, prompts of 100-200 tokens, 64 out.
+SWITCH_INPUT_LENS, SWITCH_OUTPUT_LEN = (100, 200), 64
 
 
 def copy_workload(engine: LLMEngine, num_requests: int, max_tokens: int) -> Workload:
@@ -154,7 +156,8 @@ def _batch_switch(engine: LLMEngine, num_speculative_tokens: int, output_len: in
     """Random prompts at running batch 64, speculation configured at its default switch, vs off."""
     switch_output_len = output_len
     vocab = engine.model_cfg.vocab_size
-    random = random_workload(64, 32, 64, switch_output_len, 0, vocab, special_token_ids(engine.tokenizer.hf))
+    random = random_workload(64, *SWITCH_INPUT_LENS, switch_output_len, 0, vocab,
+                             special_token_ids(engine.tokenizer.hf))
     ratios, per_mode = [], {"off": [], "ngram": []}
     for repeat in range(NUM_SWITCH_REPEATS):
         seconds = {}
