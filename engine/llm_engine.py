@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-import logging
 import itertools
+import logging
 import time
 from dataclasses import dataclass
 
