@@ -20,6 +20,7 @@ from batchgen.engine.speculative.ngram import propose_ngram
 from tests.conftest import MODEL
 from tests.engine.helpers import run_requests
 from tests.engine.prompts import CHAT_PROMPTS, LONG_INDEX
+from tests.engine.test_stop_conditions import SHORT_ANSWER
 
 GREEDY_32 = SamplingParams(temperature=0, max_tokens=32)
 NGRAM = {"method": "ngram"}
@@ -72,18 +73,23 @@ def test_greedy_tokens_equal_speculation_off(llm, greedy_reference, spec, settin
 
 def test_stops_cut_inside_an_accepted_run_as_plain_decoding_does(llm):
     off = llm.with_engine_settings(max_num_seqs=8).engine
-    base = run_requests(off, {"free": (CHAT_PROMPTS[3], SamplingParams(temperature=0, max_tokens=64))})
+    base = run_requests(off, {"free": (CHAT_PROMPTS[3], SamplingParams(temperature=0, max_tokens=64)),
+                              "short": (SHORT_ANSWER, SamplingParams(temperature=0, max_tokens=40))})
     tokens = base["free"].outputs[0].token_ids
     text = base["free"].outputs[0].text
     stop_token = next(t for i, t in enumerate(tokens) if i >= 5 and t not in tokens[:i])
+    eos_index = len(base["short"].outputs[0].token_ids) - 1
     requests = {
         "eos": (CHAT_PROMPTS[3], SamplingParams(temperature=0, max_tokens=64)),
         "stop-token": (CHAT_PROMPTS[3], SamplingParams(temperature=0, max_tokens=64, stop_token_ids=[stop_token])),
         "stop-string": (CHAT_PROMPTS[3], SamplingParams(temperature=0, max_tokens=64, stop=[text[12:16]])),
         "max-tokens": (CHAT_PROMPTS[3], SamplingParams(temperature=0, max_tokens=7)),
+        # EOS banned at the rows below min_tokens (drafts and verify rows alike), then allowed again.
+        "min-tokens": (SHORT_ANSWER, SamplingParams(temperature=0, max_tokens=40, min_tokens=eos_index + 6)),
+        "ignore-eos": (SHORT_ANSWER, SamplingParams(temperature=0, max_tokens=eos_index + 6, ignore_eos=True)),
     }
     reference = run_requests(off, requests)
-    on = llm.with_engine_settings(max_num_seqs=8, speculative=SELF_DRAFT).engine
+    on = llm.with_engine_settings(max_num_seqs=8, speculative={**SELF_DRAFT, "disable_by_batch_size": 8}).engine
     outputs = run_requests(on, requests)
     for rid in requests:
         ours, theirs = outputs[rid].outputs[0], reference[rid].outputs[0]
@@ -92,6 +98,7 @@ def test_stops_cut_inside_an_accepted_run_as_plain_decoding_does(llm):
         assert ours.num_accepted_tokens > 0 and theirs.num_accepted_tokens is None
     assert reference["eos"].outputs[0].finish_reason == "stop" and len(reference["eos"].outputs[0].token_ids) < 64
     assert len(reference["max-tokens"].outputs[0].token_ids) == 7
+    assert len(reference["min-tokens"].outputs[0].token_ids) >= eos_index + 6  # the ban acted
 
 
 # ---- seeded ----------------------------------------------------------------------------------------
