@@ -23,6 +23,7 @@ from batchgen.bench.machine import cpu_busy_fraction, machine_fingerprint
 from batchgen.bench.result import TimedRun, compare_outputs
 from batchgen.bench.workloads import BenchRequest, Workload, random_workload, special_token_ids
 from batchgen.engine import LLMEngine, SamplingParams
+from batchgen.pipeline.summary import speculative_summary
 
 COPY_BATCHES = (1, 8, 64)
 NUM_SWITCH_REPEATS = 3
@@ -51,15 +52,7 @@ def _run_greedy(engine: LLMEngine, workload: Workload, name: str) -> TimedRun:
             outputs[out.request_id] = out
     seconds = time.perf_counter() - start
     tokens = {rid: list(o.outputs[0].token_ids) for rid, o in outputs.items()}
-    after = engine.stats["speculative"]
-    details = {}
-    if after is not None:
-        drafted = after["num_draft_tokens"] - (before or {}).get("num_draft_tokens", 0)
-        accepted = after["num_accepted_tokens"] - (before or {}).get("num_accepted_tokens", 0)
-        verifies = after["num_verifies"] - (before or {}).get("num_verifies", 0)
-        details = {"num_draft_tokens": drafted, "num_accepted_tokens": accepted,
-                   "acceptance_rate": accepted / drafted if drafted else None,
-                   "mean_accepted_length": 1 + accepted / verifies if verifies else None}
+    details = speculative_summary(before, engine.stats["speculative"]) or {}  # the _SUCCESS figures
     prompt_tokens = sum(len(r.prompt_token_ids) for r in workload.requests)
     return TimedRun(name, prompt_tokens, sum(map(len, tokens.values())), seconds, tokens, details)
 
