@@ -169,3 +169,15 @@ def test_speculative_settings_are_checked_and_aliased():
     assert _speculative_alias({"speculative_config": NGRAM}) == {"speculative": NGRAM}
     with pytest.raises(TypeError):
         _speculative_alias({"speculative_config": NGRAM, "speculative": NGRAM})
+
+
+def test_sdpa_backend_verifies_through_its_prefill_path_with_staged_decodes(sdpa_llm):
+    """The SDPA backend stages decoding sequences' KV densely: a sequence that verifies (a prefill
+    chunk) leaves its staging row and rejoins at its next plain decode, over the rolled-back context."""
+    requests = {f"r{i}": (CHAT_PROMPTS[i], SamplingParams(temperature=0, max_tokens=24)) for i in range(4)}
+    off = run_requests(sdpa_llm.with_engine_settings(max_num_seqs=4).engine, requests)
+    engine = sdpa_llm.with_engine_settings(max_num_seqs=4, speculative=NGRAM).engine
+    on = run_requests(engine, requests)
+    assert {r: o.outputs[0].token_ids for r, o in on.items()} == {r: o.outputs[0].token_ids for r, o in off.items()}
+    assert engine.stats["kernels"]["attention_backend"] == "sdpa"
+    assert engine.stats["speculative"]["num_accepted_tokens"] > 0
