@@ -231,6 +231,9 @@ class LLMEngine:
                 if self._check_stop(seq):  # inside an accepted run: where plain decoding stops
                     self._finish(seq, finished)
                     break
+            else:
+                if s.num_draft_tokens:  # blocks only rejected drafts reached go back
+                    self.kv_cache_manager.trim(seq)
         if num_verifies:
             self.spec.stats.num_spec_steps += 1
         timings = self.timings

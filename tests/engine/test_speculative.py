@@ -14,6 +14,8 @@ import pytest
 
 from batchgen.engine import SamplingParams
 from batchgen.engine.config import EngineConfig, SettingError, SpeculativeConfig
+from batchgen.engine.kv_cache_manager import KVCacheManager
+from batchgen.engine.sequence import Sequence
 from batchgen.engine.llm import _speculative_alias
 from batchgen.engine.speculative import num_accepted
 from batchgen.engine.speculative.ngram import propose_ngram
@@ -181,3 +183,20 @@ def test_sdpa_backend_verifies_through_its_prefill_path_with_staged_decodes(sdpa
     assert {r: o.outputs[0].token_ids for r, o in on.items()} == {r: o.outputs[0].token_ids for r, o in off.items()}
     assert engine.stats["kernels"]["attention_backend"] == "sdpa"
     assert engine.stats["speculative"]["num_accepted_tokens"] > 0
+
+
+def test_rolled_back_drafts_give_back_only_the_blocks_wholly_past_the_new_end():
+    kv = KVCacheManager(num_blocks=8, block_size=4, enable_prefix_caching=True)
+    seq = Sequence("r", 0, [1, 2, 3, 4, 5], SamplingParams(max_tokens=20), 0.0, 64)
+    assert kv.allocate_slots(seq, 5, [])
+    seq.num_computed_tokens = 5
+    seq.token_ids.append(6)  # 6 tokens, the last one's KV not computed yet
+    assert kv.allocate_slots(seq, 1 + 4)  # a verify chunk: positions 5..9, blocks 0..2
+    assert len(seq.block_ids) == 3 and kv.pool.num_free_blocks == 5
+    seq.num_computed_tokens += 5 - 3  # 1 of 4 drafts accepted: positions 5, 6 kept
+    seq.token_ids += [7, 8]  # the accepted draft and the target's token: 8 tokens
+    kv.trim(seq)
+    assert len(seq.block_ids) == 2 and kv.pool.num_free_blocks == 6  # block 2 held only rejected drafts
+    kv.trim(seq)  # nothing more to give back
+    assert len(seq.block_ids) == 2
+    assert [kv.pool.block_keys[b] is not None for b in seq.block_ids] == [True, False]  # verified tokens only
