@@ -15,8 +15,8 @@ import pytest
 from batchgen.engine import SamplingParams
 from batchgen.engine.config import EngineConfig, SettingError, SpeculativeConfig
 from batchgen.engine.kv_cache_manager import KVCacheManager
-from batchgen.engine.sequence import Sequence
 from batchgen.engine.llm import _speculative_alias
+from batchgen.engine.sequence import Sequence
 from batchgen.engine.speculative import num_accepted
 from batchgen.engine.speculative.ngram import propose_ngram
 from tests.conftest import MODEL
