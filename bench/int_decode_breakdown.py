@@ -6,17 +6,12 @@ Forward hooks time the decoder's linear layers and lm_head around a DirectRunner
 sequence (64-token prompt, 8 steps, the faster of 2 passes); the rest is attention, norms, rotary,
 embedding and sampling. The int8 / int4 models are the float model quantized as at load.
 """
-import copy
-import time
-
-import torch
-
+import copy, time, torch
 from batchgen.bench.direct_runner import DirectRunner
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.loader.model_loader import load_model
 from batchgen.engine.quant.int_model import quantize_model_int
 from batchgen.engine.quant.weight_report import linear_layers
-
 torch.set_num_threads(2)
 cfg = EngineConfig(model="smollm2-135m-instruct", dtype="float32", device="cpu", max_model_len=512)
 base = load_model(cfg).model

@@ -23,23 +23,12 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 
 from batchgen.engine import LLMEngine, RequestOutput, SamplingParams
 from batchgen.pipeline.serve import responses
-from batchgen.pipeline.serve.engine_loop import (
-    Admitted,
-    EngineLoop,
-    EventSink,
-    Failed,
-    Finished,
-    Progress,
-    Submission,
-)
+from batchgen.pipeline.serve.engine_loop import (Admitted, EngineLoop, EventSink, Failed, Finished, Progress,
+                                                 Submission)
 from batchgen.pipeline.serve.errors import APIError, bad_request
 from batchgen.pipeline.serve.metrics import Metrics
-from batchgen.pipeline.serve.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    parse_request,
-    sampling_params_from_body,
-)
+from batchgen.pipeline.serve.protocol import (ChatCompletionRequest, CompletionRequest, parse_request,
+                                              sampling_params_from_body)
 
 log = logging.getLogger("batchgen.serve")
 

@@ -117,7 +117,6 @@ def serve_main(argv: list[str]) -> int:
               file=sys.stderr)
         return 1
     import uvicorn
-
     from batchgen.pipeline.errors import JobError
 
     try:
