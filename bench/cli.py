@@ -13,6 +13,7 @@ from typing import Annotated
 
 import typer
 
+from batchgen.bench.copy_bench import format_copy_report
 from batchgen.bench.engine_side import parse_engine_overrides
 from batchgen.bench.gemm_rate import PREFILL_NUM_TOKENS
 from batchgen.bench.machine import machine_fingerprint
@@ -84,6 +85,11 @@ def bench_command(
     kv_cache_dtype: Annotated[str | None, typer.Option(
         "--kv-cache-dtype", help="fp8 | fp8_e4m3 | fp8_e5m2: with --quality, that KV cache against float32's; "
                                  "otherwise the engine's KV cache (as --engine kv_cache_dtype=...).")] = None,
+    copy_batches: Annotated[str, typer.Option(help="copy: running batches to measure.")] = "1,8,64",
+    spec_tokens: Annotated[int, typer.Option(help="copy: speculative tokens per verify (k).")] = 4,
+    draft_model: Annotated[str | None, typer.Option(help="copy: the draft model (default: the model itself).")] = None,
+    draft_quantization: Annotated[str | None, typer.Option(
+        help="copy: the draft's quantization, e.g. fp8 (default: none).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
     output: Annotated[Path | None, typer.Option(
         help="Also write the JSON result here, e.g. benchmarks/results/random-2core.json.")] = None,
@@ -102,7 +108,9 @@ def bench_command(
                             peer_batch_sizes=_parse_batch_sizes(peer_batch_sizes),
                             engine_overrides=overrides, num_threads=threads,
                             prompts=prompts, prefill_gemm_tokens=gemm_tokens, is_warmup=warmup, is_quality=quality,
-                            kv_cache_dtype=kv_cache_dtype,
+                            kv_cache_dtype=kv_cache_dtype, num_speculative_tokens=spec_tokens,
+                            draft_model=draft_model, draft_quantization=draft_quantization,
+                            copy_batches=tuple(_parse_batch_sizes(copy_batches)),
                             quantizations=[q for q in (quantization or "").replace(" ", "").split(",") if q])
         if opts.is_quality:
             result = run_quality(opts)
@@ -132,6 +140,8 @@ def bench_command(
         typer.echo(format_quality_table(result["quality"]))
     elif opts.workload == "overhead":
         typer.echo(format_overhead(result))
+    elif opts.workload == "copy":
+        typer.echo(format_copy_report(result))
     elif opts.workload == "serve":
         from batchgen.bench.serve_load import format_serve_report
 

@@ -38,6 +38,11 @@ class BenchOptions:
     # in the same process, beside the float32 engine; with --quality, also compare their logits.
     quantizations: list[str] = field(default_factory=list)
     kv_cache_dtype: str | None = None  # with is_quality: FP8 KV against the float32 cache; else an engine setting
+    # copy workload (speculative decoding): drafts per verify, the draft model (None: the model itself)
+    num_speculative_tokens: int = 4
+    draft_model: str | None = None
+    draft_quantization: str | None = None
+    copy_batches: tuple[int, ...] = (1, 8, 64)  # running batches of the copy workload
 
     def __post_init__(self) -> None:
         if self.workload not in WORKLOADS:

@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 import torch
 
+from batchgen.bench.copy_bench import SWITCH_OUTPUT_LEN, run_copy_bench
 from batchgen.bench.engine_side import build_engine, run_engine
 from batchgen.bench.gemm_rate import measure_gemm_rate
 from batchgen.bench.machine import cpu_busy_fraction, machine_fingerprint
@@ -119,6 +120,16 @@ def run_bench(opts: BenchOptions, engine: LLMEngine | None = None, peer_model=No
     if engine is None:
         say(f"loading the engine ({opts.model})")
         engine = build_engine(opts.model, opts.num_threads, opts.engine_overrides)
+    if opts.workload == "copy":
+        if opts.is_peer and peer_model is None:
+            say(f"loading the peer (HF transformers, {opts.model})")
+            peer_model = load_peer_model(opts.model)
+        return run_copy_bench(engine, peer_model if opts.is_peer else None,
+                              num_speculative_tokens=opts.num_speculative_tokens,
+                              draft_model=opts.draft_model or engine.config.model,
+                              draft_quantization=opts.draft_quantization, max_tokens=opts.output_len,
+                              num_requests_at_batch_1=opts.num_requests or 8,
+                              switch_output_len=SWITCH_OUTPUT_LEN, say=say, batches=tuple(opts.copy_batches))
     workload = make_workload(opts, engine)
     model_cfg = engine.model_cfg
     eos_token_ids = list(engine.eos_token_ids)

@@ -14,7 +14,9 @@ import numpy as np
 
 from batchgen.pipeline.ordering import num_shared_prefix
 
-WORKLOADS = ("random", "chat", "shared-prefix", "overhead", "serve")  # overhead: bench/overhead.py (null model); serve: random prompts through `batchgen serve`
+# overhead: bench/overhead.py (null model); serve: random prompts through `batchgen serve`; copy:
+# bench/copy_bench.py (speculative decoding on prompts whose answers copy them)
+WORKLOADS = ("random", "chat", "shared-prefix", "overhead", "serve", "copy")
 CHAT_PROMPTS_FILE = "chat_prompts.parquet"
 
 

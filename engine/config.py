@@ -81,6 +81,66 @@ def is_memory_size(value: Any) -> bool:
     return True
 
 
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+# Measured on this repository's 2-core CPU with the bundled model (benchmarks/NOTES.md, "Speculative
+# decoding"): a 5-token verify costs 1.2x a decode at 1-2 running sequences, 1.6x at 4, 2.6x at 8,
+# 3.6x at 32, so above 4 it pays only where drafts are accepted far more often than copy prompts get.
+DEFAULT_DISABLE_BY_BATCH_SIZE = 4
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """`engine.speculative` (vLLM's speculative_config names). It changes no output: every emitted
+    token is the one plain decoding picks, so it stays out of the job's config hash.
+
+    `model`: the draft model (draft_model only), with `quantization` for it (e.g. fp8: the target's
+    own weights, perturbed). `disable_by_batch_size`: speculate only in steps whose running batch
+    is at most this; null: the measured default.
+    """
+
+    method: str = "ngram"  # ngram | draft_model
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+    model: str | None = None
+    quantization: str | None = None  # the draft's; null: none
+    disable_by_batch_size: int | None = None
+
+    def __post_init__(self) -> None:
+        check_settings(self, [
+            _one_of("method", self.method, SPECULATIVE_METHODS),
+            ("num_speculative_tokens", isinstance(self.num_speculative_tokens, int)
+             and 1 <= self.num_speculative_tokens <= 16, "must be in [1, 16]"),
+            ("prompt_lookup_min", self.prompt_lookup_min >= 1, "must be >= 1"),
+            ("prompt_lookup_max", self.prompt_lookup_max >= self.prompt_lookup_min,
+             "must be >= prompt_lookup_min"),
+            ("model", (self.model is not None) == (self.method == "draft_model"),
+             "must name the draft model with method draft_model, and be null with ngram"),
+            _one_of("quantization", self.quantization or "none", QUANTIZATIONS),
+            ("disable_by_batch_size", self.disable_by_batch_size is None or self.disable_by_batch_size >= 1,
+             "must be >= 1 or null"),
+        ])
+
+    @property
+    def max_batch_size(self) -> int:
+        """The largest running batch that speculates."""
+        return self.disable_by_batch_size or DEFAULT_DISABLE_BY_BATCH_SIZE
+
+
+def as_speculative_config(value: SpeculativeConfig | dict | None) -> SpeculativeConfig | None:
+    """The settings from a mapping (job file, LLM(...) keyword) or as given."""
+    if value is None or isinstance(value, SpeculativeConfig):
+        return value
+    if not isinstance(value, dict):
+        raise SettingError("EngineConfig", "speculative", "must be a mapping or null", value)
+    names = {f.name for f in dataclasses.fields(SpeculativeConfig)}
+    unknown = sorted(set(value) - names)
+    if unknown:
+        raise SettingError("EngineConfig", "speculative", f"has unknown key(s) {', '.join(unknown)}; "
+                           f"allowed: {', '.join(sorted(names))}", value)
+    return SpeculativeConfig(**value)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs to know, resolved once. Derived values are properties."""
@@ -107,8 +167,10 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # override the pool size (tests, capacity experiments)
     num_threads: int | None = None  # CPU threads for torch; None: leave torch's default
     compile: bool = False  # torch.compile the elementwise ops (measured: no gain on the 2-core CPU)
+    speculative: SpeculativeConfig | None = None  # off; a mapping is read as SpeculativeConfig
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "speculative", as_speculative_config(self.speculative))
         check_settings(self, [
             _one_of("dtype", self.dtype, DTYPE_CHOICES),
             _one_of("quantization", self.quantization, QUANTIZATIONS),

@@ -88,6 +88,14 @@ class KVCacheManager:
                 self.pool.cache_block(seq.block_ids[i], keys[i])
         seq.num_registered_blocks = max(seq.num_registered_blocks, num_full)
 
+    def trim(self, seq: Sequence) -> None:
+        """Give back the blocks wholly past the sequence's known tokens (a verify chunk's rejected
+        drafts ran into them). They hold no verified token, so none is in the prefix cache."""
+        num_needed = -(-seq.num_tokens // self.block_size)
+        if len(seq.block_ids) > num_needed:
+            self.pool.free(list(reversed(seq.block_ids[num_needed:])))
+            del seq.block_ids[num_needed:]
+
     def free(self, seq: Sequence) -> None:
         # Tail first, so a request's later blocks are evicted before the prefix others may share.
         self.pool.free(list(reversed(seq.block_ids)))

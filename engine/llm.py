@@ -17,10 +17,11 @@ class LLM:
     """`LLM("smollm2-135m-instruct", dtype="float32", device="cpu")`.
 
     Keywords are EngineConfig's fields (the job file's `model` and `engine` keys, plus the
-    engine-only ones); EngineConfig checks them.
+    engine-only ones); EngineConfig checks them. `speculative_config=` is vLLM's name for `speculative=`.
     """
 
     def __init__(self, model: str, **settings):
+        settings = _speculative_alias(settings)
         _check_names(settings)
         self.engine = LLMEngine(EngineConfig(model=model, **settings))
         self._next_id = 0
@@ -29,6 +30,7 @@ class LLM:
         """A new LLM over this one's loaded weights and tokenizer with other KV/scheduling settings
         (llm_engine.RUNTIME_SETTINGS; max_model_len may only shrink): its own KV pool, scheduler and
         counters."""
+        changes = _speculative_alias(changes)
         _check_names(changes)
         other = object.__new__(LLM)
         other.engine = LLMEngine(self.engine.config.replace(**changes), weights_from=self.engine)
@@ -67,6 +69,16 @@ class LLM:
                     results[out.request_id] = out
                     bar.update(1)
         return [results[i] for i in ids]
+
+
+def _speculative_alias(settings: dict) -> dict:
+    if "speculative_config" not in settings:
+        return settings
+    if "speculative" in settings:
+        raise TypeError("give speculative or its alias speculative_config, not both")
+    settings = dict(settings)
+    settings["speculative"] = settings.pop("speculative_config")
+    return settings
 
 
 def _check_names(settings: dict) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import time
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from batchgen.engine.outputs import CompletionOutput, RequestMetrics, RequestOut
 from batchgen.engine.sampling_params import SamplingParams
 from batchgen.engine.scheduler import Scheduler
 from batchgen.engine.sequence import Sequence
+from batchgen.engine.speculative import SpecDecoder, num_accepted
 from batchgen.engine.stop_strings import IncrementalText, find_stop_string
 from batchgen.engine.tokenizer import Messages, Tokenizer
 
@@ -40,7 +42,8 @@ class _RequestState:
 # Settings that shape only the KV pool and the scheduling, not the loaded model: an engine that differs
 # from another in these alone can share its weights (`weights_from`). max_model_len may only shrink.
 RUNTIME_SETTINGS = ("block_size", "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching",
-                    "kv_cache_memory", "num_kv_blocks", "max_model_len", "kv_cache_dtype", "calculate_kv_scales")
+                    "kv_cache_memory", "num_kv_blocks", "max_model_len", "kv_cache_dtype", "calculate_kv_scales",
+                    "speculative")
 
 
 class LLMEngine:
@@ -103,6 +106,8 @@ class LLMEngine:
             self.runner.capture_decode_graphs(self.max_model_len)
         self.timings = self.runner.timings  # host time per step, by part (bench --workload overhead)
         self.requests: dict[str, _RequestState] = {}
+        # Speculative decoding (off: None). A draft model loads here, after the target's KV pool.
+        self.spec = SpecDecoder(config.speculative, self) if config.speculative is not None else None
 
     def _size_kv_pool_on_gpu(self) -> int:
         """KV blocks from a profiling step (engine/gpu_memory.py), run by a runner with a one-block pool."""
@@ -172,7 +177,7 @@ class LLMEngine:
         for seq in state.seqs:
             if not seq.is_finished:
                 self.scheduler.abort(seq)
-            self.runner.release(seq)
+            self._release(seq)
         return True
 
     def sequences(self, request_id: str) -> list[Sequence]:
@@ -190,6 +195,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, sample; returns the requests that finished in this step."""
         start = time.perf_counter()
+        if self.spec is not None:
+            self.spec.propose(self.scheduler.running)  # drafts for the sequences about to decode
         out = self.scheduler.schedule()
         scheduled = time.perf_counter()
         if out.is_empty:
@@ -203,20 +210,50 @@ class LLMEngine:
         for s in out.scheduled:
             s.seq.num_computed_tokens += s.num_new_tokens
         finished: list[RequestOutput] = []
-        for s, token, logprob, top in results:
+        num_verifies = 0
+        for _, group in itertools.groupby(results, key=lambda r: id(r[0])):  # a verify chunk: 1 + k rows
+            rows = list(group)
+            s = rows[0][0]
             seq = s.seq
-            seq.append_token(token, logprob, top)
-            if self._check_stop(seq):
-                self.scheduler.finish(seq)
-                self.runner.release(seq)
-                state = self.requests[seq.request_id]
-                if all(x.is_finished for x in state.seqs):
-                    finished.append(self._make_output(state))
-                    del self.requests[seq.request_id]
+            if s.num_draft_tokens:
+                # Keep the drafts plain decoding agrees with, then its own token there; the KV of the
+                # rejected drafts' positions is overwritten by later steps.
+                drafts = seq.draft_token_ids
+                accepted = num_accepted(drafts, [r[1] for r in rows])
+                seq.num_computed_tokens -= len(drafts) - accepted
+                rows = rows[:accepted + 1]
+                seq.num_accepted_tokens += accepted
+                self.spec.stats.count(len(drafts), accepted)
+                num_verifies += 1
+                seq.draft_token_ids = []
+            for _, token, logprob, top in rows:
+                seq.append_token(token, logprob, top)
+                if self._check_stop(seq):  # inside an accepted run: where plain decoding stops
+                    self._finish(seq, finished)
+                    break
+            else:
+                if s.num_draft_tokens:  # blocks only rejected drafts reached go back
+                    self.kv_cache_manager.trim(seq)
+        if num_verifies:
+            self.spec.stats.num_spec_steps += 1
         timings = self.timings
         timings.num_steps += 1
         timings.add(schedule=scheduled - start, process=time.perf_counter() - executed)
         return finished
+
+    def _finish(self, seq: Sequence, finished: list[RequestOutput]) -> None:
+        self.scheduler.finish(seq)
+        self._release(seq)
+        state = self.requests[seq.request_id]
+        if all(x.is_finished for x in state.seqs):
+            finished.append(self._make_output(state))
+            del self.requests[seq.request_id]
+
+    def _release(self, seq: Sequence) -> None:
+        """What the runner and the draft proposer keep for a finished or aborted sequence goes back."""
+        self.runner.release(seq)
+        if self.spec is not None:
+            self.spec.release(seq)
 
     def _check_stop(self, seq: Sequence) -> bool:
         p = seq.params
@@ -270,6 +307,7 @@ class LLMEngine:
                 logprobs=list(seq.output_logprobs) if seq.params.logprobs is not None else None,
                 top_logprobs=self._top_logprobs(seq) if seq.params.num_top_logprobs else None,
                 finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
+                num_accepted_tokens=seq.num_accepted_tokens if self.spec is not None else None,
                 first_scheduled_time=seq.first_scheduled_time, first_token_time=seq.first_token_time,
                 last_token_time=seq.last_token_time))
         first = state.seqs[0]
@@ -290,8 +328,9 @@ class LLMEngine:
     # ---- counters -------------------------------------------------------------------------------
     @property
     def stats(self) -> dict:
-        """Counters since the engine started, `kernels`: the implementations that run (Capabilities), and
-        `weights`: the weight format and the decoder's linear bytes (quant/weight_report.py)."""
+        """Counters since the engine started, `kernels`: the implementations that run (Capabilities),
+        `weights`: the weight format and the decoder's linear bytes (quant/weight_report.py), and
+        `speculative`: draft and accepted tokens (speculative/__init__.py SpecStats; None when off)."""
         s = self.scheduler.stats
         pool = self.kv_cache_manager.pool
         return {
@@ -305,6 +344,7 @@ class LLMEngine:
                          "bytes_per_token": self.kv_bytes_per_token},
             "kernels": self.capabilities.as_dict(),
             "weights": dict(self.loaded.weights),
+            "speculative": self.spec.stats.as_dict() if self.spec is not None else None,
         }
 
 

@@ -27,6 +27,8 @@ from batchgen.engine.sequence import Sequence
 from batchgen.engine.step_inputs import StepInputs, StepPacker, add_step_sections, make_step_inputs
 from batchgen.engine.step_timings import StepTimings
 
+# (scheduled seq, token, raw logprob, top logprobs or None): one per sampled row. A verify chunk
+# (speculative decoding) gives 1 + k consecutive results for its sequence, in position order.
 StepResult = tuple[ScheduledSeq, int, float, list[tuple[int, float]] | None]
 
 
@@ -71,7 +73,7 @@ class ModelRunner:
 
     def prepare(self, scheduled: list[ScheduledSeq], num_live_seqs: int = 0):
         """The step's inputs on the device in one copy: (StepInputs, attention metadata, sampling
-        sequences, SamplingBatch)."""
+        chunks, SamplingBatch). Verify chunks (drafts) run as prefill chunks over their cached context."""
         # Decodes first, in the order the attention backend asks for, then prefill chunks.
         decodes = [s for s in scheduled if s.num_new_tokens == 1]
         decode_seqs = [s.seq for s in decodes]
@@ -89,8 +91,9 @@ class ModelRunner:
         packer = self.packer
         query_lens, context_lens, tables, max_seq_len, sampling = add_step_sections(
             packer, decodes + prefills, len(decodes), self.block_size)
-        seqs = [s.seq for s in sampling]
-        batch = add_sampling_sections(packer, seqs, self.eos_token_ids, self.model_cfg.vocab_size, self.penalties)
+        seqs, offsets = sampling_rows(sampling)
+        batch = add_sampling_sections(packer, seqs, self.eos_token_ids, self.model_cfg.vocab_size, self.penalties,
+                                      offsets)
         tensors = packer.send()  # the one host-to-device copy
         step = make_step_inputs(tensors, query_lens, context_lens, tables, len(decodes), max_seq_len, self.block_size)
         attach_sampling_tensors(batch, tensors)
@@ -107,7 +110,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq], num_live_seqs: int = 0) -> list[StepResult]:
         """Run one step; returns (scheduled seq, token, raw logprob, top logprobs or None) for each
-        sequence that samples.
+        sampled row: one per sampling sequence, 1 + k in position order for a verify chunk (each
+        sampled as plain decoding would there; the engine keeps the accepted prefix).
         `num_live_seqs`: unfinished sequences that may decode soon (the backend may plan for them)."""
         timings = self.timings
         start = time.perf_counter()
@@ -117,7 +121,7 @@ class ModelRunner:
         if not sampling:
             timings.add(prepare=prepared - start, forward=time.perf_counter() - prepared)
             return []
-        seqs = [s.seq for s in sampling]
+        seqs, _ = sampling_rows(sampling)
         sampled = self.sampler.sample(logits, batch, seqs, self.penalties)
         host = read_back(sampled)  # the one device-to-host copy; waits for the step
         done = time.perf_counter()
@@ -148,6 +152,17 @@ class ModelRunner:
         read_back(self.sampler.sample(logits, batch, [s.seq for s in sampling], self.penalties))
 
 
+def sampling_rows(sampling: list[ScheduledSeq]) -> tuple[list[Sequence], list[int] | None]:
+    """Each logits row's sequence and draft offset (None: no verify chunk, every offset 0)."""
+    if all(not s.num_draft_tokens for s in sampling):
+        return [s.seq for s in sampling], None
+    seqs, offsets = [], []
+    for s in sampling:
+        seqs.extend([s.seq] * s.num_sampled)
+        offsets.extend(range(s.num_sampled))
+    return seqs, offsets
+
+
 def read_back(sampled: SampledTokens) -> np.ndarray:
     """(N, 2 + 2K) int32 on the host in one copy: token, logprob bits, K top ids, K top logprob bits."""
     columns = [sampled.tokens.to(torch.int32)[:, None], sampled.logprobs.view(torch.int32)[:, None]]
@@ -157,6 +172,8 @@ def read_back(sampled: SampledTokens) -> np.ndarray:
 
 
 def unpack_results(host: np.ndarray, sampling: list[ScheduledSeq], top_counts: list[int]) -> list[StepResult]:
+    if any(s.num_draft_tokens for s in sampling):  # a verify chunk's rows share its ScheduledSeq
+        sampling = [s for s in sampling for _ in range(s.num_sampled)]
     floats = host.view(np.float32)
     tokens = host[:, 0].tolist()
     logprobs = floats[:, 1].tolist()

@@ -29,6 +29,7 @@ class CompletionOutput:
     first_token_time: float | None = None
     last_token_time: float | None = None
     top_logprobs: list[list[TopLogprob]] | None = None  # per token, most likely first (logprobs = N > 0)
+    num_accepted_tokens: int | None = None  # draft tokens accepted (speculative decoding; None when off)
 
 
 @dataclass

@@ -9,6 +9,10 @@ device tensors; the model runner reads them back in one copy.
 Every random row draws its noise from the keyed generator (keyed_random.py): a pure function of
 (job seed, request key, sample index, output position), one exponential race per token, so a sample
 never depends on its batch mates, on preemption or on speculation.
+
+A verify chunk (speculative decoding) hands 1 + k rows of one sequence; the batch already carries
+each row's output position, penalty-count delta and min_tokens ban (sampling_batch.py), so every row
+is sampled exactly as plain decoding would sample that position.
 """
 
 from __future__ import annotations
@@ -127,12 +131,14 @@ class Sampler:
         self.is_c_sampling = is_c_sampling
 
     @torch.no_grad()
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[float]]:
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence],
+                 draft_offsets: list[int] | None = None) -> tuple[list[int], list[float]]:
         """Sample outside an engine step (tests, tools): builds the batch and the penalty counts from
-        `seqs`, reads the result back. Returns tokens and their raw log-probabilities."""
+        `seqs` (one per row; `draft_offsets` as in add_sampling_sections), reads the result back.
+        Returns tokens and their raw log-probabilities."""
         vocab = logits.shape[-1]
         penalties = PenaltyState(vocab, logits.device)
-        batch = sampling_batch_for(seqs, self.eos_token_ids, vocab, penalties, logits.device)
+        batch = sampling_batch_for(seqs, self.eos_token_ids, vocab, penalties, logits.device, draft_offsets)
         out = self.sample(logits, batch, seqs, penalties)
         return out.tokens.tolist(), out.logprobs.tolist()
 

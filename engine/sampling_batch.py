@@ -8,6 +8,13 @@ Penalties read per-sequence token counts that live on the device (PenaltyState):
 row when it first samples with a penalty (its prompt and any output tokens are uploaded once, in
 that step's packed copy), and after every step the sampled tokens are added on the device. Nothing
 is re-uploaded per step; the row is given back when the sequence finishes or is aborted.
+
+A verify chunk (speculative decoding) samples 1 + k rows of one sequence, row j as plain decoding
+would once the first j drafts were its tokens: its keyed draw's position and its min_tokens ban are
+those of output position `num_output_tokens + j`, and its penalties see the counts plus the first j
+drafts (a per-step delta of (row, token) pairs, the device counts untouched). After sampling, only
+the rows the engine will keep (those up to the first sampled token that differs from its draft) add
+their tokens to the counts, judged on the device.
 """
 
 from __future__ import annotations
@@ -34,7 +41,8 @@ class SamplingBatch:
     min_p: torch.Tensor | None = None  # (R,) float32
     random_key_lo: torch.Tensor | None = None  # (R,) int32: low and high words of the sample's 63-bit key
     random_key_hi: torch.Tensor | None = None  # (R,) int32
-    random_position: torch.Tensor | None = None  # (R,) int32: the output position being sampled
+    random_position: torch.Tensor | None = None  # (R,) int32: the output position being sampled (a
+    # verify chunk's row j: the sequence's output length + j)
     has_top_k_or_p: bool = False
     has_min_p: bool = False
     # Rows with penalties: their PenaltyState rows and values.
@@ -44,6 +52,12 @@ class SamplingBatch:
     presence: torch.Tensor | None = None  # (P,) float32
     frequency: torch.Tensor | None = None  # (P,) float32
     has_repetition: bool = False
+    # Verify chunks' penalty rows: the drafts before each row (per-row count deltas), and what decides
+    # which rows' tokens are kept (recorded): each penalty row's draft and its sequence's first row.
+    draft_count_index: torch.Tensor | None = None  # (D,) int32 into the P penalty rows
+    draft_count_tokens: torch.Tensor | None = None  # (D,) int32
+    penalty_draft: torch.Tensor | None = None  # (P,) int32: the draft the row's token is checked against; -1: none
+    penalty_first: torch.Tensor | None = None  # (P,) int32: index (into P) of the row's sequence's first row
     # PenaltyState rows that start this step: cleared, then filled with these (row, token) pairs.
     new_penalty_rows: torch.Tensor | None = None  # (K,) int32
     prompt_rows: torch.Tensor | None = None  # (M,) int32 (prompt tokens: only for a repetition penalty)
@@ -135,7 +149,12 @@ class PenaltyState:
         index = batch.penalty_index.long()
         rows = batch.penalty_rows.long()
         picked = logits.index_select(0, index)  # (P, V)
-        counts = self.output_counts.index_select(0, rows).to(picked.dtype)  # (P, V)
+        counts = self.output_counts.index_select(0, rows)  # (P, V) int32, a copy
+        if batch.draft_count_index is not None:  # verify rows: the drafts before each row count too
+            tokens = batch.draft_count_tokens.long()
+            counts.index_put_((batch.draft_count_index.long(), tokens), torch.ones_like(tokens, dtype=torch.int32),
+                              accumulate=True)
+        counts = counts.to(picked.dtype)
         is_output = counts > 0
         if batch.has_repetition:
             seen = self.prompt_mask.index_select(0, rows) | is_output
@@ -147,12 +166,21 @@ class PenaltyState:
         return logits
 
     def record(self, tokens: torch.Tensor, batch: SamplingBatch) -> None:
-        """Add this step's sampled tokens (N,) to their rows' output counts (device ops)."""
+        """Add this step's sampled tokens (N,) to their rows' output counts (device ops). A verify
+        chunk's row counts only when every earlier row of its sequence sampled its draft (the tokens
+        the engine keeps: the accepted drafts, then the first token that differs or the bonus)."""
         if batch.penalty_index is None:
             return
-        chosen = tokens.index_select(0, batch.penalty_index.long())
-        ones = torch.ones_like(chosen, dtype=torch.int32)
-        self.output_counts.index_put_((batch.penalty_rows.long(), chosen), ones, accumulate=True)
+        chosen = tokens.index_select(0, batch.penalty_index.long())  # (P,)
+        if batch.penalty_draft is None:
+            weights = torch.ones_like(chosen, dtype=torch.int32)
+        else:
+            # Rejections before each row within its sequence: an inclusive running count, minus the
+            # row's own, minus what came before the sequence's first row.
+            rejected = (chosen != batch.penalty_draft.long()).to(torch.int32)  # (P,)
+            before = rejected.cumsum(0) - rejected  # (P,) exclusive prefix count
+            weights = (before == before.index_select(0, batch.penalty_first.long())).to(torch.int32)
+        self.output_counts.index_put_((batch.penalty_rows.long(), chosen), weights, accumulate=True)
 
 
 def _int32_words(value: int) -> tuple[int, int]:
@@ -162,10 +190,16 @@ def _int32_words(value: int) -> tuple[int, int]:
 
 
 def add_sampling_sections(packer: StepPacker, seqs: list[Sequence], eos_token_ids: tuple[int, ...],
-                          vocab_size: int, penalties: PenaltyState) -> SamplingBatch:
+                          vocab_size: int, penalties: PenaltyState,
+                          draft_offsets: list[int] | None = None) -> SamplingBatch:
     """Add the sampling sections of `seqs` (one per sampling row) to the step's packer. Returns the
-    batch with its host fields set; `attach_sampling_tensors` fills in the device tensors."""
+    batch with its host fields set; `attach_sampling_tensors` fills in the device tensors.
+
+    `draft_offsets[i]` (verify chunks): row i samples the position that many drafts past its
+    sequence's end (a sequence's rows consecutive, offsets 0..k, its `draft_token_ids` the k drafts
+    its chunk verifies); None: every row at offset 0."""
     batch = SamplingBatch(num_rows=len(seqs))
+    offsets = draft_offsets if draft_offsets is not None else [0] * len(seqs)
     random_rows: list[int] = []
     temperature: list[float] = []
     top_k: list[int] = []
@@ -173,7 +207,7 @@ def add_sampling_sections(packer: StepPacker, seqs: list[Sequence], eos_token_id
     min_p: list[float] = []
     key_lo: list[int] = []
     key_hi: list[int] = []
-    position: list[int] = []
+    positions: list[int] = []
     penalty_index: list[int] = []
     penalty_rows: list[int] = []
     repetition: list[float] = []
@@ -184,14 +218,19 @@ def add_sampling_sections(packer: StepPacker, seqs: list[Sequence], eos_token_id
     prompt_tokens: list[int] = []
     output_rows: list[int] = []
     output_tokens: list[int] = []
+    draft_count_index: list[int] = []
+    draft_count_tokens: list[int] = []
+    penalty_draft: list[int] = []
+    penalty_first: list[int] = []
     ban_index: list[int] = []
     ban_tokens: list[int] = []
     top_index: list[int] = []
     top_counts = [0] * len(seqs)
-    for i, seq in enumerate(seqs):
+    for i, (seq, offset) in enumerate(zip(seqs, offsets)):
         p = seq.params
+        position = seq.num_output_tokens + offset  # the output position this row samples
         if (p.temperature == 0.0 and not p.logprobs and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0
-                and p.frequency_penalty == 0.0 and (p.min_tokens == 0 or seq.num_output_tokens >= p.min_tokens)):
+                and p.frequency_penalty == 0.0 and (p.min_tokens == 0 or position >= p.min_tokens)):
             continue  # plain greedy: nothing to send (the common case at large batch)
         if p.temperature != 0.0:
             random_rows.append(i)
@@ -203,11 +242,19 @@ def add_sampling_sections(packer: StepPacker, seqs: list[Sequence], eos_token_id
             lo, hi = _int32_words(seq.random_key)
             key_lo.append(lo)
             key_hi.append(hi)
-            position.append(seq.num_output_tokens)
+            positions.append(position)
             batch.has_top_k_or_p |= k < vocab_size or p.top_p < 1
             batch.has_min_p |= p.min_p > 0
         if p.has_penalties:
             row, is_new = penalties.row_for(seq)
+            # A verify chunk's rows: the drafts before this one count, and the row's token is kept
+            # only while the rows before it (from its sequence's first, offset 0) sampled their drafts.
+            drafts = seq.draft_token_ids
+            if offset:
+                draft_count_index.extend([len(penalty_index)] * offset)
+                draft_count_tokens.extend(drafts[:offset])
+            penalty_first.append(len(penalty_index) - offset)
+            penalty_draft.append(drafts[offset] if draft_offsets is not None and offset < len(drafts) else -1)
             penalty_index.append(i)
             penalty_rows.append(row)
             repetition.append(p.repetition_penalty)
@@ -222,7 +269,7 @@ def add_sampling_sections(packer: StepPacker, seqs: list[Sequence], eos_token_id
                 outputs = seq.output_token_ids  # none unless the row was lost; kept for safety
                 output_rows.extend([row] * len(outputs))
                 output_tokens.extend(outputs)
-        if seq.num_output_tokens < p.min_tokens:
+        if position < p.min_tokens:
             banned = list(eos_token_ids) + p.stop_token_ids
             ban_index.extend([i] * len(banned))
             ban_tokens.extend(banned)
@@ -238,13 +285,19 @@ def add_sampling_sections(packer: StepPacker, seqs: list[Sequence], eos_token_id
         packer.add_floats("s.min_p", min_p)
         packer.add_ints("s.random_key_lo", key_lo)
         packer.add_ints("s.random_key_hi", key_hi)
-        packer.add_ints("s.random_position", position)
+        packer.add_ints("s.random_position", positions)
     if penalty_index:
         packer.add_ints("s.penalty_index", penalty_index)
         packer.add_ints("s.penalty_rows", penalty_rows)
         packer.add_floats("s.repetition", repetition)
         packer.add_floats("s.presence", presence)
         packer.add_floats("s.frequency", frequency)
+        if any(d >= 0 for d in penalty_draft):  # a verify chunk with penalties
+            packer.add_ints("s.penalty_draft", penalty_draft)
+            packer.add_ints("s.penalty_first", penalty_first)
+    if draft_count_index:
+        packer.add_ints("s.draft_count_index", draft_count_index)
+        packer.add_ints("s.draft_count_tokens", draft_count_tokens)
     if new_rows:
         packer.add_ints("s.new_penalty_rows", new_rows)
     if prompt_rows:
@@ -270,8 +323,9 @@ def attach_sampling_tensors(batch: SamplingBatch, tensors: dict[str, torch.Tenso
 
 
 def sampling_batch_for(seqs: list[Sequence], eos_token_ids: tuple[int, ...], vocab_size: int,
-                       penalties: PenaltyState, device: torch.device) -> SamplingBatch:
+                       penalties: PenaltyState, device: torch.device,
+                       draft_offsets: list[int] | None = None) -> SamplingBatch:
     """A SamplingBatch of its own (one packed copy for the sampler alone): for callers outside a step."""
     packer = StepPacker(device)
-    batch = add_sampling_sections(packer, seqs, eos_token_ids, vocab_size, penalties)
+    batch = add_sampling_sections(packer, seqs, eos_token_ids, vocab_size, penalties, draft_offsets)
     return attach_sampling_tensors(batch, packer.send())

@@ -20,11 +20,24 @@ from batchgen.engine.sequence import Sequence, SequenceStatus
 class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int
+    num_draft_tokens: int = 0  # a verify chunk: the last token, then the sequence's drafts (all of them)
 
     @property
     def is_sampling(self) -> bool:
-        """True when this chunk reaches the end of the known tokens, so a token is sampled."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+        """True when this chunk reaches the end of the known tokens (and drafts), so tokens are sampled."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens + self.num_draft_tokens
+
+    @property
+    def num_sampled(self) -> int:
+        """Positions sampled in this chunk: none, one, or 1 + drafts for a verify chunk."""
+        return 1 + self.num_draft_tokens if self.is_sampling else 0
+
+    def input_token_ids(self) -> list[int]:
+        """The chunk's token ids: the sequence's tokens from num_computed_tokens, then its drafts."""
+        start = self.seq.num_computed_tokens
+        if not self.num_draft_tokens:
+            return self.seq.token_ids[start:start + self.num_new_tokens]
+        return self.seq.token_ids[start:] + self.seq.draft_token_ids
 
 
 @dataclass
@@ -74,15 +87,23 @@ class Scheduler:
         queue = list(self.running)
         while queue and budget > 0:
             seq = queue.pop(0)
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            while not self.kv_cache_manager.allocate_slots(seq, num_new):
+            num_new = min(seq.num_tokens - seq.num_computed_tokens + len(seq.draft_token_ids), budget)
+            # Drafts (speculative decoding) ride on a decode only and never cost a preemption: cut
+            # to the budget, dropped when their slots do not fit. The sequence keeps exactly the
+            # drafts its chunk verifies.
+            num_drafts = max(num_new - 1, 0) if seq.draft_token_ids else 0
+            if num_drafts and not self.kv_cache_manager.allocate_slots(seq, num_new):
+                num_new, num_drafts = 1, 0
+            if len(seq.draft_token_ids) != num_drafts:
+                seq.draft_token_ids = seq.draft_token_ids[:num_drafts]
+            while not (num_drafts or self.kv_cache_manager.allocate_slots(seq, num_new)):
                 victim = queue.pop() if queue else seq  # newest first
                 self._preempt(victim)
                 out.num_preempted += 1
                 if victim is seq:
                     break
             else:
-                out.scheduled.append(ScheduledSeq(seq, num_new))
+                out.scheduled.append(ScheduledSeq(seq, num_new, num_drafts))
                 running_next.append(seq)
                 budget -= num_new
         running_next.extend(queue)  # out of budget this step; they keep their blocks
@@ -113,6 +134,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.kv_cache_manager.free(seq)
+        seq.draft_token_ids = []
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         if seq in self.running:
@@ -126,9 +148,11 @@ class Scheduler:
         self.stats.num_steps += 1
         has_prefill = has_decode = False
         for s in out.scheduled:
-            is_decode = s.seq.num_computed_tokens >= s.seq.num_prompt_tokens and s.num_new_tokens == 1
+            # A verify chunk (the last token and its drafts) counts as decode tokens, rejected ones too.
+            is_decode = (s.seq.num_computed_tokens >= s.seq.num_prompt_tokens
+                         and (s.num_new_tokens == 1 or s.num_draft_tokens > 0))
             if is_decode:
-                self.stats.num_decode_tokens += 1
+                self.stats.num_decode_tokens += s.num_new_tokens
                 has_decode = True
             else:
                 self.stats.num_prefill_tokens += s.num_new_tokens

@@ -50,6 +50,10 @@ class Sequence:
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
+        # Speculative decoding: this step's proposals (verified in the step, then cleared) and the
+        # drafts accepted over the sample's life.
+        self.draft_token_ids: list[int] = []
+        self.num_accepted_tokens = 0
         # Keys every random draw of this sample (with the output position): see keyed_random.py.
         self.random_key = sequence_key(params.seed or 0, self.sample_key, sample_index)
 

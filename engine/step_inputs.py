@@ -111,7 +111,8 @@ class StepInputs:
     input_ids: torch.Tensor  # (T,)
     positions: torch.Tensor  # (T,)
     slot_mapping: torch.Tensor  # (T,) cache slot of each new token (-1: write nothing; padding rows)
-    logits_indices: torch.Tensor  # (N,) flat token whose logits are sampled, one per sampling sequence
+    logits_indices: torch.Tensor  # (N,) flat tokens whose logits are sampled: one per sampling sequence,
+    # 1 + k for a verify chunk (speculative decoding)
     query_start_loc: torch.Tensor  # (S + 1,) cumulative query lengths, [0] = 0, [S] = T
     seq_lens: torch.Tensor  # (S,) context + query: keys each sequence sees after this step's KV store
     context_lens_t: torch.Tensor  # (S,)
@@ -135,7 +136,8 @@ class StepInputs:
 def add_step_sections(packer: StepPacker, order: list[ScheduledSeq], num_decodes: int,
                       block_size: int) -> tuple[list[int], list[int], list[list[int]], int, list[ScheduledSeq]]:
     """Pack the model and attention inputs of `order` (its first `num_decodes` are decodes). Returns
-    the host-side (query_lens, context_lens, block_tables, max_seq_len, sampling sequences).
+    the host-side (query_lens, context_lens, block_tables, max_seq_len, sampling sequences); a
+    sampling verify chunk has `num_sampled` (1 + k) logits rows, the others one.
 
     Decodes, most of a step at large batch, take list comprehensions (no per-token loop); block
     tables are padded into one flat list with zeros (block 0 is never read past a seq_len)."""
@@ -162,13 +164,14 @@ def add_step_sections(packer: StepPacker, order: list[ScheduledSeq], num_decodes
         start = seq.num_computed_tokens
         end = start + s.num_new_tokens
         table = seq.block_ids
-        input_ids.extend(seq.token_ids[start:end])
+        input_ids.extend(s.input_token_ids())  # a verify chunk: the last token, then its drafts
         positions.extend(range(start, end))
         slots.extend([table[pos // bs] * bs + pos % bs for pos in range(start, end)])
         total = query_start[-1] + s.num_new_tokens
         query_start.append(total)
-        if end == seq.num_tokens:  # the chunk reaches the last known token: it samples
-            logits_indices.append(total - 1)
+        num_sampled = s.num_sampled  # the chunk reaches the last known token (or draft): it samples
+        if num_sampled:
+            logits_indices.extend(range(total - num_sampled, total))  # a verify chunk: each of its 1 + k
             sampling.append(s)
         seq_lens.append(end)
         context_lens.append(start)

@@ -342,6 +342,9 @@ def validate_job(raw: dict, base_dir: Path, source: str = "job") -> JobConfig:
     except ValidationError as exc:
         raise JobError(f"{source}: invalid job\n" + format_validation_error(exc)) from None
     job.model.path = _resolve_model_path(job.model.path, base_dir)
+    spec = job.engine.speculative
+    if spec is not None and spec.model is not None:  # the draft model: a path like model.path
+        job.engine.speculative = dataclasses.replace(spec, model=_resolve_model_path(spec.model, base_dir))
     job.input.path = _resolve_path(job.input.path, base_dir)
     job.output.path = _resolve_path(job.output.path or _default_output_path(job.name, source), base_dir)
     return job

@@ -15,7 +15,7 @@ from batchgen.pipeline.errors import JobError
 from batchgen.pipeline.lock import FolderLock, lock_folder
 from batchgen.pipeline.output_folder import SUCCESS_NAME, describe_redo, raise_if_refused
 from batchgen.pipeline.preflight import JobPlan, plan_job
-from batchgen.pipeline.summary import SUMMARY_COLUMNS, Totals, success_record
+from batchgen.pipeline.summary import SUMMARY_COLUMNS, Totals, speculative_summary, success_record
 from batchgen.pipeline.unit_runner import UnitSource, run_units
 from batchgen.pipeline.units import WorkUnit
 from batchgen.pipeline.writer import CommitContext
@@ -75,9 +75,11 @@ def _run_locked(plan: JobPlan, lock: FolderLock, engine: LLMEngine | None, overw
     check_engine_can_run(job, engine)
 
     source = UnitSource(job, plan.inputs.output_schema(job), plan.repeats)
+    spec_before = engine.stats.get("speculative")  # None: speculation off (or an engine without it)
     ran = run_units(source, plan.input_storage, plan.output.storage, pending, engine,
                     CommitContext(plan.config_hash, lock.holder.run_id, lock.check), progress=progress)
-    record = write_job_success(plan, lock, skipped, ran.totals, ran.generation_seconds, **engine_reports(engine))
+    record = write_job_success(plan, lock, skipped, ran.totals, ran.generation_seconds, **engine_reports(engine),
+                               speculative=speculative_summary(spec_before, engine.stats.get("speculative")))
     return RunResult(record, success_path, len(pending), len(skipped), dict(state.redo))
 
 
@@ -89,7 +91,8 @@ def engine_reports(engine: LLMEngine) -> dict:
 
 def write_job_success(plan: JobPlan, lock: FolderLock, skipped: list[WorkUnit], this_run: Totals,
                       generation_seconds: float, *, kernels: dict, kv_cache: dict | None = None,
-                      weights: dict | None = None, workers: dict | None = None) -> dict:
+                      weights: dict | None = None, workers: dict | None = None,
+                      speculative: dict | None = None) -> dict:
     """The run's `_SUCCESS`, written last (after output.jsonl/errors.jsonl for openai_batch output) while
     the run still holds its folder: counts over the whole output, speed and latency over this run."""
     job = plan.job
@@ -100,7 +103,7 @@ def write_job_success(plan: JobPlan, lock: FolderLock, skipped: list[WorkUnit], 
             whole.add_table(pq.read_table(f, columns=SUMMARY_COLUMNS))
     record = success_record(job.name, plan.config_hash, whole, this_run, generation_seconds,
                             resumed=bool(skipped), kernels=kernels, kv_cache=kv_cache, weights=weights,
-                            workers=workers)
+                            workers=workers, speculative=speculative)
     if job.writes_batch_output:  # from the committed parts (also an earlier run's)
         lock.check()
         write_batch_outputs(plan.output.storage, plan.unit_names)

@@ -28,6 +28,7 @@ GENERATED_FIELDS = [
     pa.field("ttft_s", pa.float64()),
     pa.field("tpot_s", pa.float64()),
     pa.field("e2e_s", pa.float64()),
+    pa.field("num_accepted_tokens", pa.int64()),  # speculative decoding's accepted drafts; null when off
     pa.field("error", pa.string()),
     # output.format openai_batch: the request's line of output.jsonl / errors.jsonl, on its sample 0 row
     # (null on the others). The part carries it so that the .jsonl files are assembled from committed

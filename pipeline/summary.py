@@ -10,7 +10,7 @@ import pyarrow.compute as pc
 
 SUCCESS_KEYS = ("job", "config_hash", "num_requests", "num_rows", "num_errors", "prompt_tokens",
                 "cached_tokens", "completion_tokens", "generation_seconds", "completion_tokens_per_s",
-                "ttft_s", "tpot_s", "resumed", "kernels", "kv_cache", "weights", "workers")
+                "ttft_s", "tpot_s", "resumed", "kernels", "kv_cache", "weights", "workers", "speculative")
 SUMMARY_COLUMNS = ["sample_index", "finish_reason", "prompt_tokens", "cached_tokens", "completion_tokens",
                    "ttft_s", "tpot_s"]
 
@@ -54,12 +54,13 @@ def percentiles(chunks: list[np.ndarray]) -> dict[str, float | None]:
 
 def success_record(job: str, config_hash: str, whole: Totals, this_run: Totals, generation_seconds: float,
                    resumed: bool, kernels: dict, kv_cache: dict | None = None, weights: dict | None = None,
-                   workers: dict | None = None) -> dict:
+                   workers: dict | None = None, speculative: dict | None = None) -> dict:
     """The `_SUCCESS` JSON: counts over the whole output; speed and latency figures over this run;
     `kernels`: the implementations this run's engine used (its stats' `kernels`); `kv_cache`: its KV
     cache's dtype and bytes per token (its stats' `kv_cache`); `weights`: its weight format and linear
     bytes (its stats' `weights`); `workers`: how the job ran (`{"backend": "local"}`, static shards, or
-    Ray replicas with their failures)."""
+    Ray replicas with their failures); `speculative`: this run's draft and accepted tokens
+    (`speculative_summary`), null when speculation is off."""
     record = {
         "job": job,
         "config_hash": config_hash,
@@ -78,9 +79,33 @@ def success_record(job: str, config_hash: str, whole: Totals, this_run: Totals, 
         "kv_cache": kv_cache or {},
         "weights": weights or {},
         "workers": workers if workers is not None else local_workers(),
+        "speculative": speculative,
     }
     assert tuple(record) == SUCCESS_KEYS
     return record
+
+
+def speculative_summary(before: dict | None, after: dict | None) -> dict | None:
+    """Draft and accepted tokens between two engine `stats["speculative"]` readings, with the
+    acceptance rate (accepted / drafted) and the mean accepted length (tokens emitted per verify,
+    the target's own included: vLLM's definition). None: speculation off."""
+    if after is None:
+        return None
+    before = before or {}
+    drafted, accepted, verifies = (after[k] - before.get(k, 0)
+                                   for k in ("num_draft_tokens", "num_accepted_tokens", "num_verifies"))
+    return {"num_draft_tokens": drafted, "num_accepted_tokens": accepted,
+            "acceptance_rate": accepted / drafted if drafted else None,
+            "mean_accepted_length": 1 + accepted / verifies if verifies else None}
+
+
+def _speculative_line(spec: dict | None) -> str:
+    if not spec:
+        return "off"
+    if not spec["num_draft_tokens"]:
+        return "no drafts"
+    return (f"{spec['num_accepted_tokens']:,} of {spec['num_draft_tokens']:,} draft tokens accepted "
+            f"({spec['acceptance_rate']:.0%}), {spec['mean_accepted_length']:.2f} tokens per verify")
 
 
 def local_workers() -> dict:
@@ -136,6 +161,7 @@ def format_summary(record: dict, success_path: str) -> str:
         ("KV cache", ", ".join(f"{k} {v}" for k, v in record.get("kv_cache", {}).items()) or "-"),
         ("weights", _weights_line(record.get("weights") or {})),
         ("workers", describe_workers(record.get("workers"))),
+        ("speculative", _speculative_line(record.get("speculative"))),
         ("success file", success_path),
     ]
     width = max(len(k) for k, _ in lines)

@@ -15,6 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from batchgen.engine.decode_graphs import EagerCapturer
 from batchgen.engine.sampler import Sampler
 from batchgen.engine.sampling_params import SamplingParams
+from batchgen.engine.scheduler import ScheduledSeq
 from tests.engine.step_fixtures import EOS, advance, decode, make_seq, prefill, tiny_runner
 
 META = torch.device("meta")
@@ -142,3 +143,18 @@ def test_a_prefill_step_with_a_new_penalty_row_is_one_copy_too(monkeypatch):
         runner.execute(prefill([seq]))
     assert_one_copy_each_way(counter)
     assert EOS == 95  # the fixture's EOS sits in the vocabulary
+
+
+def test_a_verify_step_with_penalties_and_sampled_drafts_is_one_copy_too(monkeypatch):
+    """Speculative decoding: every sequence verifies 3 drafts (a 4-token chunk, 4 sampled rows): the
+    rows' positions, penalty deltas, min_tokens bans and which rows' tokens join the device counts all
+    travel in the one packed copy and are judged on the device."""
+    runner, seqs = decode_step_on_meta(monkeypatch, graphs=True)
+    scheduled = []
+    for seq in seqs:
+        seq.draft_token_ids = [7, 8, 9]
+        scheduled.append(ScheduledSeq(seq, 4, 3))
+    with TransferCounter() as counter:
+        results = runner.execute(scheduled)
+    assert len(results) == 4 * len(seqs)
+    assert_one_copy_each_way(counter)

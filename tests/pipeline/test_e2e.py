@@ -50,9 +50,10 @@ def test_chat_job_matches_the_engine_with_consistent_latencies(tmp_path, engine)
     assert list(zip(out.column("id").to_pylist(), out.column("sample_index").to_pylist())) == \
         [(i, s) for i in ids for s in (0, 1)]
     assert out.column("category").to_pylist() == [c for c in chat.column("category").to_pylist() for _ in (0, 1)]
-    assert out.column_names[:15] == ["id", "sample_index", "completion", "completion_token_ids", "finish_reason",
+    assert out.column_names[:16] == ["id", "sample_index", "completion", "completion_token_ids", "finish_reason",
                                      "prompt_tokens", "cached_tokens", "completion_tokens", "cumulative_logprob",
-                                     "token_logprobs", "queue_s", "ttft_s", "tpot_s", "e2e_s", "error"]
+                                     "token_logprobs", "queue_s", "ttft_s", "tpot_s", "e2e_s", "num_accepted_tokens",
+                                     "error"]
 
     # Completions equal the engine's own for the same settings and request ids (= row ids).
     params = SamplingParams(n=2, temperature=0.8, seed=11, max_tokens=4, logprobs=True)
