@@ -27,7 +27,7 @@ class NullReplica:
         self.output_storage = Storage(job.output.path, job.output.storage_options)
 
     def ready(self) -> dict:
-        return {"host": "null", "pid": os.getpid(), "kernels": {}}
+        return {"host": "null", "pid": os.getpid(), "engine": {"kernels": {}}}  # no engine: nothing to report
 
     def run_unit(self, unit, repeats) -> dict:
         part = self.output_storage.open_part(unit.output_name)
