@@ -22,7 +22,7 @@ from batchgen.pipeline.errors import JobError
 from batchgen.pipeline.output_folder import MANIFEST_NAME, SUCCESS_NAME, WORKERS_DIR
 from batchgen.pipeline.reader import InputFile
 from batchgen.pipeline.storage import Storage
-from batchgen.pipeline.summary import SUMMARY_COLUMNS, Totals, success_record
+from batchgen.pipeline.summary import SUMMARY_COLUMNS, Totals, merge_speculative, success_record
 from batchgen.pipeline.units import WorkUnit, unit_file_name
 
 
@@ -96,7 +96,8 @@ def merged_record(storage: Storage, manifest: dict, workers: dict, summaries: li
     # Every worker loads the same job: the first that ran an engine speaks for all.
     reports = next((s["engine"] for s in summaries if s.get("engine", {}).get("kernels")), {"kernels": {}})
     return success_record(manifest.get("job", ""), manifest["config_hash"], whole, generated, span,
-                          resumed=resumed, workers=workers, **reports)
+                          resumed=resumed, workers=workers,
+                          speculative=merge_speculative([s.get("speculative") for s in summaries]), **reports)
 
 
 def finalize_folder(storage: Storage, workers: dict | None = None) -> Finalized:

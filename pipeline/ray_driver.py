@@ -28,7 +28,7 @@ from batchgen.pipeline.output_folder import SUCCESS_NAME, describe_redo, raise_i
 from batchgen.pipeline.preflight import JobPlan, plan_job
 from batchgen.pipeline.replica import EngineReplica
 from batchgen.pipeline.shared_storage import check_output_shared, probe_nodes
-from batchgen.pipeline.summary import Totals
+from batchgen.pipeline.summary import Totals, merge_speculative
 from batchgen.pipeline.unit_runner import repeats_of
 from batchgen.pipeline.units import WorkUnit
 
@@ -121,7 +121,8 @@ def run_on_ray(job: JobConfig, *, limit: int | None = None, overwrite: bool = Fa
                 raise RuntimeError(f"replicas reported every unit done, but {len(missing)} unit(s) are not "
                                    f"committed in {job.output.path}: {', '.join(missing[:20])}")
             record = write_job_success(plan, lock, skipped, this_run, driver.generation_seconds,
-                                       workers=driver.workers(), **driver.engine_reports)
+                                       workers=driver.workers(), speculative=merge_speculative(driver.speculative),
+                                       **driver.engine_reports)
             return RunResult(record, success_path, len(pending), len(skipped), dict(state.redo))
     finally:
         if connected:
@@ -146,6 +147,7 @@ class _Driver:
         self.failures = 0
         self.retried: set[str] = set()
         self.engine_reports: dict = {"kernels": {}}  # the first replica's (every replica loads the same job)
+        self.speculative: list[dict | None] = []  # each unit's draft and accepted tokens (None: off)
         self.started: list[dict] = []
         self.generation_seconds = 0.0
         self.first_ready: float | None = None  # monotonic time the first replica was ready
@@ -225,6 +227,7 @@ class _Driver:
             return
         unit = replica.in_flight.pop(ref)
         _merge(totals, result["totals"])
+        self.speculative.append(result.get("speculative"))
         bar.update(unit.num_rows)
 
     def _replica_died(self, replica: Replica, queue: deque, exc: BaseException) -> None:

@@ -18,6 +18,7 @@ import pyarrow as pa
 from batchgen.pipeline.config import JobConfig
 from batchgen.pipeline.id_scan import Position
 from batchgen.pipeline.storage import Storage
+from batchgen.pipeline.summary import speculative_summary
 from batchgen.pipeline.unit_runner import UnitSource, run_units
 from batchgen.pipeline.units import WorkUnit
 from batchgen.pipeline.writer import CommitContext
@@ -46,7 +47,9 @@ class EngineReplica:
     def run_unit(self, unit: WorkUnit, repeats: dict[Position, int]) -> dict:
         """Generate one unit and commit its part; its figures (a Totals) and this process's id."""
         source = UnitSource(self.job, self.output_schema, repeats)
+        spec_before = self.engine.stats.get("speculative")
         ran = run_units(source, self.input_storage, self.output_storage, [unit], self.engine, self.commit,
                         progress=False)
         return {"unit": unit.index, "totals": ran.totals, "generation_seconds": ran.generation_seconds,
-                "pid": os.getpid()}
+                "pid": os.getpid(),
+                "speculative": speculative_summary(spec_before, self.engine.stats.get("speculative"))}

@@ -37,7 +37,7 @@ from batchgen.pipeline.output_folder import (
 )
 from batchgen.pipeline.preflight import JobPlan, plan_job
 from batchgen.pipeline.storage import is_temp_name
-from batchgen.pipeline.summary import SUMMARY_COLUMNS, Totals
+from batchgen.pipeline.summary import SUMMARY_COLUMNS, Totals, speculative_summary
 from batchgen.pipeline.unit_runner import UnitSource, run_units
 from batchgen.pipeline.units import WorkUnit
 from batchgen.pipeline.writer import CommitContext
@@ -149,16 +149,19 @@ def run_shard(job: JobConfig, shard: ShardSpec, *, engine=None, limit: int | Non
             folder_lock.check()
             shard_lock.check()
 
-        totals, seconds, reports = Totals(), 0.0, {"kernels": {}}
+        totals, seconds, reports, spec = Totals(), 0.0, {"kernels": {}}, None
         if pending:
             engine = engine_for(job, engine)
             check_engine_can_run(job, engine)
+            spec_before = engine.stats.get("speculative")
             source = UnitSource(job, plan.inputs.output_schema(job), plan.repeats)
             ran = run_units(source, plan.input_storage, storage, pending, engine,
                             CommitContext(plan.config_hash, folder_lock.holder.run_id, may_commit),
                             progress=progress)
             totals, seconds, reports = ran.totals, ran.generation_seconds, engine_reports(engine)
+            spec = speculative_summary(spec_before, engine.stats.get("speculative"))
         summary = _shard_summary(plan, shard, mine, pending, skipped, redo, totals, seconds, reports, started)
+        summary["speculative"] = spec  # this run's drafts (None: off, or nothing to run)
         may_commit()
         storage.write_text_atomic(f"{WORKERS_DIR}/shard-{shard.name}.json",
                                   json.dumps(summary, indent=1) + "\n")

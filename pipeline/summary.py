@@ -94,7 +94,22 @@ def speculative_summary(before: dict | None, after: dict | None) -> dict | None:
     before = before or {}
     drafted, accepted, verifies = (after[k] - before.get(k, 0)
                                    for k in ("num_draft_tokens", "num_accepted_tokens", "num_verifies"))
-    return {"num_draft_tokens": drafted, "num_accepted_tokens": accepted,
+    return _with_rates(drafted, accepted, verifies)
+
+
+def merge_speculative(parts: list[dict | None]) -> dict | None:
+    """Several workers' `speculative_summary` figures as one (their counts summed, rates recomputed);
+    None when none of them speculated (speculation off: every part None)."""
+    parts = [p for p in parts if p is not None]
+    if not parts:
+        return None
+    drafted, accepted, verifies = (sum(p[k] for p in parts)
+                                   for k in ("num_draft_tokens", "num_accepted_tokens", "num_verifies"))
+    return _with_rates(drafted, accepted, verifies)
+
+
+def _with_rates(drafted: int, accepted: int, verifies: int) -> dict:
+    return {"num_draft_tokens": drafted, "num_accepted_tokens": accepted, "num_verifies": verifies,
             "acceptance_rate": accepted / drafted if drafted else None,
             "mean_accepted_length": 1 + accepted / verifies if verifies else None}
 

@@ -39,12 +39,18 @@ def write_job(tmp_path: Path, tiny_model: Path, name: str = "scaled", **sections
     return path
 
 
-def run_locally(tmp_path: Path, tiny_model: Path) -> tuple[list[tuple], dict]:
+# n-gram speculation for the scale-out tests: it changes no output, and at these running batches
+# (at most 2, below the default switch) every decode drafts exactly what its own tokens suggest, so a
+# job's draft and accepted counts do not depend on where its rows ran either.
+NGRAM = {"speculative": {"method": "ngram", "num_speculative_tokens": 2}}
+
+
+def run_locally(tmp_path: Path, tiny_model: Path, **sections) -> tuple[list[tuple], dict]:
     """The reference for every placement: write_job's job run locally, in this process -> (row_key, _SUCCESS)."""
     from batchgen.pipeline.config import load_job
     from batchgen.pipeline.runner import run_job
 
-    result = run_job(load_job(write_job(tmp_path, tiny_model)), progress=False)
+    result = run_job(load_job(write_job(tmp_path, tiny_model, **sections)), progress=False)
     return row_key(read_output(tmp_path / "out" / "scaled")), result.record
 
 

@@ -17,7 +17,14 @@ from batchgen.pipeline.ray_driver import run_on_ray
 from batchgen.pipeline.runner import run_job
 from tests.pipeline.conftest import read_output
 from tests.pipeline.ray_helpers import Killer, replica_pids
-from tests.pipeline.scale_helpers import NUM_ROWS, assert_each_row_once, row_key, run_locally, write_job
+from tests.pipeline.scale_helpers import (
+    NGRAM,
+    NUM_ROWS,
+    assert_each_row_once,
+    row_key,
+    run_locally,
+    write_job,
+)
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +64,8 @@ def test_a_local_output_path_other_nodes_do_not_see_is_refused(tmp_path, ray_clu
 
 
 def test_two_replicas_give_the_local_rows(tmp_path, ray_cluster, tiny_model, local_rows):
-    result = run_job(load_job(write_job(tmp_path, tiny_model, cluster=RAY)), progress=False)
+    # With n-gram speculation on the replicas: the same rows as the local run without it.
+    result = run_job(load_job(write_job(tmp_path, tiny_model, cluster=RAY, engine=NGRAM)), progress=False)
     out = tmp_path / "out" / "scaled"
     assert row_key(read_output(out)) == local_rows
     record = json.loads((out / "_SUCCESS").read_text())
@@ -68,6 +76,10 @@ def test_two_replicas_give_the_local_rows(tmp_path, ray_cluster, tiny_model, loc
     # The replicas' engine reports reach _SUCCESS as a local run's do (float32 tiny model).
     assert record["kernels"]["device"] == "cpu" and record["kv_cache"]["dtype"] == "float32"
     assert record["kv_cache"]["bytes_per_token"] > 0 and record["weights"]["origin"] == "float"
+    # The replicas' draft and accepted tokens, summed over units, are the local run's.
+    _, local_spec_record = run_locally(tmp_path / "local-ngram", tiny_model, engine=NGRAM)
+    assert record["speculative"] == local_spec_record["speculative"]
+    assert record["speculative"]["num_verifies"] > 0  # the job did speculate
     deadline = time.monotonic() + 30
     while replica_pids() and time.monotonic() < deadline:  # ray.kill returns before the process is gone
         time.sleep(0.1)

@@ -17,7 +17,15 @@ from batchgen.pipeline.config import load_job
 from batchgen.pipeline.errors import JobError
 from batchgen.pipeline.shards import parse_shard
 from tests.pipeline.conftest import read_output
-from tests.pipeline.scale_helpers import NUM_ROWS, assert_each_row_once, batchgen, row_key, run_locally, write_job
+from tests.pipeline.scale_helpers import (
+    NGRAM,
+    NUM_ROWS,
+    assert_each_row_once,
+    batchgen,
+    row_key,
+    run_locally,
+    write_job,
+)
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +39,7 @@ def shard_cmd(job_file, shard: str, *extra: str) -> list[str]:
 
 def test_three_shard_processes_give_the_local_rows_and_one_success(tmp_path, tiny_model, local_rows):
     rows, local_record = local_rows
-    job_file = write_job(tmp_path, tiny_model)
+    job_file = write_job(tmp_path, tiny_model, engine=NGRAM)  # speculation changes no row
     out = tmp_path / "out" / "scaled"
     # Shard 2 in this process; shards 0 and 1 in two processes of their own, at the same time.
     first = CliRunner().invoke(app, ["run", str(job_file), "--shard", "2/3", "--no-progress"])
@@ -49,6 +57,9 @@ def test_three_shard_processes_give_the_local_rows_and_one_success(tmp_path, tin
     for key in ("num_requests", "num_rows", "num_errors", "prompt_tokens", "completion_tokens",
                 "kernels", "kv_cache", "weights"):  # the engine's reports came from the shards' engines
         assert success[key] == local_record[key], key
+    # Each shard's draft and accepted tokens, summed at finalize, are a local run's with the same setting.
+    _, local_spec_record = run_locally(tmp_path / "local-ngram", tiny_model, engine=NGRAM)
+    assert success["speculative"] == local_spec_record["speculative"] and success["speculative"]["num_verifies"] > 0
     assert success["num_rows"] == NUM_ROWS
     workers = success["workers"]
     assert workers["backend"] == "shards" and workers["num_shards"] == 3
