@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from collections import Counter
 from pathlib import Path
 
@@ -52,10 +51,6 @@ def run_locally(tmp_path: Path, tiny_model: Path, **sections) -> tuple[list[tupl
 
     result = run_job(load_job(write_job(tmp_path, tiny_model, **sections)), progress=False)
     return row_key(read_output(tmp_path / "out" / "scaled")), result.record
-
-
-def batchgen(*args: str) -> list[str]:
-    return [sys.executable, "-m", "batchgen.pipeline.cli", *args]
 
 
 def row_key(table: pa.Table) -> list[tuple]:

@@ -5,10 +5,6 @@ the problem, every custom_id exactly once (issue 17)."""
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import time
 from collections import Counter
 
 import yaml
@@ -19,9 +15,9 @@ from batchgen.engine import SamplingParams
 from batchgen.pipeline.config import load_job
 from batchgen.pipeline.runner import run_job
 from tests.conftest import MODEL
+from tests.pipeline.cli_process import batchgen, part_files, sigkill_after_first_part
 from tests.pipeline.conftest import engine_sections, read_output
 from tests.pipeline.test_openai_batch import CHAT, COMPLETIONS, line, read_jsonl, write_lines
-from tests.pipeline.test_resume import batchgen, part_files
 
 NUM_LINES, NUM_UNITS = 40, 10
 BAD = {  # custom_id -> (the line, the field its error names, words of its message)
@@ -67,16 +63,8 @@ def test_batch_file_killed_mid_job_then_rerun_writes_each_custom_id_once(tmp_pat
 
     # Eight sequences at a time (an engine knob, outside the config hash): two units at a time, in
     # order, so the kill lands between units.
-    proc = subprocess.Popen(batchgen("run", str(tmp_path / "job.yaml"), "--no-progress",
-                                     "--set", "engine.max_num_seqs=8"),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 240
-    while not part_files(out) and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert proc.poll() is None, "the run ended before it could be killed mid-job"
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
-    done_before = part_files(out)
+    done_before = sigkill_after_first_part(batchgen("run", str(tmp_path / "job.yaml"), "--no-progress",
+                                                    "--set", "engine.max_num_seqs=8"), out)
     assert 0 < len(done_before) < NUM_UNITS
     assert not (out / "_SUCCESS").exists() and not (out / "output.jsonl").exists()
 

@@ -3,11 +3,7 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
-import sys
-import time
 from collections import Counter
 
 import pytest
@@ -15,19 +11,10 @@ import yaml
 
 from batchgen.pipeline.errors import JobError
 from batchgen.pipeline.runner import run_job
+from tests.pipeline.cli_process import batchgen, part_files, sigkill_after_first_part
 from tests.pipeline.conftest import FakeEngine, make_job, read_output, write_parquet
 
 NUM_ROWS, N = 5, 2
-
-
-def batchgen(*args: str) -> list[str]:
-    return [sys.executable, "-m", "batchgen.pipeline.cli", *args]
-
-
-def part_files(folder) -> dict[str, int]:
-    """Committed unit files (a part and its commit record, written right after it) and their mtimes."""
-    return {p.name: p.stat().st_mtime_ns for p in folder.glob("part-*.parquet")
-            if (folder / "_commits" / f"{p.stem}.json").exists()}
 
 
 def test_sigkill_mid_job_then_rerun_finishes_only_the_missing_units(tmp_path, tiny_model):
@@ -46,15 +33,7 @@ def test_sigkill_mid_job_then_rerun_finishes_only_the_missing_units(tmp_path, ti
     job_file.write_text(yaml.safe_dump(job))
     out = tmp_path / "out" / "killed"
 
-    proc = subprocess.Popen(batchgen("run", str(job_file), "--no-progress"), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 240
-    while not part_files(out) and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert proc.poll() is None, "the run ended before it could be killed mid-job"
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
-    done_before = part_files(out)
+    done_before = sigkill_after_first_part(batchgen("run", str(job_file), "--no-progress"), out)
     assert done_before, "killed after at least one unit file existed"
     assert not (out / "_SUCCESS").exists(), "killed before _SUCCESS"
     assert len(done_before) < NUM_ROWS

@@ -4,10 +4,7 @@ rerun; a changed config or shard count refused; Slurm / Kubernetes shard selecti
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
-import time
 
 import pytest
 from typer.testing import CliRunner
@@ -16,12 +13,12 @@ from batchgen.pipeline.cli import app
 from batchgen.pipeline.config import load_job
 from batchgen.pipeline.errors import JobError
 from batchgen.pipeline.shards import parse_shard
+from tests.pipeline.cli_process import batchgen, sigkill_after_first_part
 from tests.pipeline.conftest import read_output
 from tests.pipeline.scale_helpers import (
     NGRAM,
     NUM_ROWS,
     assert_each_row_once,
-    batchgen,
     row_key,
     run_locally,
     write_job,
@@ -76,13 +73,7 @@ def test_sigkilled_shard_rerun_and_refusals(tmp_path, tiny_model, local_rows):
     rows, _ = local_rows
     job_file = write_job(tmp_path, tiny_model, sampling={"max_tokens": 24})
     out = tmp_path / "out" / "scaled"
-    proc = subprocess.Popen(shard_cmd(job_file, "0/2"), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 240
-    while not list((out / "_commits").glob("*.json")):
-        assert proc.poll() is None and time.monotonic() < deadline, "the shard ended before it could be killed"
-        time.sleep(0.01)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
+    sigkill_after_first_part(shard_cmd(job_file, "0/2"), out)
     committed = sorted(p.name for p in (out / "_commits").glob("*.json"))
     assert committed and len(committed) < NUM_ROWS // 2, committed
 
