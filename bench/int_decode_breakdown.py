@@ -4,17 +4,22 @@
 
 Forward hooks time the decoder's linear layers and lm_head around a DirectRunner decode of one
 sequence (64-token prompt, 8 steps, the faster of 2 passes); the rest is attention, norms, rotary,
-embedding and sampling. The int8 / int4 models are the float model quantized as at load.
+embedding and sampling. The int8 / int4 models are the float model quantized as at load (the
+default int_calibration, activation_aware: its pre-quant multiply is inside the linear layers' time).
 """
 import copy, time, torch
-from batchgen.bench.direct_runner import DirectRunner
+from batchgen.engine.direct_runner import DirectRunner
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.loader.model_loader import load_model
+from batchgen.engine.quant.activation_aware import calibration_windows
 from batchgen.engine.quant.int_model import quantize_model_int
+from batchgen.engine.tokenizer import Tokenizer
 from batchgen.engine.quant.weight_report import linear_layers
 torch.set_num_threads(2)
 cfg = EngineConfig(model="smollm2-135m-instruct", dtype="float32", device="cpu", max_model_len=512)
-base = load_model(cfg).model
+loaded = load_model(cfg)
+base = loaded.model
+windows = calibration_windows(Tokenizer(loaded.source), cfg.max_model_len)
 def timed(model, steps=8):
     spent = [0.0]
     hooks = []
@@ -36,6 +41,6 @@ def timed(model, steps=8):
 for name in ("float32", "int8", "int4"):
     m = base if name == "float32" else copy.deepcopy(base)
     if name != "float32":
-        quantize_model_int(m, cfg, name)
+        quantize_model_int(m, cfg, name, windows)
     per_tok, lin = timed(m)
     print(f"{name}: {per_tok*1000:.1f} ms/token, linear layers {lin*1000:.1f} ms ({lin/per_tok:.0%}), rest {(per_tok-lin)*1000:.1f} ms", flush=True)

@@ -1,7 +1,8 @@
 """Where int4 round-to-nearest loses quality: the weight error per layer, and whether the kernels add any.
 
 1. For every decoder linear layer, the relative error ||W - deq(q(W))|| / ||W|| of the engine's int4
-   quantizer (quantize_int4_groups, what `quantization: int4` runs at load) at several group sizes,
+   quantizer (quantize_int4_groups, what `quantization: int4` runs at load with `int_calibration: none`)
+   at several group sizes,
    beside two quantizers written here from their definitions, independently of the engine's:
    - rtn: asymmetric, per group s = (max - min) / 15, z = round(-min / s) clamped to 0..15,
      q = clamp(round(w / s) + z, 0, 15), w' = (q - z) s (integer zero points: the `int4` method);
@@ -94,7 +95,7 @@ def kernel_against_fake_quantization(model: nn.Module, tokenizer, eos: tuple[int
                                      max_tokens: int) -> dict:
     """Teacher-forced figures against `model` (float) of its int4 model through the IntLinear kernels
     and through fake quantization, and of the kernels against fake quantization."""
-    from batchgen.bench.direct_runner import greedy_generate, teacher_forced_logits
+    from batchgen.engine.direct_runner import greedy_generate, teacher_forced_logits
     from batchgen.bench.quality import compare_logits, encode_prompts
     from batchgen.engine.config import EngineConfig
     from batchgen.engine.quant.int_model import quantize_model_int
@@ -103,7 +104,8 @@ def kernel_against_fake_quantization(model: nn.Module, tokenizer, eos: tuple[int
     references = greedy_generate(model, prompt_ids, max_tokens, eos)
     ref_logits = teacher_forced_logits(model, prompt_ids, references)
     kernels = copy.deepcopy(model)
-    quantize_model_int(kernels, EngineConfig(model="unused", dtype="float32", device="cpu"), "int4")
+    quantize_model_int(kernels, EngineConfig(model="unused", dtype="float32", device="cpu", int_calibration="none"),
+                       "int4")
     kernel_logits = teacher_forced_logits(kernels, prompt_ids, references)
     del kernels
     fake_logits = teacher_forced_logits(fake_quantized(model), prompt_ids, references)

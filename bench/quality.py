@@ -27,14 +27,15 @@ import logging
 import torch
 from torch import nn
 
-from batchgen.bench.direct_runner import greedy_generate, teacher_forced_logits
+from batchgen.engine.direct_runner import greedy_generate, teacher_forced_logits
 from batchgen.bench.quality_prompts import QUALITY_PROMPTS
-from batchgen.engine.config import EngineConfig
+from batchgen.engine.config import INT_CALIBRATIONS, EngineConfig
 from batchgen.engine.loader.model_loader import model_weight_bytes, unique_storage_bytes
 from batchgen.engine.quant.fp8 import quantize_model_fp8
 from batchgen.engine.quant.fp8_linear import Fp8Linear
 from batchgen.engine.quant.int_checkpoint import IntLinearParts
 from batchgen.engine.quant.int_linear import IntLinear
+from batchgen.engine.quant.activation_aware import calibration_windows
 from batchgen.engine.quant.int_model import quantize_model_int
 from batchgen.engine.quant.weight_report import weight_report
 from batchgen.pipeline.ordering import num_shared_prefix
@@ -110,7 +111,8 @@ def run_quality_bench(model: str = "smollm2-135m-instruct", prompts: list | None
                       fp8_mode: str | list[str] = ("w8a16", "w8a8"), num_prompts: int | None = None,
                       dtype: str = "float32", device: str = "cpu", quantize_lm_head: bool = False,
                       engine=None, int_methods: list[str] | tuple = (), greedy: bool = True,
-                      reference: nn.Module | None = None) -> dict:
+                      reference: nn.Module | None = None,
+                      int_calibrations: list[str] | tuple = (EngineConfig.int_calibration,)) -> dict:
     """Compare the FP8 model (one entry per fp8_mode) and the int8 / int4 models (one per int_methods entry)
     with the unquantized one; returns a JSON-able dict.
 
@@ -121,6 +123,8 @@ def run_quality_bench(model: str = "smollm2-135m-instruct", prompts: list | None
     model a GPTQ / AWQ / compressed-tensors folder: the first entry is that folder's engine (quantization
     gptq / awq / compressed-tensors) against its dequantized float32 copy, or against `reference`, a
     float model of the same architecture given instead (tests: a perturbed copy).
+    int_calibrations: each int method runs once per value (activation_aware calibrates on the bundled
+    text through the reference model, as the loader does).
     """
     modes = [fp8_mode] if isinstance(fp8_mode, str) else list(fp8_mode)
     prompts = list(prompts if prompts is not None else QUALITY_PROMPTS)[:num_prompts]
@@ -163,22 +167,27 @@ def run_quality_bench(model: str = "smollm2-135m-instruct", prompts: list | None
         log.info("%s checkpoint quality: top-1 agreement %.2f%%, mean KL %.4f", method,
                  100 * entry["top1_agreement"], entry["mean_kl"])
         result["results"].append(entry)
-    variants = [("fp8", mode) for mode in modes] + [(method, None) for method in int_methods]
-    for method, mode in variants:
+    variants = [("fp8", mode, None) for mode in modes]
+    variants += [(method, None, calibration) for method in int_methods for calibration in int_calibrations]
+    windows = None
+    if any(c == "activation_aware" for _, _, c in variants):
+        windows = calibration_windows(tokenizer, config.max_model_len or 2048)
+    for method, mode, calibration in variants:
         quantized = copy.deepcopy(ref_model)
         if method == "fp8":
             quantize_model_fp8(quantized, config.replace(quantization="fp8", fp8_mode=mode,
                                                           quantize_lm_head=quantize_lm_head))
         else:
-            quantize_model_int(quantized, config.replace(quantization=method, quantize_lm_head=quantize_lm_head),
-                               method)
-        entry = {"quantization": method, "fp8_mode": mode, "fp8_weight_bytes": model_weight_bytes(quantized),
+            quantize_model_int(quantized, config.replace(quantization=method, quantize_lm_head=quantize_lm_head,
+                                                         int_calibration=calibration), method, windows)
+        entry = {"quantization": method, "fp8_mode": mode, "int_calibration": calibration,
+                 "fp8_weight_bytes": model_weight_bytes(quantized),
                  "weights": weight_report(quantized, method, "at load"),
                  **linear_bytes_ratio(ref_model, quantized),
                  **compare_logits(ref_logits, teacher_forced_logits(quantized, prompt_ids, references))}
         if greedy or method == "fp8":
             entry.update(compare_greedy(references, greedy_generate(quantized, prompt_ids, max_tokens, eos)))
-        log.info("%s quality%s: top-1 agreement %.2f%%, mean KL %.4f", method, f" {mode}" if mode else "",
+        log.info("%s quality%s: top-1 agreement %.2f%%, mean KL %.4f", method, f" {mode or calibration}",
                  100 * entry["top1_agreement"], entry["mean_kl"])
         result["results"].append(entry)
         del quantized
@@ -239,6 +248,8 @@ def format_quality_table(result: dict) -> str:
              "mode        linear bytes  top-1 agree  mean KL   greedy exact  greedy tokens"]
     for r in result["results"]:
         label = f"fp8 {r['fp8_mode']}" if r.get("fp8_mode") else r["quantization"]
+        if r.get("int_calibration") == "none":
+            label += " rtn"
         greedy = (f"  {r['greedy_exact_match']:>12.1%}  {r['greedy_token_agreement']:>12.1%}"
                   if "greedy_exact_match" in r else "")
         lines.append(f"{label:<11} {r['linear_bytes_ratio']:>11.1%}  {r['top1_agreement']:>10.2%}  "
@@ -256,12 +267,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--quantization", action="append", choices=list(INT_METHODS),
                         help="also compare int8 / int4 weights quantized at load (repeatable)")
+    parser.add_argument("--int-calibration", action="append", choices=list(INT_CALIBRATIONS),
+                        help="int8 / int4: activation_aware (default) and/or none (round to nearest; repeatable)")
     parser.add_argument("--quantize-lm-head", action="store_true")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     args = parser.parse_args(argv)
     result = run_quality_bench(args.model, max_tokens=args.max_tokens, fp8_mode=args.fp8_mode or ["w8a16", "w8a8"],
                                num_prompts=args.num_prompts, dtype=args.dtype, device=args.device,
-                               quantize_lm_head=args.quantize_lm_head, int_methods=args.quantization or ())
+                               quantize_lm_head=args.quantize_lm_head, int_methods=args.quantization or (),
+                               int_calibrations=args.int_calibration or (EngineConfig.int_calibration,))
     print(json.dumps(result, indent=2) if args.json else format_quality_table(result))
 
 

@@ -32,6 +32,7 @@ from batchgen.bench.workloads import (
     special_token_ids,
 )
 from batchgen.engine import LLMEngine
+from batchgen.engine.config import EngineConfig
 from batchgen.engine.cpu_allocator import keep_freed_memory
 
 
@@ -97,7 +98,9 @@ def run_quality(opts: BenchOptions) -> dict:
             opts.model, opts.kv_cache_dtype, num_prompts=opts.num_requests,
             calculate_kv_scales=bool(opts.engine_overrides.get("calculate_kv_scales", False)))
     else:
-        quality = run_quality_bench(opts.model, num_prompts=opts.num_requests, int_methods=opts.quantizations)
+        calibration = opts.engine_overrides.get("int_calibration", EngineConfig.int_calibration)
+        quality = run_quality_bench(opts.model, num_prompts=opts.num_requests, int_methods=opts.quantizations,
+                                    int_calibrations=(calibration,))
     return {"model": opts.model, "quality": quality, "machine": machine_fingerprint()}
 
 

@@ -62,7 +62,7 @@ KV_FRAGMENTATION_FRACTION = 0.10
 
 
 def weight_bytes(cfg: ModelConfig, dtype: torch.dtype, quantization: str = "none",
-                 quantize_lm_head: bool = False, declared=None) -> int:
+                 quantize_lm_head: bool = False, declared=None, int_calibration: str = "activation_aware") -> int:
     """Bytes of the model's weights as the engine holds them (rotary tables excluded), from the
     config's shapes alone (no weights read); equals the engine's measurement from tensor storage.
 
@@ -70,6 +70,8 @@ def weight_bytes(cfg: ModelConfig, dtype: torch.dtype, quantization: str = "none
     biases and (unless quantize_lm_head) lm_head stay in `dtype`; a tied lm_head shares the
     embedding's storage, but a quantized lm_head is a copy of its own. `declared`: the checkpoint's
     DeclaredQuantization for gptq / awq / compressed-tensors (bits, group size, zeros, act-order).
+    int_calibration: the engine setting; int8 / int4 at load with activation_aware hold one
+    pre-quant scale per input column in `dtype`.
     """
     elem = dtype_bytes(dtype)
 
@@ -78,7 +80,8 @@ def weight_bytes(cfg: ModelConfig, dtype: torch.dtype, quantization: str = "none
             return out_features * in_features * elem
         if quantization == "fp8":
             return out_features * in_features + out_features * FP8_SCALE_BYTES
-        return int_linear_bytes(out_features, in_features, dtype, quantization, declared)
+        pre_quant = in_features * elem if quantization in ("int8", "int4") and int_calibration == "activation_aware" else 0
+        return int_linear_bytes(out_features, in_features, dtype, quantization, declared) + pre_quant
 
     per_layer = sum(linear_bytes(n, k, True) for n, k in cfg.linear_shapes().values())
     per_layer += 2 * cfg.hidden_size * elem  # input and post-attention norms
@@ -209,14 +212,15 @@ class CapacityPlan:
 def plan_capacity(cfg: ModelConfig, dtype: torch.dtype, max_model_len: int, concurrency: int = 1,
                   quantization: str = "none", memory_bytes: int | None = None, block_size: int = 16,
                   max_num_batched_tokens: int = 4096, quantize_lm_head: bool = False,
-                  declared=None, kv_dtype: torch.dtype | None = None) -> CapacityPlan:
+                  declared=None, kv_dtype: torch.dtype | None = None,
+                  int_calibration: str = "activation_aware") -> CapacityPlan:
     """The capacity arithmetic `batchgen plan` prints; KV per token is the pool's own kv_bytes_per_token
     (kv_dtype: the KV cache's dtype, e.g. FP8; None: the model dtype); `declared`: a folder's declared
     quantization_config (its integer layout decides the weight bytes)."""
     return CapacityPlan(
         dtype=dtype, quantization=quantization, max_model_len=max_model_len, concurrency=concurrency,
         block_size=block_size, max_num_batched_tokens=max_num_batched_tokens,
-        weight_bytes=weight_bytes(cfg, dtype, quantization, quantize_lm_head, declared),
+        weight_bytes=weight_bytes(cfg, dtype, quantization, quantize_lm_head, declared, int_calibration),
         kv_bytes_per_token=kv_bytes_per_token(cfg, kv_dtype or dtype),
         step_activation_bytes=activation_workspace_bytes(cfg, dtype, max_num_batched_tokens, 0),
         logits_bytes_per_seq=logits_bytes_per_seq(cfg), memory_bytes=memory_bytes, kv_dtype=kv_dtype)

@@ -20,6 +20,7 @@ DTYPE_CHOICES = ("auto", *DTYPES)
 # engine/quant/methods.py says what each means and how auto resolves against a checkpoint.
 QUANTIZATIONS = ("auto", "none", "fp8", "int8", "int4", "gptq", "awq", "compressed-tensors", "gguf")
 FP8_MODES = ("auto", "w8a8", "w8a16")
+INT_CALIBRATIONS = ("activation_aware", "none")
 # Names only: the attention selector resolves them at engine start (torch, kept for older job files:
 # cpu on the CPU, triton on CUDA).
 ATTENTION_BACKENDS = ("auto", "cpu", "sdpa", "triton", "torch")
@@ -150,6 +151,9 @@ class EngineConfig:
     quantization: str = "auto"  # auto | none | fp8 | int8 | int4 | gptq | awq | compressed-tensors | gguf
     fp8_mode: str = "auto"  # auto | w8a8 | w8a16
     quantize_lm_head: bool = False  # with fp8 / int8 / int4: lm_head too (the logits' last matmul stays in dtype otherwise)
+    # int8 / int4 at load: activation_aware (AWQ-style scales and clipping on the bundled calibration
+    # text) | none (round to nearest from each row's / group's range)
+    int_calibration: str = "activation_aware"
     max_model_len: int | None = None  # None: the model's own context length
     device: str = "auto"  # auto | cpu | cuda[:N]
     attention_backend: str = "auto"  # auto (triton on CUDA, cpu on the CPU) | cpu | sdpa | triton | torch
@@ -175,6 +179,7 @@ class EngineConfig:
             _one_of("dtype", self.dtype, DTYPE_CHOICES),
             _one_of("quantization", self.quantization, QUANTIZATIONS),
             _one_of("fp8_mode", self.fp8_mode, FP8_MODES),
+            _one_of("int_calibration", self.int_calibration, INT_CALIBRATIONS),
             ("max_model_len", self.max_model_len is None or self.max_model_len >= 2, "must be >= 2 or null"),
             ("device", isinstance(self.device, str) and _DEVICE.fullmatch(self.device) is not None,
              "must be one of auto, cpu, cuda, cuda:N"),

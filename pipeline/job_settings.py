@@ -11,7 +11,7 @@ from __future__ import annotations
 
 # EngineConfig fields under `model:` (they say what is loaded); EngineConfig.model is `model.path`.
 # Every other EngineConfig field not in ENGINE_ONLY sits under `engine:`.
-MODEL_KEYS = ("dtype", "quantization", "fp8_mode", "quantize_lm_head", "max_model_len")
+MODEL_KEYS = ("dtype", "quantization", "fp8_mode", "quantize_lm_head", "int_calibration", "max_model_len")
 MODEL_PATH_FIELD = "model"
 
 # `engine:` keys that change outputs, so they join the config hash (when not at their default, so a

@@ -30,6 +30,7 @@ class PlanTarget:
     model_cfg: ModelConfig
     dtype: str = "auto"
     quantization: str = "auto"
+    int_calibration: str = EngineConfig.int_calibration
     kv_cache_dtype: str = "auto"
     max_model_len: int | None = None
     concurrency: int = 1
@@ -48,7 +49,7 @@ def read_target(model_or_job: str) -> PlanTarget:
         cfg, declared, is_gguf = read_model(job.model.path)
         return PlanTarget(
             name=f"{job.name} ({job.model.path})", model_cfg=cfg, dtype=job.model.dtype,
-            quantization=job.model.quantization,
+            quantization=job.model.quantization, int_calibration=job.model.int_calibration,
             kv_cache_dtype=job.engine.kv_cache_dtype, max_model_len=job.model.max_model_len, concurrency=job.engine.max_num_seqs,
             block_size=job.engine.block_size, max_num_batched_tokens=job.engine.max_num_batched_tokens,
             declared=declared, is_gguf=is_gguf)
@@ -133,7 +134,7 @@ def make_plan(target: PlanTarget, max_model_len: int | None = None, concurrency:
     return plan_capacity(
         target.model_cfg, settings.torch_dtype, length, concurrency or target.concurrency, weight_format,
         memory_bytes, target.block_size, target.max_num_batched_tokens, declared=target.declared,
-        kv_dtype=settings.kv_torch_dtype)
+        kv_dtype=settings.kv_torch_dtype, int_calibration=target.int_calibration)
 
 
 _REST = "embeddings, norms, lm_head {dtype}"
@@ -141,8 +142,9 @@ WEIGHT_NOTES = {
     "none": "{dtype}",
     "gguf": "planned as {dtype} (the file's kept blocks are smaller: see the engine's weights report)",
     "fp8": "fp8 linear weights + per-channel float32 scales; " + _REST,
-    "int8": "int8 linear weights + per-channel scales; " + _REST,
-    "int4": "int4 linear weights, groups of 128 with scales and zeros; " + _REST,
+    "int8": "int8 linear weights + per-channel scales (+ per-column pre-quant scales, activation-aware); " + _REST,
+    "int4": "int4 linear weights, groups of 128 with scales and zeros (+ per-column pre-quant scales, "
+            "activation-aware); " + _REST,
     "gptq": "the checkpoint's GPTQ codes + scales (zeros, g_idx); " + _REST,
     "awq": "the checkpoint's AWQ codes + scales and zeros; " + _REST,
     "compressed-tensors": "the checkpoint's integer codes + scales (zeros); " + _REST,

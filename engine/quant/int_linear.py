@@ -29,15 +29,23 @@ CPU_PLAN = {
 
 
 class IntLinear(nn.Module):
-    """y = x @ dequantize(weight)^T + bias with integer weights kept as integers."""
+    """y = (x * pre_quant_scale) @ dequantize(weight)^T + bias with integer weights kept as integers.
+
+    pre_quant_scale (K,), in the activations' dtype, or None: the per-input-channel factor of an
+    activation-aware weight (int_calibration: activation_aware) whose codes hold W / pre_quant_scale.
+    """
 
     def __init__(self, weight: IntWeight, bias: torch.Tensor | None = None, *,
-                 device: torch.device | str = "cpu", kernel: str | None = None):
+                 device: torch.device | str = "cpu", kernel: str | None = None,
+                 pre_quant_scale: torch.Tensor | None = None):
         super().__init__()
         self.in_features, self.out_features = weight.in_features, weight.out_features
         self.bits, self.group_size = weight.bits, weight.group_size
         self.is_symmetric, self.is_act_order = weight.is_symmetric, weight.is_act_order
         self.bias = None if bias is None else nn.Parameter(bias.detach().to(device), requires_grad=False)
+        self.pre_quant_scale: torch.Tensor | None
+        self.register_buffer("pre_quant_scale", None if pre_quant_scale is None
+                             else pre_quant_scale.detach().reshape(-1).to(device), persistent=False)
         device = torch.device(device)
         self.plan = _make_plan(weight, device, kernel)  # [(max rows or None, kernel object)]
         # The kernels' tensors as (non-persistent) buffers: the model's storage count sees them, and
@@ -60,6 +68,8 @@ class IntLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)  # (M, K)
+        if self.pre_quant_scale is not None:
+            x2 = x2 * self.pre_quant_scale
         y = self._kernel_for(x2.shape[0])(x2)  # (M, N)
         if self.bias is not None:
             y = y + self.bias
@@ -72,7 +82,8 @@ class IntLinear(nn.Module):
     def dequantized_weight(self, chunk_rows: int = 1024) -> torch.Tensor:
         """(N, K) float32: the weight this layer multiplies by, read back through its own kernels
         applied to rows of the identity (exact in float32: each output is one weight times 1 plus
-        zeros), bias left out. For float references of a quantized model (the quality bench)."""
+        zeros), bias left out, times pre_quant_scale per column when there is one. For float references
+        of a quantized model (the quality bench)."""
         device = next(self.buffers()).device
         columns = []
         for lo in range(0, self.in_features, chunk_rows):
@@ -80,11 +91,13 @@ class IntLinear(nn.Module):
             eye = torch.zeros(hi - lo, self.in_features, dtype=torch.float32, device=device)  # (rows, K)
             eye[:, lo:hi] = torch.eye(hi - lo, dtype=torch.float32, device=device)
             columns.append(self._kernel_for(hi - lo)(eye).float())  # (rows, N): W^T's rows lo..hi
-        return torch.cat(columns).t().contiguous()
+        weight = torch.cat(columns).t().contiguous()
+        return weight if self.pre_quant_scale is None else weight * self.pre_quant_scale.float()
 
     def extra_repr(self) -> str:
         layout = "symmetric" if self.is_symmetric else "zero points"
         order = ", act-order" if self.is_act_order else ""
+        order += ", pre-quant scale" if self.pre_quant_scale is not None else ""
         plan = ", ".join(f"{k.name}{'' if m is None else f' (M <= {m})'}" for m, k in self.plan)
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"int{self.bits} group {self.group_size}, {layout}{order}, kernels: {plan}")

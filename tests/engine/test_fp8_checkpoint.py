@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from batchgen.bench.direct_runner import DirectRunner, teacher_forced_logits
+from batchgen.engine.direct_runner import DirectRunner, teacher_forced_logits
 from batchgen.engine import LLM, SamplingParams
 from batchgen.engine.capacity import weight_bytes
 from batchgen.engine.config import EngineConfig

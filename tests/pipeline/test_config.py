@@ -78,6 +78,8 @@ def test_relative_paths_are_relative_to_the_job_files_folder(tmp_path, monkeypat
     ("engine", "max_num_seqs", 0, ["engine.max_num_seqs: must be >= 1 (got 0)"]),
     ("sampling", "top_p", 2, ["sampling.top_p: must be in (0, 1] (got 2.0)"]),
     ("model", "quantize_lm_head", "maybe", ["model.quantize_lm_head", "valid boolean"]),
+    ("model", "int_calibration", "gptq",
+     ["model.int_calibration: must be one of activation_aware, none (got 'gptq')"]),
     ("sampling", "temprature", 0.5, ["sampling.temprature", "unknown key", "temperature, top_p"]),
     ("batching", "window", 0, ["batching.window", "greater than or equal to 1"]),
 ])
@@ -142,7 +144,7 @@ def test_config_hash_covers_what_changes_outputs_only(tmp_path):
         assert load_job(job_file, [item]).config_hash() == base, item
     different = ["sampling.temperature=0.5", "sampling.seed=1", "input.rows_per_unit=5", "model.max_model_len=2048",
                  "input.system_prompt=hi", "sampling_columns.temperature=t", "model.dtype=float32",
-                 "engine.kv_cache_dtype=fp8", "engine.calculate_kv_scales=true"]
+                 "engine.kv_cache_dtype=fp8", "engine.calculate_kv_scales=true", "model.int_calibration=none"]
     for item in different:
         assert load_job(job_file, [item]).config_hash() != base, item
     fp8_kv = {load_job(job_file, [f"engine.kv_cache_dtype={name}"]).config_hash() for name in ("fp8", "fp8_e5m2")}

@@ -41,13 +41,15 @@ def test_int4_job_runs_end_to_end_and_matches_the_int4_engine(tmp_path):
     assert rows.column("id").to_pylist() == [10, 11, 12]
     weights = json.loads((tmp_path / "out" / "_SUCCESS").read_text())["weights"]
     assert (weights["format"], weights["origin"], weights["num_linear_layers"]) == ("int4", "at load", 8)
-    # Half a byte per weight plus a float32 scale and -z*s per row (K = 64 or 128: one group each).
-    assert 0.14 < weights["linear_bytes_vs_float32"] < 0.16, weights
+    # Half a byte per weight plus a float32 scale and -z*s per row (K = 64 or 128: one group each)
+    # and, activation-aware (the default), a float32 pre-quant scale per input column.
+    assert 0.15 < weights["linear_bytes_vs_float32"] < 0.17, weights
 
     llm = LLM(str(model), quantization="int4", **ENGINE)
     assert llm.engine.stats["weights"] == weights
     layers = [m for m in llm.engine.runner.model.modules() if isinstance(m, IntLinear)]
     assert len(layers) == 8 and all(m.bits == 4 and m.group_size == 128 for m in layers)
+    assert all(m.pre_quant_scale is not None for m in layers)
     assert weight_bytes(llm.engine.model_cfg, torch.float32, "int4") == llm.engine.weight_bytes
     prompt_ids = [llm.engine.encode(p, allow_special_tokens=False) for p in PROMPTS]
     expected = llm.generate(prompt_ids, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
@@ -59,7 +61,8 @@ def test_the_int8_engine_reports_int8_weights_and_the_planners_bytes(tmp_path):
     llm = LLM(str(model), quantization="int8", **ENGINE)
     weights = llm.engine.stats["weights"]
     assert (weights["format"], weights["origin"], weights["num_linear_layers"]) == ("int8", "at load", 8)
-    assert 0.25 < weights["linear_bytes_vs_float32"] < 0.27, weights  # 1 byte + a float32 scale per row
+    # 1 byte + a float32 scale per row + a float32 pre-quant scale per column (activation-aware)
+    assert 0.26 < weights["linear_bytes_vs_float32"] < 0.28, weights
     layers = [m for m in llm.engine.runner.model.modules() if isinstance(m, IntLinear)]
     assert len(layers) == 8 and all(m.bits == 8 and m.is_symmetric and m.group_size == m.in_features for m in layers)
     assert weight_bytes(llm.engine.model_cfg, torch.float32, "int8") == llm.engine.weight_bytes
