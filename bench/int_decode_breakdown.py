@@ -19,7 +19,7 @@ torch.set_num_threads(2)
 cfg = EngineConfig(model="smollm2-135m-instruct", dtype="float32", device="cpu", max_model_len=512)
 loaded = load_model(cfg)
 base = loaded.model
-windows = calibration_windows(Tokenizer(loaded.source), cfg.max_model_len)
+windows = calibration_windows(Tokenizer(loaded.source), cfg.max_model_len, loaded.model_cfg.vocab_size)
 def timed(model, steps=8):
     spent = [0.0]
     hooks = []

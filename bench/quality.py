@@ -171,7 +171,7 @@ def run_quality_bench(model: str = "smollm2-135m-instruct", prompts: list | None
     variants += [(method, None, calibration) for method in int_methods for calibration in int_calibrations]
     windows = None
     if any(c == "activation_aware" for _, _, c in variants):
-        windows = calibration_windows(tokenizer, config.max_model_len or 2048)
+        windows = calibration_windows(tokenizer, config.max_model_len or 2048, ref_model.cfg.vocab_size)
     for method, mode, calibration in variants:
         quantized = copy.deepcopy(ref_model)
         if method == "fp8":

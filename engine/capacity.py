@@ -71,7 +71,7 @@ def weight_bytes(cfg: ModelConfig, dtype: torch.dtype, quantization: str = "none
     embedding's storage, but a quantized lm_head is a copy of its own. `declared`: the checkpoint's
     DeclaredQuantization for gptq / awq / compressed-tensors (bits, group size, zeros, act-order).
     int_calibration: the engine setting; int8 / int4 at load with activation_aware hold one
-    pre-quant scale per input column in `dtype`.
+    pre-quant scale per input column of each decoder linear layer (not lm_head) in `dtype`.
     """
     elem = dtype_bytes(dtype)
 
@@ -80,10 +80,12 @@ def weight_bytes(cfg: ModelConfig, dtype: torch.dtype, quantization: str = "none
             return out_features * in_features * elem
         if quantization == "fp8":
             return out_features * in_features + out_features * FP8_SCALE_BYTES
-        pre_quant = in_features * elem if quantization in ("int8", "int4") and int_calibration == "activation_aware" else 0
-        return int_linear_bytes(out_features, in_features, dtype, quantization, declared) + pre_quant
+        return int_linear_bytes(out_features, in_features, dtype, quantization, declared)
 
-    per_layer = sum(linear_bytes(n, k, True) for n, k in cfg.linear_shapes().values())
+    # Activation-aware int8 / int4 at load: a pre-quant scale per input column of each decoder layer.
+    has_pre_quant = quantization in ("int8", "int4") and int_calibration == "activation_aware"
+    per_layer = sum(linear_bytes(n, k, True) + (k * elem if has_pre_quant else 0)
+                    for n, k in cfg.linear_shapes().values())
     per_layer += 2 * cfg.hidden_size * elem  # input and post-attention norms
     if cfg.attention_bias:
         per_layer += (cfg.q_size + 2 * cfg.kv_size) * elem

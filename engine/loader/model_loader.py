@@ -100,14 +100,14 @@ def resolve_weight_format(config: EngineConfig, source: ModelSource):
     return name, declared
 
 
-def _calibration_windows(config: EngineConfig, source, max_model_len: int) -> list[list[int]] | None:
+def _calibration_windows(config: EngineConfig, source, model_cfg, max_model_len: int) -> list[list[int]] | None:
     """The bundled calibration text as the model's tokens, for int_calibration activation_aware."""
     if config.int_calibration != "activation_aware":
         return None
     from batchgen.engine.quant.activation_aware import calibration_windows
     from batchgen.engine.tokenizer import Tokenizer
 
-    return calibration_windows(Tokenizer(source), max_model_len)
+    return calibration_windows(Tokenizer(source), max_model_len, model_cfg.vocab_size)
 
 
 def load_model(config: EngineConfig) -> LoadedModel:
@@ -158,7 +158,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
     elif weight_format in ("int8", "int4"):
         from batchgen.engine.quant.int_model import quantize_model_int
 
-        quantize_model_int(model, config, weight_format, _calibration_windows(config, source, max_model_len))
+        quantize_model_int(model, config, weight_format, _calibration_windows(config, source, model_cfg, max_model_len))
         origin = "at load"
     if capabilities.is_onednn_packed_linear:  # after quantizing, which leaves only the layers it did not swap
         log.info("packed %d linear layers for oneDNN", pack_linears(model, capabilities.is_onednn_silu_mul))

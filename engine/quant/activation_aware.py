@@ -55,11 +55,13 @@ class InputStatistics:
     hessian_blocks: torch.Tensor
 
 
-def calibration_windows(tokenizer, max_model_len: int, num_tokens: int = NUM_CALIBRATION_TOKENS,
-                        window: int = CALIBRATION_WINDOW) -> list[list[int]]:
-    """The bundled text's first `num_tokens` tokens, as windows of min(window, max_model_len) tokens."""
+def calibration_windows(tokenizer, max_model_len: int, vocab_size: int | None = None,
+                        num_tokens: int = NUM_CALIBRATION_TOKENS, window: int = CALIBRATION_WINDOW) -> list[list[int]]:
+    """The bundled text's first `num_tokens` tokens, as windows of min(window, max_model_len) tokens;
+    ids the model has no embedding for (>= vocab_size, a tokenizer larger than the model) left out."""
     text = CALIBRATION_TEXT.read_text(encoding="utf-8")
-    ids = [t for doc in text.split(DOCUMENT_SEPARATOR) for t in tokenizer.encode(doc)][:num_tokens]
+    ids = [t for doc in text.split(DOCUMENT_SEPARATOR) for t in tokenizer.encode(doc)
+           if vocab_size is None or t < vocab_size][:num_tokens]
     size = max(2, min(window, max_model_len))
     return [ids[i:i + size] for i in range(0, len(ids) - 1, size)]
 

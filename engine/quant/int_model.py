@@ -48,16 +48,20 @@ def quantize_model_int(model: nn.Module, config: EngineConfig, method: str,
     scale_dtype = side_dtype(config.torch_dtype)
     layers = quantizable_linears(model, config)
     is_activation_aware = config.int_calibration == "activation_aware"
+    statistics = {}
     if is_activation_aware:
         from batchgen.engine.quant.activation_aware import gather_input_statistics, quantize_activation_aware
 
         if not calibration_windows:
             raise ValueError("int_calibration activation_aware needs calibration windows")
-        statistics = gather_input_statistics(model, layers, calibration_windows)  # the float model's inputs
+        # The float model's inputs. lm_head (quantize_lm_head) stays round to nearest: the calibration
+        # forward computes logits for each window's last token only, too few rows to search on.
+        decoder = {name: m for name, m in layers.items() if name != "lm_head"}
+        statistics = gather_input_statistics(model, decoder, calibration_windows)
     for name, module in layers.items():
         weight = module.weight.detach().float()  # (N, K); packed oneDNN layers unpack here
         pre_quant_scale = None
-        if is_activation_aware:
+        if is_activation_aware and name in statistics:
             w, pre_quant_scale = quantize_activation_aware(weight, statistics.pop(name), bits, scale_dtype,
                                                            config.torch_dtype)
         elif bits == 8:

@@ -117,6 +117,9 @@ def test_calibration_windows_come_from_the_bundled_text(llm):
     assert [len(w) for w in windows] == [256, 256, 256, 232]
     first_doc = CALIBRATION_TEXT.read_text(encoding="utf-8").split("\n\n\f")[0]
     assert windows[0] == tokenizer.encode(first_doc)[:256]
+    # A model with fewer embeddings than the tokenizer has ids never sees an id it cannot embed.
+    small = calibration_windows(tokenizer, max_model_len=256, vocab_size=2000, num_tokens=1000)
+    assert all(t < 2000 for w in small for t in w) and sum(map(len, small)) == 1000
 
 
 def test_fake_quantization_equals_the_stored_codes_dequantized():

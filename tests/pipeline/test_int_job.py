@@ -66,3 +66,14 @@ def test_the_int8_engine_reports_int8_weights_and_the_planners_bytes(tmp_path):
     layers = [m for m in llm.engine.runner.model.modules() if isinstance(m, IntLinear)]
     assert len(layers) == 8 and all(m.bits == 8 and m.is_symmetric and m.group_size == m.in_features for m in layers)
     assert weight_bytes(llm.engine.model_cfg, torch.float32, "int8") == llm.engine.weight_bytes
+
+
+def test_a_quantized_lm_head_is_rounded_to_nearest_and_planned_so(tmp_path):
+    """quantize_lm_head with activation-aware int4: the decoder layers carry pre-quant scales, lm_head
+    (whose calibration rows would be one per window) does not, and the planner counts exactly that."""
+    model, _ = write_tiny_llama(tmp_path / "tiny")
+    llm = LLM(str(model), quantization="int4", quantize_lm_head=True, **ENGINE)
+    lm_head = llm.engine.runner.model.lm_head
+    assert isinstance(lm_head, IntLinear) and lm_head.pre_quant_scale is None
+    assert llm.engine.stats["weights"]["num_pre_quant_scaled_layers"] == 8
+    assert weight_bytes(llm.engine.model_cfg, torch.float32, "int4", quantize_lm_head=True) == llm.engine.weight_bytes
