@@ -7,14 +7,19 @@ sequence (64-token prompt, 8 steps, the faster of 2 passes); the rest is attenti
 embedding and sampling. The int8 / int4 models are the float model quantized as at load (the
 default int_calibration, activation_aware: its pre-quant multiply is inside the linear layers' time).
 """
-import copy, time, torch
-from batchgen.engine.direct_runner import DirectRunner
+import copy
+import time
+
+import torch
+
 from batchgen.engine.config import EngineConfig
+from batchgen.engine.direct_runner import DirectRunner
 from batchgen.engine.loader.model_loader import load_model
 from batchgen.engine.quant.activation_aware import calibration_windows
 from batchgen.engine.quant.int_model import quantize_model_int
-from batchgen.engine.tokenizer import Tokenizer
 from batchgen.engine.quant.weight_report import linear_layers
+from batchgen.engine.tokenizer import Tokenizer
+
 torch.set_num_threads(2)
 cfg = EngineConfig(model="smollm2-135m-instruct", dtype="float32", device="cpu", max_model_len=512)
 loaded = load_model(cfg)

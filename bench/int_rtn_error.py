@@ -95,9 +95,9 @@ def kernel_against_fake_quantization(model: nn.Module, tokenizer, eos: tuple[int
                                      max_tokens: int) -> dict:
     """Teacher-forced figures against `model` (float) of its int4 model through the IntLinear kernels
     and through fake quantization, and of the kernels against fake quantization."""
-    from batchgen.engine.direct_runner import greedy_generate, teacher_forced_logits
     from batchgen.bench.quality import compare_logits, encode_prompts
     from batchgen.engine.config import EngineConfig
+    from batchgen.engine.direct_runner import greedy_generate, teacher_forced_logits
     from batchgen.engine.quant.int_model import quantize_model_int
 
     prompt_ids = encode_prompts(tokenizer, prompts)

@@ -30,9 +30,15 @@ import torch
 from torch import nn
 
 from batchgen.engine.quant.int_formats.int_weight import IntWeight
-from batchgen.engine.quant.int_formats.rtn import (INT4_GROUP_SIZE, int4_fake_quantized_groups, int4_from_ranges,
-                                                   int4_group_ranges, int8_fake_quantized, padded_groups,
-                                                   quantize_int8_per_channel)
+from batchgen.engine.quant.int_formats.rtn import (
+    INT4_GROUP_SIZE,
+    int4_fake_quantized_groups,
+    int4_from_ranges,
+    int4_group_ranges,
+    int8_fake_quantized,
+    padded_groups,
+    quantize_int8_per_channel,
+)
 
 CALIBRATION_TEXT = Path(__file__).with_name("calibration_text.txt")
 DOCUMENT_SEPARATOR = "\n\n\f"

@@ -8,11 +8,21 @@ from __future__ import annotations
 import pytest
 import torch
 
-from batchgen.engine.quant.activation_aware import (CALIBRATION_TEXT, InputStatistics, calibration_windows,
-                                                    gather_input_statistics, quantize_activation_aware)
-from batchgen.engine.quant.int_formats.rtn import (int4_fake_quantized_groups, int4_from_ranges, int4_group_ranges,
-                                                   int8_fake_quantized, quantize_int4_groups,
-                                                   quantize_int8_per_channel)
+from batchgen.engine.quant.activation_aware import (
+    CALIBRATION_TEXT,
+    InputStatistics,
+    calibration_windows,
+    gather_input_statistics,
+    quantize_activation_aware,
+)
+from batchgen.engine.quant.int_formats.rtn import (
+    int4_fake_quantized_groups,
+    int4_from_ranges,
+    int4_group_ranges,
+    int8_fake_quantized,
+    quantize_int4_groups,
+    quantize_int8_per_channel,
+)
 from batchgen.engine.quant.int_linear import IntLinear
 
 
@@ -102,7 +112,7 @@ def test_statistics_are_the_layer_inputs_second_moment(llm):
     windows = [list(range(100, 140)), list(range(500, 530))]
     layer = model.layers[0].self_attn.qkv_proj
     stats = gather_input_statistics(model, {"qkv": layer}, windows)["qkv"]
-    x = model.embed_tokens.weight[torch.tensor(sum(windows, []))].float()  # (70, hidden)
+    x = model.embed_tokens.weight[torch.tensor([t for w in windows for t in w])].float()  # (70, hidden)
     norm = model.layers[0].input_layernorm
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.eps) * norm.weight.float()
     assert stats.hessian_blocks.shape == (5, 128, 128)  # K = 576: four full groups and one of 64

@@ -10,10 +10,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from batchgen.engine.direct_runner import DirectRunner, teacher_forced_logits
 from batchgen.engine import LLM, SamplingParams
 from batchgen.engine.capacity import weight_bytes
 from batchgen.engine.config import EngineConfig
+from batchgen.engine.direct_runner import DirectRunner, teacher_forced_logits
 from batchgen.engine.loader.model_loader import load_model
 from batchgen.engine.quant import fp8_checkpoint
 from batchgen.engine.quant.fp8_linear import Fp8Linear
