@@ -1,4 +1,5 @@
-"""int4 at load on SmolLM2-135M: the quantizer equals round to nearest as defined, and the kernels add nothing.
+"""int4 round to nearest on SmolLM2-135M (`int_calibration: none`, and the inner quantizer of the
+activation-aware search): the quantizer equals round to nearest as defined, and the kernels add nothing.
 
 Why int4 lands where it does (test_int_quality.py): bench/int_rtn_error.py measures each layer's weight
 error against a round-to-nearest written from its definition, and the IntLinear model against the same
