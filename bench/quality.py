@@ -36,7 +36,7 @@ from batchgen.engine.quant.fp8 import quantize_model_fp8
 from batchgen.engine.quant.fp8_linear import Fp8Linear
 from batchgen.engine.quant.int_checkpoint import IntLinearParts
 from batchgen.engine.quant.int_linear import IntLinear
-from batchgen.engine.quant.int_model import quantize_model_int
+from batchgen.engine.quant.int_model import calibration_statistics, quantize_model_int
 from batchgen.engine.quant.weight_report import weight_report
 from batchgen.pipeline.ordering import num_shared_prefix
 
@@ -169,9 +169,10 @@ def run_quality_bench(model: str = "smollm2-135m-instruct", prompts: list | None
         result["results"].append(entry)
     variants = [("fp8", mode, None) for mode in modes]
     variants += [(method, None, calibration) for method in int_methods for calibration in int_calibrations]
-    windows = None
+    statistics = None  # one calibration pass of the float model serves every activation-aware variant
     if any(c == "activation_aware" for _, _, c in variants):
         windows = calibration_windows(tokenizer, config.max_model_len or 2048, ref_model.cfg.vocab_size)
+        statistics = calibration_statistics(ref_model, config.replace(quantize_lm_head=quantize_lm_head), windows)
     for method, mode, calibration in variants:
         quantized = copy.deepcopy(ref_model)
         if method == "fp8":
@@ -179,7 +180,8 @@ def run_quality_bench(model: str = "smollm2-135m-instruct", prompts: list | None
                                                           quantize_lm_head=quantize_lm_head))
         else:
             quantize_model_int(quantized, config.replace(quantization=method, quantize_lm_head=quantize_lm_head,
-                                                         int_calibration=calibration), method, windows)
+                                                         int_calibration=calibration), method,
+                               statistics=statistics)
         entry = {"quantization": method, "fp8_mode": mode, "int_calibration": calibration,
                  "fp8_weight_bytes": model_weight_bytes(quantized),
                  "weights": weight_report(quantized, method, "at load"),

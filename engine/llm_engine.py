@@ -64,7 +64,7 @@ class LLMEngine:
             tokenizer = Tokenizer(loaded.source) if loaded.source is not None else None
         elif weights_from is None:
             loaded = load_model(config)
-            tokenizer = Tokenizer(loaded.source)
+            tokenizer = loaded.tokenizer or Tokenizer(loaded.source)
         else:
             _check_shares_weights(weights_from, config)
             loaded, tokenizer = weights_from.loaded, weights_from.tokenizer

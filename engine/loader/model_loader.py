@@ -35,6 +35,7 @@ class LoadedModel:
     weight_bytes: int
     capabilities: Capabilities  # what runs here, decided once before the model was built
     weights: dict = field(default_factory=dict)  # the weight format and linear bytes (weight_report)
+    tokenizer: object | None = None  # the source's Tokenizer when loading already read it (calibration)
 
 
 def read_model_config(source: ModelSource) -> ModelConfig:
@@ -100,16 +101,6 @@ def resolve_weight_format(config: EngineConfig, source: ModelSource):
     return name, declared
 
 
-def _calibration_windows(config: EngineConfig, source, model_cfg, max_model_len: int) -> list[list[int]] | None:
-    """The bundled calibration text as the model's tokens, for int_calibration activation_aware."""
-    if config.int_calibration != "activation_aware":
-        return None
-    from batchgen.engine.quant.activation_aware import calibration_windows
-    from batchgen.engine.tokenizer import Tokenizer
-
-    return calibration_windows(Tokenizer(source), max_model_len, model_cfg.vocab_size)
-
-
 def load_model(config: EngineConfig) -> LoadedModel:
     from batchgen.engine.quant.methods import INT_CHECKPOINTS
 
@@ -123,6 +114,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
                                                                  model_cfg.head_dim)
     model = build_empty_model(model_cfg, max_model_len, backend, device, dtype)
     origin = "float"
+    tokenizer = None
     if source.is_gguf:
         path = source.folder / source.gguf_file
         kept = {}
@@ -158,7 +150,14 @@ def load_model(config: EngineConfig) -> LoadedModel:
     elif weight_format in ("int8", "int4"):
         from batchgen.engine.quant.int_model import quantize_model_int
 
-        quantize_model_int(model, config, weight_format, _calibration_windows(config, source, model_cfg, max_model_len))
+        windows = None
+        if config.int_calibration == "activation_aware":  # the bundled calibration text as the model's tokens
+            from batchgen.engine.quant.activation_aware import calibration_windows
+            from batchgen.engine.tokenizer import Tokenizer
+
+            tokenizer = Tokenizer(source)
+            windows = calibration_windows(tokenizer, max_model_len, model_cfg.vocab_size)
+        quantize_model_int(model, config, weight_format, windows)
         origin = "at load"
     if capabilities.is_onednn_packed_linear:  # after quantizing, which leaves only the layers it did not swap
         log.info("packed %d linear layers for oneDNN", pack_linears(model, capabilities.is_onednn_silu_mul))
@@ -169,7 +168,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
     log.info("loaded %s (%s, %d layers) as %s on %s; weights %s (%s), linear layers %.1f MB (%.1f%% of float32)",
              source.display_name, model_cfg.model_type, model_cfg.num_layers, dtype, device, weight_format, origin,
              weights_info["linear_bytes"] / 1e6, 100 * weights_info["linear_bytes_vs_float32"])
-    return LoadedModel(source, model_cfg, model, max_model_len, weight_bytes, capabilities, weights_info)
+    return LoadedModel(source, model_cfg, model, max_model_len, weight_bytes, capabilities, weights_info, tokenizer)
 
 
 def _prepare_for_inference(model: LlamaForCausalLM, model_cfg: ModelConfig, max_model_len: int,

@@ -36,33 +36,44 @@ def quantizable_linears(model: nn.Module, config: EngineConfig) -> dict[str, nn.
             if isinstance(m, nn.Linear) and (name != "lm_head" or config.quantize_lm_head)}
 
 
+def calibration_statistics(model: nn.Module, config: EngineConfig, calibration_windows: list[list[int]]) -> dict:
+    """The float model's InputStatistics for every layer activation_aware searches, by module name.
+
+    lm_head (quantize_lm_head) is left out and stays round to nearest: the calibration forward
+    computes logits for each window's last token only, too few rows to search on.
+    """
+    from batchgen.engine.quant.activation_aware import gather_input_statistics
+
+    if not calibration_windows:
+        raise ValueError("int_calibration activation_aware needs calibration windows")
+    decoder = {name: m for name, m in quantizable_linears(model, config).items() if name != "lm_head"}
+    return gather_input_statistics(model, decoder, calibration_windows)
+
+
 @torch.no_grad()
 def quantize_model_int(model: nn.Module, config: EngineConfig, method: str,
-                       calibration_windows: list[list[int]] | None = None) -> int:
+                       calibration_windows: list[list[int]] | None = None, *, statistics: dict | None = None) -> int:
     """Replace the decoder's nn.Linear layers (and lm_head with quantize_lm_head) by IntLinear; returns how many.
 
     calibration_windows: token windows for `int_calibration: activation_aware` (activation_aware.
-    calibration_windows); required then, unused with `none`.
+    calibration_windows); required then, unused with `none`. statistics: calibration_statistics
+    already gathered on this model while float, instead of the windows (the quality bench quantizes
+    int8 and int4 copies of one float model).
     """
     bits = AT_LOAD_BITS[method]
     scale_dtype = side_dtype(config.torch_dtype)
     layers = quantizable_linears(model, config)
     is_activation_aware = config.int_calibration == "activation_aware"
-    statistics = {}
     if is_activation_aware:
-        from batchgen.engine.quant.activation_aware import gather_input_statistics, quantize_activation_aware
+        from batchgen.engine.quant.activation_aware import quantize_activation_aware
 
-        if not calibration_windows:
-            raise ValueError("int_calibration activation_aware needs calibration windows")
-        # The float model's inputs. lm_head (quantize_lm_head) stays round to nearest: the calibration
-        # forward computes logits for each window's last token only, too few rows to search on.
-        decoder = {name: m for name, m in layers.items() if name != "lm_head"}
-        statistics = gather_input_statistics(model, decoder, calibration_windows)
+        if statistics is None:
+            statistics = calibration_statistics(model, config, calibration_windows)
     for name, module in layers.items():
         weight = module.weight.detach().float()  # (N, K); packed oneDNN layers unpack here
         pre_quant_scale = None
         if is_activation_aware and name in statistics:
-            w, pre_quant_scale = quantize_activation_aware(weight, statistics.pop(name), bits, scale_dtype,
+            w, pre_quant_scale = quantize_activation_aware(weight, statistics[name], bits, scale_dtype,
                                                            config.torch_dtype)
         elif bits == 8:
             w = quantize_int8_per_channel(weight, scale_dtype)
