@@ -5,13 +5,18 @@ of the activation energy; their weight errors dominate the output error. As AWQ 
 each linear layer gets a per-input-channel scale s = mean|x|^alpha (alpha searched on a grid) and
 stores Q(W diag(s)) with the activations multiplied by p = 1/s at run time (IntLinear's
 pre_quant_scale, TensorRT-LLM's name for the same vector): exact in float, while the quantization
-grid now favours the loud channels. int4 then also shrinks each group's range where that lowers the
-output error (AWQ's clipping search).
+grid now favours the loud channels. int4 then also rotates the scaled weight's columns by a block
+Hadamard matrix R (quant/hadamard.py; the layer rotates its input the same way), which spreads the
+outliers left in a group of 128 over its columns, and shrinks each group's range where that lowers
+the output error (AWQ's clipping search). On SmolLM2 the rotation alone is worse than round to nearest
+(it also spreads the loud channels AWQ's scale favours) but after the scale it lowers int4's KL by a
+third (benchmarks/NOTES.md, "Hadamard rotation for int4").
 
 Both searches minimise the layer's output error on the calibration inputs without a forward pass:
-E[(D x)^2] for D = W_eff - W. The scale search weighs each column by E[x_k^2] (the diagonal of
-H = E[x x^T], llama.cpp's importance matrix); the clipping search, one group at a time, uses the
-group's own (g, g) block of H (cross-group terms left out, as AWQ's). Measured on SmolLM2 the full H
+E[(D x)^2] for D = W_eff - W. int8's scale search weighs each column by E[x_k^2] (the diagonal of
+H = E[x x^T], llama.cpp's importance matrix); int4's (whose rotated errors are not independent
+per column) and the clipping search use each group's own (g, g) block of H (cross-group terms left
+out, as AWQ's). Measured on SmolLM2 the full H
 in the scale search gave the same figures within their noise at twice the load time
 (benchmarks/NOTES.md, "Activation-aware int8 / int4"). Only the diagonal and those blocks are
 gathered, so a layer costs K x (2 + group) floats however large the model: one calibration pass.
@@ -25,10 +30,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
+from batchgen.engine.quant.hadamard import HADAMARD_SIZE, block_hadamard, can_rotate
 from batchgen.engine.quant.int_formats.int_weight import IntWeight
 from batchgen.engine.quant.int_formats.rtn import (
     INT4_GROUP_SIZE,
@@ -48,6 +55,15 @@ NUM_CALIBRATION_TOKENS = 4096
 CALIBRATION_WINDOW = 512
 NUM_ALPHAS = 11  # alpha in 0, 0.1, ..., 1 (21 steps measured no better)
 CLIP_SHRINKS = tuple(1 - 0.05 * i for i in range(11))  # the share of the range kept: 100% down to 50%
+
+
+class ActivationAwareWeight(NamedTuple):
+    """What one layer holds: codes of rotate(W / pre_quant_scale), the scale (K,), the rotation's
+    block size (0: none)."""
+
+    weight: IntWeight
+    pre_quant_scale: torch.Tensor
+    hadamard_size: int
 
 
 @dataclass
@@ -101,9 +117,17 @@ def gather_input_statistics(model: nn.Module, layers: dict[str, nn.Module], wind
     return {n: InputStatistics(*(total / counts[n] for total in sums[n])) for n in layers}
 
 
+def output_error(delta: torch.Tensor, stats: InputStatistics, by_blocks: bool) -> float:
+    """E[(D x)^2] summed over the rows of D (N, K): from H's group blocks, or its diagonal only."""
+    if not by_blocks:
+        return ((delta * delta).sum(0) @ stats.mean_square).item()
+    d = padded_groups(delta, INT4_GROUP_SIZE).transpose(0, 1)  # (G, N, g)
+    return (torch.bmm(d, stats.hessian_blocks) * d).sum().item()
+
+
 def search_input_scale(weight: torch.Tensor, stats: InputStatistics, fake_quantize,
-                       input_dtype: torch.dtype) -> torch.Tensor:
-    """The pre-quant scale p = 1/s (K,) in input_dtype minimising sum_k E[x_k^2] sum_n D_nk^2 for
+                       input_dtype: torch.dtype, by_blocks: bool = False) -> torch.Tensor:
+    """The pre-quant scale p = 1/s (K,) in input_dtype minimising the output error (output_error) of
     D = fake_quantize(W / p) * p - W, over s = mean|x|^alpha normalised to a geometric mean range of 1.
 
     fake_quantize: (N, K) float32 -> (N, K) float32 dequantized. alpha = 0 (p = 1) is plain round to
@@ -116,8 +140,7 @@ def search_input_scale(weight: torch.Tensor, stats: InputStatistics, fake_quanti
     for i in range(NUM_ALPHAS):
         s = activity ** (i / (NUM_ALPHAS - 1))
         p = ((s.max() * s.min()).sqrt() / s).to(input_dtype).float()  # 1/s, normalised
-        delta = fake_quantize(w / p) * p - w  # (N, K)
-        error = ((delta * delta).sum(0) @ stats.mean_square).item()
+        error = output_error(fake_quantize(w / p) * p - w, stats, by_blocks)
         if best_error is None or error < best_error:
             best_p, best_error = p, error
     return best_p.to(input_dtype)
@@ -146,23 +169,33 @@ def clip_int4_groups(weight: torch.Tensor, hessian_blocks: torch.Tensor, group_s
 
 
 def quantize_activation_aware(weight: torch.Tensor, stats: InputStatistics, bits: int, scale_dtype: torch.dtype,
-                              input_dtype: torch.dtype) -> tuple[IntWeight, torch.Tensor]:
-    """(N, K) float W -> (IntWeight of W / p with scales in scale_dtype, pre_quant_scale p (K,) in
-    input_dtype, the activations' dtype): the layer computes (x * p) @ deq^T ~= x @ W^T."""
+                              input_dtype: torch.dtype, hadamard_size: int = HADAMARD_SIZE) -> ActivationAwareWeight:
+    """(N, K) float W -> the codes of rotate(W / p) with scales in scale_dtype, the pre_quant_scale p (K,)
+    in input_dtype (the activations' dtype), and the rotation: the layer computes rotate(x * p) @ deq^T
+    ~= x @ W^T. int4 rotates when K is a multiple of hadamard_size (0: never); int8 never does."""
     w = weight.detach().float()
     n, k = w.shape
+    rotation = hadamard_size if bits == 4 and hadamard_size and can_rotate(k, hadamard_size) else 0
 
-    def fake_quantize(x):  # round to nearest, the scale search's inner quantizer
+    def rotate(x):  # x R; R is its own inverse
+        return block_hadamard(x, rotation) if rotation else x
+
+    def fake_quantize(x):  # round to nearest in the rotated basis, the scale search's inner quantizer
         if bits == 8:
             return int8_fake_quantized(x, scale_dtype)
+        x = rotate(x)
         lo, hi = int4_group_ranges(x, INT4_GROUP_SIZE)
-        return int4_fake_quantized_groups(x, lo, hi, INT4_GROUP_SIZE, scale_dtype).reshape(n, -1)[:, :k]
+        return rotate(int4_fake_quantized_groups(x, lo, hi, INT4_GROUP_SIZE, scale_dtype).reshape(n, -1)[:, :k])
 
-    p = search_input_scale(w, stats, fake_quantize, input_dtype)  # (K,)
-    scaled = w / p.float()
+    p = search_input_scale(w, stats, fake_quantize, input_dtype, by_blocks=bits == 4)  # (K,)
+    scaled = rotate(w / p.float())
     if bits == 8:
-        return quantize_int8_per_channel(scaled, scale_dtype), p
-    # The scaled layer sees inputs x * p: each block of H scales by p_g p_g^T (padding: p = 0).
+        return ActivationAwareWeight(quantize_int8_per_channel(scaled, scale_dtype), p, 0)
+    # The layer's codes see inputs (x * p) R: each block of H scales by p_g p_g^T (padding: p = 0) and
+    # turns into R_g^T H_g R_g, R_g the rotation's (g, g) diagonal block (groups hold whole blocks).
     p_groups = padded_groups(p.float()[None, :], INT4_GROUP_SIZE)[0]  # (G, g)
     blocks = stats.hessian_blocks * p_groups[:, :, None] * p_groups[:, None, :]
-    return clip_int4_groups(scaled, blocks, INT4_GROUP_SIZE, scale_dtype), p
+    if rotation:
+        r_group = block_hadamard(torch.eye(INT4_GROUP_SIZE), rotation)  # symmetric
+        blocks = r_group @ blocks @ r_group
+    return ActivationAwareWeight(clip_int4_groups(scaled, blocks, INT4_GROUP_SIZE, scale_dtype), p, rotation)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from batchgen.engine.quant.hadamard import block_hadamard, hadamard_matrix
 from batchgen.engine.quant.int_formats.int_weight import IntWeight
 from batchgen.engine.quant.int_matmul_cpu import CPU_KERNELS, DequantKernel, Int8PackKernel
 
@@ -29,15 +30,17 @@ CPU_PLAN = {
 
 
 class IntLinear(nn.Module):
-    """y = (x * pre_quant_scale) @ dequantize(weight)^T + bias with integer weights kept as integers.
+    """y = rotate(x * pre_quant_scale) @ dequantize(weight)^T + bias with integer weights kept as integers.
 
     pre_quant_scale (K,), in the activations' dtype, or None: the per-input-channel factor of an
     activation-aware weight (int_calibration: activation_aware) whose codes hold W / pre_quant_scale.
+    hadamard_size: 0, or the block size of the Hadamard rotation R (quant/hadamard.py) the codes were
+    taken in (they hold (W / pre_quant_scale) R; activation-aware int4); rotate(x) = x R.
     """
 
     def __init__(self, weight: IntWeight, bias: torch.Tensor | None = None, *,
                  device: torch.device | str = "cpu", kernel: str | None = None,
-                 pre_quant_scale: torch.Tensor | None = None):
+                 pre_quant_scale: torch.Tensor | None = None, hadamard_size: int = 0):
         super().__init__()
         self.in_features, self.out_features = weight.in_features, weight.out_features
         self.bits, self.group_size = weight.bits, weight.group_size
@@ -46,6 +49,9 @@ class IntLinear(nn.Module):
         self.pre_quant_scale: torch.Tensor | None
         self.register_buffer("pre_quant_scale", None if pre_quant_scale is None
                              else pre_quant_scale.detach().reshape(-1).to(device), persistent=False)
+        self.hadamard_size = hadamard_size
+        if hadamard_size and self.in_features % hadamard_size:
+            raise ValueError(f"a Hadamard rotation of {hadamard_size} columns needs K divisible by it, not {self.in_features}")
         device = torch.device(device)
         self.plan = _make_plan(weight, device, kernel)  # [(max rows or None, kernel object)]
         # The kernels' tensors as (non-persistent) buffers: the model's storage count sees them, and
@@ -54,6 +60,9 @@ class IntLinear(nn.Module):
             for name, value in vars(k).items():
                 if isinstance(value, torch.Tensor):
                     self.register_buffer(f"plan{i}_{name}", value, persistent=False)
+        if hadamard_size:  # built now, not inside a CUDA graph capture on the first forward
+            hadamard_matrix(hadamard_size, torch.float32 if pre_quant_scale is None else pre_quant_scale.dtype,
+                            str(next(self.buffers()).device))
 
     @property
     def kernel_names(self) -> list[str]:
@@ -70,6 +79,8 @@ class IntLinear(nn.Module):
         x2 = x.reshape(-1, self.in_features)  # (M, K)
         if self.pre_quant_scale is not None:
             x2 = x2 * self.pre_quant_scale
+        if self.hadamard_size:
+            x2 = block_hadamard(x2, self.hadamard_size)
         y = self._kernel_for(x2.shape[0])(x2)  # (M, N)
         if self.bias is not None:
             y = y + self.bias
@@ -82,8 +93,8 @@ class IntLinear(nn.Module):
     def dequantized_weight(self, chunk_rows: int = 1024) -> torch.Tensor:
         """(N, K) float32: the weight this layer multiplies by, read back through its own kernels
         applied to rows of the identity (exact in float32: each output is one weight times 1 plus
-        zeros), bias left out, times pre_quant_scale per column when there is one. For float references
-        of a quantized model (the quality bench)."""
+        zeros), bias left out, rotated back (deq R^T: x R deq^T = x (deq R^T)^T) and times pre_quant_scale
+        per column when there are those. For float references of a quantized model (the quality bench)."""
         device = next(self.buffers()).device
         columns = []
         for lo in range(0, self.in_features, chunk_rows):
@@ -92,12 +103,15 @@ class IntLinear(nn.Module):
             eye[:, lo:hi] = torch.eye(hi - lo, dtype=torch.float32, device=device)
             columns.append(self._kernel_for(hi - lo)(eye).float())  # (rows, N): W^T's rows lo..hi
         weight = torch.cat(columns).t().contiguous()
+        if self.hadamard_size:
+            weight = block_hadamard(weight, self.hadamard_size)  # R is symmetric: R^T = R
         return weight if self.pre_quant_scale is None else weight * self.pre_quant_scale.float()
 
     def extra_repr(self) -> str:
         layout = "symmetric" if self.is_symmetric else "zero points"
         order = ", act-order" if self.is_act_order else ""
         order += ", pre-quant scale" if self.pre_quant_scale is not None else ""
+        order += f", Hadamard {self.hadamard_size}" if self.hadamard_size else ""
         plan = ", ".join(f"{k.name}{'' if m is None else f' (M <= {m})'}" for m, k in self.plan)
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"int{self.bits} group {self.group_size}, {layout}{order}, kernels: {plan}")

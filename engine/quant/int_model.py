@@ -2,8 +2,8 @@
 
 int8: symmetric, one scale per output channel (W8A16); int4: asymmetric groups of 128 (W4A16).
 `int_calibration` chooses the values: `activation_aware` (the default; activation_aware.py: AWQ-style
-per-input-channel scales, and for int4 clipped group ranges, searched on the bundled calibration
-text's inputs) or `none` (round to nearest from each row's / group's own range, no data).
+per-input-channel scales, and for int4 a block Hadamard rotation and clipped group ranges, searched
+on the bundled calibration text's inputs) or `none` (round to nearest from each row's / group's own range, no data).
 lm_head only with `quantize_lm_head` (on tied models such as SmolLM2 a copy would add bytes, as for
 FP8). Scales are float32 for a float32 model (the CPU kernels' own width) and float16 otherwise
 (the GPU kernel reads 16-bit tables: 2 bytes per scale and zero); a pre-quant scale is in the model dtype.
@@ -71,10 +71,10 @@ def quantize_model_int(model: nn.Module, config: EngineConfig, method: str,
             statistics = calibration_statistics(model, config, calibration_windows)
     for name, module in layers.items():
         weight = module.weight.detach().float()  # (N, K); packed oneDNN layers unpack here
-        pre_quant_scale = None
+        pre_quant_scale, hadamard_size = None, 0
         if is_activation_aware and name in statistics:
-            w, pre_quant_scale = quantize_activation_aware(weight, statistics[name], bits, scale_dtype,
-                                                           config.torch_dtype)
+            w, pre_quant_scale, hadamard_size = quantize_activation_aware(weight, statistics[name], bits, scale_dtype,
+                                                                          config.torch_dtype)
         elif bits == 8:
             w = quantize_int8_per_channel(weight, scale_dtype)
         else:
@@ -82,9 +82,11 @@ def quantize_model_int(model: nn.Module, config: EngineConfig, method: str,
         bias = None if module.bias is None else module.bias.detach()
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child,
-                IntLinear(w, bias, device=config.torch_device, pre_quant_scale=pre_quant_scale))
+                IntLinear(w, bias, device=config.torch_device, pre_quant_scale=pre_quant_scale,
+                          hadamard_size=hadamard_size))
     log.info("%s: %d linear layers quantized at load (%s, %s)", method, len(layers),
              "symmetric per channel" if bits == 8 else "asymmetric, groups of 128",
-             "activation-aware scales" + ("" if bits == 8 else " and clipping") + " on the bundled calibration text"
+             "activation-aware scales" + ("" if bits == 8 else ", Hadamard rotation and clipping")
+             + " on the bundled calibration text"
              if is_activation_aware else "round to nearest")
     return len(layers)

@@ -27,12 +27,13 @@ def layer_weight_bytes(module: nn.Module) -> int:
 
 def weight_report(model: nn.Module, weight_format: str, origin: str) -> dict:
     """{format, origin, num_linear_layers, num_pre_quant_scaled_layers (activation-aware int8 / int4),
-    linear_bytes, float32_linear_bytes, linear_bytes_vs_float32}."""
+    num_hadamard_rotated_layers (activation-aware int4), linear_bytes, float32_linear_bytes, linear_bytes_vs_float32}."""
     layers = linear_layers(model)
     linear_bytes = sum(layer_weight_bytes(m) for m in layers.values())
     float32_bytes = sum(m.in_features * m.out_features * 4 for m in layers.values())
     num_scaled = sum(getattr(m, "pre_quant_scale", None) is not None for m in layers.values())
+    num_rotated = sum(bool(getattr(m, "hadamard_size", 0)) for m in layers.values())
     return {"format": weight_format, "origin": origin, "num_linear_layers": len(layers),
-            "num_pre_quant_scaled_layers": num_scaled,
+            "num_pre_quant_scaled_layers": num_scaled, "num_hadamard_rotated_layers": num_rotated,
             "linear_bytes": linear_bytes, "float32_linear_bytes": float32_bytes,
             "linear_bytes_vs_float32": linear_bytes / float32_bytes if float32_bytes else 0.0}

@@ -62,7 +62,7 @@ def test_activation_aware_beats_round_to_nearest_on_held_out_inputs(bits):
     w, x = loud_channel_layer()
     _, held_out = loud_channel_layer(seed=0, num_tokens=1024)  # same loud channels, new tokens
     held_out = held_out[512:]
-    int_weight, p = quantize_activation_aware(w, statistics_of(x), bits, torch.float32, torch.float32)
+    int_weight, p, _ = quantize_activation_aware(w, statistics_of(x), bits, torch.float32, torch.float32)
     assert p.shape == (200,) and p.dtype == torch.float32
     aware = int_weight.dequantize() * p  # the weight the layer multiplies by
     rtn = (quantize_int8_per_channel(w) if bits == 8 else quantize_int4_groups(w)).dequantize()
@@ -79,7 +79,7 @@ def test_uniform_inputs_keep_round_to_nearest():
     gen = torch.Generator().manual_seed(1)
     w, x = torch.randn(32, 256, generator=gen), torch.randn(4096, 256, generator=gen)
     stats = statistics_of(x)
-    int_weight, p = quantize_activation_aware(w, stats, 4, torch.float32, torch.float32)
+    int_weight, p, _ = quantize_activation_aware(w, stats, 4, torch.float32, torch.float32, hadamard_size=0)
     aware = int_weight.dequantize() * p
     rtn = quantize_int4_groups(w).dequantize()
     assert output_error(w, aware, x) <= output_error(w, rtn, x) + 1e-6
@@ -87,7 +87,8 @@ def test_uniform_inputs_keep_round_to_nearest():
 
 def test_the_layer_multiplies_inputs_by_the_pre_quant_scale():
     w, x = loud_channel_layer(n=40, k=136)
-    int_weight, p = quantize_activation_aware(w, statistics_of(x), 4, torch.float32, torch.float32)
+    int_weight, p, rotation = quantize_activation_aware(w, statistics_of(x), 4, torch.float32, torch.float32)
+    assert rotation == 0  # K = 136 is no multiple of 64
     bias = torch.randn(40)
     layer = IntLinear(int_weight, bias, pre_quant_scale=p)
     expected = (x[:17] * p) @ int_weight.dequantize().t() + bias
@@ -100,7 +101,7 @@ def test_the_layer_multiplies_inputs_by_the_pre_quant_scale():
 
 def test_sixteen_bit_models_get_a_pre_quant_scale_in_their_dtype():
     w, x = loud_channel_layer(n=32, k=128)
-    int_weight, p = quantize_activation_aware(w, statistics_of(x), 8, torch.float16, torch.bfloat16)
+    int_weight, p, _ = quantize_activation_aware(w, statistics_of(x), 8, torch.float16, torch.bfloat16)
     assert p.dtype == torch.bfloat16 and int_weight.scales.dtype == torch.float16
     # The codes hold W / p with p as stored (rounded to bfloat16 before dividing): nothing is lost there.
     assert torch.allclose(int_weight.dequantize() * p.float(), w, rtol=0, atol=0.02 * w.abs().max().item())

@@ -13,11 +13,12 @@ from batchgen.engine.capacity import weight_bytes
 
 # The issue's bars: measured activation-aware 0.979 / 0.0022 (round to nearest 0.967 / 0.0039).
 INT8_TOP1_FLOOR, INT8_KL_CEILING = 0.97, 0.01
-# int4 (groups of 128, re-quantized from the dequantized Q4_1 weights) stays BELOW the issue's 80%
-# bar with either calibration (measured 0.778 / 0.226, round to nearest 0.720 / 0.447; README,
-# "Integer weights"): the floors guard the measured figures, and a broken layout lands near chance
-# (top-1 < 5%, KL > 5).
-INT4_TOP1_FLOOR, INT4_KL_CEILING = 0.75, 0.26
+# int4 (groups of 128, re-quantized from the dequantized Q4_1 weights), activation-aware with the
+# Hadamard rotation: the issue's 80% bar, measured 0.801 / 0.161 (383 of 478 positions: one flip
+# above the bar; equivalent calibration settings read 78-82%, benchmarks/NOTES.md "Hadamard rotation
+# for int4"). Round to nearest stays below it (0.720 / 0.447); its floors guard the measured figures,
+# and a broken layout lands near chance (top-1 < 5%, KL > 5).
+INT4_TOP1_FLOOR, INT4_KL_CEILING = 0.80, 0.2
 INT4_RTN_TOP1_FLOOR, INT4_RTN_KL_CEILING = 0.69, 0.48
 
 
@@ -31,7 +32,7 @@ def test_int8_agrees_with_float32(int_quality):
     assert r["top1_agreement"] >= INT8_TOP1_FLOOR and r["mean_kl"] <= INT8_KL_CEILING, r
 
 
-def test_int4_stays_within_its_measured_cost(int_quality):
+def test_int4_agrees_with_float32(int_quality):
     r = by_method(int_quality)["int4"]
     assert r["top1_agreement"] >= INT4_TOP1_FLOOR and r["mean_kl"] <= INT4_KL_CEILING, r
     rtn = by_method(int_quality, "none")["int4"]
@@ -42,17 +43,17 @@ def test_activation_aware_codes_drift_less_than_round_to_nearest(int_quality):
     """The calibration text is not the quality prompts: the gain carries over to text it never saw.
     (int8's top-1 flips are near-ties, a few positions either way between equivalent settings: its
     KL is the figure that says which codes are closer.)"""
-    for method, most in (("int8", 0.85), ("int4", 0.7)):
+    for method, most in (("int8", 0.85), ("int4", 0.5)):
         aware, rtn = by_method(int_quality)[method], by_method(int_quality, "none")[method]
         assert aware["mean_kl"] < most * rtn["mean_kl"], (method, aware, rtn)
     aware, rtn = by_method(int_quality)["int4"], by_method(int_quality, "none")["int4"]
-    assert aware["top1_agreement"] > rtn["top1_agreement"] + 0.03, (aware, rtn)
+    assert aware["top1_agreement"] > rtn["top1_agreement"] + 0.05, (aware, rtn)
 
 
 def test_the_reported_weights_are_the_integer_layers_and_their_bytes(int_quality, llm):
     cfg = llm.engine.model_cfg
     # int8: 1 byte + a float32 scale per row; int4: half a byte + float32 scale and -z*s per 128;
-    # activation-aware adds a float32 pre-quant scale per input column.
+    # activation-aware adds a float32 pre-quant scale per input column (the rotation stores nothing).
     ratios = {("int8", "none"): 0.2515, ("int4", "none"): 0.1420,
               ("int8", "activation_aware"): 0.2524, ("int4", "activation_aware"): 0.1429}
     for (method, calibration), ratio in ratios.items():
@@ -60,6 +61,8 @@ def test_the_reported_weights_are_the_integer_layers_and_their_bytes(int_quality
         w = r["weights"]
         assert (w["format"], w["num_linear_layers"], r["num_fp8_layers"]) == (method, 120, 120)
         assert w["num_pre_quant_scaled_layers"] == (120 if calibration == "activation_aware" else 0)
+        # SmolLM2's K (576, 1536) are multiples of 64: every activation-aware int4 layer rotates.
+        assert w["num_hadamard_rotated_layers"] == (120 if (method, calibration) == ("int4", "activation_aware") else 0)
         assert abs(w["linear_bytes_vs_float32"] - ratio) < 1e-3, (method, calibration, w)
         assert w["linear_bytes"] == r["linear_fp8_bytes"]
         # The planner's arithmetic equals the storage the quantized model holds.

@@ -50,6 +50,8 @@ def test_int4_job_runs_end_to_end_and_matches_the_int4_engine(tmp_path):
     layers = [m for m in llm.engine.runner.model.modules() if isinstance(m, IntLinear)]
     assert len(layers) == 8 and all(m.bits == 4 and m.group_size == 128 for m in layers)
     assert all(m.pre_quant_scale is not None for m in layers)
+    # K = 64 or 128: every layer's codes are in the block Hadamard basis, and the job ran them.
+    assert all(m.hadamard_size == 64 for m in layers) and weights["num_hadamard_rotated_layers"] == 8
     assert weight_bytes(llm.engine.model_cfg, torch.float32, "int4") == llm.engine.weight_bytes
     prompt_ids = [llm.engine.encode(p, allow_special_tokens=False) for p in PROMPTS]
     expected = llm.generate(prompt_ids, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
