@@ -151,8 +151,8 @@ class EngineConfig:
     quantization: str = "auto"  # auto | none | fp8 | int8 | int4 | gptq | awq | compressed-tensors | gguf
     fp8_mode: str = "auto"  # auto | w8a8 | w8a16
     quantize_lm_head: bool = False  # with fp8 / int8 / int4: lm_head too (the logits' last matmul stays in dtype otherwise)
-    # int8 / int4 at load: activation_aware (AWQ-style scales and clipping on the bundled calibration
-    # text) | none (round to nearest from each row's / group's range)
+    # int8 / int4 at load: activation_aware (AWQ-style scales; int4 also a block Hadamard rotation and
+    # clipping; searched on the bundled calibration text) | none (round to nearest from each row's / group's range)
     int_calibration: str = "activation_aware"
     max_model_len: int | None = None  # None: the model's own context length
     device: str = "auto"  # auto | cpu | cuda[:N]
