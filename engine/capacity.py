@@ -62,7 +62,8 @@ KV_FRAGMENTATION_FRACTION = 0.10
 
 
 def weight_bytes(cfg: ModelConfig, dtype: torch.dtype, quantization: str = "none",
-                 quantize_lm_head: bool = False, declared=None, int_calibration: str = "activation_aware") -> int:
+                 quantize_lm_head: bool = False, declared=None,
+                 int_calibration: str = EngineConfig.int_calibration) -> int:
     """Bytes of the model's weights as the engine holds them (rotary tables excluded), from the
     config's shapes alone (no weights read); equals the engine's measurement from tensor storage.
 
@@ -215,7 +216,7 @@ def plan_capacity(cfg: ModelConfig, dtype: torch.dtype, max_model_len: int, conc
                   quantization: str = "none", memory_bytes: int | None = None, block_size: int = 16,
                   max_num_batched_tokens: int = 4096, quantize_lm_head: bool = False,
                   declared=None, kv_dtype: torch.dtype | None = None,
-                  int_calibration: str = "activation_aware") -> CapacityPlan:
+                  int_calibration: str = EngineConfig.int_calibration) -> CapacityPlan:
     """The capacity arithmetic `batchgen plan` prints; KV per token is the pool's own kv_bytes_per_token
     (kv_dtype: the KV cache's dtype, e.g. FP8; None: the model dtype); `declared`: a folder's declared
     quantization_config (its integer layout decides the weight bytes)."""

@@ -117,12 +117,17 @@ def gather_input_statistics(model: nn.Module, layers: dict[str, nn.Module], wind
     return {n: InputStatistics(*(total / counts[n] for total in sums[n])) for n in layers}
 
 
+def group_errors(delta_groups: torch.Tensor, hessian_blocks: torch.Tensor) -> torch.Tensor:
+    """(N, G, g) weight errors -> (N, G) output errors d H_g d^T, H_g = hessian_blocks[g] (G, g, g)."""
+    d = delta_groups.transpose(0, 1)  # (G, N, g)
+    return (torch.bmm(d, hessian_blocks) * d).sum(2).t()
+
+
 def output_error(delta: torch.Tensor, stats: InputStatistics, by_blocks: bool) -> float:
     """E[(D x)^2] summed over the rows of D (N, K): from H's group blocks, or its diagonal only."""
     if not by_blocks:
         return ((delta * delta).sum(0) @ stats.mean_square).item()
-    d = padded_groups(delta, INT4_GROUP_SIZE).transpose(0, 1)  # (G, N, g)
-    return (torch.bmm(d, stats.hessian_blocks) * d).sum().item()
+    return group_errors(padded_groups(delta, INT4_GROUP_SIZE), stats.hessian_blocks).sum().item()
 
 
 def search_input_scale(weight: torch.Tensor, stats: InputStatistics, fake_quantize,
@@ -157,8 +162,7 @@ def clip_int4_groups(weight: torch.Tensor, hessian_blocks: torch.Tensor, group_s
     best_shrink, best_error = torch.ones_like(lo), None
     for shrink in CLIP_SHRINKS:
         delta = int4_fake_quantized_groups(w, lo * shrink, hi * shrink, group_size, scale_dtype) - groups
-        d = delta.transpose(0, 1)  # (G, N, g)
-        error = (torch.bmm(d, hessian_blocks) * d).sum(2).t()  # (N, G)
+        error = group_errors(delta, hessian_blocks)  # (N, G)
         if best_error is None:
             best_error = error
             continue

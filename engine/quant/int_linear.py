@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from batchgen.engine.quant.hadamard import block_hadamard, hadamard_matrix
+from batchgen.engine.quant.hadamard import block_hadamard, can_rotate, hadamard_matrix
 from batchgen.engine.quant.int_formats.int_weight import IntWeight
 from batchgen.engine.quant.int_matmul_cpu import CPU_KERNELS, DequantKernel, Int8PackKernel
 
@@ -50,7 +50,7 @@ class IntLinear(nn.Module):
         self.register_buffer("pre_quant_scale", None if pre_quant_scale is None
                              else pre_quant_scale.detach().reshape(-1).to(device), persistent=False)
         self.hadamard_size = hadamard_size
-        if hadamard_size and self.in_features % hadamard_size:
+        if hadamard_size and not can_rotate(self.in_features, hadamard_size):
             raise ValueError(f"a Hadamard rotation of {hadamard_size} columns needs K divisible by it, not {self.in_features}")
         device = torch.device(device)
         self.plan = _make_plan(weight, device, kernel)  # [(max rows or None, kernel object)]

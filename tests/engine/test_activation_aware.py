@@ -10,7 +10,6 @@ import torch
 
 from batchgen.engine.quant.activation_aware import (
     CALIBRATION_TEXT,
-    InputStatistics,
     calibration_windows,
     gather_input_statistics,
     quantize_activation_aware,
@@ -24,6 +23,7 @@ from batchgen.engine.quant.int_formats.rtn import (
     quantize_int8_per_channel,
 )
 from batchgen.engine.quant.int_linear import IntLinear
+from tests.engine.input_statistics import hessian_blocks, output_error, statistics_of
 
 
 def loud_channel_layer(n: int = 48, k: int = 200, num_tokens: int = 512, seed: int = 0):
@@ -35,26 +35,6 @@ def loud_channel_layer(n: int = 48, k: int = 200, num_tokens: int = 512, seed: i
     x = torch.randn(num_tokens, k, generator=gen)
     x[:, loud] *= 30
     return w, x
-
-
-def hessian_blocks(x: torch.Tensor, group: int = 128) -> torch.Tensor:
-    """(G, group, group): the diagonal blocks of x^T x / T, the last block zero-padded."""
-    h = x.t() @ x / x.shape[0]
-    k = h.shape[0]
-    blocks = torch.zeros(-(-k // group), group, group)
-    for g in range(blocks.shape[0]):
-        cols = slice(g * group, min(k, (g + 1) * group))
-        width = cols.stop - cols.start
-        blocks[g, :width, :width] = h[cols, cols]
-    return blocks
-
-
-def statistics_of(x: torch.Tensor) -> InputStatistics:
-    return InputStatistics(mean_abs=x.abs().mean(0), mean_square=(x * x).mean(0), hessian_blocks=hessian_blocks(x))
-
-
-def output_error(w: torch.Tensor, w_eff: torch.Tensor, x: torch.Tensor) -> float:
-    return ((x @ (w_eff - w).t()).norm() / (x @ w.t()).norm()).item()
 
 
 @pytest.mark.parametrize("bits", [8, 4])

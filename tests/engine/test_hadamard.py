@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from batchgen.engine.quant.activation_aware import InputStatistics, quantize_activation_aware
+from batchgen.engine.quant.activation_aware import quantize_activation_aware
 from batchgen.engine.quant.hadamard import block_hadamard, hadamard_matrix
 from batchgen.engine.quant.int_formats.rtn import quantize_int4_groups
 from batchgen.engine.quant.int_linear import IntLinear
+from tests.engine.input_statistics import output_error, statistics_of
 
 
 def sylvester_by_entries(n: int) -> torch.Tensor:
@@ -43,34 +44,23 @@ def scattered_outlier_layer(n: int = 64, k: int = 256, num_tokens: int = 2048, s
     return w, torch.randn(num_tokens, k, generator=gen)
 
 
-def stats_of(x: torch.Tensor) -> InputStatistics:
-    h = x.t() @ x / x.shape[0]
-    k = x.shape[1]
-    blocks = torch.zeros(-(-k // 128), 128, 128)  # the last group zero-padded
-    for g in range(blocks.shape[0]):
-        width = min(k, (g + 1) * 128) - g * 128
-        blocks[g, :width, :width] = h[g * 128:g * 128 + width, g * 128:g * 128 + width]
-    return InputStatistics(mean_abs=x.abs().mean(0), mean_square=(x * x).mean(0), hessian_blocks=blocks)
-
-
 def test_rotation_spreads_scattered_weight_outliers():
     w, x = scattered_outlier_layer()
     held_out = torch.randn(1024, 256, generator=torch.Generator().manual_seed(5))
     errors = {}
     for size in (64, 0):
-        int_weight, p, rotation = quantize_activation_aware(w, stats_of(x), 4, torch.float32, torch.float32,
+        int_weight, p, rotation = quantize_activation_aware(w, statistics_of(x), 4, torch.float32, torch.float32,
                                                             hadamard_size=size)
         assert rotation == size
         layer = IntLinear(int_weight, pre_quant_scale=p, hadamard_size=rotation)
         errors[size] = ((layer(held_out) - held_out @ w.t()).norm() / (held_out @ w.t()).norm()).item()
-    rtn = quantize_int4_groups(w).dequantize()
-    rtn_error = ((held_out @ (rtn - w).t()).norm() / (held_out @ w.t()).norm()).item()
+    rtn_error = output_error(w, quantize_int4_groups(w).dequantize(), held_out)
     assert errors[64] < 0.8 * errors[0] and errors[0] <= 1.05 * rtn_error, (errors, rtn_error)
 
 
 def test_the_rotated_layer_computes_its_float_reference():
     w, x = scattered_outlier_layer(n=40, k=192)
-    int_weight, p, rotation = quantize_activation_aware(w, stats_of(x), 4, torch.float32, torch.float32)
+    int_weight, p, rotation = quantize_activation_aware(w, statistics_of(x), 4, torch.float32, torch.float32)
     assert rotation == 64
     bias = torch.randn(40)
     layer = IntLinear(int_weight, bias, pre_quant_scale=p, hadamard_size=rotation)
