@@ -1,4 +1,4 @@
-"""Writes engine/quant/calibration_text.txt: the text `int_calibration: activation_aware` calibrates on.
+"""Writes engine/quant/calibrate/calibration_text.txt: the text `int_calibration: activation_aware` calibrates on.
 
 Data-free, as LLM-QAT's self-generated calibration data: the bundled SmolLM2-135M-Instruct samples
 `num_docs` documents of `num_tokens` tokens each at temperature 1 (seed 0), each started from the
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from batchgen.engine.quant.activation_aware import CALIBRATION_TEXT, DOCUMENT_SEPARATOR
+from batchgen.engine.quant.calibrate.activation_aware import CALIBRATION_TEXT, DOCUMENT_SEPARATOR
 
 START = "<|im_start|>user\n"
 UNWANTED = re.compile(r"sex|rape|nazi|kill|murder|suicide|porn|bitch|fuck|shit|drug|weapon|terror", re.IGNORECASE)
@@ -27,11 +27,11 @@ UNWANTED = re.compile(r"sex|rape|nazi|kill|murder|suicide|porn|bitch|fuck|shit|d
 @torch.inference_mode()
 def sample_documents(model, tokenizer, num_docs: int, num_tokens: int, seed: int = 0) -> list[str]:
     """`num_docs` texts of `num_tokens` tokens sampled from `model` at temperature 1, all in one batch."""
-    from batchgen.engine.direct_runner import DirectRunner
+    from batchgen.engine.quant.calibrate.sequence_runner import SequenceRunner
 
     start = tokenizer.encode(START)
     generator = torch.Generator().manual_seed(seed)
-    runner = DirectRunner(model, num_docs, len(start) + num_tokens)
+    runner = SequenceRunner(model, num_docs, len(start) + num_tokens)
     docs = [list(start) for _ in range(num_docs)]
     logits = runner.forward(docs, [0] * num_docs)  # (num_docs, V)
     for _ in range(num_tokens):

@@ -22,7 +22,7 @@ from batchgen.bench.overhead import format_overhead, run_overhead
 from batchgen.bench.peer import DEFAULT_BATCH_SIZES, PeerUnavailable
 from batchgen.bench.quality import format_quality_table
 from batchgen.bench.report import format_report
-from batchgen.bench.runner import run_bench, run_quality
+from batchgen.bench.harness import run_bench, run_quality
 from batchgen.bench.workloads import WORKLOADS
 
 

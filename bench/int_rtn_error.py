@@ -97,7 +97,7 @@ def kernel_against_fake_quantization(model: nn.Module, tokenizer, eos: tuple[int
     and through fake quantization, and of the kernels against fake quantization."""
     from batchgen.bench.quality import compare_logits, encode_prompts
     from batchgen.engine.config import EngineConfig
-    from batchgen.engine.direct_runner import greedy_generate, teacher_forced_logits
+    from batchgen.engine.quant.calibrate.sequence_runner import greedy_generate, teacher_forced_logits
     from batchgen.engine.quant.int_model import quantize_model_int
 
     prompt_ids = encode_prompts(tokenizer, prompts)

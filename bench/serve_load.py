@@ -203,7 +203,7 @@ def run_serve_bench(opts, request_rates: list[float], max_concurrency: int, log_
 
     `opts`: BenchOptions (model, the random workload's sizes, seed, --engine overrides, threads)."""
     from batchgen.bench.machine import cpu_busy_fraction, machine_fingerprint
-    from batchgen.bench.runner import make_workload
+    from batchgen.bench.harness import make_workload
 
     model, overrides, num_threads, seed = opts.model, opts.engine_overrides, opts.num_threads, opts.seed
     busy_before = cpu_busy_fraction()

@@ -13,7 +13,7 @@ import typer
 
 from batchgen.bench.cli import bench_command
 from batchgen.pipeline.errors import JobError
-from batchgen.pipeline.plan import plan_command
+from batchgen.pipeline.capacity_plan import plan_command
 
 EXIT_FAILURE = 1
 EXIT_BAD_JOB = 2  # also click's code for usage errors
@@ -68,7 +68,7 @@ def run(
     Rerunning the same job resumes: finished units are skipped.
     """
     from batchgen.pipeline.config import load_job
-    from batchgen.pipeline.runner import run_job
+    from batchgen.pipeline.job import run_job
     from batchgen.pipeline.summary import format_summary
 
     _setup_logging()
@@ -124,7 +124,7 @@ def finalize(
 
     Exit 0 with _SUCCESS written or already there; 1 when units are missing (they are named).
     """
-    from batchgen.pipeline.finalize import finalize_folder
+    from batchgen.pipeline.output.finalize import finalize_folder
     from batchgen.pipeline.storage import Storage
     from batchgen.pipeline.summary import format_summary
 
@@ -152,7 +152,7 @@ def validate(job: JobArg, set_: SetOpt = None, limit: LimitOpt = None) -> None:
     Loads no weights.
     """
     from batchgen.pipeline.config import load_job
-    from batchgen.pipeline.preflight import format_job_plan, plan_job
+    from batchgen.pipeline.job_plan import format_job_plan, plan_job
 
     try:
         plan = plan_job(load_job(job, set_ or []), limit)
@@ -172,7 +172,7 @@ def serve(ctx: typer.Context) -> None:
 
     `batchgen serve --help` lists every flag (needs the serve extra: fastapi, uvicorn).
     """
-    from batchgen.pipeline.serve.cli import serve_main
+    from batchgen.serve.cli import serve_main
 
     _setup_logging()
     raise typer.Exit(serve_main(list(ctx.args)))

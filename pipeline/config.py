@@ -27,7 +27,7 @@ from pydantic_core import InitErrorDetails, PydanticCustomError
 from batchgen.engine.config import EngineConfig, SettingError
 from batchgen.engine.loader.source import BUNDLED_ALIASES
 from batchgen.engine.sampling_params import SamplingParams
-from batchgen.pipeline.batch_file import BATCH_FORMAT, BATCH_ID_COLUMN, BATCH_LINE_COLUMN, is_batch_path
+from batchgen.pipeline.openai.batch_file import BATCH_FORMAT, BATCH_ID_COLUMN, BATCH_LINE_COLUMN, is_batch_path
 from batchgen.pipeline.errors import JobError
 from batchgen.pipeline.job_settings import (
     ENGINE_ONLY,

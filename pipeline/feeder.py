@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 
 from batchgen.engine import RequestOutput
 from batchgen.pipeline.ordering import order_window
-from batchgen.pipeline.requests import RowTask
+from batchgen.pipeline.request_builder import RowTask
 
 
 class Feeder:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import itertools
 
-from batchgen.pipeline.requests import RowTask
+from batchgen.pipeline.request_builder import RowTask
 
 
 def order_window(tasks: list[RowTask], sort_by_length: bool, block_size: int = 16) -> list[RowTask]:

@@ -23,14 +23,14 @@ from tqdm.auto import tqdm
 
 from batchgen.pipeline.config import ClusterSection, JobConfig
 from batchgen.pipeline.errors import JobError
-from batchgen.pipeline.lock import lock_folder
-from batchgen.pipeline.output_folder import SUCCESS_NAME, describe_redo, raise_if_refused
-from batchgen.pipeline.preflight import JobPlan, plan_job
+from batchgen.pipeline.output.lock import lock_folder
+from batchgen.pipeline.output.folder import SUCCESS_NAME, describe_redo, raise_if_refused
+from batchgen.pipeline.job_plan import JobPlan, plan_job
 from batchgen.pipeline.replica import EngineReplica
-from batchgen.pipeline.shared_storage import check_output_shared, probe_nodes
+from batchgen.pipeline.output.shared_storage import check_output_shared, probe_nodes
 from batchgen.pipeline.summary import Totals, merge_speculative
-from batchgen.pipeline.unit_runner import repeats_of
-from batchgen.pipeline.units import WorkUnit
+from batchgen.pipeline.unit_loop import repeats_of
+from batchgen.pipeline.output.units import WorkUnit
 
 log = logging.getLogger("batchgen.pipeline")
 
@@ -90,7 +90,7 @@ def run_on_ray(job: JobConfig, *, limit: int | None = None, overwrite: bool = Fa
     """Run the job on Ray replicas; returns a RunResult like a local run. `probe`: how each node's view of
     a local output folder is read (shared_storage.probe_nodes; tests stand in a node that sees nothing);
     `replica_class`: the actor (EngineReplica's methods; tests: one without an engine)."""
-    from batchgen.pipeline.runner import RunResult, write_job_success
+    from batchgen.pipeline.job import RunResult, write_job_success
 
     plan = plan_job(job, limit)
     if not overwrite:

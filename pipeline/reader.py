@@ -85,7 +85,7 @@ def read_rows(storage: Storage, file: InputFile, start: int, stop: int, columns:
     if start >= stop:
         return
     if file.format != "parquet":
-        from batchgen.pipeline.batch_file import read_batch_rows  # it imports this module
+        from batchgen.pipeline.openai.batch_file import read_batch_rows  # it imports this module
 
         yield from read_batch_rows(storage, file, start, stop, columns)
         return

@@ -19,8 +19,8 @@ from batchgen.pipeline.config import JobConfig
 from batchgen.pipeline.id_scan import Position
 from batchgen.pipeline.storage import Storage
 from batchgen.pipeline.summary import speculative_summary
-from batchgen.pipeline.unit_runner import UnitSource, run_units
-from batchgen.pipeline.units import WorkUnit
+from batchgen.pipeline.unit_loop import UnitSource, run_units
+from batchgen.pipeline.output.units import WorkUnit
 from batchgen.pipeline.writer import CommitContext
 
 
@@ -28,7 +28,7 @@ class EngineReplica:
     """One engine replica: the job's engine, built once in the actor's process."""
 
     def __init__(self, job: JobConfig, output_schema: pa.Schema, config_hash: str, run_id: str):
-        from batchgen.pipeline.runner import check_engine_can_run, engine_for
+        from batchgen.pipeline.job import check_engine_can_run, engine_for
 
         self.job = job
         self.output_schema = output_schema
@@ -40,7 +40,7 @@ class EngineReplica:
 
     def ready(self) -> dict:
         """Where this replica runs and what its engine loaded (answered once the engine is loaded)."""
-        from batchgen.pipeline.runner import engine_reports
+        from batchgen.pipeline.job import engine_reports
 
         return {"host": socket.gethostname(), "pid": os.getpid(), "engine": engine_reports(self.engine)}
 

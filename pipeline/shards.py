@@ -20,13 +20,13 @@ import time
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 
-from batchgen.pipeline.commits import record_name
+from batchgen.pipeline.output.commits import record_name
 from batchgen.pipeline.config import JobConfig
-from batchgen.pipeline.create_once import create_text_once
+from batchgen.pipeline.output.create_once import create_text_once
 from batchgen.pipeline.errors import JobError
-from batchgen.pipeline.finalize import Finalized, finalize_folder
-from batchgen.pipeline.lock import lock_folder, lock_name
-from batchgen.pipeline.output_folder import (
+from batchgen.pipeline.output.finalize import Finalized, finalize_folder
+from batchgen.pipeline.output.lock import lock_folder, lock_name
+from batchgen.pipeline.output.folder import (
     MANIFEST_NAME,
     SHARDS_MANIFEST_NAME,
     SUCCESS_NAME,
@@ -35,11 +35,11 @@ from batchgen.pipeline.output_folder import (
     manifest_text,
     raise_if_refused,
 )
-from batchgen.pipeline.preflight import JobPlan, plan_job
+from batchgen.pipeline.job_plan import JobPlan, plan_job
 from batchgen.pipeline.storage import is_temp_name
 from batchgen.pipeline.summary import SUMMARY_COLUMNS, Totals, speculative_summary
-from batchgen.pipeline.unit_runner import UnitSource, run_units
-from batchgen.pipeline.units import WorkUnit
+from batchgen.pipeline.unit_loop import UnitSource, run_units
+from batchgen.pipeline.output.units import WorkUnit
 from batchgen.pipeline.writer import CommitContext
 
 log = logging.getLogger("batchgen.pipeline")
@@ -120,7 +120,7 @@ class ShardResult:
 def run_shard(job: JobConfig, shard: ShardSpec, *, engine=None, limit: int | None = None,
               progress: bool = True) -> ShardResult:
     """Run this shard's units (resuming like a local run), write its summary, try to finalize."""
-    from batchgen.pipeline.runner import check_engine_can_run, engine_for, engine_reports
+    from batchgen.pipeline.job import check_engine_can_run, engine_for, engine_reports
 
     if job.cluster.backend != "local":
         raise JobError("--shard runs on this machine: it does not combine with cluster.backend: ray "

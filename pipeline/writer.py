@@ -18,11 +18,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchgen.engine import RequestOutput
-from batchgen.pipeline.commits import CommitRecord, IdChecksum, write_record
-from batchgen.pipeline.requests import RowTask
+from batchgen.pipeline.output.commits import CommitRecord, IdChecksum, write_record
+from batchgen.pipeline.request_builder import RowTask
 from batchgen.pipeline.schema import GENERATED_FIELDS, generated_fields
 from batchgen.pipeline.storage import PartFile, Storage
-from batchgen.pipeline.units import WorkUnit
+from batchgen.pipeline.output.units import WorkUnit
 
 # Output rows per write (one Parquet row group each): rows wait as Python objects (~10 KB for a row of
 # 256 tokens) until written, so a unit's memory is this plus the rows that finished out of order.

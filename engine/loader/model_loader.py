@@ -152,7 +152,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
 
         windows = None
         if config.int_calibration == "activation_aware":  # the bundled calibration text as the model's tokens
-            from batchgen.engine.quant.activation_aware import calibration_windows
+            from batchgen.engine.quant.calibrate.activation_aware import calibration_windows
             from batchgen.engine.tokenizer import Tokenizer
 
             tokenizer = Tokenizer(source)

@@ -42,7 +42,7 @@ def calibration_statistics(model: nn.Module, config: EngineConfig, calibration_w
     lm_head (quantize_lm_head) is left out and stays round to nearest: the calibration forward
     computes logits for each window's last token only, too few rows to search on.
     """
-    from batchgen.engine.quant.activation_aware import gather_input_statistics
+    from batchgen.engine.quant.calibrate.activation_aware import gather_input_statistics
 
     if not calibration_windows:
         raise ValueError("int_calibration activation_aware needs calibration windows")
@@ -65,7 +65,7 @@ def quantize_model_int(model: nn.Module, config: EngineConfig, method: str,
     layers = quantizable_linears(model, config)
     is_activation_aware = config.int_calibration == "activation_aware"
     if is_activation_aware:
-        from batchgen.engine.quant.activation_aware import quantize_activation_aware
+        from batchgen.engine.quant.calibrate.activation_aware import quantize_activation_aware
 
         if statistics is None:
             statistics = calibration_statistics(model, config, calibration_windows)

@@ -24,7 +24,7 @@ from batchgen.bench.roofline import (
     num_lm_head_flops_per_token,
     workload_roofline,
 )
-from batchgen.bench.runner import run_bench
+from batchgen.bench.harness import run_bench
 from batchgen.bench.workloads import (
     SHARED_SYSTEM_PROMPT,
     BenchRequest,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from batchgen.engine.quant.activation_aware import InputStatistics
+from batchgen.engine.quant.calibrate.activation_aware import InputStatistics
 
 
 def hessian_blocks(x: torch.Tensor, group: int = 128) -> torch.Tensor:

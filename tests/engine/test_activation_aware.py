@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from batchgen.engine.quant.activation_aware import (
+from batchgen.engine.quant.calibrate.activation_aware import (
     CALIBRATION_TEXT,
     calibration_windows,
     gather_input_statistics,

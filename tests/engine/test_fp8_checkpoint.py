@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from batchgen.engine import LLM, SamplingParams
 from batchgen.engine.capacity import weight_bytes
 from batchgen.engine.config import EngineConfig
-from batchgen.engine.direct_runner import DirectRunner, teacher_forced_logits
+from batchgen.engine.quant.calibrate.sequence_runner import SequenceRunner, teacher_forced_logits
 from batchgen.engine.loader.model_loader import load_model
 from batchgen.engine.quant import fp8_checkpoint
 from batchgen.engine.quant.fp8_linear import Fp8Linear
@@ -194,5 +194,5 @@ def test_kv_cache_scales_are_read_and_used_only_by_an_fp8_kv_cache(tiny, tmp_pat
     model = load(folder)
     assert model.kv_cache_scales == {0: {"k": 0.25, "v": 0.125}, 1: {"k": 0.5, "v": 2.0}}
     assert torch.equal(logits(model), logits(load(tiny["channel"])))  # a float cache ignores them
-    runner = DirectRunner(model, 1, 8, kv_cache_dtype=torch.float8_e4m3fn)
+    runner = SequenceRunner(model, 1, 8, kv_cache_dtype=torch.float8_e4m3fn)
     assert [(c.k_scale.item(), c.v_scale.item()) for c in runner.kv_caches] == [(0.25, 0.125), (0.5, 2.0)]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from batchgen.engine.quant.activation_aware import quantize_activation_aware
+from batchgen.engine.quant.calibrate.activation_aware import quantize_activation_aware
 from batchgen.engine.quant.hadamard import block_hadamard, hadamard_matrix
 from batchgen.engine.quant.int_formats.rtn import quantize_int4_groups
 from batchgen.engine.quant.int_linear import IntLinear

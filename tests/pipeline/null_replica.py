@@ -8,7 +8,7 @@ import os
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from batchgen.pipeline.commits import CommitRecord, IdChecksum, write_record
+from batchgen.pipeline.output.commits import CommitRecord, IdChecksum, write_record
 from batchgen.pipeline.reader import read_rows
 from batchgen.pipeline.storage import Storage
 from batchgen.pipeline.summary import Totals

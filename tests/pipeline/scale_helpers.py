@@ -47,7 +47,7 @@ NGRAM = {"speculative": {"method": "ngram", "num_speculative_tokens": 2}}
 def run_locally(tmp_path: Path, tiny_model: Path, **sections) -> tuple[list[tuple], dict]:
     """The reference for every placement: write_job's job run locally, in this process -> (row_key, _SUCCESS)."""
     from batchgen.pipeline.config import load_job
-    from batchgen.pipeline.runner import run_job
+    from batchgen.pipeline.job import run_job
 
     result = run_job(load_job(write_job(tmp_path, tiny_model, **sections)), progress=False)
     return row_key(read_output(tmp_path / "out" / "scaled")), result.record

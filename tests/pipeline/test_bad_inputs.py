@@ -9,7 +9,7 @@ import pytest
 
 from batchgen.engine import SamplingParams
 from batchgen.pipeline.errors import JobError
-from batchgen.pipeline.runner import run_job
+from batchgen.pipeline.job import run_job
 from tests.engine.helpers import run_requests
 from tests.pipeline.conftest import make_job, read_output, write_parquet
 

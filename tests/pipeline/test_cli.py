@@ -74,7 +74,7 @@ def test_usage_errors_exit_2_and_failures_exit_1(job_file, monkeypatch):
     def explode(*args, **kwargs):
         raise RuntimeError("disk on fire")
 
-    monkeypatch.setattr("batchgen.pipeline.runner.run_job", explode)
+    monkeypatch.setattr("batchgen.pipeline.job.run_job", explode)
     result = invoke("run", str(job_file))
     assert result.exit_code == 1 and "disk on fire" in result.stderr
 

@@ -36,7 +36,7 @@ from batchgen.pipeline.job_settings import (
     ROW_OVERRIDABLE,
     SAMPLING_ONLY,
 )
-from batchgen.pipeline.runner import run_job
+from batchgen.pipeline.job import run_job
 from tests.pipeline.conftest import make_job, read_output, write_parquet
 from tests.pipeline.tiny_model import tiny_config
 

@@ -20,9 +20,9 @@ READ_ALL = textwrap.dedent("""
     import json, sys
     from batchgen.pipeline.config import validate_job
     from batchgen.pipeline.reader import inspect_file, list_input_files, read_rows
-    from batchgen.pipeline.rows import decode_batch
+    from batchgen.pipeline.parquet_rows import decode_batch
     from batchgen.pipeline.storage import Storage
-    from batchgen.pipeline.units import contiguous_runs, plan_units
+    from batchgen.pipeline.output.units import contiguous_runs, plan_units
     from pathlib import Path
 
     def status_bytes(key):
@@ -86,10 +86,10 @@ READ_LIMITED = textwrap.dedent("""
     import json, sys
     from pathlib import Path
     from batchgen.pipeline.config import validate_job
-    from batchgen.pipeline.preflight import plan_job
+    from batchgen.pipeline.job_plan import plan_job
     from batchgen.pipeline.reader import read_rows
-    from batchgen.pipeline.rows import decode_batch
-    from batchgen.pipeline.units import contiguous_runs
+    from batchgen.pipeline.parquet_rows import decode_batch
+    from batchgen.pipeline.output.units import contiguous_runs
 
     def status_bytes(key):
         for line in open("/proc/self/status"):
@@ -143,10 +143,10 @@ WRITE_UNIT = textwrap.dedent("""
     import pyarrow as pa
     from batchgen.engine import CompletionOutput, RequestMetrics, RequestOutput
     from batchgen.pipeline.reader import InputFile
-    from batchgen.pipeline.requests import RowTask
+    from batchgen.pipeline.request_builder import RowTask
     from batchgen.pipeline.schema import output_schema
     from batchgen.pipeline.storage import Storage
-    from batchgen.pipeline.units import WorkUnit
+    from batchgen.pipeline.output.units import WorkUnit
     from batchgen.pipeline.writer import CommitContext, UnitWriter
 
     num_rows, folder = int(sys.argv[1]), sys.argv[2]

@@ -13,7 +13,7 @@ from openai.types.chat import ChatCompletion
 
 from batchgen.engine import SamplingParams
 from batchgen.pipeline.config import load_job
-from batchgen.pipeline.runner import run_job
+from batchgen.pipeline.job import run_job
 from tests.conftest import MODEL
 from tests.pipeline.cli_process import batchgen, part_files, sigkill_after_first_part
 from tests.pipeline.conftest import engine_sections, read_output

@@ -14,8 +14,8 @@ import textwrap
 import pyarrow as pa
 import pytest
 
-from batchgen.pipeline.requests import max_prompt_bytes
-from batchgen.pipeline.runner import run_job
+from batchgen.pipeline.request_builder import max_prompt_bytes
+from batchgen.pipeline.job import run_job
 from tests.pipeline.conftest import make_job, read_output, write_parquet
 from tests.pipeline.tiny_model import write_tiny_model
 
@@ -66,7 +66,7 @@ RUN_ONE_ROW = textwrap.dedent("""
     from pathlib import Path
     from batchgen.engine import LLMEngine
     from batchgen.pipeline.config import validate_job
-    from batchgen.pipeline.runner import run_job
+    from batchgen.pipeline.job import run_job
     import pyarrow.parquet as pq
 
     def status_bytes(key):

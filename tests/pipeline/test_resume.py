@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from batchgen.pipeline.errors import JobError
-from batchgen.pipeline.runner import run_job
+from batchgen.pipeline.job import run_job
 from tests.pipeline.cli_process import batchgen, part_files, sigkill_after_first_part
 from tests.pipeline.conftest import FakeEngine, make_job, read_output, write_parquet
 

@@ -9,7 +9,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from batchgen.engine.config import SettingError
-from batchgen.pipeline.runner import run_job
+from batchgen.pipeline.job import run_job
 from tests.pipeline.conftest import PIPELINE_ENGINE_KWARGS, make_job, read_output, write_parquet
 from tests.pipeline.tiny_model import write_tiny_model
 

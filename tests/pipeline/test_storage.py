@@ -7,7 +7,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from batchgen.pipeline.runner import run_job
+from batchgen.pipeline.job import run_job
 from batchgen.pipeline.storage import Storage
 from tests.pipeline.conftest import FakeEngine, make_job
 

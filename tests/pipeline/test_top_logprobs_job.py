@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from batchgen.engine import SamplingParams
-from batchgen.pipeline.runner import run_job
+from batchgen.pipeline.job import run_job
 from batchgen.pipeline.schema import TOP_LOGPROB, generated_fields
 from tests.pipeline.conftest import make_job, read_output, write_parquet
 

@@ -319,7 +319,7 @@ def test_sample_deltas_build_the_same_body_from_a_request_output(llm):
     from openai.types import Completion
     from openai.types.chat import ChatCompletion
 
-    from batchgen.pipeline.serve import responses
+    from batchgen.serve import responses
 
     out = llm.generate(chat("Hi"), SamplingParams(temperature=0, max_tokens=4, logprobs=2))[0]
     deltas = responses.sample_deltas(out, llm.tokenizer.token_texts)

@@ -1,6 +1,6 @@
 """A batch file's line -> a request: its url picks the endpoint, its body the prompt and every setting.
 
-The body is read with the server's request models (pipeline/serve/protocol.py), so a batch line
+The body is read with the server's request models (pipeline/openai/protocol.py), so a batch line
 accepts exactly what `POST /v1/chat/completions` or `/v1/completions` accepts and refuses the same
 fields by name (`tools`, `response_format`, `logit_bias`, ...). Differences, each on purpose:
 - a sampling field the body leaves out takes the job's `sampling` section (the job file is where a
@@ -24,11 +24,11 @@ from typing import Any
 import pyarrow as pa
 
 from batchgen.engine.config import SettingError
-from batchgen.pipeline.batch_file import BATCH_ID_COLUMN, BATCH_LINE_COLUMN
+from batchgen.pipeline.openai.batch_file import BATCH_ID_COLUMN, BATCH_LINE_COLUMN
 from batchgen.pipeline.config import JobConfig
-from batchgen.pipeline.rows import OpenAIRequest, RowError, RowInput
-from batchgen.pipeline.serve.errors import APIError
-from batchgen.pipeline.serve.protocol import ChatCompletionRequest, CompletionRequest, parse_request
+from batchgen.pipeline.request_builder import OpenAIRequest, RowError, RowInput
+from batchgen.pipeline.openai.api_error import APIError
+from batchgen.pipeline.openai.protocol import ChatCompletionRequest, CompletionRequest, parse_request
 
 ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
 _LINE_KEYS = ("custom_id", "method", "url", "body")

@@ -8,7 +8,7 @@ choices of a prompt list.
 from __future__ import annotations
 
 from batchgen.engine import RequestOutput
-from batchgen.pipeline.serve.engine_loop import SampleDelta, TokenLogprob
+from batchgen.serve.engine_loop import SampleDelta, TokenLogprob
 
 
 def sample_deltas(output: RequestOutput, token_texts) -> list[SampleDelta]:

@@ -15,10 +15,10 @@ from batchgen.pipeline.errors import JobError
 from batchgen.pipeline.id_scan import Position, scan_ids
 from batchgen.pipeline.inputs import JobInputs, read_inputs
 from batchgen.pipeline.model_limits import check_model_limits
-from batchgen.pipeline.output_folder import FolderState, OutputFolder, check_output_outside_input
+from batchgen.pipeline.output.folder import FolderState, OutputFolder, check_output_outside_input
 from batchgen.pipeline.reader import InputFile
 from batchgen.pipeline.storage import Storage
-from batchgen.pipeline.units import WorkUnit, plan_units
+from batchgen.pipeline.output.units import WorkUnit, plan_units
 
 
 @dataclass

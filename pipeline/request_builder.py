@@ -1,12 +1,51 @@
-"""From a decoded row to an engine request: per-row SamplingParams, tokens, the overlong rule."""
+"""From a decoded row to an engine request: per-row SamplingParams, tokens, the overlong rule.
+
+The input formats decode their rows into RowInput (Parquet rows: parquet_rows.py; OpenAI Batch lines:
+openai/batch_lines.py); everything after that is format-independent."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from batchgen.engine import SamplingParams
 from batchgen.pipeline.config import JobConfig
-from batchgen.pipeline.rows import OpenAIRequest, RowError, RowInput
+
+
+class RowError(ValueError):
+    """This row cannot become a request; the message goes into the output's `error` column.
+
+    `param`: the request field at fault, where there is one (a batch line's body field)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+Prompt = str | list[dict] | list[int]
+
+
+@dataclass(frozen=True)
+class OpenAIRequest:
+    """What a row's OpenAI-shaped output needs beyond its SamplingParams (output.format openai_batch)."""
+
+    endpoint: str | None  # "chat" | "completions"; None for a batch line whose url is not one of them
+    error_param: str | None = None  # the field an error row's body.error names
+    error_code: str | None = None  # its machine-readable kind (the server's codes), where known
+
+
+@dataclass
+class RowInput:
+    """One decoded input row: its request id, its prompt (text or chat messages), its overrides."""
+
+    request_id: str | None
+    prompt: Prompt | None = None
+    overrides: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None
+    num_prompt_bytes: int = 0  # the row's own text (prompt, or messages' roles and contents) as stored
+    params: SamplingParams | None = None  # already built and checked (a batch line's body): used as is
+    sample_key: str | None = None  # the engine's sample key when not the request id (a seeded batch line)
+    openai: OpenAIRequest | None = None
 
 
 @dataclass

@@ -19,11 +19,11 @@ from dataclasses import dataclass, field
 
 import fsspec.utils
 
-from batchgen.pipeline.commits import COMMITS_DIR, read_records, record_name, verify_part
+from batchgen.pipeline.output.commits import COMMITS_DIR, read_records, record_name, verify_part
 from batchgen.pipeline.errors import JobError
-from batchgen.pipeline.fingerprint import FileFingerprint, describe_changes, to_manifest
+from batchgen.pipeline.output.fingerprint import FileFingerprint, describe_changes, to_manifest
 from batchgen.pipeline.storage import Storage, is_temp_name
-from batchgen.pipeline.units import WorkUnit
+from batchgen.pipeline.output.units import WorkUnit
 
 MANIFEST_NAME = "_batchgen.json"
 SUCCESS_NAME = "_SUCCESS"

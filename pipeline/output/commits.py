@@ -17,7 +17,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchgen.pipeline.storage import Storage, version_tag
-from batchgen.pipeline.units import WorkUnit
+from batchgen.pipeline.output.units import WorkUnit
 
 COMMITS_DIR = "_commits"
 

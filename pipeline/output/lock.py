@@ -113,7 +113,7 @@ def lock_folder(storage: Storage, holder: Holder | None = None, *, shared: bool 
     holder = holder or Holder.this_process("shared" if shared else "exclusive")
     if storage.is_local:
         return _FlockLock(storage, holder, shared, name)
-    from batchgen.pipeline.lease import LeaseLock
+    from batchgen.pipeline.output.lease import LeaseLock
 
     return LeaseLock(storage, holder, shared, name, lease_seconds)
 

@@ -129,9 +129,9 @@ def serve_main(argv: list[str]) -> int:
         return EXIT_BAD_USAGE
 
     from batchgen.engine import LLMEngine
-    from batchgen.pipeline.serve.app import ServerSettings, ServerState, create_app
-    from batchgen.pipeline.serve.engine_loop import EngineLoop
-    from batchgen.pipeline.serve.metrics import Metrics
+    from batchgen.serve.app import ServerSettings, ServerState, create_app
+    from batchgen.serve.engine_loop import EngineLoop
+    from batchgen.serve.metrics import Metrics
 
     engine = LLMEngine(config)
     names = args.served_model_name or [config.model]

@@ -25,9 +25,9 @@ from typing import NamedTuple
 
 from batchgen.engine import LLMEngine, RequestOutput, SamplingParams, TopLogprob
 from batchgen.engine.sequence import Sequence, SequenceStatus
-from batchgen.pipeline.serve.errors import APIError
-from batchgen.pipeline.serve.metrics import EngineGauges, Metrics
-from batchgen.pipeline.serve.text_stream import TextStream
+from batchgen.pipeline.openai.api_error import APIError
+from batchgen.serve.metrics import EngineGauges, Metrics
+from batchgen.serve.text_stream import TextStream
 
 log = logging.getLogger("batchgen.serve")
 

@@ -9,15 +9,15 @@ from dataclasses import dataclass, field
 import pyarrow.parquet as pq
 
 from batchgen.engine import EngineConfig, LLMEngine
-from batchgen.pipeline.batch_output import write_batch_outputs
+from batchgen.pipeline.openai.batch_output import write_batch_outputs
 from batchgen.pipeline.config import JobConfig
 from batchgen.pipeline.errors import JobError
-from batchgen.pipeline.lock import FolderLock, lock_folder
-from batchgen.pipeline.output_folder import SUCCESS_NAME, describe_redo, raise_if_refused
-from batchgen.pipeline.preflight import JobPlan, plan_job
+from batchgen.pipeline.output.lock import FolderLock, lock_folder
+from batchgen.pipeline.output.folder import SUCCESS_NAME, describe_redo, raise_if_refused
+from batchgen.pipeline.job_plan import JobPlan, plan_job
 from batchgen.pipeline.summary import SUMMARY_COLUMNS, Totals, speculative_summary, success_record
-from batchgen.pipeline.unit_runner import UnitSource, run_units
-from batchgen.pipeline.units import WorkUnit
+from batchgen.pipeline.unit_loop import UnitSource, run_units
+from batchgen.pipeline.output.units import WorkUnit
 from batchgen.pipeline.writer import CommitContext
 
 log = logging.getLogger("batchgen.pipeline")

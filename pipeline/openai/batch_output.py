@@ -24,8 +24,8 @@ import pyarrow.parquet as pq
 
 from batchgen.engine import RequestOutput
 from batchgen.pipeline.config import JobConfig
-from batchgen.pipeline.output_folder import ERRORS_JSONL, OUTPUT_JSONL
-from batchgen.pipeline.requests import RowTask
+from batchgen.pipeline.output.folder import ERRORS_JSONL, OUTPUT_JSONL
+from batchgen.pipeline.request_builder import RowTask
 from batchgen.pipeline.storage import Storage
 
 LINE_COLUMN = "openai_line"

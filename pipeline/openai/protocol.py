@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from batchgen.engine import SamplingParams
 from batchgen.engine.config import SettingError
-from batchgen.pipeline.serve.errors import bad_request
+from batchgen.pipeline.openai.api_error import bad_request
 
 # Fields of OpenAI's (or vLLM's) API that batchgen does not implement, with what to say.
 UNSUPPORTED = {

@@ -16,7 +16,7 @@ def create_text_once(storage: Storage, name: str, text: str) -> bool:
     """Write `text` at `name` unless something is there already; True when this call created it."""
     final = storage.join(name)
     if not storage.is_local:
-        from batchgen.pipeline.lease import conditional_store
+        from batchgen.pipeline.output.lease import conditional_store
 
         return conditional_store(storage.fs).create(final, text.encode()) is not None
     os.makedirs(os.path.dirname(final), exist_ok=True)

@@ -1,11 +1,10 @@
-"""Decode one input row (binary text columns, per-row sampling values) into what a request needs.
+"""Parquet input: decode one input row (binary text columns, per-row sampling values) into what a request needs.
 
 Every problem with a row's own values is a RowError: the row becomes error rows, the job goes on.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 import pyarrow as pa
@@ -13,42 +12,7 @@ import pyarrow as pa
 from batchgen.engine import SamplingParams
 from batchgen.pipeline.config import JobConfig
 from batchgen.pipeline.reader import binary_type
-
-
-class RowError(ValueError):
-    """This row cannot become a request; the message goes into the output's `error` column.
-
-    `param`: the request field at fault, where there is one (a batch line's body field)."""
-
-    def __init__(self, message: str, param: str | None = None):
-        super().__init__(message)
-        self.param = param
-
-
-Prompt = str | list[dict] | list[int]
-
-
-@dataclass(frozen=True)
-class OpenAIRequest:
-    """What a row's OpenAI-shaped output needs beyond its SamplingParams (output.format openai_batch)."""
-
-    endpoint: str | None  # "chat" | "completions"; None for a batch line whose url is not one of them
-    error_param: str | None = None  # the field an error row's body.error names
-    error_code: str | None = None  # its machine-readable kind (the server's codes), where known
-
-
-@dataclass
-class RowInput:
-    """One decoded input row: its request id, its prompt (text or chat messages), its overrides."""
-
-    request_id: str | None
-    prompt: Prompt | None = None
-    overrides: dict[str, Any] = field(default_factory=dict)
-    error: str | None = None
-    num_prompt_bytes: int = 0  # the row's own text (prompt, or messages' roles and contents) as stored
-    params: SamplingParams | None = None  # already built and checked (a batch line's body): used as is
-    sample_key: str | None = None  # the engine's sample key when not the request id (a seeded batch line)
-    openai: OpenAIRequest | None = None
+from batchgen.pipeline.request_builder import RowError, RowInput
 
 
 def decode_batch(batch: pa.RecordBatch, job: JobConfig) -> list[RowInput]:

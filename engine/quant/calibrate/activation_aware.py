@@ -92,7 +92,7 @@ def calibration_windows(tokenizer, max_model_len: int, vocab_size: int | None = 
 def gather_input_statistics(model: nn.Module, layers: dict[str, nn.Module], windows: list[list[int]],
                             batch_windows: int = 8) -> dict[str, InputStatistics]:
     """Each named layer's InputStatistics over the calibration windows run through `model` (float)."""
-    from batchgen.engine.direct_runner import DirectRunner
+    from batchgen.engine.quant.calibrate.sequence_runner import SequenceRunner
 
     sums: dict[str, list] = {name: [0.0, 0.0, 0.0] for name in layers}
     counts = dict.fromkeys(layers, 0)
@@ -110,7 +110,7 @@ def gather_input_statistics(model: nn.Module, layers: dict[str, nn.Module], wind
     try:
         for lo in range(0, len(windows), batch_windows):
             batch = windows[lo:lo + batch_windows]
-            DirectRunner(model, len(batch), max(map(len, batch))).forward(batch, [0] * len(batch))
+            SequenceRunner(model, len(batch), max(map(len, batch))).forward(batch, [0] * len(batch))
     finally:
         for handle in handles:
             handle.remove()

@@ -14,7 +14,7 @@ from torch import nn
 from batchgen.engine.attention import allocate_kv_caches
 
 
-class DirectRunner:
+class SequenceRunner:
     """A fixed set of `num_seqs` sequence slots of up to `max_seq_len` tokens each."""
 
     def __init__(self, model: nn.Module, num_seqs: int, max_seq_len: int, block_size: int = 16,
@@ -59,10 +59,10 @@ class DirectRunner:
 def teacher_forced_logits(model: nn.Module, prompts: list[list[int]], completions: list[list[int]],
                           **kv_options) -> list[torch.Tensor]:
     """For each (prompt, completion): logits (C, V) float32 predicting each completion token from
-    the prompt and the completion tokens before it (one batched prefill). kv_options: DirectRunner's
+    the prompt and the completion tokens before it (one batched prefill). kv_options: SequenceRunner's
     kv_cache_dtype and calculate_kv_scales."""
     seqs = [p + c for p, c in zip(prompts, completions)]
-    runner = DirectRunner(model, len(seqs), max(len(s) for s in seqs), **kv_options)
+    runner = SequenceRunner(model, len(seqs), max(len(s) for s in seqs), **kv_options)
     rows: list[int] = []
     start = 0
     for p, c, s in zip(prompts, completions, seqs):
@@ -75,7 +75,7 @@ def teacher_forced_logits(model: nn.Module, prompts: list[list[int]], completion
 def greedy_generate(model: nn.Module, prompts: list[list[int]], max_tokens: int,
                     eos_token_ids: tuple[int, ...] = (), **kv_options) -> list[list[int]]:
     """Greedy completions (argmax each step), cut after the first EOS token; all prompts as one batch."""
-    runner = DirectRunner(model, len(prompts), max(len(p) for p in prompts) + max_tokens, **kv_options)
+    runner = SequenceRunner(model, len(prompts), max(len(p) for p in prompts) + max_tokens, **kv_options)
     tokens = runner.forward(prompts, [0] * len(prompts)).argmax(-1).tolist()
     outputs = [[t] for t in tokens]
     context = [len(p) for p in prompts]
