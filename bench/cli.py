@@ -150,6 +150,19 @@ def bench_command(
         typer.echo(format_report(result))
 
 
+bench_app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+bench_app.command()(bench_command)
+
+
+def bench_main(argv: list[str], prog_name: str = "batchgen bench") -> int:
+    """Run `batchgen bench` on `argv`; its exit code (the `batchgen` command forwards its arguments here)."""
+    try:
+        typer.main.get_command(bench_app).main(args=argv, prog_name=prog_name, standalone_mode=True)
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    return 0
+
+
 def main() -> None:
-    typer.run(bench_command)
+    sys.exit(bench_main(sys.argv[1:], prog_name="python -m batchgen.bench"))
 

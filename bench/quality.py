@@ -38,7 +38,7 @@ from batchgen.engine.quant.int_checkpoint import IntLinearParts
 from batchgen.engine.quant.int_linear import IntLinear
 from batchgen.engine.quant.int_model import calibration_statistics, quantize_model_int
 from batchgen.engine.quant.weight_report import weight_report
-from batchgen.pipeline.ordering import num_shared_prefix
+from batchgen.engine.token_prefix import num_shared_prefix
 
 log = logging.getLogger("batchgen.bench")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from batchgen.pipeline.ordering import num_shared_prefix
+from batchgen.engine.token_prefix import num_shared_prefix
 
 
 @dataclass

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from batchgen.pipeline.ordering import num_shared_prefix
+from batchgen.engine.token_prefix import num_shared_prefix
 
 # overhead: bench/overhead.py (null model); serve: random prompts through `batchgen serve`; copy:
 # bench/copy_bench.py (speculative decoding on prompts whose answers copy them)

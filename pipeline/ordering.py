@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 
+from batchgen.engine.token_prefix import num_shared_prefix
 from batchgen.pipeline.request_builder import RowTask
 
 
@@ -37,11 +38,3 @@ def order_window(tasks: list[RowTask], sort_by_length: bool, block_size: int = 1
     groups.sort(key=lambda g: sum(len(t.token_ids) for t in g) / len(g))
     return [t for g in groups for t in g]
 
-
-def num_shared_prefix(a: list[int], b: list[int], cap: int | None = None) -> int:
-    """How many leading tokens a and b share (counting stops at `cap`)."""
-    limit = min(len(a), len(b)) if cap is None else min(len(a), len(b), cap)
-    i = 0
-    while i < limit and a[i] == b[i]:
-        i += 1
-    return i
