@@ -16,13 +16,13 @@ import typer
 from batchgen.bench.copy_bench import format_copy_report
 from batchgen.bench.engine_side import parse_engine_overrides
 from batchgen.bench.gemm_rate import PREFILL_NUM_TOKENS
+from batchgen.bench.harness import run_bench, run_quality
 from batchgen.bench.machine import machine_fingerprint
 from batchgen.bench.options import DEFAULT_MODEL, BenchOptions
 from batchgen.bench.overhead import format_overhead, run_overhead
 from batchgen.bench.peer import DEFAULT_BATCH_SIZES, PeerUnavailable
 from batchgen.bench.quality import format_quality_table
 from batchgen.bench.report import format_report
-from batchgen.bench.harness import run_bench, run_quality
 from batchgen.bench.workloads import WORKLOADS
 
 

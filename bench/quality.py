@@ -29,9 +29,9 @@ from torch import nn
 
 from batchgen.bench.quality_prompts import QUALITY_PROMPTS
 from batchgen.engine.config import INT_CALIBRATIONS, EngineConfig
-from batchgen.engine.quant.calibrate.sequence_runner import greedy_generate, teacher_forced_logits
 from batchgen.engine.loader.model_loader import model_weight_bytes, unique_storage_bytes
 from batchgen.engine.quant.calibrate.activation_aware import calibration_windows
+from batchgen.engine.quant.calibrate.sequence_runner import greedy_generate, teacher_forced_logits
 from batchgen.engine.quant.fp8 import quantize_model_fp8
 from batchgen.engine.quant.fp8_linear import Fp8Linear
 from batchgen.engine.quant.int_checkpoint import IntLinearParts

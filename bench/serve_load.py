@@ -202,8 +202,8 @@ def run_serve_bench(opts, request_rates: list[float], max_concurrency: int, log_
     """Offline first (in this process, then freed), then the server at each rate; the result dict.
 
     `opts`: BenchOptions (model, the random workload's sizes, seed, --engine overrides, threads)."""
-    from batchgen.bench.machine import cpu_busy_fraction, machine_fingerprint
     from batchgen.bench.harness import make_workload
+    from batchgen.bench.machine import cpu_busy_fraction, machine_fingerprint
 
     model, overrides, num_threads, seed = opts.model, opts.engine_overrides, opts.num_threads, opts.seed
     busy_before = cpu_busy_fraction()

@@ -19,12 +19,13 @@ their tokens to the counts, judged on the device.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
 
 from batchgen.engine.sequence import Sequence
-from batchgen.engine.step_inputs import StepPacker
+from batchgen.engine.step_inputs import StepPacker, float_section, int_section
 
 
 @dataclass
@@ -189,6 +190,84 @@ def _int32_words(value: int) -> tuple[int, int]:
     return lo - (1 << 32) if lo >= 1 << 31 else lo, hi - (1 << 32) if hi >= 1 << 31 else hi
 
 
+# The sampler's sections, declared once: each dataclass is a group sent together (when it has rows), its
+# fields named as SamplingBatch's device fields, which `attach_sampling_tensors` points at the sent copy.
+@dataclass
+class RandomSections:
+    """Rows with temperature > 0."""
+
+    random_index: list[int] = int_section()
+    temperature: list[float] = float_section()
+    top_k: list[int] = int_section()
+    top_p: list[float] = float_section()
+    min_p: list[float] = float_section()
+    random_key_lo: list[int] = int_section()
+    random_key_hi: list[int] = int_section()
+    random_position: list[int] = int_section()
+
+
+@dataclass
+class PenaltySections:
+    """Rows with a repetition, presence or frequency penalty."""
+
+    penalty_index: list[int] = int_section()
+    penalty_rows: list[int] = int_section()
+    repetition: list[float] = float_section()
+    presence: list[float] = float_section()
+    frequency: list[float] = float_section()
+
+
+@dataclass
+class VerifyPenaltySections:
+    """Per penalty row: the draft its token is checked against (-1: none) and its sequence's first row;
+    sent only when a verify chunk has penalties."""
+
+    penalty_draft: list[int] = int_section()
+    penalty_first: list[int] = int_section()
+
+
+@dataclass
+class DraftCountSections:
+    draft_count_index: list[int] = int_section()
+    draft_count_tokens: list[int] = int_section()
+
+
+@dataclass
+class NewPenaltyRowSections:
+    new_penalty_rows: list[int] = int_section()
+
+
+@dataclass
+class PromptTokenSections:
+    prompt_rows: list[int] = int_section()
+    prompt_tokens: list[int] = int_section()
+
+
+@dataclass
+class OutputTokenSections:
+    output_rows: list[int] = int_section()
+    output_tokens: list[int] = int_section()
+
+
+@dataclass
+class BanSections:
+    ban_index: list[int] = int_section()
+    ban_tokens: list[int] = int_section()
+
+
+@dataclass
+class TopLogprobSections:
+    top_index: list[int] = int_section()
+
+
+SECTION_GROUPS = (RandomSections, PenaltySections, VerifyPenaltySections, DraftCountSections,
+                  NewPenaltyRowSections, PromptTokenSections, OutputTokenSections, BanSections, TopLogprobSections)
+
+
+def _has_rows(group) -> bool:
+    return len(getattr(group, dataclasses.fields(group)[0].name)) > 0
+
+
 def add_sampling_sections(packer: StepPacker, seqs: list[Sequence], eos_token_ids: tuple[int, ...],
                           vocab_size: int, penalties: PenaltyState,
                           draft_offsets: list[int] | None = None) -> SamplingBatch:
@@ -200,31 +279,9 @@ def add_sampling_sections(packer: StepPacker, seqs: list[Sequence], eos_token_id
     its chunk verifies); None: every row at offset 0."""
     batch = SamplingBatch(num_rows=len(seqs))
     offsets = draft_offsets if draft_offsets is not None else [0] * len(seqs)
-    random_rows: list[int] = []
-    temperature: list[float] = []
-    top_k: list[int] = []
-    top_p: list[float] = []
-    min_p: list[float] = []
-    key_lo: list[int] = []
-    key_hi: list[int] = []
-    positions: list[int] = []
-    penalty_index: list[int] = []
-    penalty_rows: list[int] = []
-    repetition: list[float] = []
-    presence: list[float] = []
-    frequency: list[float] = []
-    new_rows: list[int] = []
-    prompt_rows: list[int] = []
-    prompt_tokens: list[int] = []
-    output_rows: list[int] = []
-    output_tokens: list[int] = []
-    draft_count_index: list[int] = []
-    draft_count_tokens: list[int] = []
-    penalty_draft: list[int] = []
-    penalty_first: list[int] = []
-    ban_index: list[int] = []
-    ban_tokens: list[int] = []
-    top_index: list[int] = []
+    rnd, pen, verify, drafted = RandomSections(), PenaltySections(), VerifyPenaltySections(), DraftCountSections()
+    new, prompt, output = NewPenaltyRowSections(), PromptTokenSections(), OutputTokenSections()
+    ban, top = BanSections(), TopLogprobSections()
     top_counts = [0] * len(seqs)
     for i, (seq, offset) in enumerate(zip(seqs, offsets)):
         p = seq.params
@@ -233,16 +290,16 @@ def add_sampling_sections(packer: StepPacker, seqs: list[Sequence], eos_token_id
                 and p.frequency_penalty == 0.0 and (p.min_tokens == 0 or position >= p.min_tokens)):
             continue  # plain greedy: nothing to send (the common case at large batch)
         if p.temperature != 0.0:
-            random_rows.append(i)
-            temperature.append(p.temperature)
             k = vocab_size if p.top_k == -1 else min(p.top_k, vocab_size)
-            top_k.append(k)
-            top_p.append(p.top_p)
-            min_p.append(p.min_p)
             lo, hi = _int32_words(seq.random_key)
-            key_lo.append(lo)
-            key_hi.append(hi)
-            positions.append(position)
+            rnd.random_index.append(i)
+            rnd.temperature.append(p.temperature)
+            rnd.top_k.append(k)
+            rnd.top_p.append(p.top_p)
+            rnd.min_p.append(p.min_p)
+            rnd.random_key_lo.append(lo)
+            rnd.random_key_hi.append(hi)
+            rnd.random_position.append(position)
             batch.has_top_k_or_p |= k < vocab_size or p.top_p < 1
             batch.has_min_p |= p.min_p > 0
         if p.has_penalties:
@@ -251,66 +308,38 @@ def add_sampling_sections(packer: StepPacker, seqs: list[Sequence], eos_token_id
             # only while the rows before it (from its sequence's first, offset 0) sampled their drafts.
             drafts = seq.draft_token_ids
             if offset:
-                draft_count_index.extend([len(penalty_index)] * offset)
-                draft_count_tokens.extend(drafts[:offset])
-            penalty_first.append(len(penalty_index) - offset)
-            penalty_draft.append(drafts[offset] if draft_offsets is not None and offset < len(drafts) else -1)
-            penalty_index.append(i)
-            penalty_rows.append(row)
-            repetition.append(p.repetition_penalty)
-            presence.append(p.presence_penalty)
-            frequency.append(p.frequency_penalty)
+                drafted.draft_count_index.extend([len(pen.penalty_index)] * offset)
+                drafted.draft_count_tokens.extend(drafts[:offset])
+            verify.penalty_first.append(len(pen.penalty_index) - offset)
+            verify.penalty_draft.append(drafts[offset] if draft_offsets is not None and offset < len(drafts) else -1)
+            pen.penalty_index.append(i)
+            pen.penalty_rows.append(row)
+            pen.repetition.append(p.repetition_penalty)
+            pen.presence.append(p.presence_penalty)
+            pen.frequency.append(p.frequency_penalty)
             batch.has_repetition |= p.repetition_penalty != 1.0
             if is_new:
-                new_rows.append(row)
+                new.new_penalty_rows.append(row)
                 if p.repetition_penalty != 1.0:
-                    prompt_rows.extend([row] * seq.num_prompt_tokens)
-                    prompt_tokens.extend(seq.prompt_token_ids)
+                    prompt.prompt_rows.extend([row] * seq.num_prompt_tokens)
+                    prompt.prompt_tokens.extend(seq.prompt_token_ids)
                 outputs = seq.output_token_ids  # none unless the row was lost; kept for safety
-                output_rows.extend([row] * len(outputs))
-                output_tokens.extend(outputs)
+                output.output_rows.extend([row] * len(outputs))
+                output.output_tokens.extend(outputs)
         if position < p.min_tokens:
             banned = list(eos_token_ids) + p.stop_token_ids
-            ban_index.extend([i] * len(banned))
-            ban_tokens.extend(banned)
+            ban.ban_index.extend([i] * len(banned))
+            ban.ban_tokens.extend(banned)
         if p.num_top_logprobs:
-            top_index.append(i)
+            top.top_index.append(i)
             top_counts[i] = p.num_top_logprobs
-    batch.random_rows, batch.top_counts = random_rows, top_counts
-    if random_rows:
-        packer.add_ints("s.random_index", random_rows)
-        packer.add_floats("s.temperature", temperature)
-        packer.add_ints("s.top_k", top_k)
-        packer.add_floats("s.top_p", top_p)
-        packer.add_floats("s.min_p", min_p)
-        packer.add_ints("s.random_key_lo", key_lo)
-        packer.add_ints("s.random_key_hi", key_hi)
-        packer.add_ints("s.random_position", positions)
-    if penalty_index:
-        packer.add_ints("s.penalty_index", penalty_index)
-        packer.add_ints("s.penalty_rows", penalty_rows)
-        packer.add_floats("s.repetition", repetition)
-        packer.add_floats("s.presence", presence)
-        packer.add_floats("s.frequency", frequency)
-        if any(d >= 0 for d in penalty_draft):  # a verify chunk with penalties
-            packer.add_ints("s.penalty_draft", penalty_draft)
-            packer.add_ints("s.penalty_first", penalty_first)
-    if draft_count_index:
-        packer.add_ints("s.draft_count_index", draft_count_index)
-        packer.add_ints("s.draft_count_tokens", draft_count_tokens)
-    if new_rows:
-        packer.add_ints("s.new_penalty_rows", new_rows)
-    if prompt_rows:
-        packer.add_ints("s.prompt_rows", prompt_rows)
-        packer.add_ints("s.prompt_tokens", prompt_tokens)
-    if output_rows:
-        packer.add_ints("s.output_rows", output_rows)
-        packer.add_ints("s.output_tokens", output_tokens)
-    if ban_index:
-        packer.add_ints("s.ban_index", ban_index)
-        packer.add_ints("s.ban_tokens", ban_tokens)
-    if top_index:
-        packer.add_ints("s.top_index", top_index)
+    batch.random_rows, batch.top_counts = rnd.random_index, top_counts
+    is_verify_with_penalties = any(d >= 0 for d in verify.penalty_draft)
+    for group in (rnd, pen, drafted, new, prompt, output, ban, top):
+        if _has_rows(group):
+            packer.add_sections(group, "s.")
+    if is_verify_with_penalties:
+        packer.add_sections(verify, "s.")
     return batch
 
 

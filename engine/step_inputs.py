@@ -13,7 +13,8 @@ On the CPU the "copy" is skipped and the views point into the host buffer itself
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -43,11 +44,22 @@ def should_pin(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_available()
 
 
+def int_section():
+    """A field of a section dataclass: a list of int32 values, one section of the step's buffer."""
+    return field(default_factory=list)
+
+
+def float_section():
+    """A field of a section dataclass: a list of float32 values (stored bit for bit in the int32 buffer)."""
+    return field(default_factory=list, metadata={"is_float": True})
+
+
 class StepPacker:
     """Collects a step's named sections, then writes them into the host buffer and sends it in one copy.
 
-    `add_ints` / `add_floats` take a list (or a numpy array) of values; `send()` returns the device
-    tensors by name, int32 or float32, shaped as given.
+    Sections are declared once, as the fields of a dataclass (`int_section` / `float_section`), and
+    added together with `add_sections`; `send()` returns the device tensors by field name (prefixed),
+    int32 or float32, shaped as given.
     """
 
     def __init__(self, device: torch.device, buffer: HostBuffer | None = None):
@@ -56,13 +68,14 @@ class StepPacker:
         self._sections: list[tuple[str, object, bool, tuple[int, ...] | None]] = []
         self._size = 0
 
-    def add_ints(self, name: str, values, shape: tuple[int, ...] | None = None) -> None:
-        self._sections.append((name, values, False, shape))
-        self._size += len(values)
-
-    def add_floats(self, name: str, values) -> None:
-        self._sections.append((name, values, True, None))
-        self._size += len(values)
+    def add_sections(self, sections, prefix: str = "", shapes: dict[str, tuple[int, ...]] | None = None) -> None:
+        """Every field of the dataclass `sections` (a list or numpy array of values) as the section
+        `prefix + field name`; `shapes`: the device view's shape of some of them."""
+        shapes = shapes or {}
+        for f in dataclasses.fields(sections):
+            values = getattr(sections, f.name)
+            self._sections.append((prefix + f.name, values, f.metadata.get("is_float", False), shapes.get(f.name)))
+            self._size += len(values)
 
     def send(self) -> dict[str, torch.Tensor]:
         buffer = self.buffer
@@ -90,6 +103,21 @@ class StepPacker:
             tensors[name] = t
         self._sections, self._size = [], 0
         return tensors
+
+
+@dataclass
+class ModelSections:
+    """The model's and the attention backend's per-step inputs (sequence order: decodes, then chunks)."""
+
+    input_ids: list[int] = int_section()  # (T,)
+    positions: list[int] = int_section()  # (T,)
+    slot_mapping: list[int] = int_section()  # (T,)
+    logits_indices: list[int] = int_section()  # (N,)
+    query_start_loc: list[int] = int_section()  # (S + 1,)
+    seq_lens: list[int] = int_section()  # (S,)
+    context_lens: list[int] = int_section()  # (S,)
+    query_lens: list[int] = int_section()  # (S,)
+    block_tables: list[int] = int_section()  # (S * W,) flat, padded with block 0
 
 
 @dataclass
@@ -187,15 +215,9 @@ def add_step_sections(packer: StepPacker, order: list[ScheduledSeq], num_decodes
         flat += table
         if len(table) < width:
             flat += zeros[:width - len(table)]
-    packer.add_ints("input_ids", input_ids)
-    packer.add_ints("positions", positions)
-    packer.add_ints("slot_mapping", slots)
-    packer.add_ints("logits_indices", logits_indices)
-    packer.add_ints("query_start_loc", query_start)
-    packer.add_ints("seq_lens", seq_lens)
-    packer.add_ints("context_lens", context_lens)
-    packer.add_ints("query_lens", query_lens)
-    packer.add_ints("block_tables", flat, shape=(len(tables), width))
+    sections = ModelSections(input_ids, positions, slots, logits_indices, query_start, seq_lens, context_lens,
+                             query_lens, flat)
+    packer.add_sections(sections, shapes={"block_tables": (len(tables), width)})
     return query_lens, context_lens, tables, max(seq_lens, default=0), sampling
 
 

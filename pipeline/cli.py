@@ -11,8 +11,8 @@ from typing import Annotated
 
 import typer
 
-from batchgen.pipeline.errors import JobError
 from batchgen.pipeline.capacity_plan import plan_command
+from batchgen.pipeline.errors import JobError
 
 EXIT_FAILURE = 1
 EXIT_BAD_JOB = 2  # also click's code for usage errors
@@ -123,7 +123,7 @@ def finalize(
 
     Exit 0 with _SUCCESS written or already there; 1 when units are missing (they are named).
     """
-    from batchgen.pipeline.output.finalize import finalize_folder
+    from batchgen.pipeline.output import finalize_folder
     from batchgen.pipeline.storage import Storage
     from batchgen.pipeline.summary import format_summary
 

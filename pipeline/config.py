@@ -27,7 +27,6 @@ from pydantic_core import InitErrorDetails, PydanticCustomError
 from batchgen.engine.config import EngineConfig, SettingError
 from batchgen.engine.loader.source import BUNDLED_ALIASES
 from batchgen.engine.sampling_params import SamplingParams
-from batchgen.pipeline.openai.batch_file import BATCH_FORMAT, BATCH_ID_COLUMN, BATCH_LINE_COLUMN, is_batch_path
 from batchgen.pipeline.errors import JobError
 from batchgen.pipeline.job_settings import (
     ENGINE_ONLY,
@@ -37,6 +36,12 @@ from batchgen.pipeline.job_settings import (
     MODEL_PATH_FIELD,
     ROW_OVERRIDABLE,
     SAMPLING_ONLY,
+)
+from batchgen.pipeline.openai.batch_file import (
+    BATCH_FORMAT,
+    BATCH_ID_COLUMN,
+    BATCH_LINE_COLUMN,
+    is_batch_path,
 )
 
 _PATH_KEYS = {("model", "path"), ("input", "path"), ("output", "path")}
@@ -90,8 +95,6 @@ OVERRIDABLE_SAMPLING_KEYS = {key: _KINDS[_SAMPLING_TYPES[key]] for key in ROW_OV
 
 
 InputFormat = Literal["auto", "parquet", "openai_batch"]
-# input.* keys that mean nothing for an OpenAI batch file (each line's body holds its prompt and
-# settings): set explicitly with input.format openai_batch, they are refused rather than ignored.
 # input.* keys that mean nothing for an OpenAI batch file (each line's body holds its prompt and
 # settings), with the one value they may hold there: any other value is refused rather than ignored.
 # (Those values are what a batch job's own section holds, so a dumped job validates again.)

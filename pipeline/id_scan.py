@@ -13,9 +13,9 @@ from collections.abc import Iterator
 import pyarrow as pa
 
 from batchgen.pipeline.errors import JobError
+from batchgen.pipeline.output import WorkUnit, contiguous_runs
 from batchgen.pipeline.reader import binary_type, read_rows
 from batchgen.pipeline.storage import Storage
-from batchgen.pipeline.output.units import WorkUnit, contiguous_runs
 
 Position = tuple[str, int]  # (input file path, row within the file)
 _KEY_SEPARATOR = "\x1f"  # ASCII unit separator: an id given in a file practically never holds it

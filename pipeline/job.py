@@ -9,16 +9,12 @@ from dataclasses import dataclass, field
 import pyarrow.parquet as pq
 
 from batchgen.engine import EngineConfig, LLMEngine
-from batchgen.pipeline.openai.batch_output import write_batch_outputs
 from batchgen.pipeline.config import JobConfig
 from batchgen.pipeline.errors import JobError
-from batchgen.pipeline.output.lock import FolderLock, lock_folder
-from batchgen.pipeline.output.folder import SUCCESS_NAME, describe_redo, raise_if_refused
 from batchgen.pipeline.job_plan import JobPlan, plan_job
+from batchgen.pipeline.output import SUCCESS_NAME, OutputRun, describe_redo, open_run, raise_if_refused
 from batchgen.pipeline.summary import SUMMARY_COLUMNS, Totals, speculative_summary, success_record
 from batchgen.pipeline.unit_loop import UnitSource, run_units
-from batchgen.pipeline.output.units import WorkUnit
-from batchgen.pipeline.writer import CommitContext
 
 log = logging.getLogger("batchgen.pipeline")
 
@@ -50,24 +46,20 @@ def run_job(job: JobConfig, *, engine: LLMEngine | None = None, limit: int | Non
     plan = plan_job(job, limit)
     if not overwrite:
         raise_if_refused(plan.state)  # before the lock: nothing is written into a folder that is not ours
-    with lock_folder(plan.output.storage) as lock:
-        return _run_locked(plan, lock, engine, overwrite, progress)
+    with open_run(plan.output.storage, plan.identity, overwrite=overwrite) as run:
+        return _run_held(plan, run, engine, progress)
 
 
-def _run_locked(plan: JobPlan, lock: FolderLock, engine: LLMEngine | None, overwrite: bool,
-                progress: bool) -> RunResult:
+def _run_held(plan: JobPlan, run: OutputRun, engine: LLMEngine | None, progress: bool) -> RunResult:
     job = plan.job
-    # Read the folder again under the lock: another run may have finished units since plan_job looked.
-    state = plan.output.prepare(job.name, plan.config_hash, plan.inputs.fingerprint, plan.units, overwrite)
-    plan.state = state
-    success_path = plan.output.storage.join(SUCCESS_NAME)
-    if plan.is_complete:
+    plan.state = run.state
+    success_path = run.storage.join(SUCCESS_NAME)
+    if run.is_complete:
         log.info("%s is complete (_SUCCESS present); nothing to do", job.output.path)
-        return RunResult(plan.output.read_success(), success_path, 0, len(plan.units))
-    pending = plan.pending_units
-    skipped = [u for u in plan.units if u.output_name in state.done_names]
-    if state.redo:
-        log.warning("%s", describe_redo(state.redo))
+        return RunResult(run.read_success(), success_path, 0, len(plan.units))
+    pending, skipped = run.pending_units, run.skipped_units
+    if run.redo:
+        log.warning("%s", describe_redo(run.redo))
     if skipped:
         log.info("resuming: skipping %d finished unit(s) (%s); %d to run", len(skipped),
                  ", ".join(u.output_name for u in skipped), len(pending))
@@ -76,11 +68,11 @@ def _run_locked(plan: JobPlan, lock: FolderLock, engine: LLMEngine | None, overw
 
     source = UnitSource(job, plan.inputs.output_schema(job), plan.repeats)
     spec_before = engine.stats.get("speculative")  # None: speculation off (or an engine without it)
-    ran = run_units(source, plan.input_storage, plan.output.storage, pending, engine,
-                    CommitContext(plan.config_hash, lock.holder.run_id, lock.check), progress=progress)
-    record = write_job_success(plan, lock, skipped, ran.totals, ran.generation_seconds, **engine_reports(engine),
-                               speculative=speculative_summary(spec_before, engine.stats.get("speculative")))
-    return RunResult(record, success_path, len(pending), len(skipped), dict(state.redo))
+    ran = run_units(source, plan.input_storage, run.storage, pending, engine, run.commit_context(),
+                    progress=progress)
+    record = finish_job(job, run, ran.totals, ran.generation_seconds, **engine_reports(engine),
+                        speculative=speculative_summary(spec_before, engine.stats.get("speculative")))
+    return RunResult(record, success_path, len(pending), len(skipped), dict(run.redo))
 
 
 def engine_reports(engine: LLMEngine) -> dict:
@@ -89,26 +81,20 @@ def engine_reports(engine: LLMEngine) -> dict:
     return {"kernels": stats.get("kernels", {}), "kv_cache": stats.get("kv_cache"), "weights": stats.get("weights", {})}
 
 
-def write_job_success(plan: JobPlan, lock: FolderLock, skipped: list[WorkUnit], this_run: Totals,
-                      generation_seconds: float, *, kernels: dict, kv_cache: dict | None = None,
-                      weights: dict | None = None, workers: dict | None = None,
-                      speculative: dict | None = None) -> dict:
+def finish_job(job: JobConfig, run: OutputRun, this_run: Totals, generation_seconds: float, *, kernels: dict,
+               kv_cache: dict | None = None, weights: dict | None = None, workers: dict | None = None,
+               speculative: dict | None = None) -> dict:
     """The run's `_SUCCESS`, written last (after output.jsonl/errors.jsonl for openai_batch output) while
     the run still holds its folder: counts over the whole output, speed and latency over this run."""
-    job = plan.job
     whole = dataclasses.replace(this_run, ttft_s=[], tpot_s=[])  # latency figures: this run only
+    skipped = run.skipped_units
     for unit in skipped:  # counts cover the whole output, also what an earlier run wrote
-        path = plan.output.storage.join(unit.output_name)
-        with plan.output.storage.fs.open(path, "rb") as f:
+        with run.storage.fs.open(run.storage.join(unit.output_name), "rb") as f:
             whole.add_table(pq.read_table(f, columns=SUMMARY_COLUMNS))
-    record = success_record(job.name, plan.config_hash, whole, this_run, generation_seconds,
+    record = success_record(job.name, run.identity.config_hash, whole, this_run, generation_seconds,
                             resumed=bool(skipped), kernels=kernels, kv_cache=kv_cache, weights=weights,
                             workers=workers, speculative=speculative)
-    if job.writes_batch_output:  # from the committed parts (also an earlier run's)
-        lock.check()
-        write_batch_outputs(plan.output.storage, plan.unit_names)
-    lock.check()
-    plan.output.write_success(record)
+    run.finish(record, write_batch_outputs=job.writes_batch_output)  # the .jsonl from every committed part
     return record
 
 

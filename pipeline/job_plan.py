@@ -15,10 +15,16 @@ from batchgen.pipeline.errors import JobError
 from batchgen.pipeline.id_scan import Position, scan_ids
 from batchgen.pipeline.inputs import JobInputs, read_inputs
 from batchgen.pipeline.model_limits import check_model_limits
-from batchgen.pipeline.output.folder import FolderState, OutputFolder, check_output_outside_input
+from batchgen.pipeline.output import (
+    FolderState,
+    OutputFolder,
+    RunIdentity,
+    WorkUnit,
+    check_output_outside_input,
+    plan_units,
+)
 from batchgen.pipeline.reader import InputFile
 from batchgen.pipeline.storage import Storage
-from batchgen.pipeline.output.units import WorkUnit, plan_units
 
 
 @dataclass
@@ -50,6 +56,11 @@ class JobPlan:
     @property
     def pending_units(self) -> list[WorkUnit]:
         return [u for u in self.units if u.output_name not in self.state.done_names]
+
+    @property
+    def identity(self) -> RunIdentity:
+        """What the output folder records of this job (open_run checks and writes it)."""
+        return RunIdentity(self.job.name, self.config_hash, self.inputs.fingerprint, self.units)
 
 
 def check_model(path: str) -> str:

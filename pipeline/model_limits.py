@@ -9,9 +9,9 @@ before any weight loads.
 
 from __future__ import annotations
 
+from batchgen.pipeline.capacity_plan import read_declared, read_model, resolve_plan_quantization
 from batchgen.pipeline.config import JobConfig, max_tokens_rule
 from batchgen.pipeline.errors import JobError
-from batchgen.pipeline.capacity_plan import read_declared, read_model, resolve_plan_quantization
 
 
 def check_model_limits(job: JobConfig) -> None:

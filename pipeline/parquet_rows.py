@@ -9,7 +9,6 @@ from typing import Any
 
 import pyarrow as pa
 
-from batchgen.engine import SamplingParams
 from batchgen.pipeline.config import JobConfig
 from batchgen.pipeline.reader import binary_type
 from batchgen.pipeline.request_builder import RowError, RowInput

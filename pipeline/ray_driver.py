@@ -23,14 +23,20 @@ from tqdm.auto import tqdm
 
 from batchgen.pipeline.config import ClusterSection, JobConfig
 from batchgen.pipeline.errors import JobError
-from batchgen.pipeline.output.lock import lock_folder
-from batchgen.pipeline.output.folder import SUCCESS_NAME, describe_redo, raise_if_refused
 from batchgen.pipeline.job_plan import JobPlan, plan_job
+from batchgen.pipeline.output import (
+    SUCCESS_NAME,
+    CommitContext,
+    WorkUnit,
+    check_output_shared,
+    describe_redo,
+    open_run,
+    probe_nodes,
+    raise_if_refused,
+)
 from batchgen.pipeline.replica import EngineReplica
-from batchgen.pipeline.output.shared_storage import check_output_shared, probe_nodes
 from batchgen.pipeline.summary import Totals, merge_speculative
 from batchgen.pipeline.unit_loop import repeats_of
-from batchgen.pipeline.output.units import WorkUnit
 
 log = logging.getLogger("batchgen.pipeline")
 
@@ -90,7 +96,7 @@ def run_on_ray(job: JobConfig, *, limit: int | None = None, overwrite: bool = Fa
     """Run the job on Ray replicas; returns a RunResult like a local run. `probe`: how each node's view of
     a local output folder is read (shared_storage.probe_nodes; tests stand in a node that sees nothing);
     `replica_class`: the actor (EngineReplica's methods; tests: one without an engine)."""
-    from batchgen.pipeline.job import RunResult, write_job_success
+    from batchgen.pipeline.job import RunResult, finish_job
 
     plan = plan_job(job, limit)
     if not overwrite:
@@ -99,31 +105,25 @@ def run_on_ray(job: JobConfig, *, limit: int | None = None, overwrite: bool = Fa
     connected = connect(ray, job.cluster)
     try:
         check_output_shared(ray, plan.output.storage, probe)  # before any replica loads a model
-        with lock_folder(plan.output.storage) as lock:
-            state = plan.output.prepare(job.name, plan.config_hash, plan.inputs.fingerprint, plan.units,
-                                        overwrite)
-            plan.state = state
-            success_path = plan.output.storage.join(SUCCESS_NAME)
-            if plan.is_complete:
+        with open_run(plan.output.storage, plan.identity, overwrite=overwrite) as run:
+            plan.state = run.state
+            success_path = run.storage.join(SUCCESS_NAME)
+            if run.is_complete:
                 log.info("%s is complete (_SUCCESS present); nothing to do", job.output.path)
-                return RunResult(plan.output.read_success(), success_path, 0, len(plan.units))
-            if state.redo:
-                log.warning("%s", describe_redo(state.redo))
-            pending = plan.pending_units
-            skipped = [u for u in plan.units if u.output_name in state.done_names]
-            driver = _Driver(ray, plan, lock.holder.run_id, progress, replica_class)
+                return RunResult(run.read_success(), success_path, 0, len(plan.units))
+            if run.redo:
+                log.warning("%s", describe_redo(run.redo))
+            pending, skipped = run.pending_units, run.skipped_units
+            driver = _Driver(ray, plan, run.commit_context(is_remote=True), progress, replica_class)
             this_run = driver.run(pending)
-            lock.check()
-            missing = [u.output_name for u in plan.units
-                       if u.output_name not in plan.output.state(plan.config_hash, plan.inputs.fingerprint,
-                                                                 plan.units).done_names]
+            run.check()
+            missing = run.missing_units()
             if missing:
                 raise RuntimeError(f"replicas reported every unit done, but {len(missing)} unit(s) are not "
                                    f"committed in {job.output.path}: {', '.join(missing[:20])}")
-            record = write_job_success(plan, lock, skipped, this_run, driver.generation_seconds,
-                                       workers=driver.workers(), speculative=merge_speculative(driver.speculative),
-                                       **driver.engine_reports)
-            return RunResult(record, success_path, len(pending), len(skipped), dict(state.redo))
+            record = finish_job(job, run, this_run, driver.generation_seconds, workers=driver.workers(),
+                                speculative=merge_speculative(driver.speculative), **driver.engine_reports)
+            return RunResult(record, success_path, len(pending), len(skipped), dict(run.redo))
     finally:
         if connected:
             ray.shutdown()
@@ -132,7 +132,8 @@ def run_on_ray(job: JobConfig, *, limit: int | None = None, overwrite: bool = Fa
 class _Driver:
     """The scheduling loop: replicas, the unit queue, failures, the progress bar."""
 
-    def __init__(self, ray, plan: JobPlan, run_id: str, progress: bool, replica_class: type = EngineReplica):
+    def __init__(self, ray, plan: JobPlan, commit: CommitContext, progress: bool,
+                 replica_class: type = EngineReplica):
         self.ray = ray
         self.plan = plan
         self.job = plan.job
@@ -142,7 +143,7 @@ class _Driver:
         if self.job.cluster.cpus_per_replica is not None:
             options["num_cpus"] = self.job.cluster.cpus_per_replica
         self.actor_class = ray.remote(replica_class).options(**options)
-        self.init_args = (self.job, plan.inputs.output_schema(self.job), plan.config_hash, run_id)
+        self.init_args = (self.job, plan.inputs.output_schema(self.job), commit)
         self.replicas: list[Replica] = []
         self.failures = 0
         self.retried: set[str] = set()

@@ -17,22 +17,21 @@ import pyarrow as pa
 
 from batchgen.pipeline.config import JobConfig
 from batchgen.pipeline.id_scan import Position
+from batchgen.pipeline.output import CommitContext, WorkUnit
 from batchgen.pipeline.storage import Storage
 from batchgen.pipeline.summary import speculative_summary
 from batchgen.pipeline.unit_loop import UnitSource, run_units
-from batchgen.pipeline.output.units import WorkUnit
-from batchgen.pipeline.writer import CommitContext
 
 
 class EngineReplica:
     """One engine replica: the job's engine, built once in the actor's process."""
 
-    def __init__(self, job: JobConfig, output_schema: pa.Schema, config_hash: str, run_id: str):
+    def __init__(self, job: JobConfig, output_schema: pa.Schema, commit: CommitContext):
         from batchgen.pipeline.job import check_engine_can_run, engine_for
 
         self.job = job
         self.output_schema = output_schema
-        self.commit = CommitContext(config_hash, run_id)
+        self.commit = commit  # the driver's run: its config hash and run id (the driver holds the lock)
         self.engine = engine_for(job, None)
         check_engine_can_run(job, self.engine)
         self.input_storage = Storage(job.input.path, job.input.storage_options)

@@ -11,57 +11,31 @@ pins N. A shard whose config hash, input or N differs from the folder's refuses 
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
 import socket
 import time
-from contextlib import ExitStack
 from dataclasses import dataclass, field
 
-from batchgen.pipeline.output.commits import record_name
 from batchgen.pipeline.config import JobConfig
-from batchgen.pipeline.output.create_once import create_text_once
 from batchgen.pipeline.errors import JobError
-from batchgen.pipeline.output.finalize import Finalized, finalize_folder
-from batchgen.pipeline.output.lock import lock_folder, lock_name
-from batchgen.pipeline.output.folder import (
-    MANIFEST_NAME,
-    SHARDS_MANIFEST_NAME,
-    SUCCESS_NAME,
-    WORKERS_DIR,
+from batchgen.pipeline.job_plan import JobPlan, plan_job
+from batchgen.pipeline.output import (
+    Finalized,
+    OutputRun,
+    ShardSpec,
     describe_redo,
-    manifest_text,
+    finalize_folder,
+    open_run,
     raise_if_refused,
 )
-from batchgen.pipeline.job_plan import JobPlan, plan_job
-from batchgen.pipeline.storage import is_temp_name
 from batchgen.pipeline.summary import SUMMARY_COLUMNS, Totals, speculative_summary
 from batchgen.pipeline.unit_loop import UnitSource, run_units
-from batchgen.pipeline.output.units import WorkUnit
-from batchgen.pipeline.writer import CommitContext
 
 log = logging.getLogger("batchgen.pipeline")
 
 _SHARD_RE = re.compile(r"(\d+)/(\d+)")
-
-
-@dataclass(frozen=True)
-class ShardSpec:
-    index: int
-    count: int
-    source: str  # where the index came from: "--shard", "SLURM_ARRAY_TASK_ID", "JOB_COMPLETION_INDEX"
-
-    @property
-    def name(self) -> str:
-        return f"{self.index:05d}-of-{self.count:05d}"
-
-    def owns(self, unit: WorkUnit) -> bool:
-        return unit.index % self.count == self.index
-
-    def to_dict(self) -> dict:
-        return {"index": self.index, "count": self.count, "source": self.source}
 
 
 def parse_shard(text: str, num_shards: int | None = None, env: dict[str, str] | None = None) -> ShardSpec:
@@ -127,27 +101,18 @@ def run_shard(job: JobConfig, shard: ShardSpec, *, engine=None, limit: int | Non
                        "(Ray places the units itself)")
     plan = plan_job(job, limit)
     raise_if_refused(plan.state)
-    storage = plan.output.storage
-    with ExitStack() as locks:
-        folder_lock = locks.enter_context(lock_folder(storage, shared=True))
-        shard_lock = locks.enter_context(lock_folder(storage, name=lock_name(shard.name)))
-        started = time.time()
-        mine = [u for u in plan.units if shard.owns(u)]
-        redo = _prepare(plan, shard, mine)
-        if plan.is_complete:
+    started = time.time()
+    with open_run(plan.output.storage, plan.identity, shard=shard) as run:
+        plan.state = run.state
+        mine = run.units
+        if run.is_complete:
             log.info("%s is complete (_SUCCESS present); nothing to do", job.output.path)
-            finalized = Finalized(plan.output.read_success(), False, [])
-            return ShardResult(shard, {}, finalized, 0, len(mine))
-        pending = [u for u in plan.pending_units if shard.owns(u)]
-        skipped = [u for u in mine if u.output_name in plan.state.done_names]
+            return ShardResult(shard, {}, Finalized(run.read_success(), False, []), 0, len(mine))
+        pending, skipped, redo = run.pending_units, run.skipped_units, run.redo
         if redo:
             log.warning("%s", describe_redo(redo))
         log.info("shard %d/%d (from %s): %d of the job's %d units, %d done, %d to run", shard.index,
                  shard.count, shard.source, len(mine), len(plan.units), len(skipped), len(pending))
-
-        def may_commit() -> None:
-            folder_lock.check()
-            shard_lock.check()
 
         totals, seconds, reports, spec = Totals(), 0.0, {"kernels": {}}, None
         if pending:
@@ -155,17 +120,14 @@ def run_shard(job: JobConfig, shard: ShardSpec, *, engine=None, limit: int | Non
             check_engine_can_run(job, engine)
             spec_before = engine.stats.get("speculative")
             source = UnitSource(job, plan.inputs.output_schema(job), plan.repeats)
-            ran = run_units(source, plan.input_storage, storage, pending, engine,
-                            CommitContext(plan.config_hash, folder_lock.holder.run_id, may_commit),
+            ran = run_units(source, plan.input_storage, run.storage, pending, engine, run.commit_context(),
                             progress=progress)
             totals, seconds, reports = ran.totals, ran.generation_seconds, engine_reports(engine)
             spec = speculative_summary(spec_before, engine.stats.get("speculative"))
-        summary = _shard_summary(plan, shard, mine, pending, skipped, redo, totals, seconds, reports, started)
+        summary = _shard_summary(plan, run, totals, seconds, reports, started)
         summary["speculative"] = spec  # this run's drafts (None: off, or nothing to run)
-        may_commit()
-        storage.write_text_atomic(f"{WORKERS_DIR}/shard-{shard.name}.json",
-                                  json.dumps(summary, indent=1) + "\n")
-        finalized = finalize_folder(storage)
+        run.write_worker_summary(summary)
+        finalized = finalize_folder(run.storage)
     if finalized.created:
         log.info("shard %d/%d found every unit committed and wrote _SUCCESS", shard.index, shard.count)
     elif finalized.missing:
@@ -175,39 +137,8 @@ def run_shard(job: JobConfig, shard: ShardSpec, *, engine=None, limit: int | Non
     return ShardResult(shard, summary, finalized, len(pending), len(skipped), redo)
 
 
-def _prepare(plan: JobPlan, shard: ShardSpec, mine: list[WorkUnit]) -> dict[str, str]:
-    """The folder under the shared lock: the manifests created once (and checked), this shard's own
-    leftovers cleared. Other shards are live beside us, so only what belongs to our units is touched."""
-    storage, job = plan.output.storage, plan.job
-    manifest = manifest_text(job.name, plan.config_hash, plan.inputs.fingerprint, plan.units)
-    create_text_once(storage, MANIFEST_NAME, manifest)
-    shards_text = json.dumps({"num_shards": shard.count, "config_hash": plan.config_hash}, indent=1) + "\n"
-    create_text_once(storage, SHARDS_MANIFEST_NAME, shards_text)
-    recorded = json.loads(storage.read_text(SHARDS_MANIFEST_NAME))
-    if recorded.get("num_shards") != shard.count:
-        raise JobError(f"--shard {shard.index}/{shard.count}: {storage.url} was started with "
-                       f"{recorded.get('num_shards')} shards, this run says {shard.count} "
-                       f"(from {shard.source}); run every shard with the same N")
-    # Read again now that the manifest is ours for sure: a shard with another config that raced us to
-    # an empty folder lost the create above and is refused here, naming both hashes.
-    state = plan.output.state(plan.config_hash, plan.inputs.fingerprint, plan.units)
-    raise_if_refused(state)
-    plan.state = state
-    own = {u.output_name for u in mine}
-    for name in storage.list_names():  # temp files of our units are a dead run's of this very shard
-        if is_temp_name(name) and any(name.startswith(f".{part}.") for part in own):
-            storage.remove(name)
-    redo = {name: why for name, why in state.redo.items() if name in own}
-    if state.has_success and not state.is_complete(plan.unit_names):
-        storage.remove(SUCCESS_NAME)  # it stood beside a missing or damaged part: this job is not complete
-    for name in redo:
-        if storage.fs.exists(storage.join(record_name(name))):
-            storage.remove(record_name(name))
-    return redo
-
-
-def _shard_summary(plan: JobPlan, shard: ShardSpec, mine, pending, skipped, redo, totals: Totals,
-                   seconds: float, reports: dict, started: float) -> dict:
+def _shard_summary(plan: JobPlan, run: OutputRun, totals: Totals, seconds: float, reports: dict,
+                   started: float) -> dict:
     """This shard's figures: its units (all of them, also those an earlier run wrote), what this run did."""
     import pyarrow.parquet as pq
 
@@ -216,15 +147,15 @@ def _shard_summary(plan: JobPlan, shard: ShardSpec, mine, pending, skipped, redo
     whole = Totals(num_requests=totals.num_requests, num_rows=totals.num_rows, num_errors=totals.num_errors,
                    prompt_tokens=totals.prompt_tokens, cached_tokens=totals.cached_tokens,
                    completion_tokens=totals.completion_tokens)
-    storage = plan.output.storage
+    storage, skipped = run.storage, run.skipped_units
     for unit in skipped:
         with storage.fs.open(storage.join(unit.output_name), "rb") as f:
             whole.add_table(pq.read_table(f, columns=SUMMARY_COLUMNS))
     return {
-        "job": plan.job.name, "config_hash": plan.config_hash, "shard": shard.to_dict(),
+        "job": plan.job.name, "config_hash": plan.config_hash, "shard": run.shard.to_dict(),
         "host": socket.gethostname(), "pid": os.getpid(), "started": started, "finished": time.time(),
-        "num_units": len(mine), "units_run": [u.output_name for u in pending],
-        "num_units_skipped": len(skipped), "units_redone": sorted(redo), "resumed": bool(skipped),
+        "num_units": len(run.units), "units_run": [u.output_name for u in run.pending_units],
+        "num_units_skipped": len(skipped), "units_redone": sorted(run.redo), "resumed": bool(skipped),
         "num_requests": whole.num_requests, "num_rows": whole.num_rows, "num_errors": whole.num_errors,
         "prompt_tokens": whole.prompt_tokens, "cached_tokens": whole.cached_tokens,
         # Speed: this run's generation only.

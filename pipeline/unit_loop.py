@@ -13,19 +13,19 @@ from dataclasses import dataclass
 import pyarrow as pa
 
 from batchgen.engine import LLMEngine, RequestOutput
-from batchgen.pipeline.openai.batch_output import OpenAILines
-from batchgen.pipeline.openai.batch_lines import decode_batch_lines
 from batchgen.pipeline.config import JobConfig
 from batchgen.pipeline.feeder import Feeder
 from batchgen.pipeline.id_scan import Position, repeat_key
+from batchgen.pipeline.openai.batch_lines import decode_batch_lines
+from batchgen.pipeline.openai.batch_output import OpenAILines
+from batchgen.pipeline.output import CommitContext, WorkUnit, contiguous_runs
+from batchgen.pipeline.parquet_rows import decode_batch
 from batchgen.pipeline.progress import Progress
 from batchgen.pipeline.reader import read_rows
 from batchgen.pipeline.request_builder import RequestBuilder, RowTask
-from batchgen.pipeline.parquet_rows import decode_batch
 from batchgen.pipeline.storage import Storage
 from batchgen.pipeline.summary import Totals
-from batchgen.pipeline.output.units import WorkUnit, contiguous_runs
-from batchgen.pipeline.writer import CommitContext, UnitWriter
+from batchgen.pipeline.writer import UnitWriter
 
 log = logging.getLogger("batchgen.pipeline")
 

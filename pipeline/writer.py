@@ -11,18 +11,16 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchgen.engine import RequestOutput
-from batchgen.pipeline.output.commits import CommitRecord, IdChecksum, write_record
+from batchgen.pipeline.output import CommitContext, IdChecksum, WorkUnit
 from batchgen.pipeline.request_builder import RowTask
 from batchgen.pipeline.schema import GENERATED_FIELDS, generated_fields
 from batchgen.pipeline.storage import PartFile, Storage
-from batchgen.pipeline.output.units import WorkUnit
 
 # Output rows per write (one Parquet row group each): rows wait as Python objects (~10 KB for a row of
 # 256 tokens) until written, so a unit's memory is this plus the rows that finished out of order.
@@ -74,15 +72,6 @@ def _set_line(rows: list[dict], line: str) -> None:
     """A request's output line goes on its sample 0 row (rows come sorted by sample index)."""
     for i, row in enumerate(rows):
         row["openai_line"] = line if i == 0 else None
-
-
-@dataclass(frozen=True)
-class CommitContext:
-    """What each part's commit record names, and the check that this run may still write (its lock)."""
-
-    config_hash: str
-    run_id: str
-    may_commit: Callable[[], None] = lambda: None  # raises when the run lost its output folder
 
 
 class UnitPart:
@@ -225,15 +214,8 @@ class UnitWriter:
     def _commit(self, part: UnitPart) -> None:
         try:
             part.close()
-            self.commit.may_commit()
-            written = part.file.commit()
+            self.commit.commit_unit(self.storage, part.file, part.unit, part.num_rows, part.ids.hexdigest())
         except BaseException:
             part.abort()
             raise
-        unit = part.unit
-        write_record(self.storage, CommitRecord(
-            part=unit.output_name, unit=unit.index, input_file=unit.file.display, start=unit.start,
-            stop=unit.stop, num_rows=part.num_rows, id_checksum=part.ids.hexdigest(), size=written.size,
-            sha256=written.sha256, etag=written.etag, config_hash=self.commit.config_hash,
-            run_id=self.commit.run_id))
-        self.on_committed(unit)
+        self.on_committed(part.unit)

@@ -22,13 +22,16 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from batchgen.engine import LLMEngine, RequestOutput, SamplingParams
-from batchgen.serve import responses
-from batchgen.serve.engine_loop import (Admitted, EngineLoop, EventSink, Failed, Finished, Progress,
-                                                 Submission)
 from batchgen.pipeline.openai.api_error import APIError, bad_request
+from batchgen.pipeline.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    parse_request,
+    sampling_params_from_body,
+)
+from batchgen.serve import responses
+from batchgen.serve.engine_loop import Admitted, EngineLoop, EventSink, Failed, Finished, Progress, Submission
 from batchgen.serve.metrics import Metrics
-from batchgen.pipeline.openai.protocol import (ChatCompletionRequest, CompletionRequest, parse_request,
-                                              sampling_params_from_body)
 
 log = logging.getLogger("batchgen.serve")
 

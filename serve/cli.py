@@ -117,6 +117,7 @@ def serve_main(argv: list[str]) -> int:
               file=sys.stderr)
         return 1
     import uvicorn
+
     from batchgen.pipeline.errors import JobError
 
     try:

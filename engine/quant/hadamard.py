@@ -6,7 +6,7 @@ float, since (x R)(W R)^T = x W^T) spreads such outliers over many columns, as Q
 incoherence processing does. R here is block-diagonal with one Sylvester Hadamard block of
 HADAMARD_SIZE (entries +-1/8, symmetric, its own inverse) per 64 columns: two blocks per group of
 128, nothing stored per layer, and at run time one (T, K/64, 64) x (64, 64) product: 64 multiply-
-adds per input value against the layer's own N (2-11% of its matmul at SmolLM2's N of 576-3072).
+adds per input value, against the N the layer's own matmul spends on it.
 """
 
 from __future__ import annotations

@@ -17,7 +17,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from batchgen.engine.quant.int_formats import IntWeight, read_awq, read_gptq, read_int_quantized, read_pack_quantized
+from batchgen.engine.quant.int_formats import (
+    IntWeight,
+    read_awq,
+    read_gptq,
+    read_int_quantized,
+    read_pack_quantized,
+)
 from batchgen.engine.quant.int_formats.int_weight import concat_out_features
 from batchgen.engine.quant.int_linear import IntLinear
 from batchgen.engine.quant.methods import DeclaredQuantization

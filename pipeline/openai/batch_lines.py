@@ -24,11 +24,11 @@ from typing import Any
 import pyarrow as pa
 
 from batchgen.engine.config import SettingError
-from batchgen.pipeline.openai.batch_file import BATCH_ID_COLUMN, BATCH_LINE_COLUMN
 from batchgen.pipeline.config import JobConfig
-from batchgen.pipeline.request_builder import OpenAIRequest, RowError, RowInput
 from batchgen.pipeline.openai.api_error import APIError
+from batchgen.pipeline.openai.batch_file import BATCH_ID_COLUMN, BATCH_LINE_COLUMN
 from batchgen.pipeline.openai.protocol import ChatCompletionRequest, CompletionRequest, parse_request
+from batchgen.pipeline.request_builder import OpenAIRequest, RowError, RowInput
 
 ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
 _LINE_KEYS = ("custom_id", "method", "url", "body")

@@ -24,9 +24,11 @@ import pyarrow.parquet as pq
 
 from batchgen.engine import RequestOutput
 from batchgen.pipeline.config import JobConfig
-from batchgen.pipeline.output.folder import ERRORS_JSONL, OUTPUT_JSONL
 from batchgen.pipeline.request_builder import RowTask
 from batchgen.pipeline.storage import Storage
+
+OUTPUT_JSONL = "output.jsonl"  # the Batch API's output file: one line per request that ran
+ERRORS_JSONL = "errors.jsonl"  # and its error file: one line per request that could not
 
 LINE_COLUMN = "openai_line"
 

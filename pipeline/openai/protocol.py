@@ -47,6 +47,16 @@ UNSUPPORTED = {
 }
 
 
+# Request sampling fields whose default (the field left unset) is not SamplingParams', with the reason.
+# docs/architecture.md's defaults table lists them beside the job file's (pipeline/job_settings.py).
+SERVER_DEFAULTS = {
+    "max_tokens": (
+        "chat: what max_model_len leaves after the prompt; completions: 16",
+        "OpenAI's chat API caps a completion only when asked (max_tokens / max_completion_tokens); its "
+        "completions API, like vLLM's, defaults to 16"),
+}
+
+
 def _is_unused(name: str, value: Any, body: dict) -> bool:
     """A value that asks for nothing: null, false, empty, or the field's default behaviour."""
     if value is None or value is False or value == {} or value == []:

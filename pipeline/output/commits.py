@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from batchgen.pipeline.storage import Storage, version_tag
 from batchgen.pipeline.output.units import WorkUnit
+from batchgen.pipeline.storage import PartFile, Storage, version_tag
 
 COMMITS_DIR = "_commits"
 
@@ -69,6 +70,26 @@ class IdChecksum:
 
     def hexdigest(self) -> str:
         return self.digest.hexdigest()
+
+
+@dataclass(frozen=True)
+class CommitContext:
+    """What each part's commit record names, and the check that this run may still write (its lock)."""
+
+    config_hash: str
+    run_id: str
+    may_commit: Callable[[], None] = lambda: None  # raises when the run lost its output folder
+
+    def commit_unit(self, storage: Storage, file: PartFile, unit: WorkUnit, num_rows: int,
+                    id_checksum: str) -> None:
+        """Make a closed part file visible under its name, then write its record: from here the unit is done.
+        The lock is checked first, so a run that lost its folder never commits."""
+        self.may_commit()
+        written = file.commit()
+        write_record(storage, CommitRecord(
+            part=unit.output_name, unit=unit.index, input_file=unit.file.display, start=unit.start,
+            stop=unit.stop, num_rows=num_rows, id_checksum=id_checksum, size=written.size,
+            sha256=written.sha256, etag=written.etag, config_hash=self.config_hash, run_id=self.run_id))
 
 
 def write_record(storage: Storage, record: CommitRecord) -> None:

@@ -19,16 +19,15 @@ from dataclasses import dataclass, field
 
 import fsspec.utils
 
-from batchgen.pipeline.output.commits import COMMITS_DIR, read_records, record_name, verify_part
 from batchgen.pipeline.errors import JobError
+from batchgen.pipeline.openai.batch_output import ERRORS_JSONL, OUTPUT_JSONL
+from batchgen.pipeline.output.commits import COMMITS_DIR, read_records, record_name, verify_part
 from batchgen.pipeline.output.fingerprint import FileFingerprint, describe_changes, to_manifest
-from batchgen.pipeline.storage import Storage, is_temp_name
 from batchgen.pipeline.output.units import WorkUnit
+from batchgen.pipeline.storage import Storage, is_temp_name
 
 MANIFEST_NAME = "_batchgen.json"
 SUCCESS_NAME = "_SUCCESS"
-OUTPUT_JSONL = "output.jsonl"
-ERRORS_JSONL = "errors.jsonl"
 SHARDS_MANIFEST_NAME = "_batchgen.shards.json"  # static shards: how many the folder was started with
 WORKERS_DIR = "_workers"  # one summary per shard / Ray driver run (merged into _SUCCESS)
 _PART_RE = re.compile(r"part-\d{5,}\.parquet")

@@ -18,7 +18,14 @@ import time
 from dataclasses import replace
 
 from batchgen.pipeline.output import lock as lock_module
-from batchgen.pipeline.output.lock import FolderLock, Holder, LockHeld, LockLost, refresh_interval, start_refresher
+from batchgen.pipeline.output.lock import (
+    FolderLock,
+    Holder,
+    LockHeld,
+    LockLost,
+    refresh_interval,
+    start_refresher,
+)
 from batchgen.pipeline.storage import Storage
 
 log = logging.getLogger("batchgen.pipeline")

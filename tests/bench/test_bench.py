@@ -17,6 +17,7 @@ from batchgen.bench import gemm_rate
 from batchgen.bench.cli import bench_command
 from batchgen.bench.engine_side import parse_engine_overrides
 from batchgen.bench.gemm_rate import measure_gemm_rate
+from batchgen.bench.harness import run_bench
 from batchgen.bench.options import BenchOptions
 from batchgen.bench.report import format_report
 from batchgen.bench.roofline import (
@@ -24,7 +25,6 @@ from batchgen.bench.roofline import (
     num_lm_head_flops_per_token,
     workload_roofline,
 )
-from batchgen.bench.harness import run_bench
 from batchgen.bench.workloads import (
     SHARED_SYSTEM_PROMPT,
     BenchRequest,

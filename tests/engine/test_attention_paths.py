@@ -11,8 +11,8 @@ import torch
 
 from batchgen.engine import SamplingParams
 from batchgen.engine.attention.cpu import CpuAttention
-from batchgen.engine.attention.kv_cache import LayerKVCache
 from batchgen.engine.attention.decode_staging import DecodeRows, StagingPool, row_ranges
+from batchgen.engine.attention.kv_cache import LayerKVCache
 from batchgen.engine.attention.sdpa import SdpaAttention, SdpaAttentionMetadata, split_by_padding
 from batchgen.engine.llm_engine import LLMEngine
 from batchgen.engine.sequence import Sequence

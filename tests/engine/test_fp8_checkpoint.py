@@ -13,9 +13,9 @@ from safetensors.torch import load_file, save_file
 from batchgen.engine import LLM, SamplingParams
 from batchgen.engine.capacity import weight_bytes
 from batchgen.engine.config import EngineConfig
-from batchgen.engine.quant.calibrate.sequence_runner import SequenceRunner, teacher_forced_logits
 from batchgen.engine.loader.model_loader import load_model
 from batchgen.engine.quant import fp8_checkpoint
+from batchgen.engine.quant.calibrate.sequence_runner import SequenceRunner, teacher_forced_logits
 from batchgen.engine.quant.fp8_linear import Fp8Linear
 from batchgen.engine.quant.fp8_writer import write_fp8_checkpoint
 from tests.engine.fp8_tiny import calibrate_input_scales, write_tiny_llama

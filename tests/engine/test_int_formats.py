@@ -21,7 +21,6 @@ from batchgen.engine.quant.int_formats import (
 )
 from tests.engine.int_packers import Quantized, pack_awq, pack_ct, pack_gptq
 
-
 # ---- GPTQ: qweight (K * bits / 32, N) packed along K; qzeros (G, N * bits / 32) packed along N ----
 
 @pytest.mark.parametrize("bits", [4, 8])

@@ -7,8 +7,7 @@ from __future__ import annotations
 import torch
 
 from batchgen.engine import sampler as sampler_module
-from batchgen.engine.keyed_random import (keyed_exponential, keyed_exponential_at, keyed_uniform,
-                                          sequence_key)
+from batchgen.engine.keyed_random import keyed_exponential, keyed_exponential_at, keyed_uniform, sequence_key
 from batchgen.engine.sampler import Sampler, race
 from batchgen.engine.sampling_params import SamplingParams
 from tests.engine.test_sampler import EOS, VOCAB, allowed_tokens, draws_at_successive_positions, make_seq

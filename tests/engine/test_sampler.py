@@ -261,3 +261,15 @@ def test_valid_edge_values_are_accepted():
     SamplingParams(temperature=100, n=MAX_N, repetition_penalty=1e-6, presence_penalty=-2, frequency_penalty=2,
                    stop_token_ids=[0])
     assert SamplingParams(stop="###").stop == ["###"]
+
+
+def test_every_packed_sampling_section_is_a_sampling_batch_field():
+    """The section groups are declared once; attach_sampling_tensors sets SamplingBatch's field of the same name."""
+    import dataclasses
+
+    from batchgen.engine.sampling_batch import SECTION_GROUPS, SamplingBatch
+
+    batch_fields = {f.name for f in dataclasses.fields(SamplingBatch)}
+    section_fields = [f.name for group in SECTION_GROUPS for f in dataclasses.fields(group)]
+    assert len(section_fields) == len(set(section_fields))
+    assert set(section_fields) - batch_fields == set()

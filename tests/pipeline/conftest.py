@@ -8,7 +8,6 @@ import time
 from pathlib import Path
 
 import fsspec
-
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest

@@ -8,7 +8,7 @@ import os
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from batchgen.pipeline.output.commits import CommitRecord, IdChecksum, write_record
+from batchgen.pipeline.output import CommitContext, IdChecksum
 from batchgen.pipeline.reader import read_rows
 from batchgen.pipeline.storage import Storage
 from batchgen.pipeline.summary import Totals
@@ -18,11 +18,10 @@ _VALUES = {"sample_index": 0, "finish_reason": "length", "prompt_tokens": 1, "ca
 
 
 class NullReplica:
-    def __init__(self, job, output_schema: pa.Schema, config_hash: str, run_id: str):
+    def __init__(self, job, output_schema: pa.Schema, commit: CommitContext):
         self.job = job
         self.schema = output_schema
-        self.config_hash = config_hash
-        self.run_id = run_id
+        self.commit = commit
         self.input_storage = Storage(job.input.path, job.input.storage_options)
         self.output_storage = Storage(job.output.path, job.output.storage_options)
 
@@ -42,11 +41,7 @@ class NullReplica:
                 writer.write_table(pa.Table.from_arrays(arrays, schema=self.schema))
                 ids.update(batch.column(0))
                 num_rows += n
-        written = part.commit()
-        write_record(self.output_storage, CommitRecord(
-            part=unit.output_name, unit=unit.index, input_file=unit.file.display, start=unit.start, stop=unit.stop,
-            num_rows=num_rows, id_checksum=ids.hexdigest(), size=written.size, sha256=written.sha256,
-            etag=written.etag, config_hash=self.config_hash, run_id=self.run_id))
+        self.commit.commit_unit(self.output_storage, part, unit, num_rows, ids.hexdigest())
         return {"unit": unit.index, "totals": Totals(num_requests=num_rows, num_rows=num_rows,
                                                      prompt_tokens=num_rows),
                 "generation_seconds": 0.0, "pid": os.getpid()}

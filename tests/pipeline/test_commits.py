@@ -10,9 +10,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from batchgen.pipeline.output.commits import IdChecksum
 from batchgen.pipeline.errors import JobError
 from batchgen.pipeline.job import run_job
+from batchgen.pipeline.output.commits import IdChecksum
 from tests.pipeline.conftest import FakeEngine, make_job, read_output, write_parquet
 
 IDS = list(range(6))

@@ -11,8 +11,8 @@ import pytest
 
 from batchgen.engine import SamplingParams
 from batchgen.pipeline.config import load_job
-from batchgen.pipeline.job_plan import plan_job
 from batchgen.pipeline.job import run_job
+from batchgen.pipeline.job_plan import plan_job
 from batchgen.pipeline.summary import SUCCESS_KEYS
 from tests.pipeline.conftest import engine_sections, make_job, read_output, write_parquet
 

@@ -13,9 +13,9 @@ import pytest
 from batchgen.engine import SamplingParams
 from batchgen.pipeline.errors import JobError
 from batchgen.pipeline.feeder import Feeder
+from batchgen.pipeline.job import run_job
 from batchgen.pipeline.job_plan import plan_job
 from batchgen.pipeline.request_builder import RowTask
-from batchgen.pipeline.job import run_job
 from tests.pipeline.conftest import FakeEngine, make_job, read_output, write_parquet
 
 

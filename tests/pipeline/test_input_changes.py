@@ -12,8 +12,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from batchgen.pipeline.errors import JobError
-from batchgen.pipeline.job_plan import plan_job
 from batchgen.pipeline.job import run_job
+from batchgen.pipeline.job_plan import plan_job
 from tests.pipeline.conftest import FailingEngine, FakeEngine, make_job, read_output, write_parquet
 
 

@@ -28,6 +28,7 @@ from batchgen.pipeline.config import (
     validate_job,
 )
 from batchgen.pipeline.errors import JobError
+from batchgen.pipeline.job import run_job
 from batchgen.pipeline.job_settings import (
     ENGINE_ONLY,
     JOB_DEFAULTS,
@@ -36,7 +37,6 @@ from batchgen.pipeline.job_settings import (
     ROW_OVERRIDABLE,
     SAMPLING_ONLY,
 )
-from batchgen.pipeline.job import run_job
 from tests.pipeline.conftest import make_job, read_output, write_parquet
 from tests.pipeline.tiny_model import tiny_config
 
@@ -285,3 +285,29 @@ def test_values_inside_the_model_pass_validate(model_job):
     assert invoke("validate", str(model_job(max_model_len=64, max_tokens=63))).exit_code == 0
     assert "below model.max_model_len (64)" in invoke("validate", str(model_job(max_model_len=64,
                                                                                 max_tokens=64))).stderr
+
+
+def defaults_table_rows() -> list[str]:
+    """docs/architecture.md's table of the defaults that differ between the engine, a job and the server,
+    rendered from the code that sets them (JOB_DEFAULTS, SERVER_DEFAULTS and the engine's dataclasses)."""
+    from batchgen.pipeline.openai.protocol import SERVER_DEFAULTS
+
+    owners = {section: owner for section, _, owner in SECTIONS}
+    keys = sorted({*JOB_DEFAULTS, *(("sampling", key) for key in SERVER_DEFAULTS)})
+    rows = []
+    for section, key in keys:
+        engine = engine_default(owners[section], key)
+        job, job_reason = JOB_DEFAULTS.get((section, key), (engine, ""))
+        server, server_reason = SERVER_DEFAULTS.get(key, (engine, "")) if section == "sampling" else (engine, "")
+        reason = "; ".join(r for r in (f"job: {job_reason}" if job_reason else "",
+                                       f"server: {server_reason}" if server_reason else "") if r)
+        shown = [value if isinstance(value, str) else f"`{value!r}`" for value in (engine, job, server)]
+        rows.append(f"| `{section}.{key}` | {' | '.join(shown)} | {reason.replace('|', '/')} |")
+    return rows
+
+
+def test_the_architecture_page_tables_every_default_that_differs():
+    page = (Path(__file__).resolve().parents[2] / "docs" / "architecture.md").read_text()
+    missing = [row for row in defaults_table_rows() if row not in page]
+    assert missing == [], "docs/architecture.md's defaults table is out of date; expected rows:\n" + "\n".join(
+        defaults_table_rows())

@@ -14,9 +14,9 @@ from collections import Counter
 import pytest
 import yaml
 
+from batchgen.pipeline.job import run_job
 from batchgen.pipeline.output import lock as lock_module
 from batchgen.pipeline.output.lock import Holder, LockHeld, LockLost, lock_folder
-from batchgen.pipeline.job import run_job
 from batchgen.pipeline.storage import Storage, is_temp_name
 from tests.pipeline.conftest import FakeEngine, GatedEngine, make_job, read_output, write_parquet
 

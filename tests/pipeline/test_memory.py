@@ -147,7 +147,8 @@ WRITE_UNIT = textwrap.dedent("""
     from batchgen.pipeline.schema import output_schema
     from batchgen.pipeline.storage import Storage
     from batchgen.pipeline.output.units import WorkUnit
-    from batchgen.pipeline.writer import CommitContext, UnitWriter
+    from batchgen.pipeline.output import CommitContext
+    from batchgen.pipeline.writer import UnitWriter
 
     num_rows, folder = int(sys.argv[1]), sys.argv[2]
     window, num_tokens = 256, 256  # rows finish in any order within a window of 256

@@ -13,11 +13,18 @@ from typer.testing import CliRunner
 
 from batchgen.engine import SamplingParams
 from batchgen.pipeline import cli
-from batchgen.pipeline.openai.batch_lines import decode_line
 from batchgen.pipeline.config import JobConfig, validate_job
 from batchgen.pipeline.errors import JobError
 from batchgen.pipeline.job import run_job
-from tests.pipeline.conftest import FailingEngine, FakeEngine, engine_sections, make_job, read_output, write_parquet
+from batchgen.pipeline.openai.batch_lines import decode_line
+from tests.pipeline.conftest import (
+    FailingEngine,
+    FakeEngine,
+    engine_sections,
+    make_job,
+    read_output,
+    write_parquet,
+)
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 

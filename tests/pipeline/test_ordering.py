@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pyarrow.parquet as pq
 
+from batchgen.pipeline.job import run_job
 from batchgen.pipeline.ordering import order_window
 from batchgen.pipeline.request_builder import RowTask
-from batchgen.pipeline.job import run_job
 from tests.pipeline.conftest import make_job, read_output, write_parquet
 
 

@@ -11,8 +11,8 @@ import fsspec
 import pytest
 from typer.testing import CliRunner
 
-from batchgen.pipeline.cli import app
 from batchgen.pipeline.capacity_plan import make_plan, read_target
+from batchgen.pipeline.cli import app
 from tests.engine.model_shapes import (
     MISTRAL_7B_LOGITS_BYTES_PER_SEQ,
     MISTRAL_7B_SHAPE,

@@ -6,7 +6,13 @@ import json
 
 from batchgen.pipeline.job import run_job
 from tests.conftest import TEST_ENGINE_KWARGS
-from tests.engine.prefix_prompts import NUM_SHARED_TOKENS, SYSTEM, chat, shared_prefix_blocks_tokens, user_message
+from tests.engine.prefix_prompts import (
+    NUM_SHARED_TOKENS,
+    SYSTEM,
+    chat,
+    shared_prefix_blocks_tokens,
+    user_message,
+)
 from tests.pipeline.conftest import make_job, read_output, write_parquet
 
 NUM_PROMPTS = 16

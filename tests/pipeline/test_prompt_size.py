@@ -14,8 +14,8 @@ import textwrap
 import pyarrow as pa
 import pytest
 
-from batchgen.pipeline.request_builder import max_prompt_bytes
 from batchgen.pipeline.job import run_job
+from batchgen.pipeline.request_builder import max_prompt_bytes
 from tests.pipeline.conftest import make_job, read_output, write_parquet
 from tests.pipeline.tiny_model import write_tiny_model
 

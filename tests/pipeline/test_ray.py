@@ -13,8 +13,8 @@ from typer.testing import CliRunner
 from batchgen.pipeline.cli import app
 from batchgen.pipeline.config import load_job
 from batchgen.pipeline.errors import JobError
-from batchgen.pipeline.ray_driver import run_on_ray
 from batchgen.pipeline.job import run_job
+from batchgen.pipeline.ray_driver import run_on_ray
 from tests.pipeline.conftest import read_output
 from tests.pipeline.ray_helpers import Killer, replica_pids
 from tests.pipeline.scale_helpers import (

@@ -7,11 +7,11 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from batchgen.pipeline.reader import inspect_file, list_input_files, read_rows
+from batchgen.pipeline.output.units import contiguous_runs, plan_units
 from batchgen.pipeline.parquet_rows import decode_batch
+from batchgen.pipeline.reader import inspect_file, list_input_files, read_rows
 from batchgen.pipeline.schema import check_input_schema
 from batchgen.pipeline.storage import Storage
-from batchgen.pipeline.output.units import contiguous_runs, plan_units
 from tests.pipeline.conftest import make_job, write_parquet
 
 MESSAGES = [[{"role": "user", "content": "hi"}], [{"role": "system", "content": "s"}, {"role": "user", "content": "q"}]]
