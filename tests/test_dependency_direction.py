@@ -138,3 +138,20 @@ def test_the_reader_sees_both_import_forms(tmp_path):
     assert ("batchgen.engine.llm", False) in found
     assert ("batchgen.engine.sub.sibling", False) in found
     assert ("batchgen.pipeline.job", True) in found
+
+
+def test_the_output_folder_layer_is_used_through_its_api_only():
+    """Outside pipeline/output/, code imports `batchgen.pipeline.output` (its __init__), never its modules."""
+    layer = "batchgen.pipeline.output"
+    offenders = [f"{i.module} -> {i.target}" for i in IMPORTS
+                 if not i.module.startswith(layer) and _is_submodule(i.target, layer)]
+    assert offenders == []
+
+
+def _is_submodule(target: str, layer: str) -> bool:
+    """`batchgen.pipeline.output.lock` is a module of the layer; `batchgen.pipeline.output.open_run` (a name
+    imported from its __init__, as the reader records `from X import name` as X.name too) is not."""
+    if not target.startswith(layer + "."):
+        return False
+    name = target.removeprefix(layer + ".").split(".")[0]
+    return (ROOT / "pipeline" / "output" / f"{name}.py").exists()
