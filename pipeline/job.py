@@ -84,15 +84,16 @@ def _run_locked(plan: JobPlan, lock: FolderLock, engine: LLMEngine | None, overw
 
 
 def engine_reports(engine: LLMEngine) -> dict:
-    """What `_SUCCESS` says of the engine that ran: its kernels, KV cache and weight format."""
+    """What `_SUCCESS` says of the engine that ran: its model, kernels, KV cache and weight format."""
     stats = engine.stats
-    return {"kernels": stats.get("kernels", {}), "kv_cache": stats.get("kv_cache"), "weights": stats.get("weights", {})}
+    return {"model": engine.config.model, "kernels": stats.get("kernels", {}), "kv_cache": stats.get("kv_cache"),
+            "weights": stats.get("weights", {})}
 
 
 def write_job_success(plan: JobPlan, lock: FolderLock, skipped: list[WorkUnit], this_run: Totals,
                       generation_seconds: float, *, kernels: dict, kv_cache: dict | None = None,
                       weights: dict | None = None, workers: dict | None = None,
-                      speculative: dict | None = None) -> dict:
+                      speculative: dict | None = None, model: str | None = None) -> dict:
     """The run's `_SUCCESS`, written last (after output.jsonl/errors.jsonl for openai_batch output) while
     the run still holds its folder: counts over the whole output, speed and latency over this run."""
     job = plan.job
@@ -103,7 +104,7 @@ def write_job_success(plan: JobPlan, lock: FolderLock, skipped: list[WorkUnit], 
             whole.add_table(pq.read_table(f, columns=SUMMARY_COLUMNS))
     record = success_record(job.name, plan.config_hash, whole, this_run, generation_seconds,
                             resumed=bool(skipped), kernels=kernels, kv_cache=kv_cache, weights=weights,
-                            workers=workers, speculative=speculative)
+                            workers=workers, speculative=speculative, model=model)
     if job.writes_batch_output:  # from the committed parts (also an earlier run's)
         lock.check()
         write_batch_outputs(plan.output.storage, plan.unit_names)
