@@ -12,7 +12,6 @@ import tempfile
 from dataclasses import dataclass, field
 
 import numpy as np
-import polars as pl
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -107,7 +106,8 @@ def compare_runs(new: RunFolder, old: RunFolder, config: ReportConfig) -> Compar
     id_type = common_id_type(new.schema.field("id").type, old.schema.field("id").type, new.url, old.url)
     stats_new, stats_old = RunStats(new, config), RunStats(old, config)
     join_columns = _join_columns(new, old, config)
-    count = num_partitions(max(new.column_bytes(join_columns), old.column_bytes(join_columns)),
+    count = num_partitions(max(new.arrow_bytes([c for c in join_columns if c in new.column_names]),
+                               old.arrow_bytes([c for c in join_columns if c in old.column_names])),
                            config.partition_bytes)
     with tempfile.TemporaryDirectory(prefix="batchgen-report-") as folder:
         paths = {}
@@ -123,10 +123,13 @@ def compare_runs(new: RunFolder, old: RunFolder, config: ReportConfig) -> Compar
             finally:
                 writer.close()
             paths[side] = writer.paths
+            pa.default_memory_pool().release_unused()  # the allocator keeps freed pages otherwise
         comparison = Comparison(stats_new.figures(), stats_old.figures(), num_partitions=count)
         builder = _Builder(comparison, config, check_prompts=_same_model(new, old), names=(new.url, old.url))
         for new_rows, old_rows, new_index, old_index in joined_pairs(paths["new"], paths["old"]):
             builder.add(new_rows, old_rows, new_index, old_index)
+            del new_rows, old_rows
+            pa.default_memory_pool().release_unused()
     if comparison.num_identical + comparison.num_different == 0 and new.num_rows and old.num_rows:
         raise ReportError(f"different prompt sets: no (id, sample_index) of {new.url} is in {old.url}")
     builder.finish()
@@ -292,7 +295,7 @@ def _equal(x: pa.ChunkedArray, y: pa.ChunkedArray) -> np.ndarray:
 
 
 def _refuse_repeated_keys(rows: pa.Table, name: str) -> None:
-    if rows.num_rows and pl.from_arrow(rows.select(list(KEYS))).is_duplicated().any():
+    if rows.num_rows and rows.group_by(list(KEYS)).aggregate([]).num_rows < rows.num_rows:
         raise ReportError(f"{name} has rows with a repeated (id, sample_index) (a job run with "
                           "input.allow_duplicate_ids): its rows cannot be matched by id")
 

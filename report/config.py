@@ -32,7 +32,7 @@ class ReportConfig:
     max_categories: int = 1000  # distinct --by values counted apart; the rest count as "(other)"
     max_shown_chars: int = 2000  # of a completion or an error shown on the page
     batch_rows: int = 65_536  # rows read from a part at a time
-    partition_bytes: int = 32 << 20  # target uncompressed bytes of one join partition, per run
+    partition_bytes: int = 8 << 20  # target in-memory bytes of one join partition, per run
 
     def __post_init__(self) -> None:
         for name in ("num_slowest", "num_failed", "num_listed_ids", "num_inline_diffs", "max_categories",

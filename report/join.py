@@ -13,7 +13,6 @@ import os
 from collections.abc import Iterator
 
 import numpy as np
-import polars as pl
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -50,12 +49,37 @@ def num_partitions(num_bytes: int, target_bytes: int) -> int:
     return max(1, min(MAX_PARTITIONS, math.ceil(num_bytes / target_bytes)))
 
 
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finalizer on uint64 (wrapping arithmetic): every input bit moves every output bit."""
+    x = x ^ (x >> np.uint64(30))
+    x = x * np.uint64(0xBF58476D1CE4E5B9)
+    x = x ^ (x >> np.uint64(27))
+    x = x * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def id_hashes(ids: pa.Array) -> np.ndarray:
+    """uint64 per id, equal for equal ids of one key type (int64, large_string or large_binary); nulls hash
+    to 0. Text is hashed byte by byte: each byte mixed with its position, summed over the id."""
+    if pa.types.is_integer(ids.type):
+        return _mix(ids.fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64).view(np.uint64))
+    ids = pa.concat_arrays([ids])  # offset 0: the buffers start at the first id
+    offsets = np.frombuffer(ids.buffers()[1], np.int64, len(ids) + 1)
+    data = ids.buffers()[2]
+    raw = np.frombuffer(data, np.uint8, offsets[-1]) if data is not None else np.zeros(0, np.uint8)
+    lengths = np.diff(offsets)
+    pos = np.arange(raw.size, dtype=np.uint64) - np.repeat(offsets[:-1], lengths).astype(np.uint64)
+    contributions = _mix((pos << np.uint64(8)) | raw.astype(np.uint64))
+    sums = np.concatenate([[np.uint64(0)], np.cumsum(contributions, dtype=np.uint64)])
+    hashes = _mix((sums[offsets[1:]] - sums[offsets[:-1]]) ^ lengths.astype(np.uint64))
+    return np.where(ids.is_valid().to_numpy(zero_copy_only=False), hashes, np.uint64(0))
+
+
 def partition_of(ids: pa.Array, count: int) -> np.ndarray:
     """Which partition each id goes to: the same for equal ids of equal type, in either run."""
     if count == 1:
         return np.zeros(len(ids), np.int64)
-    hashes = pl.from_arrow(ids).hash(seed=0).to_numpy()  # uint64, deterministic for a type and value
-    return (hashes % np.uint64(count)).astype(np.int64)
+    return (id_hashes(ids) % np.uint64(count)).astype(np.int64)
 
 
 class PartitionWriter:

@@ -38,6 +38,25 @@ def _svg(fig: Figure, name: str) -> str:
     return _PROLOGUE_RE.sub("", buffer.getvalue(), count=1)  # the XML declaration and doctype
 
 
+class _Marks:
+    """Names the artists that draw data `<plot>-data-<k>` (the SVG element ids): a reader, or a test,
+    finds what the plot drew apart from its axes and labels."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.count = 0
+
+    def __call__(self, *groups) -> None:
+        for group in groups:
+            items = group if isinstance(group, (list, tuple)) or hasattr(group, "patches") else [group]
+            for artist in getattr(items, "patches", items):
+                if isinstance(artist, (list, tuple)) or hasattr(artist, "patches"):
+                    self(artist)
+                    continue
+                artist.set_gid(f"{self.name}-data-{self.count}")
+                self.count += 1
+
+
 def _figure() -> tuple[Figure, object]:
     with matplotlib.rc_context(_RC):
         fig = Figure(figsize=_SIZE)
@@ -58,6 +77,7 @@ def histogram(name: str, title: str, xlabel: str, series: list[tuple[str, np.nda
     first series are marked."""
     with matplotlib.rc_context(_RC):
         fig, ax = _figure()
+        mark = _Marks(name)
         cleaned = [(label, values[~np.isnan(values)].astype(np.float64) * scale) for label, values in series]
         present = [v for _, v in cleaned if v.size]
         if not present:
@@ -74,7 +94,7 @@ def histogram(name: str, title: str, xlabel: str, series: list[tuple[str, np.nda
                     continue
                 style = {"histtype": "stepfilled", "alpha": 0.85} if len(cleaned) == 1 else {
                     "histtype": "step", "linewidth": 1.6}
-                ax.hist(values, bins=bins, color=COLORS[k], label=f"{label} ({values.size:,})", **style)
+                mark(ax.hist(values, bins=bins, color=COLORS[k], label=f"{label} ({values.size:,})", **style)[2])
             first = cleaned[0][1]
             if first.size:
                 for q, dash in ((50, "--"), (99, ":")):
@@ -90,6 +110,7 @@ def stacked_lengths(name: str, title: str, lengths: np.ndarray, reasons: np.ndar
     """Completion lengths, one stacked color per finish reason."""
     with matplotlib.rc_context(_RC):
         fig, ax = _figure()
+        mark = _Marks(name)
         if lengths.size == 0:
             _empty(ax, "no rows")
         else:
@@ -98,9 +119,9 @@ def stacked_lengths(name: str, title: str, lengths: np.ndarray, reasons: np.ndar
             bins = np.arange(0, high + step + 1, step) - 0.5
             groups = [(n, lengths[reasons == code]) for code, n in enumerate(names)]
             groups = [(n, v) for n, v in groups if v.size]
-            ax.hist([v for _, v in groups], bins=bins, stacked=True,
-                    color=[COLORS[k % len(COLORS)] for k in range(len(groups))],
-                    label=[f"{n} ({v.size:,})" for n, v in groups])
+            mark(ax.hist([v for _, v in groups], bins=bins, stacked=True,
+                         color=[COLORS[k % len(COLORS)] for k in range(len(groups))],
+                         label=[f"{n} ({v.size:,})" for n, v in groups])[2])
             ax.legend(frameon=False, fontsize=8, title="finish reason", title_fontsize=8)
             ax.set_xlabel("completion tokens")
             ax.set_ylabel("rows")
@@ -113,15 +134,16 @@ def bars(name: str, title: str, labels: list[str], values: list[float], xlabel: 
     with matplotlib.rc_context(_RC):
         fig = Figure(figsize=(_SIZE[0], max(1.6, 0.6 + 0.28 * len(labels) * (2 if second else 1))))
         ax = fig.add_subplot()
+        mark = _Marks(name)
         if not labels:
             _empty(ax, "no rows")
         else:
             y = np.arange(len(labels))[::-1].astype(float)
             height = 0.4 if second else 0.7
             shift = height / 2 if second else 0.0
-            ax.barh(y + shift, values, height=height, color=COLORS[0], label=first_label or None)
+            mark(ax.barh(y + shift, values, height=height, color=COLORS[0], label=first_label or None))
             if second:
-                ax.barh(y - shift, second[1], height=height, color=COLORS[1], label=second[0])
+                mark(ax.barh(y - shift, second[1], height=height, color=COLORS[1], label=second[0]))
                 ax.legend(frameon=False, fontsize=8)
             ax.set_yticks(y, labels=[label if len(label) <= 40 else label[:39] + "…" for label in labels])
             ax.set_xlabel(xlabel)
@@ -132,14 +154,15 @@ def throughput(name: str, title: str, seconds: np.ndarray, tokens: np.ndarray, c
     """Completion tokens written over the run: cumulative, one step per part, at its commit time."""
     with matplotlib.rc_context(_RC):
         fig, ax = _figure()
+        mark = _Marks(name)
         if seconds.size == 0:
             _empty(ax, "the store gives no modification times")
         else:
             order = np.argsort(seconds, kind="stable")
             x = np.concatenate([[0.0], seconds[order]])
             y = np.concatenate([[0], np.cumsum(tokens[order])])
-            ax.step(x, y, where="post", color=COLORS[0], linewidth=1.6)
-            ax.plot(x[1:], y[1:], "o", color=COLORS[0], markersize=3)
+            mark(ax.step(x, y, where="post", color=COLORS[0], linewidth=1.6),
+                 ax.plot(x[1:], y[1:], "o", color=COLORS[0], markersize=3))
             if x[-1] > 0:
                 ax.plot([0, x[-1]], [0, y[-1]], "--", color="#999999", linewidth=1,
                         label=f"mean {y[-1] / x[-1]:,.1f} tokens/s")
@@ -153,6 +176,7 @@ def position_histogram(name: str, title: str, counts: np.ndarray, caption: str) 
     """Rows per first differing token position (counts[p] rows part at position p)."""
     with matplotlib.rc_context(_RC):
         fig, ax = _figure()
+        mark = _Marks(name)
         if counts.sum() == 0:
             _empty(ax, "no row differs in its tokens")
         else:
@@ -160,7 +184,8 @@ def position_histogram(name: str, title: str, counts: np.ndarray, caption: str) 
             width = max(1, int(np.ceil((high + 1) / 60)))
             padded = np.pad(counts, (0, (-len(counts)) % width))
             grouped = padded.reshape(-1, width).sum(axis=1)
-            ax.bar(np.arange(grouped.size) * width + (width - 1) / 2, grouped, width=width * 0.9, color=COLORS[3])
+            mark(ax.bar(np.arange(grouped.size) * width + (width - 1) / 2, grouped, width=width * 0.9,
+                        color=COLORS[3]))
             ax.set_xlabel("first differing token position (0 = first generated token)")
             ax.set_ylabel("rows")
             ax.set_xlim(-1, high + width)

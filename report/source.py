@@ -35,7 +35,6 @@ class Part:
 
     name: str
     num_rows: int
-    column_bytes: dict[str, int]  # uncompressed bytes per column, from the footer
     committed_at: float | None  # seconds since the epoch; None where the store gives no time
 
 
@@ -74,8 +73,16 @@ class RunFolder:
     def column_names(self) -> list[str]:
         return self.schema.names if self.schema is not None else []
 
-    def column_bytes(self, columns: list[str]) -> int:
-        return sum(p.column_bytes.get(c, 0) for p in self.parts for c in columns)
+    def arrow_bytes(self, columns: list[str], sample_rows: int = 4096) -> int:
+        """The in-memory (Arrow) size of these columns over every row, estimated from the first part's
+        first rows: the footers' sizes are of encoded data (dictionaries, runs), often far smaller."""
+        if not self.parts:
+            return 0
+        with self.storage.fs.open(self.storage.join(self.parts[0].name), "rb") as f:
+            batch = next(pq.ParquetFile(f).iter_batches(batch_size=sample_rows, columns=columns), None)
+        if batch is None or batch.num_rows == 0:
+            return 0
+        return int(batch.nbytes / batch.num_rows * self.num_rows)
 
     def check_column(self, name: str, flag: str) -> None:
         if self.schema is not None and name not in self.schema.names:
@@ -119,14 +126,7 @@ class RunFolder:
         elif schema.names != self.schema.names:
             raise ReportError(f"{path} has the columns {', '.join(schema.names)}; the folder's first part has "
                               f"{', '.join(self.schema.names)}: not the parts of one job")
-        column_bytes: dict[str, int] = {}
-        for g in range(meta.num_row_groups):
-            group = meta.row_group(g)
-            for c in range(group.num_columns):
-                column = group.column(c)
-                top = column.path_in_schema.split(".", 1)[0]
-                column_bytes[top] = column_bytes.get(top, 0) + column.total_uncompressed_size
-        return Part(name, meta.num_rows, column_bytes, _modified_at(info))
+        return Part(name, meta.num_rows, _modified_at(info))
 
 
 def _modified_at(info: dict) -> float | None:

@@ -6,6 +6,7 @@ import numpy as np
 import pyarrow as pa
 
 SAME = -1
+_CHUNK_ROWS = 16_384  # rows compared at once: bounds the index arrays built per chunk
 
 
 def _flat(lists: pa.Array | pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -26,9 +27,12 @@ def first_difference(a: pa.Array | pa.ChunkedArray, b: pa.Array | pa.ChunkedArra
     values_b, starts_b, len_b = _flat(b)
     common = np.minimum(len_a, len_b)  # (rows,)
     first = np.where(len_a != len_b, common, SAME).astype(np.int64)
-    row = np.repeat(np.arange(common.size), common)  # (sum of common,)
-    pos = np.arange(row.size) - np.repeat(np.cumsum(common) - common, common)
-    differs = values_a[starts_a[row] + pos] != values_b[starts_b[row] + pos]
-    rows_differing, where = np.unique(row[differs], return_index=True)  # positions rise within a row
-    first[rows_differing] = pos[differs][where]
+    for lo in range(0, common.size, _CHUNK_ROWS):
+        hi = min(lo + _CHUNK_ROWS, common.size)
+        counts = common[lo:hi]
+        row = np.repeat(np.arange(lo, hi), counts)  # (tokens compared in the chunk,)
+        pos = np.arange(row.size) - np.repeat(np.cumsum(counts) - counts, counts)
+        differs = values_a[starts_a[row] + pos] != values_b[starts_b[row] + pos]
+        rows_differing, where = np.unique(row[differs], return_index=True)  # positions rise within a row
+        first[rows_differing] = pos[differs][where]
     return first

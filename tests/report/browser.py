@@ -10,6 +10,7 @@ browser serves several pages; the screenshot comes from the same loaded page.
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import shutil
@@ -50,7 +51,9 @@ class Browser:
             assert time.monotonic() < deadline, f"chromium did not open its DevTools port: {self._stderr()}"
             time.sleep(0.05)
         port, path = port_file.read_text().split()[:2]
-        self.socket = connect(f"ws://127.0.0.1:{port}{path}", max_size=None, open_timeout=_START_TIMEOUT_S)
+        self._closing = contextlib.ExitStack()
+        self.socket = self._closing.enter_context(
+            connect(f"ws://127.0.0.1:{port}{path}", max_size=None, open_timeout=_START_TIMEOUT_S))
         self._next_id = 0
         self.events: list[dict] = []
 
@@ -97,7 +100,7 @@ class Browser:
 
     def close(self) -> None:
         try:
-            self.socket.close()
+            self._closing.close()
         finally:
             self.process.terminate()
             try:
