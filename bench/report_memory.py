@@ -89,8 +89,9 @@ def _current_rss_bytes() -> int:
 
 def measure(out: str, against: str | None, by: str | None, page: str) -> dict:
     """In this process: the report's seconds and its peak memory over the resident size after imports."""
-    import batchgen.report  # noqa: F401  (imports counted before the baseline)
     import matplotlib.figure  # noqa: F401
+
+    import batchgen.report  # noqa: F401  (imports counted before the baseline)
     from batchgen.report import ReportConfig, write_report
 
     before = _current_rss_bytes()

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 
-from tests.pipeline.conftest import PIPELINE_ENGINE_KWARGS, engine_sections, make_job
+from batchgen.pipeline.runner import run_job
+from tests.pipeline.conftest import PIPELINE_ENGINE_KWARGS, engine_sections, make_job, write_parquet
 from tests.report.browser import Browser, Page
 
 # What the tests read from a loaded page, in the page (the rendered DOM), as JSON.
@@ -58,6 +61,31 @@ def report_engine(llm):
 def report_job(tmp_path: Path, input_path: str, **sections):
     """make_job on report_engine's settings."""
     return make_job(tmp_path, input_path, **engine_sections(REPORT_ENGINE_KWARGS), **sections)
+
+
+REPO = Path(__file__).resolve().parents[2]
+CHAT_PROMPTS = REPO / "jobs" / "data" / "chat_prompts.parquet"
+ROWS = [0, 5, 12, 13, 20, 27, 33, 41]  # eight chat prompts of several categories
+GREEDY_RUN = {"input": {"prompt_column": None, "messages_column": "messages", "rows_per_unit": 3},
+              "sampling": {"temperature": 0.0, "max_tokens": 6, "seed": 5}}
+
+
+@dataclass
+class Run:
+    folder: Path  # the job's folder (its input file inside)
+    input: Path
+    out: Path
+
+
+@pytest.fixture(scope="session")
+def greedy_run(tmp_path_factory, report_engine) -> Run:
+    """A real greedy chat job over eight prompts in three units, the category kept: the run the page tests
+    report on, and the baseline of the comparison tests."""
+    tmp = tmp_path_factory.mktemp("greedy-run")
+    path = write_parquet(tmp / "chat.parquet", pq.read_table(CHAT_PROMPTS).take(ROWS))
+    job = report_job(tmp, str(path), **GREEDY_RUN, output={"path": str(tmp / "out"), "keep_columns": ["category"]})
+    run_job(job, engine=report_engine, progress=False)
+    return Run(tmp, path, tmp / "out")
 
 
 @pytest.fixture(scope="session")

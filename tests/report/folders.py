@@ -23,7 +23,10 @@ def row(id_, completion: str | None = "text", tokens: list[int] | None = None, *
     return {**base, **fields}
 
 
-def write_run(url: str, rows: list[dict], rows_per_part: int = 4, id_type: pa.DataType = pa.int64(),
+INT64 = pa.int64()
+
+
+def write_run(url: str, rows: list[dict], rows_per_part: int = 4, id_type: pa.DataType = INT64,
               keep: tuple[pa.Field, ...] = (), model: str | None = "test-model", job: str = "hand-made",
               with_success: bool = True) -> dict | None:
     """Parts of `rows_per_part` rows and a `_SUCCESS` counted from them under `url` (any fsspec URL);

@@ -7,30 +7,13 @@ import json
 from collections import Counter
 from pathlib import Path
 
-import pyarrow.parquet as pq
 import pytest
 
-from batchgen.pipeline.runner import run_job
 from batchgen.report import ReportConfig, write_report
-from tests.pipeline.conftest import read_output, write_parquet
-from tests.report.conftest import assert_plots_drawn, column_texts, open_page, report_job, table_by_key
+from tests.pipeline.conftest import read_output
+from tests.report.conftest import ROWS, assert_plots_drawn, column_texts, open_page, table_by_key
 
-REPO = Path(__file__).resolve().parents[2]
-CHAT_PROMPTS = REPO / "jobs" / "data" / "chat_prompts.parquet"
-ROWS = [0, 5, 12, 13, 20, 27, 33, 41]  # eight prompts of several categories
 SINGLE_RUN_PLOTS = ["ttft", "tpot", "e2e", "lengths", "throughput", "finish", "categories"]
-
-
-@pytest.fixture(scope="module")
-def finished_run(tmp_path_factory, report_engine) -> Path:
-    """A greedy chat job over eight prompts, three units, the category kept."""
-    tmp = tmp_path_factory.mktemp("report-run")
-    path = write_parquet(tmp / "chat.parquet", pq.read_table(CHAT_PROMPTS).take(ROWS))
-    job = report_job(tmp, str(path), input={"prompt_column": None, "messages_column": "messages", "rows_per_unit": 3},
-                   sampling={"temperature": 0.0, "max_tokens": 6},
-                   output={"path": str(tmp / "out"), "keep_columns": ["category"]})
-    run_job(job, engine=report_engine, progress=False)
-    return tmp / "out"
 
 
 def _int(text: str) -> int:
@@ -42,7 +25,8 @@ def _number(text: str, unit: str) -> float:
     return float(text.removesuffix(unit).replace(",", "").strip())
 
 
-def test_report_of_a_real_run_in_chromium(finished_run, browser, tmp_path):
+def test_report_of_a_real_run_in_chromium(greedy_run, browser, tmp_path):
+    finished_run = greedy_run.out
     page_path = Path(write_report(ReportConfig(out=str(finished_run), by="category",
                                                output=str(tmp_path / "report.html"))))
     page = open_page(browser, page_path)
