@@ -7,7 +7,7 @@ the pipeline's own summary code: 100 parts of rows_per_unit rows, null completio
 completion_token_ids, random latencies, a kept `category` column (20 values). With --against a second
 folder of the same ids differs in 10% of the rows' tokens and lacks 1% of them. The report then runs in
 a fresh subprocess, which measures its resident memory after its imports and its peak at the end
-(ru_maxrss): the growth is what reading and plotting the rows cost.
+(VmRSS and VmHWM): the growth is what reading, joining and plotting the rows cost.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -31,8 +30,9 @@ TOKENS_PER_ROW = 8
 
 def write_synthetic_run(folder: str, num_rows: int, num_parts: int = 100, seed: int = 0,
                         changed_share: float = 0.0, dropped_share: float = 0.0) -> dict:
-    """A complete output folder of `num_rows` rows; returns its _SUCCESS record. `changed_share` of the
-    rows get other tokens at a random position, `dropped_share` are left out (ids 0..num_rows-1 otherwise)."""
+    """A complete output folder of `num_rows` rows (ids 0..num_rows-1): `changed_share` of the rows get
+    another token at a random position, `dropped_share` are left out. Returns its _SUCCESS record and
+    the numbers of changed (and kept) and dropped rows."""
     from batchgen.pipeline.schema import output_schema
     from batchgen.pipeline.summary import Totals, success_record
 
@@ -59,7 +59,7 @@ def write_synthetic_run(folder: str, num_rows: int, num_parts: int = 100, seed: 
             "completion": pa.nulls(n, pa.string()),
             "completion_token_ids": pa.ListArray.from_arrays(
                 pa.array(np.arange(n + 1, dtype=np.int32) * TOKENS_PER_ROW), pa.array(tokens.ravel().astype(np.int32))),
-            "finish_reason": pa.array(np.where(rng.random(n) < 0.3, "length", "stop")),
+            "finish_reason": pa.array(np.where(ids[rows] % 10 < 3, "length", "stop")),
             "prompt_tokens": pa.array(20 + ids[rows] * 7 % 380),  # a row's prompt: the same in both runs
             "cached_tokens": pa.array(np.zeros(n, np.int64)),
             "completion_tokens": pa.array(np.full(n, TOKENS_PER_ROW, np.int64)),
@@ -79,12 +79,17 @@ def write_synthetic_run(folder: str, num_rows: int, num_parts: int = 100, seed: 
                             model="synthetic-model")
     with open(os.path.join(folder, "_SUCCESS"), "w") as f:
         json.dump(record, f, indent=2)
-    return record
+    return {"success": record, "num_changed": int((changed & keep).sum()), "num_dropped": int((~keep).sum())}
 
 
-def _current_rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+def _status_bytes(field: str) -> int:
+    """VmRSS (resident now) or VmHWM (the peak) of this process, from /proc/self/status. Not getrusage's
+    ru_maxrss: Linux carries it across exec, so a child started by a big parent reports the parent's peak."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024  # kB
+    raise RuntimeError(f"/proc/self/status has no {field}")
 
 
 def measure(out: str, against: str | None, by: str | None, page: str) -> dict:
@@ -94,11 +99,11 @@ def measure(out: str, against: str | None, by: str | None, page: str) -> dict:
     import batchgen.report  # noqa: F401  (imports counted before the baseline)
     from batchgen.report import ReportConfig, write_report
 
-    before = _current_rss_bytes()
+    before = _status_bytes("VmRSS")
     start = time.perf_counter()
     write_report(ReportConfig(out=out, against=against, by=by, output=page))
     seconds = time.perf_counter() - start
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kilobytes on Linux
+    peak = _status_bytes("VmHWM")
     return {"seconds": seconds, "rss_before_mb": before / 2**20, "peak_rss_mb": peak / 2**20,
             "growth_mb": (peak - before) / 2**20, "page_bytes": os.path.getsize(page)}
 

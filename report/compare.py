@@ -258,14 +258,11 @@ class _Builder:
     def _count_categories(self, new: pa.Table, old: pa.Table, new_index: np.ndarray, old_index: np.ndarray,
                           both: np.ndarray, identical: np.ndarray) -> None:
         by = self.config.by
-        values = pc.coalesce(new.column(by).take(pa.array(np.where(new_index >= 0, new_index, 0))).combine_chunks()
-                             if new.num_rows else pa.nulls(len(new_index), new.schema.field(by).type),
-                             old.column(by).take(pa.array(np.where(old_index >= 0, old_index, 0))).combine_chunks()
-                             if old.num_rows else pa.nulls(len(old_index), old.schema.field(by).type))
-        if new.num_rows:  # a row the new run lacks takes the baseline's category
-            values = pc.if_else(pa.array(new_index >= 0), values,
-                                old.column(by).take(pa.array(np.where(old_index >= 0, old_index, 0))).combine_chunks()
-                                if old.num_rows else values)
+        mine = _take_or_null(new.column(by), new_index)  # (joined rows,) this run's value, null where absent
+        theirs = _take_or_null(old.column(by), old_index)
+        if mine.type != theirs.type:
+            mine, theirs = pc.cast(mine, pa.string()), pc.cast(theirs, pa.string())
+        values = pc.coalesce(mine, theirs)  # a row this run lacks takes the baseline's value
         codes = self.categories.encode(values)
         kind = np.full(len(codes), 2)  # 2: in one run only
         kind[np.flatnonzero(both)] = np.where(identical, 0, 1)
@@ -285,6 +282,12 @@ class _Builder:
         m.num_right_old += int((m_old[scored] == 1).sum())
         m.num_newly_right += int(((m_new == 1) & (m_old == 0) & scored).sum())
         m.num_newly_wrong += int(((m_new == 0) & (m_old == 1) & scored).sum())
+
+
+def _take_or_null(column: pa.ChunkedArray, index: np.ndarray) -> pa.Array:
+    """column[index] with null where index is -1."""
+    taken = column.take(pa.array(index, mask=index < 0))
+    return taken.combine_chunks() if isinstance(taken, pa.ChunkedArray) else taken
 
 
 def _equal(x: pa.ChunkedArray, y: pa.ChunkedArray) -> np.ndarray:
