@@ -101,6 +101,7 @@ def histogram(name: str, title: str, xlabel: str, series: list[tuple[str, np.nda
                     ax.axvline(np.percentile(first, q), color="#222222", linestyle=dash, linewidth=1,
                                label=f"p{q} {np.percentile(first, q):,.1f}")
             ax.legend(frameon=False, fontsize=8)
+            ax.ticklabel_format(axis="x", style="plain", useOffset=False)  # 2479.1, not 0.1 + 2.479e3
             ax.set_xlabel(xlabel)
             ax.set_ylabel("rows")
         return Plot(name, title, _svg(fig, name), caption)

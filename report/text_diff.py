@@ -31,4 +31,20 @@ def diff_texts(new: str, old: str) -> tuple[list[Segment], list[Segment]]:
             new_segments.append(Segment("".join(a[i1:i2]), changed))
         if j2 > j1:
             old_segments.append(Segment("".join(b[j1:j2]), changed))
-    return new_segments, old_segments
+    return _joined(new_segments), _joined(old_segments)
+
+
+def _joined(segments: list[Segment]) -> list[Segment]:
+    """Neighbours of one kind merged; a run of spaces between two changes counts as changed, so a changed
+    phrase reads as one mark rather than a mark per word."""
+    for k in range(1, len(segments) - 1):
+        if not segments[k].is_changed and not segments[k].text.strip() and "\n" not in segments[k].text \
+                and segments[k - 1].is_changed and segments[k + 1].is_changed:
+            segments[k] = Segment(segments[k].text, True)
+    merged: list[Segment] = []
+    for segment in segments:
+        if merged and merged[-1].is_changed == segment.is_changed:
+            merged[-1] = Segment(merged[-1].text + segment.text, segment.is_changed)
+        else:
+            merged.append(segment)
+    return merged

@@ -187,3 +187,13 @@ def test_latency_figures_ignore_missing_values():
     figures = latency_figures(values)
     assert (figures.p50, figures.count, figures.mean) == (2.0, 3, 2.0)
     assert latency_figures(np.array([np.nan], np.float32)).p50 is None
+
+
+def test_side_by_side_segments_rebuild_both_texts():
+    from batchgen.report.text_diff import diff_texts
+
+    new, old = diff_texts("The cat sat on the big mat.\nDone", "The dog sat on a small mat!\nDone")
+    assert "".join(s.text for s in new) == "The cat sat on the big mat.\nDone"
+    assert "".join(s.text for s in old) == "The dog sat on a small mat!\nDone"
+    assert [s.text for s in new if s.is_changed] == ["cat", "the big", "."]
+    assert [s.text for s in old if s.is_changed] == ["dog", "a small", "!"]
