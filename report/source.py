@@ -19,7 +19,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchgen.pipeline.errors import JobError
-from batchgen.pipeline.output_folder import ERRORS_JSONL, MANIFEST_NAME, OUTPUT_JSONL, SUCCESS_NAME
+from batchgen.pipeline.output.folder import ERRORS_JSONL, MANIFEST_NAME, OUTPUT_JSONL, SUCCESS_NAME
 from batchgen.pipeline.storage import Storage
 from batchgen.report.config import ReportError
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from batchgen.pipeline.runner import run_job
+from batchgen.pipeline.job import run_job
 from tests.pipeline.conftest import PIPELINE_ENGINE_KWARGS, engine_sections, make_job, write_parquet
 from tests.report.browser import Browser, Page
 

@@ -18,7 +18,7 @@ import pyarrow.parquet as pq
 
 from batchgen.engine import LLMEngine
 from batchgen.pipeline.config import validate_job
-from batchgen.pipeline.runner import run_job
+from batchgen.pipeline.job import run_job
 from batchgen.report import ReportConfig, write_report
 from tests.report.browser import Browser
 

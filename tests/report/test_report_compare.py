@@ -10,7 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from batchgen.pipeline.runner import run_job
+from batchgen.pipeline.job import run_job
 from batchgen.report import ReportConfig, write_report
 from tests.pipeline.conftest import read_output, write_parquet
 from tests.report.conftest import (
