@@ -244,7 +244,7 @@ def report(
 ) -> None:
     """One self-contained HTML page about a finished run: summary, plots, slowest and failed rows.
 
-    Needs the report extra (pip install 'batchgen[report]'). Reads the parts batch by batch: a run of
+    Needs the report extra (pip install 'batchgen\\[report]'). Reads the parts batch by batch: a run of
     millions of rows reports in bounded memory. Exit 2 when the folder or a column is wrong, or when
     --against names a run of other prompts.
     """
