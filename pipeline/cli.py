@@ -13,6 +13,7 @@ import typer
 
 from batchgen.pipeline.capacity_plan import plan_command
 from batchgen.pipeline.errors import JobError
+from batchgen.pipeline.output import REPORT_NAME
 
 EXIT_FAILURE = 1
 EXIT_BAD_JOB = 2  # also click's code for usage errors
@@ -61,6 +62,9 @@ def run(
         "--num-shards", min=1, help="With --shard auto: the shard count (Kubernetes: the Job's completions).")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print the _SUCCESS JSON instead of the table.")] = False,
     progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Show the progress bar.")] = True,
+    report: Annotated[bool, typer.Option(
+        "--report", help=f"At the end, write `batchgen report`'s page as {REPORT_NAME} beside _SUCCESS "
+                         "(needs the report extra).")] = False,
 ) -> None:
     """Run a job: generate for every input row, write part-NNNNN.parquet files and _SUCCESS.
 
@@ -72,13 +76,20 @@ def run(
 
     _setup_logging()
     try:
+        if report:
+            _check_report_extra()  # before the job: a missing package should not cost a whole run
         config = load_job(job, set_ or [])
-        if shard is not None or num_shards is not None:
-            _run_shard(config, shard, num_shards, limit, overwrite, json_out, progress)
-            return
-        result = run_job(config, limit=limit, overwrite=overwrite, progress=progress)
+        is_shard = shard is not None or num_shards is not None
+        if is_shard:
+            is_complete = _run_shard(config, shard, num_shards, limit, overwrite, json_out, progress)
+        else:
+            result = run_job(config, limit=limit, overwrite=overwrite, progress=progress)
     except Exception as exc:
         raise _fail(exc) from None
+    if is_shard:
+        if report and is_complete:  # the shard that finds the job complete writes the page
+            _write_run_report(config)
+        return
     if json_out:
         typer.echo(json.dumps(result.record, indent=2))
     else:
@@ -86,10 +97,34 @@ def run(
         typer.echo(f"batchgen: {config.name} done: {result.num_units_run} unit(s) run{redone}, "
                    f"{result.num_units_skipped} already done")
         typer.echo(format_summary(result.record, result.success_path))
+    if report:
+        _write_run_report(config)
+
+
+def _check_report_extra() -> None:
+    import importlib.util
+
+    missing = [name for name in ("matplotlib", "jinja2") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise JobError(f"--report needs {', '.join(missing)}: pip install 'batchgen[report]'")
+
+
+def _write_run_report(config) -> None:
+    """The report of a finished run, beside its _SUCCESS (the report package is imported only here)."""
+    from batchgen.report import ReportConfig, write_report
+
+    try:
+        out = config.output.path
+        path = write_report(ReportConfig(out=out, output=out.rstrip("/") + "/" + REPORT_NAME,
+                                         storage_options=config.output.storage_options or {}))
+    except Exception as exc:
+        raise _fail(exc) from None
+    typer.echo(f"batchgen: report written to {path}", err=True)
 
 
 def _run_shard(config, shard: str | None, num_shards: int | None, limit: int | None, overwrite: bool,
-               json_out: bool, progress: bool) -> None:
+               json_out: bool, progress: bool) -> bool:
+    """Run one shard; True when the job is complete (_SUCCESS written by this shard or another)."""
     from batchgen.pipeline.shards import parse_shard, run_shard
     from batchgen.pipeline.summary import format_summary
 
@@ -103,7 +138,7 @@ def _run_shard(config, shard: str | None, num_shards: int | None, limit: int | N
     done = result.finalized
     if json_out:
         typer.echo(json.dumps(done.record if done.record else result.summary, indent=2))
-        return
+        return done.record is not None
     typer.echo(f"batchgen: {config.name} shard {spec.index}/{spec.count} (from {spec.source}) done: "
                f"{result.num_units_run} unit(s) run, {result.num_units_skipped} already done")
     if done.record is not None:
@@ -112,6 +147,7 @@ def _run_shard(config, shard: str | None, num_shards: int | None, limit: int | N
     else:
         typer.echo(f"waiting for other shards: {len(done.missing)} unit(s) not committed yet; the shard that "
                    "commits the last one writes _SUCCESS (or run `batchgen finalize OUT` once all are done)")
+    return done.record is not None
 
 
 @app.command()
@@ -188,6 +224,43 @@ def bench(ctx: typer.Context) -> None:
     from batchgen.bench.cli import bench_main
 
     raise typer.Exit(bench_main(list(ctx.args)))
+
+
+@app.command()
+def report(
+    output: Annotated[str, typer.Argument(metavar="OUT", help="A finished run's output folder or URI.",
+                                          show_default=False)],
+    against: Annotated[str | None, typer.Option(
+        "--against", metavar="OTHER_OUT",
+        help="A second run of the same prompts (the baseline): rows joined by (id, sample_index), "
+             "identical / different / missing, where tokens first differ, figure and config deltas.")] = None,
+    by: Annotated[str | None, typer.Option(
+        "--by", metavar="COLUMN", help="A kept column whose values name categories: figures per category.")] = None,
+    reference: Annotated[str | None, typer.Option(
+        "--reference", metavar="COLUMN",
+        help="A kept column with the expected completion: exact match (surrounding whitespace ignored).")] = None,
+    page: Annotated[str, typer.Option("-o", "--output", metavar="FILE",
+                                      help="Where to write the page (a path or a URI).")] = REPORT_NAME,
+) -> None:
+    """One self-contained HTML page about a finished run: summary, plots, slowest and failed rows.
+
+    Needs the report extra (pip install 'batchgen\\[report]'). Reads the parts batch by batch: a run of
+    millions of rows reports in bounded memory. Exit 2 when the folder or a column is wrong, or when
+    --against names a run of other prompts.
+    """
+    try:
+        _check_report_extra()
+        from batchgen.report import ReportConfig, ReportError, write_report
+    except JobError as exc:
+        raise _fail(exc) from None
+    try:
+        path = write_report(ReportConfig(out=output, against=against, by=by, reference=reference, output=page))
+    except ReportError as exc:
+        typer.echo(f"batchgen report: {exc}", err=True)
+        raise typer.Exit(EXIT_BAD_JOB) from None
+    except Exception as exc:
+        raise _fail(exc) from None
+    typer.echo(f"batchgen: report written to {path}")
 
 
 app.command("plan")(plan_command)

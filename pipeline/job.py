@@ -76,14 +76,15 @@ def _run_held(plan: JobPlan, run: OutputRun, engine: LLMEngine | None, progress:
 
 
 def engine_reports(engine: LLMEngine) -> dict:
-    """What `_SUCCESS` says of the engine that ran: its kernels, KV cache and weight format."""
+    """What `_SUCCESS` says of the engine that ran: its model, kernels, KV cache and weight format."""
     stats = engine.stats
-    return {"kernels": stats.get("kernels", {}), "kv_cache": stats.get("kv_cache"), "weights": stats.get("weights", {})}
+    return {"model": engine.config.model, "kernels": stats.get("kernels", {}), "kv_cache": stats.get("kv_cache"),
+            "weights": stats.get("weights", {})}
 
 
 def finish_job(job: JobConfig, run: OutputRun, this_run: Totals, generation_seconds: float, *, kernels: dict,
                kv_cache: dict | None = None, weights: dict | None = None, workers: dict | None = None,
-               speculative: dict | None = None) -> dict:
+               speculative: dict | None = None, model: str | None = None) -> dict:
     """The run's `_SUCCESS`, written last (after output.jsonl/errors.jsonl for openai_batch output) while
     the run still holds its folder: counts over the whole output, speed and latency over this run."""
     whole = dataclasses.replace(this_run, ttft_s=[], tpot_s=[])  # latency figures: this run only
@@ -93,7 +94,7 @@ def finish_job(job: JobConfig, run: OutputRun, this_run: Totals, generation_seco
             whole.add_table(pq.read_table(f, columns=SUMMARY_COLUMNS))
     record = success_record(job.name, run.identity.config_hash, whole, this_run, generation_seconds,
                             resumed=bool(skipped), kernels=kernels, kv_cache=kv_cache, weights=weights,
-                            workers=workers, speculative=speculative)
+                            workers=workers, speculative=speculative, model=model)
     run.finish(record, write_batch_outputs=job.writes_batch_output)  # the .jsonl from every committed part
     return record
 

@@ -34,5 +34,6 @@ def test_every_data_file_the_code_reads_is_package_data():
         for init in (ROOT / folder).rglob("__init__.py"):
             package = ".".join([name, *init.parent.relative_to(ROOT / folder).parts])
             shipped |= listed(package, init.parent)
-    needed = {*(ROOT / "kernels" / "csrc").glob("*.c"), ROOT / "engine" / "quant" / "calibrate" / "calibration_text.txt"}
+    needed = {*(ROOT / "kernels" / "csrc").glob("*.c"), ROOT / "engine" / "quant" / "calibrate" / "calibration_text.txt",
+              *(ROOT / "report" / "templates").glob("*.j2")}
     assert needed - shipped == set(), "missing from [tool.setuptools.package-data]"

@@ -17,7 +17,9 @@ from batchgen.pipeline.output.finalize import Finalized, finalize_folder
 from batchgen.pipeline.output.fingerprint import FileFingerprint, fingerprint_files
 from batchgen.pipeline.output.folder import (
     ERRORS_JSONL,
+    MANIFEST_NAME,
     OUTPUT_JSONL,
+    REPORT_NAME,
     SUCCESS_NAME,
     FolderState,
     OutputFolder,
@@ -31,7 +33,7 @@ from batchgen.pipeline.output.shared_storage import check_output_shared, probe_n
 from batchgen.pipeline.output.units import WorkUnit, contiguous_runs, plan_units, unit_file_name
 
 __all__ = [
-    "ERRORS_JSONL", "OUTPUT_JSONL", "SUCCESS_NAME", "CommitContext", "FileFingerprint", "Finalized", "FolderState",
+    "ERRORS_JSONL", "MANIFEST_NAME", "OUTPUT_JSONL", "REPORT_NAME", "SUCCESS_NAME", "CommitContext", "FileFingerprint", "Finalized", "FolderState",
     "IdChecksum", "LockHeld", "LockLost", "OutputFolder", "OutputRun", "RunIdentity", "ShardSpec", "WorkUnit",
     "check_output_outside_input", "check_output_shared", "contiguous_runs", "describe_redo", "finalize_folder",
     "fingerprint_files", "open_run", "plan_units", "probe_nodes", "raise_if_refused", "unit_file_name",

@@ -28,6 +28,7 @@ from batchgen.pipeline.storage import Storage, is_temp_name
 
 MANIFEST_NAME = "_batchgen.json"
 SUCCESS_NAME = "_SUCCESS"
+REPORT_NAME = "report.html"  # `batchgen run --report` writes the run's page beside _SUCCESS
 SHARDS_MANIFEST_NAME = "_batchgen.shards.json"  # static shards: how many the folder was started with
 WORKERS_DIR = "_workers"  # one summary per shard / Ray driver run (merged into _SUCCESS)
 _PART_RE = re.compile(r"part-\d{5,}\.parquet")
@@ -154,10 +155,10 @@ class OutputFolder:
 
     def clear(self) -> None:
         """Remove what batchgen wrote here (unit files, records, manifests, summaries, _SUCCESS, the .jsonl
-        outputs, temp files); not the locks."""
+        outputs, the report page, temp files); not the locks."""
         for name in self.storage.list_names():
             if _PART_RE.fullmatch(name) or name in (MANIFEST_NAME, SUCCESS_NAME, SHARDS_MANIFEST_NAME, OUTPUT_JSONL,
-                                                    ERRORS_JSONL) \
+                                                    ERRORS_JSONL, REPORT_NAME) \
                     or is_temp_name(name):
                 self.storage.remove(name)
         self.storage.remove_tree(COMMITS_DIR)

@@ -83,6 +83,7 @@ def test_chat_job_matches_the_engine_with_consistent_latencies(tmp_path, engine)
     assert tuple(success) == SUCCESS_KEYS and success == result.record
     first = [r for r in rows if r["sample_index"] == 0]
     assert success["job"] == "test-job" and success["config_hash"] == job.config_hash()
+    assert success["model"] == job.model.path == engine.config.model  # the model the engine loaded
     assert (success["num_requests"], success["num_rows"], success["num_errors"]) == (5, 10, 0)
     assert success["prompt_tokens"] == sum(r["prompt_tokens"] for r in first)
     assert success["cached_tokens"] == sum(r["cached_tokens"] for r in first)

@@ -145,6 +145,7 @@ def test_shards_on_an_object_store_write_success_once(tmp_path, fake_engine_for)
     assert first.finalized.missing == ["part-00000.parquet", "part-00002.parquet"] and not first.finalized.created
     second = run_shard(job, ShardSpec(0, 2, "--shard"), engine=fake_engine_for(job), progress=False)
     assert second.finalized.created and second.finalized.record["num_rows"] == 7
+    assert second.finalized.record["model"] == job.model.path  # from the shards' engine reports
     storage = Storage("memory://shards-test/out")
     assert json.loads(storage.read_text("_SUCCESS")) == second.finalized.record
     again = run_shard(job, ShardSpec(0, 2, "--shard"), engine=fake_engine_for(job), progress=False)

@@ -1,0 +1,224 @@
+"""The page: figures gathered from the folder(s), plots drawn, one HTML file written.
+
+Rendered with jinja2 and autoescape on: every completion, error, id and category is untrusted text
+and reaches the page escaped. The plots' SVG (made by matplotlib, which escapes its own text) is
+the only markup inserted as is.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import jinja2
+import numpy as np
+
+from batchgen.report import formatting as fmt
+from batchgen.report import plots
+from batchgen.report.compare import Comparison, compare_runs
+from batchgen.report.config import ReportConfig
+from batchgen.report.run_stats import LATENCY_COLUMNS, RunFigures, RunStats
+from batchgen.report.source import RunFolder
+
+_LATENCY_TITLES = {"queue_s": "queue", "ttft_s": "time to first token", "tpot_s": "time per output token",
+                   "e2e_s": "end to end"}
+_MAX_CATEGORY_BARS = 20
+
+
+def _environment() -> jinja2.Environment:
+    env = jinja2.Environment(loader=jinja2.PackageLoader("batchgen.report", "templates"), autoescape=True,
+                             undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True)
+    env.filters.update(fmt.FILTERS)
+    return env
+
+
+def build_report(config: ReportConfig) -> str:
+    """The page's HTML for `config.out` (and `config.against`)."""
+    new = RunFolder(config.out, config.storage_options)
+    comparison: Comparison | None = None
+    if config.against is not None:
+        old = RunFolder(config.against, config.storage_options)
+        comparison = compare_runs(new, old, config)
+        figures = comparison.new
+    else:
+        old = None
+        stats = RunStats(new, config)
+        for part_index, batch in new.iter_batches(stats.columns, config.batch_rows):
+            stats.add(part_index, batch)
+        figures = stats.figures()
+    context = {
+        "config": config,
+        "run": new,
+        "baseline": old,
+        "figures": figures,
+        "summary": summary_rows(new.success),
+        "warnings": folder_warnings(new, figures) + (folder_warnings(old, comparison.old) if old else []),
+        "latency": [(name, _LATENCY_TITLES[name], figures.latency[name]) for name in LATENCY_COLUMNS],
+        "batch_files": {name: new.count_lines(name) for name in new.batch_files},
+        "comparison": comparison,
+        "compare_rows": compare_rows(new, old, comparison) if comparison else [],
+        "plots": make_plots(new, figures, comparison, config),
+        "generated": datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"),
+        "fmt": fmt,
+    }
+    return _environment().get_template("report.html.j2").render(**context)
+
+
+def write_report(config: ReportConfig) -> str:
+    """Build the page and write it to `config.output` (a path or a URI) whole; returns where it went."""
+    from batchgen.report.source import Storage
+
+    html = build_report(config)
+    folder, _, name = config.output.replace("\\", "/").rpartition("/")
+    storage = Storage(folder or os.curdir, config.storage_options)
+    return storage.write_text_atomic(name, html)
+
+
+def summary_rows(success: dict | None) -> list[tuple[str, str, str]]:
+    """(key, label, shown value) for each `_SUCCESS` figure; the key is the JSON path ("ttft_s.p50")."""
+    if success is None:
+        return []
+    s = success
+    rows = [("job", "job", fmt.value(s.get("job"))),
+            ("model", "model", fmt.value(s.get("model")) if s.get("model") is not None else fmt.NONE),
+            ("config_hash", "config hash", fmt.value(s.get("config_hash"))),
+            ("num_requests", "requests", fmt.count(s.get("num_requests"))),
+            ("num_rows", "output rows", fmt.count(s.get("num_rows"))),
+            ("num_errors", "failed requests", fmt.count(s.get("num_errors"))),
+            ("prompt_tokens", "prompt tokens", fmt.count(s.get("prompt_tokens"))),
+            ("cached_tokens", "cached prompt tokens", fmt.count(s.get("cached_tokens"))),
+            ("completion_tokens", "completion tokens", fmt.count(s.get("completion_tokens"))),
+            ("generation_seconds", "generation", fmt.seconds(s.get("generation_seconds"))),
+            ("completion_tokens_per_s", "completion tokens/s", fmt.rate(s.get("completion_tokens_per_s")))]
+    for name, label in (("ttft_s", "TTFT"), ("tpot_s", "TPOT")):
+        for q in ("p50", "p90", "p99"):
+            rows.append((f"{name}.{q}", f"{label} {q}", fmt.ms((s.get(name) or {}).get(q))))
+    rows += [("resumed", "resumed", "yes (speed and latency cover the last run)" if s.get("resumed") else "no"),
+             ("workers", "workers", fmt.workers(s.get("workers"))),
+             ("kernels", "kernels", fmt.pairs(s.get("kernels"))),
+             ("kv_cache", "KV cache", fmt.pairs(s.get("kv_cache"))),
+             ("weights", "weights", fmt.weights(s.get("weights"))),
+             ("speculative", "speculative", fmt.speculative(s.get("speculative")))]
+    return rows
+
+
+def folder_warnings(run: RunFolder, figures: RunFigures) -> list[str]:
+    """Where the folder's parts and its `_SUCCESS` disagree, or it has no `_SUCCESS`."""
+    if run.success is None:
+        return [(f"{run.url} has no _SUCCESS: the run is not finished (or failed); the figures below come from "
+                 f"the {len(run.parts)} part file(s) present")]
+    warnings = []
+    checks = (("num_rows", figures.num_rows), ("num_requests", figures.num_requests),
+              ("num_errors", figures.num_error_requests), ("completion_tokens", figures.completion_tokens),
+              ("prompt_tokens", figures.prompt_tokens), ("cached_tokens", figures.cached_tokens))
+    for key, counted in checks:
+        recorded = run.success.get(key)
+        if recorded is not None and recorded != counted:
+            warnings.append(f"{run.url}: _SUCCESS says {key} {recorded:,}, the part files hold {counted:,} "
+                            "(files were added or removed after the run)")
+    return warnings
+
+
+def compare_rows(new: RunFolder, old: RunFolder, c: Comparison) -> list[tuple[str, str, str, str, str]]:
+    """(key, label, this run, baseline, delta) for the figures both runs have."""
+    a, b = new.success or {}, old.success or {}
+    rows = []
+
+    def add(key: str, label: str, x, y, show, unit: str = "", scale: float = 1.0, digits: int = 1) -> None:
+        rows.append((key, label, show(x), show(y), fmt.delta(x, y, unit, scale, digits)))
+
+    add("num_rows", "output rows", c.new.num_rows, c.old.num_rows, fmt.count, digits=0)
+    add("num_errors", "failed requests", c.new.num_error_requests, c.old.num_error_requests, fmt.count, digits=0)
+    add("completion_tokens", "completion tokens", c.new.completion_tokens, c.old.completion_tokens, fmt.count,
+        digits=0)
+    add("mean_completion_tokens", "mean completion tokens", _mean(c.new), _mean(c.old), fmt.rate)
+    add("completion_tokens_per_s", "completion tokens/s", a.get("completion_tokens_per_s"),
+        b.get("completion_tokens_per_s"), fmt.rate)
+    for name, label in (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("e2e_s", "end to end")):
+        for q in ("p50", "p90", "p99"):
+            add(f"{name}.{q}", f"{label} {q}", getattr(c.new.latency[name], q), getattr(c.old.latency[name], q),
+                fmt.ms, " ms", 1000.0)
+    for reason in sorted({r for r, _ in c.new.finish_reasons} | {r for r, _ in c.old.finish_reasons}):
+        add(f"finish.{reason}", f"finish reason {reason}", dict(c.new.finish_reasons).get(reason, 0),
+            dict(c.old.finish_reasons).get(reason, 0), fmt.count, digits=0)
+    if c.new.exact_match is not None or c.old.exact_match is not None:
+        add("exact_match", "exact match (all scored rows)", c.new.exact_match, c.old.exact_match, fmt.share,
+            " points", 100.0)
+    return rows
+
+
+def _mean(figures: RunFigures) -> float | None:
+    return figures.completion_tokens / figures.num_rows if figures.num_rows else None
+
+
+def make_plots(run: RunFolder, figures: RunFigures, c: Comparison | None,
+               config: ReportConfig) -> list[plots.Plot]:
+    """Every plot of the page, in order (the per-row arrays come with the figures)."""
+    series = _latency_series(figures, c)
+    made = [plots.histogram(name.removesuffix("_s"), f"{_LATENCY_TITLES[name]} (ms)", "milliseconds",
+                            series[name], scale=1000.0) for name in ("ttft_s", "tpot_s", "e2e_s")]
+    lengths = [("this run", figures.lengths)] + ([("baseline", c.old.lengths)] if c else [])
+    if c is None:
+        made.append(plots.stacked_lengths("lengths", "completion lengths by finish reason", figures.lengths,
+                                          figures.finish_codes, figures.finish_names))
+    else:
+        made.append(plots.histogram("lengths", "completion lengths", "completion tokens", lengths, integer=True))
+    made.append(_throughput_plot(run, figures))
+    reasons = [r for r, _ in figures.finish_reasons]
+    if c is None:
+        made.append(plots.bars("finish", "finish reasons", reasons, [n for _, n in figures.finish_reasons], "rows"))
+    else:
+        reasons = sorted(set(reasons) | {r for r, _ in c.old.finish_reasons})
+        made.append(plots.bars("finish", "finish reasons", reasons,
+                               [dict(figures.finish_reasons).get(r, 0) for r in reasons], "rows",
+                               second=("baseline", [dict(c.old.finish_reasons).get(r, 0) for r in reasons]),
+                               first_label="this run"))
+        made.append(plots.position_histogram(
+            "first_token", "where differing rows first differ", c.first_token_counts,
+            "For greedy runs: the first token the two runs' models disagree on; for sampled runs, where the "
+            "draws first part."))
+    if config.by is not None:
+        made.append(_category_plot(figures, c, config.by))
+    return made
+
+
+def _latency_series(figures: RunFigures, c: Comparison | None) -> dict[str, list[tuple[str, np.ndarray]]]:
+    out = {}
+    for name in LATENCY_COLUMNS:
+        out[name] = [("this run", figures.latency_values[name])]
+        if c is not None:
+            out[name].append(("baseline", c.old.latency_values[name]))
+    return out
+
+
+def _throughput_plot(run: RunFolder, figures: RunFigures) -> plots.Plot:
+    times = np.array([t if t is not None else np.nan for t in figures.part_times], dtype=np.float64)
+    tokens = np.array(figures.part_tokens, dtype=np.float64)
+    known = ~np.isnan(times)
+    caption = ("One point per part file, at the time the store last wrote it (its commit); "
+               "the run's start is _SUCCESS's time minus generation_seconds.")
+    start = None
+    success = run.success or {}
+    if run.success_at is not None and isinstance(success.get("generation_seconds"), (int, float)) \
+            and not success.get("resumed"):
+        start = run.success_at - success["generation_seconds"]
+    if known.any():
+        earliest = float(times[known].min())
+        if start is None or start > earliest:
+            start = earliest
+            caption = ("One point per part file, at the time the store last wrote it (its commit), from the "
+                       "first part's commit (the run's start is not known: resumed or no _SUCCESS).")
+    return plots.throughput("throughput", "completion tokens over the run", times[known] - (start or 0.0),
+                            tokens[known], caption)
+
+
+def _category_plot(figures: RunFigures, c: Comparison | None, by: str) -> plots.Plot:
+    if c is None:
+        rows = figures.categories[:_MAX_CATEGORY_BARS]
+        return plots.bars("categories", f"end to end p50 by {by} (ms)", [r.name for r in rows],
+                          [(r.e2e.p50 or 0.0) * 1000 for r in rows], "milliseconds",
+                          caption=f"The {len(rows)} most frequent values of {by}.")
+    rows = c.categories[:_MAX_CATEGORY_BARS]
+    return plots.bars("categories", f"rows that differ, by {by}", [r.name for r in rows],
+                      [r.num_different / max(1, r.num_identical + r.num_different) for r in rows],
+                      "share of the rows both runs have", caption=f"The {len(rows)} most frequent values of {by}.")

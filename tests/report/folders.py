@@ -1,0 +1,50 @@
+"""Output folders written by hand with the pipeline's own schema and `_SUCCESS` code, for report tests
+that need rows no model would write (markup in a completion, chosen tokens, repeated ids)."""
+
+from __future__ import annotations
+
+import json
+
+import fsspec
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from batchgen.pipeline.schema import output_schema
+from batchgen.pipeline.summary import Totals, success_record
+
+
+def row(id_, completion: str | None = "text", tokens: list[int] | None = None, **fields) -> dict:
+    """One output row; fields not given get plausible values."""
+    tokens = [ord(c) for c in completion or ""] if tokens is None else tokens
+    base = {"id": id_, "sample_index": 0, "completion": completion, "completion_token_ids": tokens,
+            "finish_reason": "stop", "prompt_tokens": 10, "cached_tokens": 0, "completion_tokens": len(tokens),
+            "cumulative_logprob": None, "queue_s": 0.001, "ttft_s": 0.01, "tpot_s": 0.002,
+            "e2e_s": 0.01 + 0.002 * max(0, len(tokens) - 1), "num_accepted_tokens": None, "error": None}
+    return {**base, **fields}
+
+
+INT64 = pa.int64()
+
+
+def write_run(url: str, rows: list[dict], rows_per_part: int = 4, id_type: pa.DataType = INT64,
+              keep: tuple[pa.Field, ...] = (), model: str | None = "test-model", job: str = "hand-made",
+              with_success: bool = True) -> dict | None:
+    """Parts of `rows_per_part` rows and a `_SUCCESS` counted from them under `url` (any fsspec URL);
+    returns the `_SUCCESS` record."""
+    schema = output_schema(pa.field("id", id_type), list(keep), False)
+    fs, root = fsspec.core.url_to_fs(url)
+    fs.makedirs(root, exist_ok=True)
+    totals = Totals()
+    for index, start in enumerate(range(0, len(rows), rows_per_part)):
+        chunk = rows[start:start + rows_per_part]
+        table = pa.Table.from_pylist([{name: r.get(name) for name in schema.names} for r in chunk], schema=schema)
+        with fs.open(f"{root}/part-{index:05d}.parquet", "wb") as f:
+            pq.write_table(table, f)
+        totals.add_table(table)
+    if not with_success:
+        return None
+    record = success_record(job, "ab" * 32, totals, totals, 2.0, resumed=False, kernels={"device": "cpu"},
+                            model=model)
+    with fs.open(f"{root}/_SUCCESS", "w") as f:
+        json.dump(record, f)
+    return record
