@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from batchgen.engine.quant.fp8_linear import Fp8Linear
+from batchgen.engine.quant.weight_report import checkpoint_linear
 
 log = logging.getLogger("batchgen.engine")
 
@@ -104,12 +105,7 @@ def prepare_fp8_checkpoint(model: nn.Module, folder: Path) -> bool:
             parts = name.removeprefix("model.").removesuffix(".weight_scale").split(".")
             layers.add(".".join(fused[p][0] if p in fused else p for p in parts))
     for name in sorted(layers):
-        try:
-            linear = model.get_submodule(name)
-        except AttributeError as exc:
-            raise ValueError(f"{folder}: FP8 layer {name!r} has no place in the model") from exc
-        if not isinstance(linear, nn.Linear):
-            raise ValueError(f"{folder}: FP8 scales for {name!r}, which is not a linear layer")
+        linear = checkpoint_linear(model, name, folder, "FP8 layer")
         w = linear.weight
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child,

@@ -27,6 +27,7 @@ from batchgen.engine.quant.int_formats import (
 from batchgen.engine.quant.int_formats.int_weight import concat_out_features
 from batchgen.engine.quant.int_linear import IntLinear
 from batchgen.engine.quant.methods import DeclaredQuantization
+from batchgen.engine.quant.weight_report import checkpoint_linear
 
 log = logging.getLogger("batchgen.engine")
 
@@ -130,12 +131,7 @@ def install_int_layers(model: nn.Module, weights: dict[str, IntWeight], device: 
                 break
         groups.setdefault(target, {})[index] = w
     for target, parts in sorted(groups.items()):
-        try:
-            linear = model.get_submodule(target)
-        except AttributeError as exc:
-            raise ValueError(f"{where}: quantized layer {target!r} has no place in the model") from exc
-        if not isinstance(linear, nn.Linear):
-            raise ValueError(f"{where}: quantized tensors for {target!r}, which is not a linear layer")
+        linear = checkpoint_linear(model, target, where, "quantized layer")
         expected = [None] if None in parts else list(range(_num_parts(model, target)))
         if sorted(parts, key=lambda i: -1 if i is None else i) != expected:
             raise ValueError(f"{where}: {target} is quantized in parts {sorted(p for p in parts if p is not None)} "

@@ -17,6 +17,18 @@ def linear_layers(model: nn.Module) -> dict[str, nn.Module]:
                                                                           "down_proj")}
 
 
+def checkpoint_linear(model: nn.Module, name: str, where: str, what: str) -> nn.Linear:
+    """The float nn.Linear at `name` that a checkpoint's quantized tensors (`what`) replace; ValueError
+    naming the checkpoint (`where`) when the model has no such layer, or it is not a linear one."""
+    try:
+        linear = model.get_submodule(name)
+    except AttributeError as exc:
+        raise ValueError(f"{where}: {what} {name!r} has no place in the model") from exc
+    if not isinstance(linear, nn.Linear):
+        raise ValueError(f"{where}: {what} for {name!r}, which is not a linear layer")
+    return linear
+
+
 def layer_weight_bytes(module: nn.Module) -> int:
     """Storage bytes of one linear layer's weight (tensors shared within the layer once), bias excluded."""
     from batchgen.engine.loader.model_loader import unique_storage_bytes  # the loader imports this module
