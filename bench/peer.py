@@ -1,7 +1,7 @@
 """The peer side of the bench: HF transformers `generate`, run the way a careful user would run it.
 
 Batched, prompts sorted by length so batches carry little padding, left padding, sdpa attention,
-float32, inference_mode, greedy, min_new_tokens = max_new_tokens so every request yields exactly
+the engine's dtype (float32 unless the bench asks for bfloat16), inference_mode, greedy, min_new_tokens = max_new_tokens so every request yields exactly
 its output length. The peer gets its best batch size (several are tried, the fastest is reported).
 """
 
@@ -27,11 +27,11 @@ def require_peer_dependencies() -> None:
     if importlib.util.find_spec("accelerate") is None:
         raise PeerUnavailable(
             "the HF transformers peer needs `accelerate` to load GGUF checkpoints: "
-            "pip install 'batchgen[bench]' (or run without the peer: --no-peer)")
+            "pip install 'batchgen[bench]' (or run without the peer: --peer none)")
 
 
-def load_peer_model(model: str):
-    """transformers' own model class on the same checkpoint, float32, sdpa attention, eval mode."""
+def load_peer_model(model: str, dtype: torch.dtype = torch.float32):
+    """transformers' own model class on the same checkpoint, in `dtype`, sdpa attention, eval mode."""
     require_peer_dependencies()
     from transformers import AutoModelForCausalLM
 
@@ -39,7 +39,7 @@ def load_peer_model(model: str):
 
     source = resolve_model(model)
     kwargs = {"gguf_file": source.gguf_file} if source.is_gguf else {}
-    hf_model = AutoModelForCausalLM.from_pretrained(str(source.folder), dtype=torch.float32,
+    hf_model = AutoModelForCausalLM.from_pretrained(str(source.folder), dtype=dtype,
                                                     attn_implementation="sdpa", trust_remote_code=False,
                                                     **kwargs)
     return hf_model.eval()

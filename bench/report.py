@@ -16,8 +16,8 @@ def format_report(result: dict) -> str:
     lines = [
         (f"batchgen bench: workload {w['name']}: {w['num_requests']} requests, prompts "
         f"{w['prompt_len_min']}-{w['prompt_len_max']} tokens, output {w.get('output_len', '?')} tokens"),
-        (f"  model {result['model']} (float32), {m['num_threads']} torch threads on {m['cpu']} "
-        f"({m['num_cpus']} CPUs)"),
+        (f"  model {result['model']} ({result.get('dtype', 'float32')}), {m['num_threads']} torch threads on "
+        f"{m['cpu']} ({m['num_cpus']} CPUs), CPU ISA {result.get('kernels', {}).get('cpu_isa', '?')}"),
         "",
         f"  {'':<34} {'prompt tokens':>14} {'completion tokens':>18} {'seconds':>9} {'completion tok/s':>17}",
     ]
@@ -27,8 +27,13 @@ def format_report(result: dict) -> str:
     peer = result.get("peer")
     if peer:
         lines.append(_row(peer["name"], peer))
-        others = ", ".join(f"batch {r['batch_size']}: {r['completion_tokens_per_s']:.1f}/s" for r in peer["runs"])
-        lines.append(f"  (peer tried {others})")
+        if "runs" in peer:  # HF: its batch sizes
+            others = ", ".join(f"batch {r['batch_size']}: {r['completion_tokens_per_s']:.1f}/s" for r in peer["runs"])
+            lines.append(f"  (peer tried {others})")
+        if "load_seconds" in peer:  # vLLM: load + compile untimed, repetitions
+            reps = ", ".join(f"{r['seconds']:.2f} s" for r in peer["reps"])
+            lines.append(f"  (peer {peer['versions'].get('vllm', '?')}: load + compile {peer['load_seconds']:.1f} s "
+                         f"and warm-up {peer['warmup_seconds']:.1f} s untimed; repetitions {reps})")
     lines.append("")
     if peer:
         lines.append(f"  ratio engine / peer (completion tokens/s): {result['ratio_vs_peer']:.2f}x")
@@ -41,7 +46,7 @@ def format_report(result: dict) -> str:
         share = f", linear layers {weights['linear_bytes_vs_float32']:.1%} of float32 bytes" if weights else ""
         lines.append(f"  ratio {method} / float32 weights (completion tokens/s): {ratio:.2f}x{share}")
     g = result["gemm"]
-    lines.append(f"  GEMM float32: {g['prefill']['gflops_per_s']:.1f} GFLOP/s at prefill shapes "
+    lines.append(f"  GEMM {g.get('dtype', 'float32')}: {g['prefill']['gflops_per_s']:.1f} GFLOP/s at prefill shapes "
                  f"({g['prefill']['num_tokens']} rows), {g['decode']['gflops_per_s']:.1f} GFLOP/s at decode "
                  f"shapes ({g['decode']['num_tokens']} rows)")
     r = result["roofline"]

@@ -147,7 +147,8 @@ class EngineConfig:
     """Everything the engine needs to know, resolved once. Derived values are properties."""
 
     model: str
-    dtype: str = "auto"  # auto (float32 on CPU, bfloat16 on GPU) | float32 | bfloat16 | float16
+    # auto: bfloat16 on GPU; on the CPU bfloat16 where it has BF16 units (AVX-512 BF16, AMX), else float32
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     quantization: str = "auto"  # auto | none | fp8 | int8 | int4 | gptq | awq | compressed-tensors | gguf
     fp8_mode: str = "auto"  # auto | w8a8 | w8a16
     quantize_lm_head: bool = False  # with fp8 / int8 / int4: lm_head too (the logits' last matmul stays in dtype otherwise)
@@ -206,7 +207,11 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         if self.dtype == "auto":
-            return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
+            if self.torch_device.type == "cuda":
+                return torch.bfloat16
+            from batchgen.engine.capabilities import auto_cpu_dtype  # it asks the CPU (and imports this module)
+
+            return auto_cpu_dtype()
         return DTYPES[self.dtype]
 
     @property

@@ -3,7 +3,9 @@
 The sources are package data (kernels/csrc/*.c) and use no torch headers, so a build is quick. Each built library is cached in a private folder under the cache root (see
 cache_dir.py: `$BATCHGEN_CACHE_DIR/kernels`, created with mode 0700 and refused when another user
 owns it or group or others may write it), named by the hash of its sources, the compiler flags and
-the CPU's feature flags (-march=native code only runs on the CPU that built it). Next to it a
+the CPU's feature flags (-march=native code only runs on the CPU that built it). The -march flags
+follow cpu_isa.py: -march=native, or the level `BATCHGEN_CPU_ISA` forces (e.g. avx2 on an AVX-512
+machine), each level its own cached file. Next to it a
 `.sha256` file records the library's own hash, written after the build; a cached library is loaded
 only when it is a regular file owned by this user whose content matches that record, otherwise it
 is rebuilt. The check and the load read the same open file, so the file cannot be swapped between
@@ -31,6 +33,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from batchgen.kernels import cpu_isa
 from batchgen.kernels.cache_dir import cache_root, private_dir
 
 log = logging.getLogger("batchgen.kernels")
@@ -38,7 +41,7 @@ log = logging.getLogger("batchgen.kernels")
 # -ffast-math only when compiling (vectorized reductions, libmvec expf); linking without it keeps
 # GCC's crtfastmath out of the library, whose constructor would switch the loading thread to
 # flush-to-zero.
-COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC", "-fopenmp")
+COMPILE_FLAGS = ("-O3", "-ffast-math", "-fPIC", "-fopenmp")  # plus compile_flags()'s -march
 LINK_FLAGS = ("-shared", "-fopenmp")
 SOURCE_PACKAGE = "batchgen.kernels"  # csrc/ is package data of this package
 
@@ -49,6 +52,12 @@ def _cpu_fingerprint() -> str:
             return next((line for line in f if line.startswith(("flags", "Features"))), platform.machine())
     except OSError:
         return platform.machine()
+
+
+def compile_flags(isa: str | None = None) -> tuple[str, ...]:
+    """The compiler's flags for the kernels at `isa` (default: cpu_isa.selected_isa())."""
+    isa = cpu_isa.selected_isa() if isa is None else isa
+    return (COMPILE_FLAGS[0], *cpu_isa.march_flags(isa), *COMPILE_FLAGS[1:])
 
 
 def read_source(file_name: str) -> str:
@@ -77,14 +86,18 @@ def _is_own_file(fd: int) -> bool:
 
 class CLibrary:
     """One shared library built from C sources in csrc/ (`sources`: file names, compiled and linked
-    together); `functions` maps each exported name to (restype, argtypes) for ctypes. `fallback`
-    says what callers do without it (for the log and require()'s error)."""
+    together; `headers`: csrc/ headers they include, hashed with them); `functions` maps each exported
+    name to (restype, argtypes) for ctypes. `fallback` says what callers do without it (for the log
+    and require()'s error)."""
 
-    def __init__(self, name: str, sources: tuple[str, ...], functions: dict[str, tuple], fallback: str):
+    def __init__(self, name: str, sources: tuple[str, ...], functions: dict[str, tuple], fallback: str,
+                 headers: tuple[str, ...] = ()):
         self.name, self.sources, self.functions, self.fallback = name, tuple(sources), functions, fallback
+        self.headers = tuple(headers)
         self._library: ctypes.CDLL | None = None
         self._is_tried = False
         self._reason = ""  # why load() returned None
+        self.isa: str | None = None  # the level it was built for, once loaded (cpu_isa.py)
 
     def is_available(self) -> bool:
         """True once the library is built (or found verified in the cache) and loaded."""
@@ -99,15 +112,16 @@ class CLibrary:
         return lib
 
     def read_sources(self) -> dict[str, str]:
-        """File name -> text of each of the library's sources, from the installed package."""
-        return {file_name: read_source(file_name) for file_name in self.sources}
+        """File name -> text of each of the library's sources and headers, from the installed package."""
+        return {file_name: read_source(file_name) for file_name in self.sources + self.headers}
 
-    def cache_path(self, directory: Path, sources: dict[str, str] | None = None) -> Path:
+    def cache_path(self, directory: Path, sources: dict[str, str] | None = None,
+                   flags: tuple[str, ...] | None = None) -> Path:
         """The library's file in `directory`, named by the hash of its sources, flags and CPU."""
         key = hashlib.sha256()
         for file_name, text in (sources or self.read_sources()).items():
             key.update(f"{file_name}\0{text}\0".encode())
-        key.update((" ".join(COMPILE_FLAGS + LINK_FLAGS) + _cpu_fingerprint()).encode())
+        key.update((" ".join((flags or compile_flags()) + LINK_FLAGS) + _cpu_fingerprint()).encode())
         return Path(directory) / f"{self.name}-{key.hexdigest()[:16]}.so"
 
     def load(self) -> ctypes.CDLL | None:
@@ -120,11 +134,18 @@ class CLibrary:
             log.info("CPU kernel %s unavailable (%s); %s", self.name, self._reason, self.fallback)
             return None
         try:
+            isa = cpu_isa.selected_isa()
+        except ValueError as exc:  # a BATCHGEN_CPU_ISA this CPU cannot run
+            self._reason = str(exc)
+            log.warning("CPU kernel %s unavailable (%s); %s", self.name, self._reason, self.fallback)
+            return None
+        try:
             sources = self.read_sources()
-            path = self.cache_path(kernel_cache_dir(), sources)
+            flags = compile_flags(isa)
+            path = self.cache_path(kernel_cache_dir(), sources, flags)
             fd = self._open_verified(path)
             if fd is None:
-                fd = self._build(path, sources)
+                fd = self._build(path, sources, flags)
             lib = self._load_fd(fd, path)
             for fn_name, (restype, argtypes) in self.functions.items():
                 fn = getattr(lib, fn_name)  # AttributeError: the library lacks it
@@ -134,7 +155,7 @@ class CLibrary:
             self._reason = f"{type(exc).__name__}: {exc} {detail}".strip()
             log.warning("CPU kernel %s unavailable (%s); %s", self.name, self._reason, self.fallback)
             return None
-        self._library = lib
+        self._library, self.isa = lib, isa
         return lib
 
     @staticmethod
@@ -173,7 +194,7 @@ class CLibrary:
             raise
 
     @staticmethod
-    def _build(path: Path, sources: dict[str, str]) -> int:
+    def _build(path: Path, sources: dict[str, str], flags: tuple[str, ...]) -> int:
         """Compile and link into `path` (atomically) and record its hash; returns an open descriptor
         of the built file."""
         compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
@@ -184,11 +205,14 @@ class CLibrary:
         with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
             objects = []
             for file_name, text in sources.items():
+                (Path(tmp) / file_name).write_text(text)
+            for file_name in sources:
+                if not file_name.endswith(".c"):
+                    continue  # a header, included by the sources
                 # Relative names, compiled in the temp folder: the library's bytes do not depend on
                 # the temp folder's name.
-                (Path(tmp) / file_name).write_text(text)
                 objects.append(Path(file_name).with_suffix(".o").name)
-                subprocess.run([compiler, *COMPILE_FLAGS, "-c", file_name, "-o", objects[-1]],
+                subprocess.run([compiler, *flags, "-c", file_name, "-o", objects[-1]],
                                cwd=tmp, check=True, capture_output=True, timeout=120)
             subprocess.run([compiler, *LINK_FLAGS, *objects, "-o", path.name, "-lm"],
                            cwd=tmp, check=True, capture_output=True, timeout=120)

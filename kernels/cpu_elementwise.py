@@ -1,5 +1,6 @@
-"""The model's elementwise passes for the CPU in float32, fused in C (csrc/elementwise.c): one pass
-and one call each.
+"""The model's elementwise passes for the CPU in float32 or bfloat16, fused in C (csrc/elementwise.c):
+one pass and one call each. bfloat16 rows are widened to float32 in the kernel, computed there and
+rounded to nearest even where the eager bfloat16 ops round.
 
 In a decode step each of these ops works on a few hundred KB, so torch's per-op dispatch and its
 multi-kernel compositions (RMSNorm is pow, mean, add, rsqrt and two muls; rotary a roll, a mul and
@@ -28,7 +29,11 @@ _LIBRARY = CLibrary("elementwise", ("elementwise.c",), {
     "add_rms_norm": (None, [_P, _L, _P, _L, _P, _P, _L, _I, _I, _F, _I, _I]),
     "silu_mul": (None, [_P, _L, _P, _L, _I, _I, _I]),
     "rotary": (None, [_P, _L, _P, _P, _L, _I, _I, _I, _I]),
-}, fallback="using torch's elementwise ops")
+    "add_rms_norm_bf16": (_I, [_P, _L, _P, _L, _P, _P, _L, _I, _I, _F, _I, _I]),
+    "silu_mul_bf16": (None, [_P, _L, _P, _L, _I, _I, _I]),
+    "rotary_bf16": (None, [_P, _L, _P, _P, _L, _I, _I, _I, _I]),
+}, fallback="using torch's elementwise ops", headers=("bf16.h",))
+DTYPES = (torch.float32, torch.bfloat16)
 
 
 def is_available() -> bool:
@@ -36,49 +41,63 @@ def is_available() -> bool:
     return _LIBRARY.is_available()
 
 
-def _check_rows(*tensors: torch.Tensor) -> None:
+def _check_rows(*tensors: torch.Tensor) -> bool:
+    """All float32 or all bfloat16 CPU tensors with contiguous rows; returns True for bfloat16."""
+    dtype = tensors[0].dtype
     for t in tensors:
-        if t.dtype != torch.float32 or t.device.type != "cpu" or t.stride(-1) != 1:
-            raise ValueError(f"expected float32 CPU tensors with contiguous rows, got {t.dtype} {tuple(t.stride())}")
+        if t.dtype not in DTYPES or t.dtype != dtype or t.device.type != "cpu" or t.stride(-1) != 1:
+            raise ValueError(f"expected float32 or bfloat16 CPU tensors of one dtype with contiguous rows, "
+                             f"got {t.dtype} {tuple(t.stride())} beside {dtype}")
+    return dtype == torch.bfloat16
+
+
+def _add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, eps: float,
+                  add: int, is_bf16: bool) -> None:
+    lib = _LIBRARY.require()
+    args = (x.data_ptr(), x.stride(0), residual.data_ptr(), residual.stride(0) if add else 0, weight.data_ptr(),
+            out.data_ptr(), out.stride(0), x.shape[0], x.shape[1], eps, add, torch.get_num_threads())
+    if not is_bf16:
+        lib.add_rms_norm(*args)
+    elif lib.add_rms_norm_bf16(*args) != 0:
+        raise MemoryError("CPU add_rms_norm kernel: out of memory for its row buffers")
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x: (T, hidden) with contiguous rows. Returns weight * x / rms(x), a new (T, hidden)."""
-    _check_rows(x, weight)
+    is_bf16 = _check_rows(x, weight)
     out = torch.empty(x.shape, dtype=x.dtype)
-    _LIBRARY.require().add_rms_norm(x.data_ptr(), x.stride(0), x.data_ptr(), 0, weight.data_ptr(), out.data_ptr(),
-                                    out.stride(0), x.shape[0], x.shape[1], eps, 0, torch.get_num_threads())
+    _add_rms_norm(x, x, weight, out, eps, 0, is_bf16)
     return out
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual), x + residual); the sum is written into `residual`, which is returned."""
-    _check_rows(x, residual, weight)
+    is_bf16 = _check_rows(x, residual, weight)
     out = torch.empty(x.shape, dtype=x.dtype)
-    _LIBRARY.require().add_rms_norm(x.data_ptr(), x.stride(0), residual.data_ptr(), residual.stride(0),
-                                    weight.data_ptr(), out.data_ptr(), out.stride(0), x.shape[0], x.shape[1],
-                                    eps, 1, torch.get_num_threads())
+    _add_rms_norm(x, residual, weight, out, eps, 1, is_bf16)
     return out, residual
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up: (T, 2 * inter) with contiguous rows. Returns silu(gate) * up, (T, inter)."""
-    _check_rows(gate_up)
+    is_bf16 = _check_rows(gate_up)
     num_rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty(num_rows, inter, dtype=gate_up.dtype)
-    _LIBRARY.require().silu_mul(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), out.stride(0), num_rows,
-                                inter, torch.get_num_threads())
+    kernel = _LIBRARY.require().silu_mul_bf16 if is_bf16 else _LIBRARY.require().silu_mul
+    kernel(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), out.stride(0), num_rows, inter,
+           torch.get_num_threads())
     return out
 
 
 def rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """In place on x: (T, heads, D) with contiguous heads (rows may be strided, e.g. the q/k block
     of a fused qkv output); cos, signed_sin: (T, 1, D) contiguous. Returns x."""
-    _check_rows(x, cos, signed_sin)
+    is_bf16 = _check_rows(x, cos, signed_sin)
     num_rows, num_heads, head_dim = x.shape
     if x.stride(1) != head_dim or cos.stride(0) != head_dim or signed_sin.stride(0) != head_dim:
         raise ValueError("rotary needs contiguous heads and (T, 1, D) contiguous tables")
-    _LIBRARY.require().rotary(x.data_ptr(), x.stride(0), cos.data_ptr(), signed_sin.data_ptr(), head_dim,
-                              num_rows, num_heads, head_dim, torch.get_num_threads())
+    kernel = _LIBRARY.require().rotary_bf16 if is_bf16 else _LIBRARY.require().rotary
+    kernel(x.data_ptr(), x.stride(0), cos.data_ptr(), signed_sin.data_ptr(), head_dim, num_rows, num_heads,
+           head_dim, torch.get_num_threads())
     return x

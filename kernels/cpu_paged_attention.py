@@ -1,5 +1,5 @@
-"""Paged attention for the CPU in float32, read in place from the paged KV cache: small C kernels
-(csrc/paged_decode.c, csrc/paged_prefill.c).
+"""Paged attention for the CPU, read in place from the paged KV cache: small C kernels
+(csrc/paged_decode.c, csrc/paged_prefill.c), computing in float32 whatever the storage.
 
 Decode: SDPA's CPU flash kernel is built for long query blocks; a decode step has 1 query per
 sequence (a GQA group of `group` query heads per KV head), and there it reads K/V well below the
@@ -17,7 +17,9 @@ prefix alike, with no padding and no mask tensor. (Measured rates against SDPA: 
 
 FP8 caches (float8_e4m3fn / float8_e5m2): both kernels read one byte per value and widen it through
 the layer's 256-entry lookup table (`fp8_lookup_table`: byte -> value * scale), a quarter of the
-bytes of a float32 cache.
+bytes of a float32 cache. bfloat16 caches: two bytes per value, widened by a 16-bit shift. Queries
+and outputs are float32, or bfloat16 (with a bfloat16 cache: the model computing in bfloat16), then
+widened per row or tile and the float32 results rounded to nearest even.
 
 The torch reference is kernels/reference.py's paged_attention_reference; the cache write these kernels read after is kernels/cpu_kv_store.py.
 Work is split over threads by OpenMP, in torch's own thread pool. Built on first use
@@ -37,9 +39,10 @@ from batchgen.kernels.kv_formats import fp8_code_values, is_fp8_kv
 
 _P, _L, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
 _LIBRARY = CLibrary("paged_attention", ("paged_decode.c", "paged_prefill.c"), {
-    "paged_decode_attention": (_I, [_P] * 8 + [_I] * 6 + [ctypes.c_float, _I]),
-    "paged_prefill_attention": (_I, [_P, _L, _P, _P, _P, _P, _P, _L] + [_P] * 4 + [_I] * 6 + [ctypes.c_float, _I]),
-}, fallback="attention runs through SDPA (decodes staged)")
+    "paged_decode_attention": (_I, [_P] * 8 + [_I] * 6 + [ctypes.c_float, _I, _I, _I]),
+    "paged_prefill_attention": (_I, [_P, _L, _P, _P, _P, _P, _P, _L] + [_P] * 4 + [_I] * 6
+                                + [ctypes.c_float, _I, _I, _I]),
+}, fallback="attention runs through SDPA (decodes staged)", headers=("bf16.h",))
 
 
 def is_available() -> bool:
@@ -62,6 +65,11 @@ def _lut_pointers(k_cache: torch.Tensor, k_lut: torch.Tensor | None, v_lut: torc
     return k_lut.data_ptr(), v_lut.data_ptr()
 
 
+def _formats(q: torch.Tensor, k_cache: torch.Tensor) -> tuple[int, int]:
+    """The kernels' (cache_bf16, io_bf16) flags."""
+    return int(k_cache.dtype == torch.bfloat16), int(q.dtype == torch.bfloat16)
+
+
 def _check_tables(block_tables: torch.Tensor, lengths: torch.Tensor, block_size: int, num_slots: int) -> None:
     """The C code trusts these: every row's keys lie inside its table, every table inside the cache."""
     if block_tables.shape[0] != lengths.shape[0]:
@@ -78,9 +86,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            v_lut: torch.Tensor | None = None) -> torch.Tensor:
     """One query token per row against its own keys, read in place from the paged cache.
 
-    q: (B, Hkv, G, D) float32 (a KV head's G query heads together); k_cache, v_cache: (slots, Hkv, D)
-    float32 or FP8 (then k_lut, v_lut from fp8_lookup_table), contiguous, slot = block * block_size +
-    offset; block_tables: (B, max_blocks) int32; lengths: (B,) int32, row b attends slots of tokens
+    q: (B, Hkv, G, D) float32 or bfloat16 (a KV head's G query heads together); k_cache, v_cache:
+    (slots, Hkv, D) float32, bfloat16 or FP8 (then k_lut, v_lut from fp8_lookup_table), contiguous,
+    slot = block * block_size + offset; block_tables: (B, max_blocks) int32; lengths: (B,) int32, row b attends slots of tokens
     [0, lengths[b]). Returns (B, Hkv, G, D).
     """
     lib = _LIBRARY.require()
@@ -98,7 +106,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     out = torch.empty_like(q)
     rc = lib.paged_decode_attention(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), *luts, lengths.data_ptr(),
                                     block_tables.data_ptr(), out.data_ptr(), num_rows, num_kv_heads, group,
-                                    head_dim, block_size, block_tables.shape[1], scale, torch.get_num_threads())
+                                    head_dim, block_size, block_tables.shape[1], scale, *_formats(q, k_cache),
+                                    torch.get_num_threads())
     if rc != 0:
         raise MemoryError("CPU decode-attention kernel: out of memory for its score rows")
     return out
@@ -112,7 +121,8 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     """Prefill chunks attend their cached context and themselves causally, keys read from the paged
     cache (this step's keys must be written there first): fresh prompts and prefix hits alike.
 
-    q, out: (T, H, D) float32 with contiguous heads (q may be a view into a fused qkv output); per
+    q, out: (T, H, D) float32 or bfloat16, one dtype, with contiguous heads (q may be a view into a
+    fused qkv output); per
     prefill sequence (int32): its first flat token, query length, context length and block table
     (S, max_blocks) covering context + queries. head_dim must be a multiple of 16. FP8 caches as for
     decode (k_lut, v_lut).
@@ -121,6 +131,8 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     lib = _LIBRARY.require()
     num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2]
     check_caches(q, k_cache, v_cache)
+    if out.dtype != q.dtype:
+        raise TypeError(f"out must be in q's dtype {q.dtype}, got {out.dtype}")
     if head_dim % 16 or q.stride(2) != 1 or q.stride(1) != head_dim or out.stride(2) != 1 or out.stride(1) != head_dim:
         raise ValueError("q and out need contiguous (H, D) heads and head_dim a multiple of 16")
     token_starts, query_lens, context_lens, block_tables = (
@@ -136,6 +148,6 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                                      out.data_ptr(), out.stride(0), token_starts.data_ptr(), query_lens.data_ptr(),
                                      context_lens.data_ptr(), block_tables.data_ptr(), num_seqs,
                                      block_tables.shape[1], num_kv_heads, q.shape[1] // num_kv_heads, head_dim,
-                                     block_size, scale, torch.get_num_threads())
+                                     block_size, scale, *_formats(q, k_cache), torch.get_num_threads())
     if rc != 0:
         raise MemoryError("CPU prefill-attention kernel: out of memory for its key and score buffers")

@@ -1,7 +1,8 @@
 """The CPU backend: the C kernels of kernels/cpu_paged_attention.py, in place in the paged cache.
 
-Float32 on the CPU, with a float32 or an FP8 cache (read through a 256-entry lookup table per layer,
-see kernels/cpu_paged_attention.py). Every sequence's keys are read where they lie, through its block table: no
+On the CPU, queries in float32 or bfloat16, with a float32, bfloat16 or FP8 cache (FP8 read through
+a 256-entry lookup table per layer, bfloat16 widened by a shift, see kernels/cpu_paged_attention.py);
+float32 queries over a bfloat16 cache are the widened bf16 path (engine/capabilities.py). Every sequence's keys are read where they lie, through its block table: no
 gather, no padding, no staging copy. Decodes go to the decode kernel (a KV head's query heads
 together, GQA without expanding K/V); all prefill chunks of a step, fresh prompts and chunks that
 continue a cached context alike, go to the prefill kernel in one call.
@@ -96,7 +97,7 @@ class CpuMetadataBuilder(AttentionMetadataBuilder):
 
 
 class CpuAttention(AttentionBackend):
-    """Paged attention through the C kernels (CPU, float32, head_dim a multiple of 16)."""
+    """Paged attention through the C kernels (CPU, float32 or bfloat16, head_dim a multiple of 16)."""
 
     name = "cpu"
     supports_fp8_kv = True
@@ -105,8 +106,8 @@ class CpuAttention(AttentionBackend):
     def unavailable_reason(cls, device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
         if device.type != "cpu":
             return f"its kernels run on the CPU, not on {device.type}"
-        if dtype != torch.float32:
-            return f"its kernels take float32, not {str(dtype).removeprefix('torch.')}"
+        if dtype not in (torch.float32, torch.bfloat16):
+            return f"its kernels take float32 or bfloat16, not {str(dtype).removeprefix('torch.')}"
         if head_dim % 16:
             return f"its kernels need head_dim a multiple of 16, this model has {head_dim}"
         if not (cpu_paged_attention.is_available() and cpu_kv_store.is_available()):

@@ -19,6 +19,7 @@ from batchgen.engine.loader.gguf_loader import iter_gguf_weights, read_gguf_conf
 from batchgen.engine.loader.hf_loader import iter_hf_weights, read_hf_config
 from batchgen.engine.loader.source import ModelSource, resolve_model
 from batchgen.engine.models.config import ModelConfig
+from batchgen.engine.models.bf16_linear import widen_bf16_model
 from batchgen.engine.models.cpu_linear import pack_linears
 from batchgen.engine.models.llama import LlamaForCausalLM
 from batchgen.engine.models.rotary import RotaryEmbedding
@@ -109,7 +110,8 @@ def load_model(config: EngineConfig) -> LoadedModel:
     max_model_len = config.max_model_len or model_cfg.max_position_embeddings
     device, dtype = config.torch_device, config.torch_dtype
     weight_format, declared = resolve_weight_format(config, source)
-    capabilities = detect_capabilities(config, model_cfg, has_fp8_layers=weight_format == "fp8")
+    capabilities = detect_capabilities(config, model_cfg, has_fp8_layers=weight_format == "fp8",
+                                       has_float_weights=weight_format == "none")
     backend = ATTENTION_BACKENDS[capabilities.attention_backend](model_cfg.num_heads, model_cfg.num_kv_heads,
                                                                  model_cfg.head_dim)
     model = build_empty_model(model_cfg, max_model_len, backend, device, dtype)
@@ -161,6 +163,8 @@ def load_model(config: EngineConfig) -> LoadedModel:
         origin = "at load"
     if capabilities.is_onednn_packed_linear:  # after quantizing, which leaves only the layers it did not swap
         log.info("packed %d linear layers for oneDNN", pack_linears(model, capabilities.is_onednn_silu_mul))
+    elif capabilities.bf16_path == "widened":
+        log.info("%d bfloat16 linear layers widened to float32 per call (no BF16 units here)", widen_bf16_model(model))
     weight_bytes = model_weight_bytes(model)
     from batchgen.engine.quant.weight_report import weight_report
 
@@ -190,7 +194,8 @@ def build_loaded_model(config: EngineConfig, model_cfg: ModelConfig, max_model_l
     (e.g. `model.load_weights(hf_state_dict.items())`, or a seeded random init). Then the rotary tables,
     the elementwise kernels, FP8 (config.quantization) and oneDNN packing as load_model does. No
     source: an engine built on it has no tokenizer (prompts as token ids)."""
-    capabilities = detect_capabilities(config, model_cfg, has_fp8_layers=config.quantization == "fp8")
+    capabilities = detect_capabilities(config, model_cfg, has_fp8_layers=config.quantization == "fp8",
+                                       has_float_weights=config.quantization in ("auto", "none"))
     backend = ATTENTION_BACKENDS[capabilities.attention_backend](model_cfg.num_heads, model_cfg.num_kv_heads,
                                                                  model_cfg.head_dim)
     device = config.torch_device
@@ -204,4 +209,6 @@ def build_loaded_model(config: EngineConfig, model_cfg: ModelConfig, max_model_l
         quantize_model_fp8(model, config, None, capabilities)
     if capabilities.is_onednn_packed_linear:
         pack_linears(model, capabilities.is_onednn_silu_mul)
+    elif capabilities.bf16_path == "widened":
+        widen_bf16_model(model)
     return LoadedModel(None, model_cfg, model, max_model_len, model_weight_bytes(model), capabilities)

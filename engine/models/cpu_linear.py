@@ -1,4 +1,5 @@
-"""float32 linear layers on the CPU through oneDNN with prepacked weights.
+"""float32 and bfloat16 linear layers on the CPU through oneDNN with prepacked weights (bfloat16 where
+the CPU has BF16 units: oneDNN's bf16 GEMMs run on them).
 
 oneDNN with a prepacked (blocked) weight runs the model's GEMMs faster than the default MKL path
 (benchmarks/NOTES.md, change 4), and its rows do not depend on the batch size (batch invariance
@@ -17,7 +18,7 @@ log = logging.getLogger("batchgen.engine")
 
 
 class PackedLinear(nn.Linear):
-    """A drop-in nn.Linear whose weight lives in oneDNN's blocked layout (CPU, float32)."""
+    """A drop-in nn.Linear whose weight lives in oneDNN's blocked layout (CPU, float32 or bfloat16)."""
 
     def __init__(self, linear: nn.Linear):
         nn.Module.__init__(self)
@@ -89,29 +90,38 @@ class OneDNNLinear(nn.Linear):
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
 
 
+# Probe tolerances: float32 must match F.linear to rounding; bfloat16 outputs are rounded to 8 bits.
+_PROBE_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
-    """oneDNN packing is available and gives F.linear's results on a small probe."""
-    if device.type != "cpu" or dtype != torch.float32 or not torch.backends.mkldnn.is_available():
+    """oneDNN packing is available in `dtype` (float32, or bfloat16 where oneDNN can run bf16 GEMMs
+    here) and gives F.linear's results on a small probe."""
+    if device.type != "cpu" or dtype not in _PROBE_TOLERANCE or not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         return False
     try:
-        probe = nn.Linear(24, 40)
-        x = torch.randn(5, 24)
-        expected = probe(x)
-        got = PackedLinear(probe)(x)
-        return bool(torch.allclose(got, expected, rtol=1e-5, atol=1e-5))
+        probe = nn.Linear(24, 40, dtype=dtype)
+        x = torch.randn(5, 24, dtype=dtype)
+        expected = probe(x).float()
+        got = PackedLinear(probe)(x).float()
+        tol = _PROBE_TOLERANCE[dtype]
+        return bool(torch.allclose(got, expected, rtol=tol, atol=tol))
     except (RuntimeError, AttributeError) as exc:  # op missing in this torch build
         log.info("oneDNN packed linear unavailable (%s); using torch's default", exc)
         return False
 
 
-def can_fuse_silu_mul() -> bool:
+def can_fuse_silu_mul(dtype: torch.dtype = torch.float32) -> bool:
     """oneDNN's swish and binary-mul epilogues are there and give SiLU(gate) * up on a small probe."""
     try:
-        probe = nn.Linear(24, 80, bias=False)
-        x = torch.randn(5, 24)
-        gate, up = (x @ probe.weight.t()).chunk(2, dim=-1)
-        got = PackedSiluMulLinear(probe)(x)
-        return bool(torch.allclose(got, torch.nn.functional.silu(gate) * up, rtol=1e-5, atol=1e-5))
+        probe = nn.Linear(24, 80, bias=False, dtype=dtype)
+        x = torch.randn(5, 24, dtype=dtype)
+        gate, up = (x.float() @ probe.weight.float().t()).chunk(2, dim=-1)
+        got = PackedSiluMulLinear(probe)(x).float()
+        tol = 4 * _PROBE_TOLERANCE[dtype]  # bfloat16: gate, SiLU and the product each rounded
+        return bool(torch.allclose(got, torch.nn.functional.silu(gate) * up, rtol=tol, atol=tol))
     except (RuntimeError, AttributeError) as exc:  # post-ops missing in this torch build
         log.info("oneDNN SiLU*up epilogues unavailable (%s); the MLP multiplies separately", exc)
         return False

@@ -5,12 +5,16 @@
    transposed, V in rows), then computes scores in 6 x 16 register tiles, an exact softmax per row
    over the keys it may see, and P V in 6 x 64 tiles: no padding, no mask tensor. Work items are
    split over torch's OpenMP threads. FP8 caches (k_lut/v_lut not NULL) are widened through the
-   layer's 256-entry table (byte -> value * scale) in that gather. Called from kernels/cpu_paged_attention.py, which checks every
-   argument first. */
+   layer's 256-entry table (byte -> value * scale) in that gather, bfloat16 caches (cache_bf16) by a
+   16-bit shift. bfloat16 queries and outputs (io_bf16): each tile's query rows are widened once
+   into float32, its outputs computed in float32 and rounded to nearest even as they are written.
+   Called from kernels/cpu_paged_attention.py, which checks every argument first. */
 
 #include <float.h>
 #include <math.h>
 #include <stdlib.h>
+
+#include "bf16.h"
 
 #define QK_ROWS 6     /* query rows per register tile of scores (6 x 16 accumulators) */
 #define PV_ROWS 6     /* query rows per register tile of outputs (6 x 64 lanes for 64-dim heads) */
@@ -24,21 +28,23 @@ static inline vec16 load16(const float *p) { vec16 v; __builtin_memcpy(&v, p, si
 static inline void store16(float *p, vec16 v) { __builtin_memcpy(p, &v, sizeof v); }
 
 typedef struct {
-    const float *q;
-    const void *k_cache, *v_cache;  /* float32, or FP8 bytes when the tables below are set */
-    const float *k_lut, *v_lut;  /* (256,) byte -> value * scale, or NULL for a float32 cache */
-    float *out;
-    long q_token_stride, out_token_stride;
+    const void *q;  /* float32, or bfloat16 with io_bf16 (out likewise) */
+    const void *k_cache, *v_cache;  /* float32, bfloat16 (cache_bf16), or FP8 bytes when the tables below are set */
+    const float *k_lut, *v_lut;  /* (256,) byte -> value * scale, or NULL */
+    void *out;
+    long q_token_stride, out_token_stride;  /* in elements */
     const int *token_starts, *query_lens, *context_lens, *block_tables;
     int max_blocks, num_kv_heads, group, head_dim, block_size;
     float scale;
+    int cache_bf16, io_bf16;
 } prefill_job_t;
 
 /* out rows [r0, r0 + nr) = P V over their keys, NV_ x 16 head dims at a time held in registers. One
-   copy per width: 4 vectors (a whole 64-dim head) and 1 (any head_dim, 4x the P reads). */
+   copy per width: 4 vectors (a whole 64-dim head) and 1 (any head_dim, 4x the P reads). `obuf`: with
+   bfloat16 outputs, the tile's float32 rows (row r at (r - tile) * D), else NULL (written in place). */
 #define DEFINE_PV_TILE(NAME, NV_)                                                                    \
-static void NAME(const prefill_job_t *j, const float *scores, const float *vb, float *out, int ctx,  \
-                 int tile, int padded, int r0, int nr) {                                             \
+static void NAME(const prefill_job_t *j, const float *scores, const float *vb, float *out, float *obuf, \
+                 int ctx, int tile, int padded, int r0, int nr) {                                    \
     const int G = j->group, D = j->head_dim;                                                         \
     const int row_keys = ctx + (r0 + nr - 1) / G + 1;                                                \
     const float *pr[PV_ROWS];                                                                        \
@@ -56,7 +62,8 @@ static void NAME(const prefill_job_t *j, const float *scores, const float *vb, f
         }                                                                                            \
         for (int t = 0; t < nr; t++) {                                                               \
             const int r = r0 + t;                                                                    \
-            float *o = out + (r / G) * j->out_token_stride + (r % G) * D + d0;                       \
+            float *o = (obuf ? obuf + (long)(r - tile) * D                                           \
+                             : out + (r / G) * j->out_token_stride + (r % G) * D) + d0;              \
             for (int c = 0; c < NV_; c++) store16(o + 16 * c, acc[t][c]);                            \
         }                                                                                            \
     }                                                                                                \
@@ -67,7 +74,7 @@ DEFINE_PV_TILE(pv_tile_16, 1)
 /* Query rows r = token * G + g of one (sequence, kv head), rows [row_begin, row_end): scores against
    keys [0, context + token] packed as K^T (D, padded keys), exact softmax, then P V. */
 static void prefill_rows(const prefill_job_t *j, int seq, int h, int row_begin, int row_end,
-                         float *kt, float *vb, float *scores) {
+                         float *kt, float *vb, float *scores, float *qo) {
     const int G = j->group, D = j->head_dim, BS = j->block_size;
     const int ctx = j->context_lens[seq];
     const int num_keys = ctx + (row_end - 1) / G + 1;  /* what the last row sees */
@@ -79,6 +86,9 @@ static void prefill_rows(const prefill_job_t *j, int seq, int h, int row_begin, 
         if (j->k_lut) {
             const unsigned char *kr = (const unsigned char *)j->k_cache + offset;
             for (int d = 0; d < D; d++) kt[(long)d * padded + key] = j->k_lut[kr[d]];
+        } else if (j->cache_bf16) {
+            const bf16_t *kr = (const bf16_t *)j->k_cache + offset;
+            for (int d = 0; d < D; d++) kt[(long)d * padded + key] = bf16_to_f32(kr[d]);
         } else {
             const float *kr = (const float *)j->k_cache + offset;
             for (int d = 0; d < D; d++) kt[(long)d * padded + key] = kr[d];
@@ -86,6 +96,8 @@ static void prefill_rows(const prefill_job_t *j, int seq, int h, int row_begin, 
         if (j->v_lut) {
             const unsigned char *vr = (const unsigned char *)j->v_cache + offset;
             for (int d = 0; d < D; d++) vb[(long)key * D + d] = j->v_lut[vr[d]];
+        } else if (j->cache_bf16) {
+            widen_bf16((const bf16_t *)j->v_cache + offset, vb + (long)key * D, D);
         } else {
             const float *vr = (const float *)j->v_cache + offset;
             for (int d = 0; d < D; d++) vb[(long)key * D + d] = vr[d];
@@ -94,16 +106,24 @@ static void prefill_rows(const prefill_job_t *j, int seq, int h, int row_begin, 
     for (int d = 0; d < D; d++)
         for (int key = num_keys; key < padded; key++) kt[(long)d * padded + key] = 0.f;
     const long token0 = j->token_starts[seq];
-    const float *q = j->q + token0 * j->q_token_stride + (long)h * G * D;
-    float *out = j->out + token0 * j->out_token_stride + (long)h * G * D;
+    const long q_offset = token0 * j->q_token_stride + (long)h * G * D;
+    const long out_offset = token0 * j->out_token_stride + (long)h * G * D;
+    /* float32 q and out in place; bfloat16 ones through qo: the tile's widened queries, then its outputs */
+    const float *q = j->io_bf16 ? 0 : (const float *)j->q + q_offset;
+    float *out = j->io_bf16 ? 0 : (float *)j->out + out_offset;
+    float *obuf = j->io_bf16 ? qo + (long)ROW_TILE * D : 0;
     for (int tile = row_begin; tile < row_end; tile += ROW_TILE) {
         const int tile_end = tile + ROW_TILE < row_end ? tile + ROW_TILE : row_end;
+        if (j->io_bf16)
+            for (int r = tile; r < tile_end; r++)
+                widen_bf16((const bf16_t *)j->q + q_offset + (r / G) * j->q_token_stride + (r % G) * D,
+                           qo + (long)(r - tile) * D, D);
         for (int r0 = tile; r0 < tile_end; r0 += QK_ROWS) {
             const int nr = tile_end - r0 < QK_ROWS ? tile_end - r0 : QK_ROWS;
             const float *qr[QK_ROWS];
             for (int t = 0; t < QK_ROWS; t++) {
                 const int r = r0 + (t < nr ? t : 0);
-                qr[t] = q + (r / G) * j->q_token_stride + (r % G) * D;
+                qr[t] = j->io_bf16 ? qo + (long)(r - tile) * D : q + (r / G) * j->q_token_stride + (r % G) * D;
             }
             const int row_keys = ctx + (r0 + nr - 1) / G + 1;
             for (int k0 = 0; k0 < row_keys; k0 += LANES) {
@@ -127,20 +147,25 @@ static void prefill_rows(const prefill_job_t *j, int seq, int h, int row_begin, 
         }
         for (int r0 = tile; r0 < tile_end; r0 += PV_ROWS) {
             const int nr = tile_end - r0 < PV_ROWS ? tile_end - r0 : PV_ROWS;
-            if (D % 64 == 0) pv_tile_64(j, scores, vb, out, ctx, tile, padded, r0, nr);
-            else pv_tile_16(j, scores, vb, out, ctx, tile, padded, r0, nr);
+            if (D % 64 == 0) pv_tile_64(j, scores, vb, out, obuf, ctx, tile, padded, r0, nr);
+            else pv_tile_16(j, scores, vb, out, obuf, ctx, tile, padded, r0, nr);
         }
+        if (j->io_bf16)
+            for (int r = tile; r < tile_end; r++)
+                narrow_bf16(obuf + (long)(r - tile) * D,
+                            (bf16_t *)j->out + out_offset + (r / G) * j->out_token_stride + (r % G) * D, D);
     }
 }
 
 /* Returns 0 on success. q: (T, H, D) with token stride q_token_stride (contiguous heads); out likewise;
-   caches as for decode (float32, or FP8 bytes with k_lut, v_lut); per prefill sequence: its first flat token, query and context lengths and
-   block table (max_blocks). head_dim must be a multiple of 16. */
-int paged_prefill_attention(const float *q, long q_token_stride, const void *k_cache, const void *v_cache,
-                            const float *k_lut, const float *v_lut, float *out, long out_token_stride, const int *token_starts, const int *query_lens,
+   both float32 or (io_bf16) bfloat16; caches as for decode (float32, bfloat16 with cache_bf16, or
+   FP8 bytes with k_lut, v_lut); per prefill sequence: its first flat token, query and context
+   lengths and block table (max_blocks). head_dim must be a multiple of 16. */
+int paged_prefill_attention(const void *q, long q_token_stride, const void *k_cache, const void *v_cache,
+                            const float *k_lut, const float *v_lut, void *out, long out_token_stride, const int *token_starts, const int *query_lens,
                             const int *context_lens, const int *block_tables, int num_seqs, int max_blocks,
                             int num_kv_heads, int group, int head_dim, int block_size, float scale,
-                            int num_threads) {
+                            int cache_bf16, int io_bf16, int num_threads) {
     int max_keys = 1;
     for (int i = 0; i < num_seqs; i++) {
         const int n = context_lens[i] + query_lens[i];
@@ -152,26 +177,28 @@ int paged_prefill_attention(const float *q, long q_token_stride, const void *k_c
     const int num_splits = num_pairs >= 4 * num_threads ? 1 : (4 * num_threads + num_pairs - 1) / num_pairs;
     const prefill_job_t j = {q, k_cache, v_cache, k_lut, v_lut, out, q_token_stride, out_token_stride, token_starts,
                              query_lens, context_lens, block_tables, max_blocks, num_kv_heads, group, head_dim,
-                             block_size, scale};
+                             block_size, scale, cache_bf16, io_bf16};
     int failed = 0;
     #pragma omp parallel num_threads(num_threads) reduction(|:failed)
     {
         float *kt = (float *)malloc(sizeof(float) * (size_t)head_dim * padded);
         float *vb = (float *)malloc(sizeof(float) * (size_t)head_dim * padded);
         float *scores = (float *)malloc(sizeof(float) * (size_t)ROW_TILE * padded);
-        if (!kt || !vb || !scores) failed = 1;
+        /* bfloat16 q/out: a tile's widened query rows, then its float32 output rows */
+        float *qo = (float *)malloc(sizeof(float) * (io_bf16 ? 2 * (size_t)ROW_TILE * head_dim : 1));
+        if (!kt || !vb || !scores || !qo) failed = 1;
         #pragma omp for schedule(dynamic, 1)
         for (int item = 0; item < num_pairs * num_splits; item++) {
-            if (!kt || !vb || !scores) continue;
+            if (!kt || !vb || !scores || !qo) continue;
             const int pair = item / num_splits, split = item % num_splits;
             const int seq = pair / num_kv_heads, h = pair % num_kv_heads;
             const int rows = query_lens[seq] * group;
             /* later rows see more keys: equal row counts are unequal work, but close enough here */
             const int per_split = (rows + num_splits - 1) / num_splits;
             const int begin = split * per_split, end = begin + per_split < rows ? begin + per_split : rows;
-            if (begin < end) prefill_rows(&j, seq, h, begin, end, kt, vb, scores);
+            if (begin < end) prefill_rows(&j, seq, h, begin, end, kt, vb, scores, qo);
         }
-        free(kt); free(vb); free(scores);
+        free(kt); free(vb); free(scores); free(qo);
     }
     return failed;
 }
