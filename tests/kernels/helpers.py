@@ -13,7 +13,8 @@ from batchgen.kernels.c_library import CLibrary
 
 def fresh_library(library: CLibrary, **functions: tuple) -> CLibrary:
     """A loader for the same sources that has not tried to load yet (`functions` adds exports)."""
-    return CLibrary(library.name, library.sources, {**library.functions, **functions}, library.fallback)
+    return CLibrary(library.name, library.sources, {**library.functions, **functions}, library.fallback,
+                    headers=library.headers)
 
 
 def plant_library(path: Path, marker: Path, exports: tuple[str, ...]) -> None:
