@@ -24,7 +24,7 @@ from batchgen.bench.machine import cpu_busy_fraction, machine_fingerprint
 from batchgen.bench.options import DEFAULT_NUM_REQUESTS, BenchOptions
 from batchgen.bench.peer import load_peer_model, require_peer_dependencies, run_peer, warm_up_peer
 from batchgen.bench.peers.vllm_cpu import VllmPeerConfig, kv_cache_gib, run_vllm_peer
-from batchgen.bench.quality import run_kv_cache_quality_bench, run_quality_bench
+from batchgen.bench.quality import run_dtype_quality_bench, run_kv_cache_quality_bench, run_quality_bench
 from batchgen.bench.result import TimedRun, compare_outputs
 from batchgen.bench.roofline import workload_roofline
 from batchgen.bench.workloads import (
@@ -93,10 +93,15 @@ def _fairness(workload: Workload, sides: list[TimedRun]) -> list[str]:
 
 def run_quality(opts: BenchOptions) -> dict:
     """`--quality`: FP8 against the unquantized model on the same text (top-1 agreement, KL, greedy);
-    with `--kv-cache-dtype fp8`: the FP8 KV cache against the float32 cache instead."""
+    with `--kv-cache-dtype fp8`: the FP8 KV cache against the float32 cache instead; with `--dtype
+    bfloat16`: the bfloat16 model (as it runs on this CPU) against float32, and greedy against HF's bf16."""
     if opts.num_threads:
         torch.set_num_threads(opts.num_threads)
-    if opts.kv_cache_dtype not in (None, "auto"):
+    if opts.dtype not in ("float32", "auto") or (opts.dtype == "auto" and EngineConfig(
+            model=opts.model, device="cpu").torch_dtype != torch.float32):
+        dtype = "bfloat16" if opts.dtype == "auto" else opts.dtype
+        quality = run_dtype_quality_bench(opts.model, dtype, num_prompts=opts.num_requests)
+    elif opts.kv_cache_dtype not in (None, "auto"):
         quality = run_kv_cache_quality_bench(
             opts.model, opts.kv_cache_dtype, num_prompts=opts.num_requests,
             calculate_kv_scales=bool(opts.engine_overrides.get("calculate_kv_scales", False)))

@@ -1,4 +1,5 @@
-"""Quantization quality benchmark: how far FP8 / int8 / int4 next-token distributions drift from the unquantized model's.
+"""Quantization quality benchmark: how far FP8 / int8 / int4 next-token distributions drift from the unquantized
+model's; and how far bfloat16 (as the engine runs it on this CPU) drifts from float32 (run_dtype_quality_bench).
 
 On the committed chat prompts, the unquantized model writes greedy reference completions. Both models
 then read prompt + reference (teacher forcing), and over the completion positions only we report:
@@ -228,6 +229,77 @@ def run_kv_cache_quality_bench(model: str = "smollm2-135m-instruct", kv_cache_dt
             "reference_kv_cache": float_kv, "kv_results": [entry]}
 
 
+def hf_greedy(model: str, prompt_ids: list[list[int]], max_tokens: int, dtype: torch.dtype,
+              eos_token_ids: tuple[int, ...]) -> list[list[int]]:
+    """HF transformers' own model in `dtype`, greedy, one prompt at a time (no padding), cut after EOS."""
+    from batchgen.bench.peer import load_peer_model
+
+    hf_model = load_peer_model(model, dtype)
+    outputs = []
+    with torch.inference_mode():
+        for ids in prompt_ids:
+            out = hf_model.generate(input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                    max_new_tokens=max_tokens, do_sample=False, num_beams=1,
+                                    eos_token_id=list(eos_token_ids), pad_token_id=eos_token_ids[0])
+            outputs.append(out[0, len(ids):].tolist())
+    eos = set(eos_token_ids)
+    return [o[:next((i + 1 for i, t in enumerate(o) if t in eos), len(o))] for o in outputs]
+
+
+def run_dtype_quality_bench(model: str = "smollm2-135m-instruct", dtype: str = "bfloat16",
+                            prompts: list | None = None, max_tokens: int = 32, num_prompts: int | None = None,
+                            engine=None, compare_hf: bool = True) -> dict:
+    """The model in `dtype` as the engine runs it on this CPU (bfloat16: on BF16 units or widened,
+    engine/capabilities.py) against float32: teacher-forced top-1 agreement and mean KL over the float32
+    model's greedy completions, and greedy agreement; with compare_hf, also greedy agreement with HF
+    transformers' own model in the same dtype (a reference, not the truth: its bf16 rounds elsewhere).
+    engine: a float32 CPU LLMEngine to reuse as the reference (None loads `model`)."""
+    from batchgen.engine.loader.model_loader import load_model
+    from batchgen.engine.tokenizer import Tokenizer
+
+    if engine is None:
+        reference = load_model(EngineConfig(model=model, dtype="float32", device="cpu", max_model_len=2048))
+        ref_model, tokenizer = reference.model, Tokenizer(reference.source)
+        eos = tuple(sorted(set(reference.model_cfg.eos_token_ids) | {tokenizer.eos_token_id} - {None}))
+        config = EngineConfig(model=model, dtype="float32", device="cpu", max_model_len=2048)
+    else:
+        config, ref_model, tokenizer, eos = engine.config, engine.runner.model, engine.tokenizer, engine.eos_token_ids
+        if config.torch_dtype != torch.float32 or config.torch_device.type != "cpu":
+            raise ValueError("the dtype quality bench compares against a float32 CPU engine")
+        model = config.model
+    loaded = load_model(config.replace(dtype=dtype))
+    prompts = list(prompts if prompts is not None else QUALITY_PROMPTS)[:num_prompts]
+    prompt_ids = encode_prompts(tokenizer, prompts)
+    references = greedy_generate(ref_model, prompt_ids, max_tokens, eos)
+    ref_logits = teacher_forced_logits(ref_model, prompt_ids, references)
+    ours = greedy_generate(loaded.model, prompt_ids, max_tokens, eos)
+    entry = {"dtype": dtype, "kernels": loaded.capabilities.as_dict(),
+             "weight_bytes": loaded.weight_bytes, "float32_weight_bytes": model_weight_bytes(ref_model),
+             **compare_logits(ref_logits, teacher_forced_logits(loaded.model, prompt_ids, references)),
+             **compare_greedy(references, ours)}
+    if compare_hf:
+        theirs = hf_greedy(model, prompt_ids, max_tokens, loaded.model.embed_tokens.weight.dtype, eos)
+        entry["vs_hf_same_dtype"] = compare_greedy(theirs, ours)
+    log.info("%s quality: top-1 agreement %.2f%%, mean KL %.4f (%s)", dtype, 100 * entry["top1_agreement"],
+             entry["mean_kl"], loaded.capabilities.bf16_path)
+    return {"model": model, "dtype": "float32", "device": "cpu", "num_prompts": len(prompts), "max_tokens": max_tokens,
+            "num_completion_tokens": sum(map(len, references)), "dtype_results": [entry]}
+
+
+def format_dtype_quality_table(result: dict) -> str:
+    lines = [(f"{result['model']} (reference float32, {result['device']}): {result['num_prompts']} prompts, "
+              f"{result['num_completion_tokens']} reference tokens"),
+             "dtype      path        weight bytes  top-1 agree  mean KL   greedy exact  greedy tokens  vs HF same dtype"]
+    for r in result["dtype_results"]:
+        hf = r.get("vs_hf_same_dtype")
+        hf_text = f"{hf['greedy_exact_match']:.1%} exact, {hf['greedy_token_agreement']:.1%} tokens" if hf else "-"
+        lines.append(f"{r['dtype']:<10} {r['kernels'].get('bf16_path') or '-':<11} "
+                     f"{r['weight_bytes'] / r['float32_weight_bytes']:>11.1%}  {r['top1_agreement']:>10.2%}  "
+                     f"{r['mean_kl']:>7.4f}  {r['greedy_exact_match']:>12.1%}  {r['greedy_token_agreement']:>12.1%}  "
+                     f"{hf_text}")
+    return "\n".join(lines)
+
+
 def format_kv_quality_table(result: dict) -> str:
     ref = result["reference_kv_cache"]
     lines = [f"{result['model']} (float32 weights, {result['device']}): {result['num_prompts']} prompts, "
@@ -245,6 +317,8 @@ def format_kv_quality_table(result: dict) -> str:
 def format_quality_table(result: dict) -> str:
     if "kv_results" in result:
         return format_kv_quality_table(result)
+    if "dtype_results" in result:
+        return format_dtype_quality_table(result)
     lines = [f"{result['model']} ({result['dtype']}, {result['device']}): {result['num_prompts']} prompts, "
              f"{result['num_completion_tokens']} reference tokens",
              "mode        linear bytes  top-1 agree  mean KL   greedy exact  greedy tokens"]

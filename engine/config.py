@@ -209,7 +209,8 @@ class EngineConfig:
         if self.dtype == "auto":
             if self.torch_device.type == "cuda":
                 return torch.bfloat16
-            from batchgen.engine.capabilities import auto_cpu_dtype  # it asks the CPU (and imports this module)
+            # Imported here: capabilities asks the CPU, and it imports this module.
+            from batchgen.engine.capabilities import auto_cpu_dtype
 
             return auto_cpu_dtype()
         return DTYPES[self.dtype]

@@ -18,8 +18,8 @@ from batchgen.engine.config import EngineConfig
 from batchgen.engine.loader.gguf_loader import iter_gguf_weights, read_gguf_config
 from batchgen.engine.loader.hf_loader import iter_hf_weights, read_hf_config
 from batchgen.engine.loader.source import ModelSource, resolve_model
-from batchgen.engine.models.config import ModelConfig
 from batchgen.engine.models.bf16_linear import widen_bf16_model
+from batchgen.engine.models.config import ModelConfig
 from batchgen.engine.models.cpu_linear import pack_linears
 from batchgen.engine.models.llama import LlamaForCausalLM
 from batchgen.engine.models.rotary import RotaryEmbedding

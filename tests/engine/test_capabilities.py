@@ -26,14 +26,15 @@ def without_c_attention(monkeypatch):
     monkeypatch.setattr(cpu_paged_attention, "is_available", lambda: False)
 
 
-def test_auto_and_torch_pick_triton_on_cuda_and_the_c_kernels_on_the_cpu_in_float32_else_sdpa():
+def test_auto_and_torch_pick_triton_on_cuda_and_the_c_kernels_on_the_cpu_in_float32_and_bfloat16_else_sdpa():
     assert cpu_paged_attention.is_available()  # CI has a C compiler
     for requested in ("auto", "torch"):
         assert select_attention_backend(requested, CPU, torch.float32, 64) is CpuAttention
         assert select_attention_backend(requested, CUDA, torch.bfloat16, 64) is TritonAttention
         assert select_attention_backend(requested, CUDA, torch.float16, 80, is_fp8_kv=True) is TritonAttention
     assert select_attention_backend("auto", CPU, torch.float32, 64, is_fp8_kv=True) is CpuAttention
-    assert select_attention_backend("auto", CPU, torch.bfloat16, 64) is SdpaAttention
+    assert select_attention_backend("auto", CPU, torch.bfloat16, 64) is CpuAttention
+    assert select_attention_backend("auto", CPU, torch.float16, 64) is SdpaAttention
     # Under the interpreter (tests set TRITON_INTERPRET=1) triton is selectable on the CPU, never auto.
     assert select_attention_backend("triton", CPU, torch.float32, 64) is TritonAttention
     assert select_attention_backend("auto", CPU, torch.float32, 24) is SdpaAttention  # head_dim % 16
@@ -44,8 +45,9 @@ def test_auto_and_torch_pick_triton_on_cuda_and_the_c_kernels_on_the_cpu_in_floa
 def test_a_backend_that_cannot_run_here_is_a_clear_error():
     with pytest.raises(ValueError, match="'cpu' cannot run here: its kernels run on the CPU, not on cuda"):
         select_attention_backend("cpu", CUDA, torch.float32, 64)
-    with pytest.raises(ValueError, match="'torch' \\(torch means cpu on cpu\\) cannot run here: .*float32"):
-        select_attention_backend("torch", CPU, torch.bfloat16, 64)
+    with pytest.raises(ValueError, match="'torch' \\(torch means cpu on cpu\\) cannot run here: .*float32 or "
+                                         "bfloat16, not float16"):
+        select_attention_backend("torch", CPU, torch.float16, 64)
     with pytest.raises(ValueError, match="must be one of auto, torch, cpu, sdpa, triton; got 'flash'"):
         select_attention_backend("flash", CUDA, torch.bfloat16, 64)
     with pytest.raises(ValueError, match="'sdpa' cannot run here: it is the CPU's fallback"):
@@ -53,7 +55,7 @@ def test_a_backend_that_cannot_run_here_is_a_clear_error():
     with pytest.raises(ValueError, match="'sdpa' cannot run here: it has no FP8 KV cache"):
         select_attention_backend("sdpa", CPU, torch.float32, 64, is_fp8_kv=True)
     with pytest.raises(ValueError, match="no attention backend can run here .*sdpa: it has no FP8 KV cache"):
-        select_attention_backend("auto", CPU, torch.bfloat16, 64, is_fp8_kv=True)
+        select_attention_backend("auto", CPU, torch.float16, 64, is_fp8_kv=True)
     with pytest.raises(ValueError, match="interpreter computes float32/float16 only"):
         select_attention_backend("triton", CPU, torch.bfloat16, 64)
 

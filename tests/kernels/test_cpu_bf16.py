@@ -95,7 +95,9 @@ def test_prefill_over_a_bf16_cache_matches_float64_reference_for_float32_and_bf1
     lengths = [q + c for q, c in chunks]
     k_cache, v_cache, tables = bf16_paged_cache(lengths, num_kv_heads, head_dim, block_size, seed=5)
     num_tokens = sum(q for q, _ in chunks)
-    as_int = lambda values: torch.tensor(values, dtype=torch.int32)  # noqa: E731
+
+    def as_int(values):
+        return torch.tensor(values, dtype=torch.int32)
     starts = as_int([sum(n for n, _ in chunks[:i]) for i in range(len(chunks))])
     query_lens, contexts = as_int([n for n, _ in chunks]), as_int([c for _, c in chunks])
     cu = torch.tensor([0] + [n for n, _ in chunks]).cumsum(0).to(torch.int32)
