@@ -141,3 +141,14 @@ def _has_triton(device: torch.device) -> bool:
     except ImportError:
         return False
     return True
+
+
+def cpu_report() -> dict:
+    """This CPU as the engine sees it (`batchgen plan` prints it): the ISA level the kernels run at,
+    whether bfloat16 runs on BF16 units, and what `dtype: auto` picks for the CPU here."""
+    try:
+        isa = cpu_isa.selected_isa()
+    except ValueError as exc:
+        return {"cpu_isa": None, "has_bf16_units": False, "auto_dtype": "float32", "problem": str(exc)}
+    return {"cpu_isa": isa, "has_bf16_units": cpu_isa.has_bf16_units(isa),
+            "auto_dtype": str(auto_cpu_dtype()).removeprefix("torch.")}

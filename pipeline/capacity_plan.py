@@ -12,6 +12,7 @@ from typing import Annotated
 
 import typer
 
+from batchgen.engine.capabilities import cpu_report
 from batchgen.engine.capacity import KV_FRAGMENTATION_FRACTION, CapacityPlan, plan_capacity
 from batchgen.engine.config import EngineConfig, parse_memory_size
 from batchgen.engine.models.config import ModelConfig
@@ -188,6 +189,9 @@ def format_capacity_plan(target: PlanTarget, plan: CapacityPlan) -> str:
     if plan.memory_bytes is not None:
         lines += ["", (f"fits in {_gb(plan.memory_bytes)}: {plan.max_concurrency} concurrent requests of "
                        f"{plan.max_model_len:,} tokens (after weights, activations and the KV margin)")]
+    cpu = cpu_report()
+    lines += ["", (f"this CPU: ISA {cpu['cpu_isa']}, bfloat16 on BF16 units: {'yes' if cpu['has_bf16_units'] else 'no'}; "
+                   f"dtype auto runs {cpu['auto_dtype']} on it")]
     return "\n".join(lines)
 
 
@@ -226,7 +230,7 @@ def plan_command(
         typer.echo(f"batchgen: bad input: {exc}", err=True)
         raise typer.Exit(EXIT_BAD_INPUT) from None
     if json_out:
-        typer.echo(json.dumps({"model": target.name, **plan.to_dict()}, indent=2))
+        typer.echo(json.dumps({"model": target.name, **plan.to_dict(), "cpu": cpu_report()}, indent=2))
     else:
         typer.echo(format_capacity_plan(target, plan))
 

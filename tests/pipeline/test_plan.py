@@ -131,3 +131,15 @@ def test_remote_config_with_an_unsupported_quantization_exits_2():
         json.dump({**MISTRAL_7B_SHAPE, "quantization_config": {"quant_method": "bitsandbytes"}}, f)
     result = CliRunner().invoke(app, ["plan", folder])
     assert result.exit_code == 2 and "'bitsandbytes' is not supported" in result.stderr, result.output
+
+
+def test_the_plan_reports_this_cpus_isa_and_what_dtype_auto_runs_on_it(mistral_dir):
+    from batchgen.engine.capabilities import auto_cpu_dtype
+    from batchgen.kernels import cpu_isa
+
+    cpu = plan_json(str(mistral_dir))["cpu"]
+    assert cpu["cpu_isa"] == cpu_isa.selected_isa()
+    assert cpu["has_bf16_units"] == cpu_isa.has_bf16_units(cpu["cpu_isa"])
+    assert cpu["auto_dtype"] == str(auto_cpu_dtype()).removeprefix("torch.")
+    text = CliRunner().invoke(app, ["plan", str(mistral_dir)]).stdout
+    assert f"this CPU: ISA {cpu['cpu_isa']}, bfloat16 on BF16 units: " in text
