@@ -20,9 +20,9 @@ Imports only torch and triton; never the engine.
 
 from batchgen.kernels import cpu_isa as _cpu_isa
 
-# A forced BATCHGEN_CPU_ISA caps oneDNN too; it reads its variable at its first GEMM, which comes
+# A forced BATCHGEN_CPU_ISA caps oneDNN and MKL too; they read their variables at their first GEMM, which comes
 # after this import in every engine path. A value the CPU cannot run is reported where the kernels load.
 try:
-    _cpu_isa.cap_onednn(_cpu_isa.selected_isa())
+    _cpu_isa.cap_libraries(_cpu_isa.selected_isa())
 except ValueError:
     pass

@@ -11,9 +11,12 @@ one before:
 
 `BATCHGEN_CPU_ISA` (avx2 | avx512 | avx512_bf16 | amx | native) forces a lower level than the CPU has,
 e.g. `BATCHGEN_CPU_ISA=avx2` on an AVX-512 machine builds the kernels with `-march=x86-64-v3` and caps
-oneDNN at AVX2 (`ONEDNN_MAX_CPU_ISA`, unless set already; it must be set before oneDNN's first GEMM,
-so set the variable before the process starts); asking for more than the CPU has is an error. Unset
-(or `native`): the CPU's own level and `-march=native`. Other architectures (arm) report `native`.
+oneDNN and MKL at the same level (`ONEDNN_MAX_CPU_ISA`, `MKL_ENABLE_INSTRUCTIONS`, each unless set
+already; both are read at the library's first GEMM, so set BATCHGEN_CPU_ISA before the process
+starts); asking for more than the CPU has is an error. torch's own vectorized ops read
+`ATEN_CPU_CAPABILITY` (e.g. avx2) when torch starts: set it on the command line too to emulate an
+AVX2 machine whole. Unset (or `native`): the CPU's own level and `-march=native`. Other
+architectures (arm) report `native`.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ _MARCH = {"avx2": ("-march=x86-64-v3",), "avx512": ("-march=x86-64-v4",),
           "amx": ("-march=x86-64-v4", "-mavx512bf16", "-mamx-tile", "-mamx-bf16")}
 _ONEDNN_ISA = {"avx2": "AVX2", "avx512": "AVX512_CORE", "avx512_bf16": "AVX512_CORE_BF16",
                "amx": "AVX512_CORE_AMX"}
+_MKL_ISA = {"avx2": "AVX2", "avx512": "AVX512", "avx512_bf16": "AVX512_E1", "amx": "AVX512_E4"}
 
 
 def cpu_flags() -> frozenset[str]:
@@ -88,11 +92,12 @@ def march_flags(isa: str) -> tuple[str, ...]:
     return (*_MARCH[isa], "-mtune=native")
 
 
-def cap_onednn(isa: str) -> None:
-    """With a forced level, cap oneDNN at it too (ONEDNN_MAX_CPU_ISA, unless already set): it reads the
-    variable at its first primitive, so this must run before any oneDNN GEMM."""
+def cap_libraries(isa: str) -> None:
+    """With a forced level, cap oneDNN and MKL at it too (ONEDNN_MAX_CPU_ISA, MKL_ENABLE_INSTRUCTIONS,
+    unless already set): each reads its variable at its first GEMM, so this must run before any."""
     if is_forced() and isa in _ONEDNN_ISA:
         os.environ.setdefault("ONEDNN_MAX_CPU_ISA", _ONEDNN_ISA[isa])
+        os.environ.setdefault("MKL_ENABLE_INSTRUCTIONS", _MKL_ISA[isa])
 
 
 def has_bf16_units(isa: str) -> bool:

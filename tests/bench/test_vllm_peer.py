@@ -117,3 +117,19 @@ def test_the_driver_is_shipped_and_imports_only_vllm_and_the_standard_library():
     imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     imported |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
     assert imported <= {"__future__", "argparse", "json", "time", "torch", "transformers", "vllm"}
+
+
+def test_the_matrix_summary_takes_medians_over_rounds(tmp_path):
+    import json
+
+    from batchgen.bench.cpu_matrix import summarize
+
+    for round_index, (ours, theirs) in enumerate([(100.0, 50.0), (120.0, 40.0), (90.0, 60.0)], start=1):
+        result = {"engine_runs": {"engine": {"completion_tokens_per_s": ours}}, "peer": {"completion_tokens_per_s": theirs},
+                  "ratio_vs_peer": ours / theirs, "fraction_of_roofline": 0.5, "machine": {"cpu": "Test CPU"},
+                  "agreement": {"engine vs peer": {"num_exact": 64, "num_requests": 64}},
+                  "kernels": {"cpu_isa": "avx2", "bf16_path": None}}
+        (tmp_path / f"random-float32-vllm-r{round_index}.json").write_text(json.dumps(result))
+    table = summarize(tmp_path)
+    assert "Test CPU, kernels at avx2" in table
+    assert "| random | float32 (float32) | 100.0 (90.0-120.0) | 50.0 (40.0-60.0) | 2.00x | 64/64 | 50.0% | 3 |" in table

@@ -1,0 +1,90 @@
+"""The CPU comparison in one command: batchgen against vLLM's CPU build in float32 and bfloat16 on the
+random and chat workloads, rounds interleaved (every configuration once per round, so a busy spell
+hits them alike), then the engine's bfloat16 against its float32 by part (bench/step_breakdown.py).
+Each run is its own `batchgen bench` process writing its JSON; the summary takes medians over rounds.
+
+    python -m batchgen.bench.cpu_matrix --rounds 3 --threads 2 --out benchmarks/results/cpu-matrix
+    python -m batchgen.bench.cpu_matrix --summarize benchmarks/results/cpu-matrix   # the table again
+
+Needs the vLLM environment (`make vllm-peer`). On a quiet machine: the figures are what the README's
+CPU table records.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+WORKLOADS = ("random", "chat")
+DTYPES = ("float32", "bfloat16")
+
+
+def run_matrix(out: Path, num_rounds: int, num_threads: int, peer: str = "vllm") -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    for round_index in range(1, num_rounds + 1):
+        for workload in WORKLOADS:
+            for dtype in DTYPES:
+                target = out / f"{workload}-{dtype}-{peer}-r{round_index}.json"
+                command = [sys.executable, "-m", "batchgen.bench", "--workload", workload, "--dtype", dtype,
+                           "--peer", peer, "--threads", str(num_threads), "--output", str(target)]
+                print(f"[cpu-matrix] round {round_index}: {' '.join(command[1:])}", flush=True)
+                subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
+    command = [sys.executable, "-m", "batchgen.bench.step_breakdown", "--dtype", ",".join(DTYPES), "--rounds",
+               str(num_rounds), "--threads", str(num_threads), "--output", str(out / "breakdown.json")]
+    print(f"[cpu-matrix] {' '.join(command[1:])}", flush=True)
+    subprocess.run(command, check=True)
+
+
+def summarize(out: Path) -> str:
+    """Medians per (workload, dtype) over the rounds' JSON files in `out`."""
+    rows = []
+    for workload in WORKLOADS:
+        for dtype in DTYPES:
+            results = [json.loads(p.read_text()) for p in sorted(out.glob(f"{workload}-{dtype}-*-r*.json"))]
+            if not results:
+                continue
+            ours = [r["engine_runs"]["engine"]["completion_tokens_per_s"] for r in results]
+            theirs = [r["peer"]["completion_tokens_per_s"] for r in results]
+            ratios = [r["ratio_vs_peer"] for r in results]
+            agree = results[-1]["agreement"]["engine vs peer"]
+            kernels = results[-1].get("kernels", {})
+            rows.append(f"| {workload} | {dtype} ({kernels.get('bf16_path') or 'float32'}) | "
+                        f"{statistics.median(ours):.1f} ({min(ours):.1f}-{max(ours):.1f}) | "
+                        f"{statistics.median(theirs):.1f} ({min(theirs):.1f}-{max(theirs):.1f}) | "
+                        f"{statistics.median(ratios):.2f}x | {agree['num_exact']}/{agree['num_requests']} | "
+                        f"{statistics.median(r['fraction_of_roofline'] for r in results):.1%} | {len(results)} |")
+    cpu = results[-1]["machine"]["cpu"] if rows else "?"
+    isa = results[-1].get("kernels", {}).get("cpu_isa") if rows else "?"
+    lines = [f"{cpu}, kernels at {isa}; medians (min-max) over rounds, completion tokens/s",
+             "| workload | dtype (path) | batchgen | vLLM CPU | ratio | greedy identical | of roofline | rounds |",
+             "|---|---|---|---|---|---|---|---|", *rows]
+    breakdown = out / "breakdown.json"
+    if breakdown.exists():
+        from batchgen.bench.step_breakdown import format_breakdown
+
+        result = json.loads(breakdown.read_text())
+        lines += ["", format_breakdown(result)]
+        speeds = {d: s["median_completion_tokens_per_s"] for d, s in result["dtypes"].items()}
+        if {"float32", "bfloat16"} <= speeds.keys():
+            lines.append(f"bfloat16 / float32 (engine alone): {speeds['bfloat16'] / speeds['float32']:.2f}x")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/cpu-matrix"))
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--summarize", type=Path, default=None, help="only print the table of an earlier run")
+    args = parser.parse_args(argv)
+    if args.summarize is None:
+        run_matrix(args.out, args.rounds, args.threads)
+    print(summarize(args.summarize or args.out))
+
+
+if __name__ == "__main__":
+    main()
