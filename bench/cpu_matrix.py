@@ -41,12 +41,13 @@ def run_matrix(out: Path, num_rounds: int, num_threads: int, peer: str = "vllm")
 
 def summarize(out: Path) -> str:
     """Medians per (workload, dtype) over the rounds' JSON files in `out`."""
-    rows = []
+    rows, last = [], None
     for workload in WORKLOADS:
         for dtype in DTYPES:
             results = [json.loads(p.read_text()) for p in sorted(out.glob(f"{workload}-{dtype}-*-r*.json"))]
             if not results:
                 continue
+            last = results[-1]
             ours = [r["engine_runs"]["engine"]["completion_tokens_per_s"] for r in results]
             theirs = [r["peer"]["completion_tokens_per_s"] for r in results]
             ratios = [r["ratio_vs_peer"] for r in results]
@@ -57,8 +58,8 @@ def summarize(out: Path) -> str:
                         f"{statistics.median(theirs):.1f} ({min(theirs):.1f}-{max(theirs):.1f}) | "
                         f"{statistics.median(ratios):.2f}x | {agree['num_exact']}/{agree['num_requests']} | "
                         f"{statistics.median(r['fraction_of_roofline'] for r in results):.1%} | {len(results)} |")
-    cpu = results[-1]["machine"]["cpu"] if rows else "?"
-    isa = results[-1].get("kernels", {}).get("cpu_isa") if rows else "?"
+    cpu = last["machine"]["cpu"] if last else "?"
+    isa = last.get("kernels", {}).get("cpu_isa") if last else "?"
     lines = [f"{cpu}, kernels at {isa}; medians (min-max) over rounds, completion tokens/s",
              "| workload | dtype (path) | batchgen | vLLM CPU | ratio | greedy identical | of roofline | rounds |",
              "|---|---|---|---|---|---|---|---|", *rows]
