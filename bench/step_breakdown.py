@@ -107,11 +107,13 @@ def run_once(base: LLMEngine, workload) -> dict:
 
 
 def run_breakdown(dtypes: list[str], num_rounds: int, num_requests: int, num_threads: int | None,
-                  model: str = "smollm2-135m-instruct", seed: int = 0) -> dict:
+                  model: str = "smollm2-135m-instruct", seed: int = 0, kv_cache_memory: str = "1GiB") -> dict:
     if num_threads:
         torch.set_num_threads(num_threads)
     keep_freed_memory()
-    engines = {d: LLMEngine(EngineConfig(model=model, dtype=d, device="cpu", num_threads=num_threads)) for d in dtypes}
+    # One engine per dtype at once: a KV pool each, sized for the workload rather than the 4 GiB default.
+    engines = {d: LLMEngine(EngineConfig(model=model, dtype=d, device="cpu", num_threads=num_threads,
+                                         kv_cache_memory=kv_cache_memory)) for d in dtypes}
     first = engines[dtypes[0]]
     workload = random_workload(num_requests, 100, 200, 64, seed, first.model_cfg.vocab_size,
                                special_token_ids(first.tokenizer.hf))
@@ -157,9 +159,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--kv-cache-memory", default="1GiB", help="each engine's KV pool")
     parser.add_argument("--output", default=None, help="also write the JSON here")
     args = parser.parse_args(argv)
-    result = run_breakdown([d for d in args.dtype.split(",") if d], args.rounds, args.num_requests, args.threads)
+    result = run_breakdown([d for d in args.dtype.split(",") if d], args.rounds, args.num_requests, args.threads,
+                           kv_cache_memory=args.kv_cache_memory)
     text = json.dumps(result, indent=2)
     if args.output:
         with open(args.output, "w") as f:
