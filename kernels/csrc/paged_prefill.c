@@ -16,16 +16,29 @@
 
 #include "bf16.h"
 
-#define QK_ROWS 6     /* query rows per register tile of scores (6 x 16 accumulators) */
-#define PV_ROWS 6     /* query rows per register tile of outputs (6 x 64 lanes for 64-dim heads) */
-#define LANES 16      /* keys (for scores) or head dims (for outputs) per vector */
+#define QK_ROWS 6     /* query rows per register tile of scores (6 x 16 keys) */
+#define PV_ROWS 6     /* query rows per register tile of outputs */
+#define LANES 16      /* keys per score tile (the padding unit), head dims per narrow output tile */
 #define ROW_TILE 96   /* query rows whose scores are kept at once */
 
-/* 16 floats as one value (GCC/Clang vector extension): one zmm with AVX-512, two ymm with AVX2,
-   four NEON registers on arm. Written out because the auto-vectorizer left these tiles scalar. */
-typedef float vec16 __attribute__((vector_size(64)));
-static inline vec16 load16(const float *p) { vec16 v; __builtin_memcpy(&v, p, sizeof v); return v; }
-static inline void store16(float *p, vec16 v) { __builtin_memcpy(p, &v, sizeof v); }
+/* One machine vector of floats (GCC/Clang vector extension): a zmm (16) with AVX-512, a ymm (8)
+   otherwise. The width must be the register's: a 64-byte vector on AVX2 is not two ymm registers but
+   a value GCC keeps on the stack, every FMA going through memory (measured 6-10x slower). A tile is
+   rows x VECS vectors of accumulators, sized to the register file: AVX-512's 32 zmm hold 6 x 4 (a
+   64-dim head of outputs), AVX2's 16 ymm hold 6 x 2. Written out because the auto-vectorizer left
+   these tiles scalar. */
+#ifdef __AVX512F__
+#define VEC_FLOATS 16
+#define PV_WIDE_VECS 4
+#else
+#define VEC_FLOATS 8
+#define PV_WIDE_VECS 2
+#endif
+#define KEY_VECS (LANES / VEC_FLOATS)  /* vectors per 16-key score tile */
+#define PV_NARROW_VECS (LANES / VEC_FLOATS)  /* vectors per 16-dim output tile */
+typedef float vecf __attribute__((vector_size(VEC_FLOATS * sizeof(float))));
+static inline vecf loadv(const float *p) { vecf v; __builtin_memcpy(&v, p, sizeof v); return v; }
+static inline void storev(float *p, vecf v) { __builtin_memcpy(p, &v, sizeof v); }
 
 typedef struct {
     const void *q;  /* float32, or bfloat16 with io_bf16 (out likewise) */
@@ -39,8 +52,9 @@ typedef struct {
     int cache_bf16, io_bf16;
 } prefill_job_t;
 
-/* out rows [r0, r0 + nr) = P V over their keys, NV_ x 16 head dims at a time held in registers. One
-   copy per width: 4 vectors (a whole 64-dim head) and 1 (any head_dim, 4x the P reads). `obuf`: with
+/* out rows [r0, r0 + nr) = P V over their keys, NV_ vectors of head dims at a time held in registers.
+   One copy per width: PV_WIDE_VECS (a whole 64-dim head with AVX-512, 16 dims with AVX2) and 16 dims
+   (any head_dim that is a multiple of 16; more P reads). `obuf`: with
    bfloat16 outputs, the tile's float32 rows (row r at (r - tile) * D), else NULL (written in place). */
 #define DEFINE_PV_TILE(NAME, NV_)                                                                    \
 static void NAME(const prefill_job_t *j, const float *scores, const float *vb, float *out, float *obuf, \
@@ -49,12 +63,12 @@ static void NAME(const prefill_job_t *j, const float *scores, const float *vb, f
     const int row_keys = ctx + (r0 + nr - 1) / G + 1;                                                \
     const float *pr[PV_ROWS];                                                                        \
     for (int t = 0; t < PV_ROWS; t++) pr[t] = scores + (long)(r0 - tile + (t < nr ? t : 0)) * padded; \
-    for (int d0 = 0; d0 < D; d0 += NV_ * 16) {                                                       \
-        vec16 acc[PV_ROWS][NV_];                                                                     \
-        for (int t = 0; t < PV_ROWS; t++) for (int c = 0; c < NV_; c++) acc[t][c] = (vec16){0};     \
+    for (int d0 = 0; d0 < D; d0 += NV_ * VEC_FLOATS) {                                               \
+        vecf acc[PV_ROWS][NV_];                                                                      \
+        for (int t = 0; t < PV_ROWS; t++) for (int c = 0; c < NV_; c++) acc[t][c] = (vecf){0};      \
         for (int key = 0; key < row_keys; key++) {                                                   \
-            vec16 v[NV_];                                                                            \
-            for (int c = 0; c < NV_; c++) v[c] = load16(vb + (long)key * D + d0 + 16 * c);           \
+            vecf v[NV_];                                                                             \
+            for (int c = 0; c < NV_; c++) v[c] = loadv(vb + (long)key * D + d0 + VEC_FLOATS * c);   \
             for (int t = 0; t < PV_ROWS; t++) {                                                      \
                 const float p = pr[t][key];                                                          \
                 for (int c = 0; c < NV_; c++) acc[t][c] += p * v[c];                                 \
@@ -64,12 +78,12 @@ static void NAME(const prefill_job_t *j, const float *scores, const float *vb, f
             const int r = r0 + t;                                                                    \
             float *o = (obuf ? obuf + (long)(r - tile) * D                                           \
                              : out + (r / G) * j->out_token_stride + (r % G) * D) + d0;              \
-            for (int c = 0; c < NV_; c++) store16(o + 16 * c, acc[t][c]);                            \
+            for (int c = 0; c < NV_; c++) storev(o + VEC_FLOATS * c, acc[t][c]);                    \
         }                                                                                            \
     }                                                                                                \
 }
-DEFINE_PV_TILE(pv_tile_64, 4)
-DEFINE_PV_TILE(pv_tile_16, 1)
+DEFINE_PV_TILE(pv_tile_wide, PV_WIDE_VECS)
+DEFINE_PV_TILE(pv_tile_16, PV_NARROW_VECS)
 
 /* Query rows r = token * G + g of one (sequence, kv head), rows [row_begin, row_end): scores against
    keys [0, context + token] packed as K^T (D, padded keys), exact softmax, then P V. */
@@ -127,13 +141,17 @@ static void prefill_rows(const prefill_job_t *j, int seq, int h, int row_begin, 
             }
             const int row_keys = ctx + (r0 + nr - 1) / G + 1;
             for (int k0 = 0; k0 < row_keys; k0 += LANES) {
-                vec16 acc[QK_ROWS];
-                for (int t = 0; t < QK_ROWS; t++) acc[t] = (vec16){0};
+                vecf acc[QK_ROWS][KEY_VECS];
+                for (int t = 0; t < QK_ROWS; t++) for (int c = 0; c < KEY_VECS; c++) acc[t][c] = (vecf){0};
                 for (int d = 0; d < D; d++) {
-                    const vec16 kd = load16(kt + (long)d * padded + k0);
-                    for (int t = 0; t < QK_ROWS; t++) acc[t] += qr[t][d] * kd;
+                    vecf kd[KEY_VECS];
+                    for (int c = 0; c < KEY_VECS; c++) kd[c] = loadv(kt + (long)d * padded + k0 + VEC_FLOATS * c);
+                    for (int t = 0; t < QK_ROWS; t++)
+                        for (int c = 0; c < KEY_VECS; c++) acc[t][c] += qr[t][d] * kd[c];
                 }
-                for (int t = 0; t < nr; t++) store16(scores + (long)(r0 - tile + t) * padded + k0, acc[t] * j->scale);
+                for (int t = 0; t < nr; t++)
+                    for (int c = 0; c < KEY_VECS; c++)
+                        storev(scores + (long)(r0 - tile + t) * padded + k0 + VEC_FLOATS * c, acc[t][c] * j->scale);
             }
         }
         for (int r = tile; r < tile_end; r++) {  /* exact softmax over the row's own keys */
@@ -147,7 +165,7 @@ static void prefill_rows(const prefill_job_t *j, int seq, int h, int row_begin, 
         }
         for (int r0 = tile; r0 < tile_end; r0 += PV_ROWS) {
             const int nr = tile_end - r0 < PV_ROWS ? tile_end - r0 : PV_ROWS;
-            if (D % 64 == 0) pv_tile_64(j, scores, vb, out, obuf, ctx, tile, padded, r0, nr);
+            if (D % (PV_WIDE_VECS * VEC_FLOATS) == 0) pv_tile_wide(j, scores, vb, out, obuf, ctx, tile, padded, r0, nr);
             else pv_tile_16(j, scores, vb, out, obuf, ctx, tile, padded, r0, nr);
         }
         if (j->io_bf16)
