@@ -73,6 +73,13 @@ def run():
     cpu_paged_attention.paged_prefill_attention(qp, k16, v16, starts, lens, torch.zeros_like(lens), tables, 16,
                                                 0.125, prefill)
     out["prefill_f32_over_bf16"] = prefill
+    k2, v2, tables2, _, _ = scattered_paged_cache([37, 50], 2, 32, 4, seed=2)  # 32-dim heads: the narrow tiles
+    q2 = torch.randn(87, 8, 32, generator=gen)
+    narrow = torch.empty_like(q2)
+    cpu_paged_attention.paged_prefill_attention(q2, k2, v2, torch.tensor([0, 37], dtype=torch.int32),
+                                                torch.tensor([37, 50], dtype=torch.int32),
+                                                torch.zeros(2, dtype=torch.int32), tables2, 4, 0.2, narrow)
+    out["prefill_f32_32dim"] = narrow
     x, residual = torch.randn(70, 576, generator=gen), torch.randn(70, 576, generator=gen)
     weight = torch.randn(576, generator=gen)
     out["add_rms_norm_f32"] = cpu_elementwise.add_rms_norm(x, residual, weight, 1e-5)[0]
