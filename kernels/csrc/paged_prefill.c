@@ -23,7 +23,7 @@
 
 /* One machine vector of floats (GCC/Clang vector extension): a zmm (16) with AVX-512, a ymm (8)
    otherwise. The width must be the register's: a 64-byte vector on AVX2 is not two ymm registers but
-   a value GCC keeps on the stack, every FMA going through memory (measured 6-10x slower). A tile is
+   a value GCC keeps on the stack, every FMA going through memory. A tile is
    rows x VECS vectors of accumulators, sized to the register file: AVX-512's 32 zmm hold 6 x 4 (a
    64-dim head of outputs), AVX2's 16 ymm hold 6 x 2. Written out because the auto-vectorizer left
    these tiles scalar. */
