@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -105,7 +106,8 @@ if __name__ == "__main__":
 def test_the_forced_avx2_build_computes_what_the_native_build_does(tmp_path):
     script = tmp_path / "kernel_run.py"
     script.write_text(_KERNEL_RUN)
-    env = {**os.environ, cpu_isa.ISA_VARIABLE: "avx2", "PYTHONPATH": os.getcwd()}
+    repo_root = Path(__file__).resolve().parents[2]  # the child imports tests.kernels.helpers
+    env = {**os.environ, cpu_isa.ISA_VARIABLE: "avx2", "PYTHONPATH": str(repo_root)}
     child = subprocess.run([sys.executable, str(script), str(tmp_path / "avx2.pt")], env=env, capture_output=True,
                            text=True, timeout=300, check=True)
     report = json.loads(child.stdout.strip().splitlines()[-1])
