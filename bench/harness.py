@@ -241,7 +241,7 @@ def run_bench(opts: BenchOptions, engine: LLMEngine | None = None, peer_model=No
 def gemm_compute_dtype(kernels: dict) -> torch.dtype:
     """The dtype the engine's GEMMs multiply in: bfloat16 on BF16 units, float32 otherwise (float32
     weights, or bfloat16 weights widened to float32 in the kernel)."""
-    return torch.bfloat16 if kernels.get("linear_compute_dtype") == "bfloat16" else torch.float32
+    return torch.bfloat16 if kernels.get("compute_dtype") == "bfloat16" else torch.float32
 
 
 def _agreement(ours: TimedRun, theirs: TimedRun) -> dict:

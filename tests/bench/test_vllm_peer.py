@@ -133,3 +133,13 @@ def test_the_matrix_summary_takes_medians_over_rounds(tmp_path):
     table = summarize(tmp_path)
     assert "Test CPU, kernels at avx2" in table
     assert "| random | float32 (float32) | 100.0 (90.0-120.0) | 50.0 (40.0-60.0) | 2.00x | 64/64 | 50.0% | 3 |" in table
+
+
+def test_the_roofline_gemm_rate_is_measured_in_the_dtype_the_gemms_compute_in():
+    import torch
+
+    from batchgen.bench.harness import gemm_compute_dtype
+
+    assert gemm_compute_dtype({"compute_dtype": "bfloat16", "bf16_path": "bf16_units"}) == torch.bfloat16
+    assert gemm_compute_dtype({"compute_dtype": "float32", "bf16_path": "widened"}) == torch.float32
+    assert gemm_compute_dtype({"compute_dtype": "float32"}) == torch.float32
