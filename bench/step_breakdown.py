@@ -137,8 +137,8 @@ def run_breakdown(dtypes: list[str], num_rounds: int, num_requests: int, num_thr
 
 
 def format_breakdown(result: dict) -> str:
-    lines = [f"random workload, {result['workload']['num_requests']} requests; best of {result['rounds']} "
-             "interleaved rounds; seconds per part"]
+    lines = [(f"random workload, {result['workload']['num_requests']} requests; best of {result['rounds']} "
+              "interleaved rounds; seconds per part")]
     for d, s in result["dtypes"].items():
         k = s["kernels"]
         lines.append(f"{d} ({k.get('bf16_path') or 'float32'}, ISA {k.get('cpu_isa')}): median "
