@@ -58,3 +58,23 @@ def hf_tokenizer(smollm_path):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(smollm_path.parent), gguf_file=smollm_path.name)
+
+
+@pytest.fixture(scope="session")
+def smollm_hf_folder(hf_model, hf_tokenizer, tmp_path_factory):
+    """The bundled model as an HF folder (written once per session): config.json, 100 MB safetensors shards
+    and tokenizer files, the tensors HF transformers loaded from the GGUF."""
+    import gc
+
+    folder = tmp_path_factory.mktemp("smollm2-hf")
+    # transformers refuses to save a model it loaded from GGUF (its quantizer is attached), so the
+    # same tensors go into a plain model of the same config first.
+    config = hf_model.config.to_dict()
+    config.pop("quantization_config", None)
+    plain = type(hf_model)(type(hf_model.config).from_dict(config))
+    plain.load_state_dict(hf_model.state_dict())
+    plain.save_pretrained(folder, max_shard_size="100MB", safe_serialization=True)
+    hf_tokenizer.save_pretrained(folder)
+    del plain
+    gc.collect()
+    return folder

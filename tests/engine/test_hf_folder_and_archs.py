@@ -8,7 +8,6 @@ so a tensor that is loaded into the wrong place or skipped changes the logits.
 
 from __future__ import annotations
 
-import gc
 import json
 
 import pytest
@@ -24,24 +23,8 @@ LOGITS_TOLERANCE = 1e-3
 
 # ---- SmolLM2 as a sharded HF folder ---------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def smollm_folder(hf_model, hf_tokenizer, tmp_path_factory):
-    """The GGUF-loaded HF model saved as an HF folder: 100 MB safetensors shards + tokenizer files."""
-    folder = tmp_path_factory.mktemp("smollm2-hf")
-    # transformers refuses to save a model it loaded from GGUF (its quantizer is attached), so the
-    # same tensors go into a plain model of the same config first.
-    config = hf_model.config.to_dict()
-    config.pop("quantization_config", None)
-    plain = type(hf_model)(type(hf_model.config).from_dict(config))
-    plain.load_state_dict(hf_model.state_dict())
-    plain.save_pretrained(folder, max_shard_size="100MB", safe_serialization=True)
-    hf_tokenizer.save_pretrained(folder)
-    del plain
-    gc.collect()
-    return folder
-
-
-def test_sharded_hf_folder_gives_the_gguf_outputs(llm, smollm_folder):
+def test_sharded_hf_folder_gives_the_gguf_outputs(llm, smollm_hf_folder):
+    smollm_folder = smollm_hf_folder
     shards = sorted(smollm_folder.glob("*.safetensors"))
     assert len(shards) > 1 and (smollm_folder / "model.safetensors.index.json").exists()
     assert "tie_word_embeddings" in json.loads((smollm_folder / "config.json").read_text())

@@ -32,10 +32,11 @@ ALONE_PROMPTS = CHAT_PROMPTS[:8]  # each at running batch 1
 BATCH_PROMPTS = [p for i, p in enumerate(CHAT_PROMPTS[8:]) if i + 8 != LONG_INDEX][:8]  # twice: batch 16
 
 
-def greedy_outputs(engine) -> dict[str, list[int]]:
-    """8 prompts one at a time, then 8 prompts twice each (16 running together), 32 tokens each."""
+def greedy_outputs(engine, is_batch_only: bool = False) -> dict[str, list[int]]:
+    """8 prompts one at a time (unless `is_batch_only`), then 8 prompts twice each (16 running together),
+    32 tokens each."""
     outputs = {}
-    for i, prompt in enumerate(ALONE_PROMPTS):
+    for i, prompt in enumerate([] if is_batch_only else ALONE_PROMPTS):
         outputs.update(run_requests(engine, {f"alone-{i}": (prompt, GREEDY_32)}))
     outputs.update(run_requests(engine, {f"batch-{i}-{r}": (prompt, GREEDY_32)
                                          for i, prompt in enumerate(BATCH_PROMPTS) for r in range(2)}))
@@ -55,7 +56,11 @@ def greedy_reference(llm):
 def test_greedy_tokens_equal_speculation_off(llm, greedy_reference, spec, settings):
     engine = llm.with_engine_settings(max_num_seqs=16, speculative={**spec, "disable_by_batch_size": 16},
                                       **settings).engine
-    assert greedy_outputs(engine) == greedy_reference
+    # The FP8 draft (its weights dequantized per matmul on the CPU: the slow case) runs the batch of 16
+    # only: its point is a draft that disagrees, the prompts alone are the other two cases' cover.
+    is_batch_only = spec == FP8_DRAFT
+    expected = {rid: ids for rid, ids in greedy_reference.items() if not (is_batch_only and rid.startswith("alone"))}
+    assert greedy_outputs(engine, is_batch_only) == expected
     stats = engine.stats["speculative"]
     print(f"\n{spec} acceptance {stats['acceptance_rate']:.3f} of {stats['num_draft_tokens']} drafts, "
           f"{stats['mean_accepted_length']:.2f} tokens per verify, {engine.stats['num_preemptions']} preemptions")
