@@ -8,8 +8,10 @@
    the big request ends as a 400 (context_length_exceeded) once it has been tokenized: what is
    measured is what its tokenization costs everyone else.
 2. Disconnect to blocks back: `--streams` streaming requests (EOS ignored), each read until its first
-   content chunk; then every client closes its socket at once, and /metrics is polled until no request
-   runs and every KV block is free. Repeated `--rounds` times.
+   content chunk; then every client resets its connection at once, and /metrics is polled until no
+   request runs and every KV block is free. Repeated `--rounds` times, then once more with the cut
+   made while a `--big-mib` chat is being encoded. A step's time (2 s of steps with every stream
+   running) is printed beside it: "within one step" means the figure stays near it.
 
 The server runs in a subprocess (the bundled model on the CPU, float32); one JSON object is printed.
 """
@@ -99,14 +101,35 @@ async def open_stream(port: int, index: int) -> tuple[asyncio.StreamReader, asyn
         line = await reader.readline()
         if not line:
             raise RuntimeError(f"stream {index} ended before its first content")
-        if line.startswith(b"data: {") and b'"content":"' in line and b'"content":""' not in line:
+        if line.startswith(b"data: {") and (json.loads(line[6:]).get("choices") or [{}])[0].get("delta", {}).get("content"):
             return reader, writer
 
 
-async def disconnect_to_free(base_url: str, port: int, num_streams: int) -> dict:
+async def step_time(reader: asyncio.StreamReader, seconds: float = 3.0) -> float | None:
+    """The median gap between a running stream's chunks over `seconds`: one step each (a token per step)."""
+    times, end = [], time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        line = await reader.readline()
+        if line.startswith(b"data: {"):
+            times.append(time.perf_counter())
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    return statistics.median(gaps) if gaps else None
+
+
+async def disconnect_to_free(base_url: str, port: int, num_streams: int, beside_big_mib: float = 0.0) -> dict:
+    """`beside_big_mib`: cut the streams 1 s after a chat of that many MiB was sent (it is being encoded)."""
     streams = await asyncio.gather(*(open_stream(port, i) for i in range(num_streams)))
     busy = metrics(base_url)
-    say(f"{num_streams} streams running; cutting them")
+    step_s = await step_time(streams[0][0])
+    big = None
+    if beside_big_mib:
+        content = ("The quick brown fox jumps over the lazy dog. " * (int(beside_big_mib * 2**20) // 45 + 1))
+        body = json.dumps({**NORMAL, "messages": [{"role": "user", "content": content[:int(beside_big_mib * 2**20)]}]})
+        http = httpx.AsyncClient(base_url=base_url, timeout=600)
+        big = asyncio.ensure_future(http.post("/v1/chat/completions", content=body,
+                                              headers={"Content-Type": "application/json"}))
+        await asyncio.sleep(1.0)
+    say(f"{num_streams} streams running (a step: {step_s:.3f}s); cutting them")
     cut = time.perf_counter()
     for _, writer in streams:
         writer.transport.abort()  # the client is gone: no FIN handshake to wait for
@@ -114,9 +137,17 @@ async def disconnect_to_free(base_url: str, port: int, num_streams: int) -> dict
     while True:
         m = await loop.run_in_executor(None, metrics, base_url)
         if is_idle(m):
-            say(f"every block back {time.perf_counter() - cut:.3f}s after the cut")
-            return {"seconds": time.perf_counter() - cut, "running_before": busy["batchgen:num_requests_running"],
-                    "blocks_used_before": busy["batchgen:num_kv_blocks"] - busy["batchgen:num_free_kv_blocks"]}
+            seconds = time.perf_counter() - cut
+            say(f"every block back {seconds:.3f}s after the cut")
+            big_s = None
+            if big is not None:
+                await big
+                big_s = time.perf_counter() - cut
+                await http.aclose()
+                say(f"the big request answered {big_s:.1f}s after the cut")
+            return {"seconds": seconds, "step_s": step_s, "running_before": busy["batchgen:num_requests_running"],
+                    "blocks_used_before": busy["batchgen:num_kv_blocks"] - busy["batchgen:num_free_kv_blocks"],
+                    "big_answered_after_cut_s": big_s}
         await asyncio.sleep(POLL_S)
 
 
@@ -146,6 +177,9 @@ def main(argv: list[str] | None = None) -> None:
                           for _ in range(args.rounds)]
                 result["disconnect_to_free"] = {"rounds": rounds,
                                                 "seconds": [r["seconds"] for r in rounds]}
+                beside = asyncio.run(disconnect_to_free(server.base_url, server.port, args.streams,
+                                                        beside_big_mib=args.big_mib))
+                result["disconnect_to_free_beside_big"] = beside
         finally:
             server.stop()
     print(json.dumps(result, indent=1))

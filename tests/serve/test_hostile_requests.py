@@ -13,6 +13,7 @@ import asyncio
 import json
 import select
 import socket
+import time
 
 import httpx
 import openai
@@ -159,3 +160,63 @@ def test_a_large_prompt_does_not_hold_up_normal_requests(server, client):
         return order
 
     assert asyncio.run(race()) == ["normal 2", "big 400"]
+
+
+def _idle(metrics: dict) -> bool:
+    return (metrics["batchgen:num_requests_running"] == 0 and metrics["batchgen:num_requests_waiting"] == 0
+            and metrics["batchgen:num_free_kv_blocks"] == metrics["batchgen:num_kv_blocks"])
+
+
+async def _open_stream(server, index: int):
+    """A streaming chat on a raw socket, read until its first content chunk (so it runs in the engine)."""
+    body = json.dumps({"messages": chat(f"Count from {index} upwards."), "max_tokens": 1000, "ignore_eos": True,
+                       "stream": True, "temperature": 0}).encode()
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    writer.write(f"POST {CHAT_URL} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+                 f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+    while True:
+        line = await reader.readline()
+        assert line, f"stream {index} ended before its first content"
+        if line.startswith(b"data: {") and (json.loads(line[6:])["choices"] or [{}])[0].get("delta", {}).get("content"):
+            return writer
+
+
+def test_cut_streams_free_their_blocks_while_a_large_prompt_is_encoded(server):
+    """16 running streams, cut by their clients while another client's 2 MB prompt is being encoded:
+    every block is back before that prompt is even answered (the engine thread never encodes it)."""
+    content = ("The quick brown fox jumps over the lazy dog. " * 50_000)[:2_000_000]
+    big_body = json.dumps({"messages": chat(content), "max_tokens": 2})
+
+    async def cut() -> tuple[float, float, dict]:
+        writers = await asyncio.gather(*(_open_stream(server, i) for i in range(16)))
+        busy = await asyncio.to_thread(server.metrics)
+        async with httpx.AsyncClient(base_url=server.base_url, headers=HEADERS, timeout=300) as http:
+            big = asyncio.ensure_future(http.post(CHAT_URL, content=big_body))
+            await asyncio.sleep(1.0)  # uploaded, being encoded
+            assert not big.done()
+            start = time.monotonic()
+            for writer in writers:
+                writer.transport.abort()  # the clients are gone
+            while not _idle(await asyncio.to_thread(server.metrics)):
+                await asyncio.sleep(0.02)
+            freed = time.monotonic() - start
+            response = await big
+            answered = time.monotonic() - start
+        assert response.status_code == 400 and response.json()["error"]["code"] == "context_length_exceeded"
+        return freed, answered, busy
+
+    freed, answered, busy = asyncio.run(cut())
+    assert busy["batchgen:num_requests_running"] == 16
+    assert busy["batchgen:num_free_kv_blocks"] < busy["batchgen:num_kv_blocks"]
+    assert freed < answered, (freed, answered)
+
+
+def test_after_everything_a_normal_request_answers_and_nothing_is_held(server, client):
+    reply = client.chat.completions.create(model=MODEL, messages=chat("Hi"), max_tokens=3, temperature=0)
+    assert reply.usage.completion_tokens == 3 and reply.choices[0].message.content
+    deadline = time.monotonic() + 30
+    while not _idle(metrics := server.metrics()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert metrics["batchgen:num_requests_running"] == 0 and metrics["batchgen:num_requests_waiting"] == 0
+    assert metrics["batchgen:num_free_kv_blocks"] == metrics["batchgen:num_kv_blocks"] > 0
+    assert server.proc.poll() is None and "Traceback" not in server.output()
