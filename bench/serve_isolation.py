@@ -50,6 +50,13 @@ def metrics(base_url: str) -> dict[str, float]:
     return values
 
 
+def big_chat(mib: float) -> str:
+    """A chat request body with `mib` MiB of English in its one message."""
+    num_chars = int(mib * 2**20)
+    content = ("The quick brown fox jumps over the lazy dog. " * (num_chars // 45 + 1))[:num_chars]
+    return json.dumps({**NORMAL, "messages": [{"role": "user", "content": content}]})
+
+
 def is_idle(m: dict[str, float]) -> bool:
     return (m["batchgen:num_requests_running"] == 0 and m["batchgen:num_requests_waiting"] == 0
             and m["batchgen:num_free_kv_blocks"] == m["batchgen:num_kv_blocks"])
@@ -67,8 +74,7 @@ async def latency_beside_a_big_request(base_url: str, big_mib: float, num_idle: 
         await normal_latency(http)  # warm
         idle = [await normal_latency(http) for _ in range(num_idle)]
         say(f"idle latencies {[round(x, 3) for x in idle]}")
-        content = ("The quick brown fox jumps over the lazy dog. " * (int(big_mib * 2**20) // 45 + 1))
-        big_body = json.dumps({**NORMAL, "messages": [{"role": "user", "content": content[:int(big_mib * 2**20)]}]})
+        big_body = big_chat(big_mib)
         sent = time.perf_counter()
         big = asyncio.ensure_future(http.post("/v1/chat/completions", content=big_body,
                                               headers={"Content-Type": "application/json"}))
@@ -101,7 +107,8 @@ async def open_stream(port: int, index: int) -> tuple[asyncio.StreamReader, asyn
         line = await reader.readline()
         if not line:
             raise RuntimeError(f"stream {index} ended before its first content")
-        if line.startswith(b"data: {") and (json.loads(line[6:]).get("choices") or [{}])[0].get("delta", {}).get("content"):
+        choices = json.loads(line[6:]).get("choices") if line.startswith(b"data: {") else None
+        if choices and choices[0].get("delta", {}).get("content"):
             return reader, writer
 
 
@@ -123,8 +130,7 @@ async def disconnect_to_free(base_url: str, port: int, num_streams: int, beside_
     step_s = await step_time(streams[0][0])
     big = None
     if beside_big_mib:
-        content = ("The quick brown fox jumps over the lazy dog. " * (int(beside_big_mib * 2**20) // 45 + 1))
-        body = json.dumps({**NORMAL, "messages": [{"role": "user", "content": content[:int(beside_big_mib * 2**20)]}]})
+        body = big_chat(beside_big_mib)
         http = httpx.AsyncClient(base_url=base_url, timeout=600)
         big = asyncio.ensure_future(http.post("/v1/chat/completions", content=body,
                                               headers={"Content-Type": "application/json"}))
@@ -145,9 +151,9 @@ async def disconnect_to_free(base_url: str, port: int, num_streams: int, beside_
                 big_s = time.perf_counter() - cut
                 await http.aclose()
                 say(f"the big request answered {big_s:.1f}s after the cut")
-            return {"seconds": seconds, "step_s": step_s, "running_before": busy["batchgen:num_requests_running"],
-                    "blocks_used_before": busy["batchgen:num_kv_blocks"] - busy["batchgen:num_free_kv_blocks"],
-                    "big_answered_after_cut_s": big_s}
+            num_used = busy["batchgen:num_kv_blocks"] - busy["batchgen:num_free_kv_blocks"]
+            return {"seconds": seconds, "step_s": step_s, "blocks_used_before": num_used,
+                    "running_before": busy["batchgen:num_requests_running"], "big_answered_after_cut_s": big_s}
         await asyncio.sleep(POLL_S)
 
 

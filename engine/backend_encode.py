@@ -30,7 +30,8 @@ def encode_ids(hf, backend, text: str, add_special_tokens: bool,
     if split_special_tokens is None:
         split_special_tokens = bool(getattr(hf, "split_special_tokens", False))
     if backend is None:
-        return list(hf.encode(text, add_special_tokens=add_special_tokens, split_special_tokens=split_special_tokens))
+        return list(hf.encode(text, add_special_tokens=add_special_tokens,
+                              split_special_tokens=split_special_tokens))
     if backend.encode_special_tokens != split_special_tokens:
         backend.encode_special_tokens = split_special_tokens
     return backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids

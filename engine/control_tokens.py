@@ -42,7 +42,8 @@ class ControlTokens:
         self.pattern = re.compile("|".join(map(re.escape, longest_first)) or "(?!)")  # (?!): matches nothing
         self._newline_ids = self.encode("\n", add_special_tokens=False)
 
-    def encode(self, text: str, add_special_tokens: bool, split_special_tokens: bool | None = None) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool,
+               split_special_tokens: bool | None = None) -> list[int]:
         """`hf.encode`'s ids, through the Rust backend (engine/backend_encode.py)."""
         return encode_ids(self.hf, self.backend, text, add_special_tokens, split_special_tokens)
 

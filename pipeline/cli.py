@@ -202,8 +202,8 @@ def validate(job: JobArg, set_: SetOpt = None, limit: LimitOpt = None) -> None:
     if files is None:
         typer.echo("files    the model is remote: its files are read when the run fetches them")
     else:
-        typer.echo(f"files    {'GGUF header and metadata' if source.is_gguf else 'config.json, safetensors headers'}, "
-                   f"tokenizer ({files.num_tokens:,} tokens), "
+        read = "GGUF header and metadata" if source.is_gguf else "config.json, safetensors headers"
+        typer.echo(f"files    {read}, tokenizer ({files.num_tokens:,} tokens), "
                    + ("chat template: renders" if files.has_chat_template else "no chat template"))
     if plan.state.refusal:
         typer.echo("batchgen: bad job: the output folder would be refused (see above)", err=True)

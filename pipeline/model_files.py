@@ -44,8 +44,8 @@ def check_model_files(source: ModelSource, needs_chat_template: bool) -> ModelFi
     except (ValueError, OSError) as exc:  # the loader's own errors name the file
         raise JobError(f"model.path: {exc}") from None
     if needs_chat_template and not files.has_chat_template:
-        raise JobError(f"model.path: {source.display_name} has no chat template; set input.apply_chat_template: "
-                       "false and use prompt_column (raw prompts)")
+        raise JobError(f"model.path: {source.display_name} has no chat template; set "
+                       "input.apply_chat_template: false and use prompt_column (raw prompts)")
     return files
 
 
@@ -68,7 +68,8 @@ def _check_gguf(source: ModelSource) -> ModelFiles:
         raise fail("no vocabulary (metadata 'tokenizer.ggml.tokens' is not a non-empty array of strings)")
     for key in ("tokenizer.ggml.token_type", "tokenizer.ggml.scores"):
         per_token = meta.get(key)
-        if per_token is not None and (not isinstance(per_token, GGUFArray) or per_token.num_items != tokens.num_items):
+        is_per_token = isinstance(per_token, GGUFArray) and per_token.num_items == tokens.num_items
+        if per_token is not None and not is_per_token:
             raise fail(f"metadata {key!r} does not hold one item per token ({tokens.num_items})")
     for key in ("bos", "eos", "unknown", "padding"):
         token_id = meta.get(f"tokenizer.ggml.{key}_token_id")

@@ -4,7 +4,8 @@ A request's body is read up to --max-request-body-bytes (413 past it, before the
 checked field by field (protocol.py: types, nesting, text), admitted under the in-flight bound (else
 503 with Retry-After), then handed to the engine thread (engine_loop.py), which encodes its
 prompt(s), checks their length and queues one engine request per prompt; a large prompt is encoded
-first on the encoder's own thread (prompt_encoder.py), so it holds up neither the engine nor the loop. Non-streaming handlers wait for
+first on the encoder's own thread (prompt_encoder.py), so it holds up neither the engine nor the
+event loop. Non-streaming handlers wait for
 every prompt's Finished event, streaming ones relay each step's text as server-sent events. A
 client that goes away aborts its engine requests, which gives their KV blocks back at once.
 """
@@ -133,7 +134,8 @@ def create_app(state: ServerState) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         _check_key(request, state.settings.api_key)
-        body = parse_request(await read_body(request, state.settings.max_request_body_bytes), CompletionRequest)
+        body = parse_request(await read_body(request, state.settings.max_request_body_bytes),
+                             CompletionRequest)
         _check_model(body.model, names)
         return await _generate(state, request, body, body.prompts(), is_chat=False)
 
@@ -170,7 +172,8 @@ def _too_large(num_bytes: int | None, max_bytes: int) -> APIError:
     size = f"{num_bytes} bytes" if num_bytes is not None else "more"
     # The rest of the body is never read: the connection closes after the answer.
     return APIError(413, f"the request body is {size}, over this server's limit of {max_bytes} bytes "
-                         "(--max-request-body-bytes)", "body", "request_too_large", headers={"Connection": "close"})
+                         "(--max-request-body-bytes)", "body", "request_too_large",
+                    headers={"Connection": "close"})
 
 
 def _check_model(model: str | None, names: list[str]) -> None:
@@ -222,10 +225,11 @@ async def _generate(state: ServerState, request: Request, body, prompts: list, i
         # Seeded: samples keyed by (seed, index) alone, the same on every call; else a random key.
         sample_key = "" if body.seed is not None else uuid.uuid4().hex
         prompt_field = "messages" if is_chat else "prompt"
-        field_names = [prompt_field if len(prompts) == 1 or is_chat else f"prompt[{i}]" for i in range(len(prompts))]
+        field_names = [prompt_field if len(prompts) == 1 or is_chat else f"prompt[{i}]"
+                       for i in range(len(prompts))]
         if state.encoder is not None:  # large prompts: encoded and checked here, off the engine thread
-            prompts = [_check_prompt(body, await state.encoder.encode(p, name), name, state)[0] if is_large(p) else p
-                       for p, name in zip(prompts, field_names)]
+            prompts = [_check_prompt(body, await state.encoder.encode(p, name), name, state)[0]
+                       if is_large(p) else p for p, name in zip(prompts, field_names)]
         for request_id, prompt, field_name in zip(request_ids, prompts, field_names):
             state.loop.submit(Submission(request_id, _prepare(body, prompt, field_name, state), sample_key,
                                          sink, body.stream))

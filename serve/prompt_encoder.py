@@ -61,7 +61,8 @@ class PromptEncoder:
 
     async def encode(self, prompt: str | list[dict], prompt_field: str) -> list[int]:
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, encode_prompt, self._tokenizer, prompt, prompt_field)
+        return await loop.run_in_executor(self._executor, encode_prompt, self._tokenizer, prompt,
+                                          prompt_field)
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)

@@ -58,7 +58,8 @@ def read_gguf_config(path: Path) -> ModelConfig:
     hidden = field(f"{arch}.embedding_length", required=True)
     names = set(header.tensor_names)
     vocab = field(f"{arch}.vocab_size") or _num_tokens(header)
-    head_dim = field(f"{arch}.attention.key_length") or field(f"{arch}.rope.dimension_count") or hidden // num_heads
+    head_dim = (field(f"{arch}.attention.key_length") or field(f"{arch}.rope.dimension_count")
+                or hidden // num_heads)
     eos = field("tokenizer.ggml.eos_token_id")
     scaling = None
     if field(f"{arch}.rope.scaling.type") == "linear":

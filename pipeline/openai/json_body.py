@@ -26,8 +26,8 @@ def load_json_body(data: bytes | str) -> Any:
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise bad_request(f"the request body is not valid JSON: {exc}", "body", "invalid_json") from None
     except RecursionError:
-        raise bad_request(f"the request body nests JSON arrays or objects deeper than {MAX_JSON_DEPTH} levels",
-                          "body", "invalid_json") from None
+        raise bad_request(f"the request body nests JSON arrays or objects deeper than {MAX_JSON_DEPTH} "
+                          "levels", "body", "invalid_json") from None
     except ValueError as exc:  # a NaN or Infinity constant
         raise bad_request(f"the request body is not valid JSON: {exc}", "body", "invalid_json") from None
     check_json_value(value)

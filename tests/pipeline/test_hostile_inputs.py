@@ -32,7 +32,8 @@ def invoke(*args: str):
 
 def test_a_surrogate_line_among_20_valid_ones_is_that_lines_error_and_the_job_exits_0(tmp_path, tiny_model):
     lines = [line(f"ok-{i:02d}") for i in range(20)]
-    # Valid JSON (a lone surrogate escape, as real files hold), but no UTF-8 text: json.dumps keeps the escape.
+    # Valid JSON (a lone surrogate escape, as real files hold), but no UTF-8 text (json.dumps keeps
+    # the escape).
     bad = json.dumps(line("bad-surrogate", messages=[{"role": "user", "content": "a\ud800b"}]))
     assert "\\ud800" in bad
     lines.insert(7, bad)

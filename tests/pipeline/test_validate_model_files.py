@@ -70,7 +70,8 @@ def test_a_hostile_or_damaged_gguf_exits_2_in_under_a_second(tmp_path, smollm_pa
     assert seconds < 1.0
 
 
-@pytest.mark.parametrize("case", ["safetensors header past the end", "config.json not JSON", "template error"])
+@pytest.mark.parametrize("case", ["safetensors header past the end", "config.json not JSON",
+                                  "template error"])
 def test_a_damaged_hf_folder_exits_2_in_under_a_second(tmp_path, model_copy, case):
     if case == "safetensors header past the end":
         weights = model_copy / "model.safetensors"

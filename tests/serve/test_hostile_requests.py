@@ -27,6 +27,8 @@ KEY = "hostile-key"
 MAX_BODY = 32 << 20  # the default --max-request-body-bytes
 CHAT_URL = "/v1/chat/completions"
 HEADERS = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+REQUEST_HEAD = (f"POST {CHAT_URL} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+                "Content-Type: application/json\r\n")
 
 
 @pytest.fixture(scope="module")
@@ -74,14 +76,12 @@ def raw_exchange(server, head: bytes, body_parts: list[bytes], timeout: float = 
 
 def test_a_body_over_the_limit_gets_413_before_it_is_read(server):
     # A declared length over the limit: answered from the headers, none of the 64 MiB is sent.
-    head = (f"POST {CHAT_URL} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\nContent-Type: application/json"
-            f"\r\nContent-Length: {2 * MAX_BODY}\r\n\r\n").encode()
+    head = (REQUEST_HEAD + f"Content-Length: {2 * MAX_BODY}\r\n\r\n").encode()
     answer = raw_exchange(server, head, [b'{"messages": ['])
     assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
 
     # Chunked, no length: refused once the bytes read pass the limit, before the body ends (it never does).
-    head = (f"POST {CHAT_URL} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\nContent-Type: application/json"
-            "\r\nTransfer-Encoding: chunked\r\n\r\n").encode()
+    head = (REQUEST_HEAD + "Transfer-Encoding: chunked\r\n\r\n").encode()
     chunk = b"%x\r\n" % (1 << 20) + b" " * (1 << 20) + b"\r\n"
     answer = raw_exchange(server, head, [chunk] * (MAX_BODY // (1 << 20) + 8))
     assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
@@ -90,7 +90,8 @@ def test_a_body_over_the_limit_gets_413_before_it_is_read(server):
 def test_json_nested_too_deep_is_a_400_naming_the_body_or_the_field(server):
     messages = '{"model": "m", "messages": ' + "[" * 100_000 + "]" * 100_000 + "}"
     assert error_of(post_raw(server, messages))["param"] == "body"
-    stop = json.dumps({"messages": chat("Hi"), "max_tokens": 2})[:-1] + ', "stop": ' + "[" * 5000 + "]" * 5000 + "}"
+    stop = json.dumps({"messages": chat("Hi"), "max_tokens": 2})[:-1] + ', "stop": ' + "[" * 5000 + "]" * 5000
+    stop += "}"
     assert error_of(post_raw(server, stop))["param"] == "body"
     shallow = json.dumps({"messages": chat("Hi"), "max_tokens": 2, "stop": json.loads("[" * 40 + "]" * 40)})
     error = error_of(post_raw(server, shallow))
@@ -98,13 +99,14 @@ def test_json_nested_too_deep_is_a_400_naming_the_body_or_the_field(server):
 
 
 def test_a_lone_surrogate_is_a_400_naming_the_string(server):
-    body = json.dumps({"messages": [{"role": "system", "content": "ok"}, {"role": "user", "content": "a\ud800b"}],
-                       "max_tokens": 2})
+    messages = [{"role": "system", "content": "ok"}, {"role": "user", "content": "a\ud800b"}]
+    body = json.dumps({"messages": messages, "max_tokens": 2})
     assert "\\ud800" in body
     error = error_of(post_raw(server, body))
     assert error["param"] == "messages[1].content" and "surrogate" in error["message"]
     completion = json.dumps({"prompt": ["fine", "x\udfffy"], "max_tokens": 2})
-    response = httpx.post(server.base_url + "/v1/completions", content=completion, headers=HEADERS, timeout=60)
+    response = httpx.post(server.base_url + "/v1/completions", content=completion, headers=HEADERS,
+                          timeout=60)
     assert error_of(response)["param"] == "prompt[1]"
     key = json.dumps({"messages": chat("Hi"), "\ud83d": 1})
     assert error_of(post_raw(server, key))["param"] == "body"
@@ -117,7 +119,8 @@ def test_a_lone_surrogate_is_a_400_naming_the_string(server):
 ])
 def test_a_value_of_the_wrong_type_is_a_400_naming_the_field(client, field, value):
     fields = {"max_tokens": 2, field: value}
-    with pytest.raises(openai.BadRequestError) as info:  # extra_body: sent as given, whatever the client's types
+    # extra_body: sent as given, whatever the client's own types say
+    with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model=MODEL, messages=chat("Hi"), extra_body=fields)
     assert info.value.body["param"] == field, info.value.body
 
@@ -152,8 +155,8 @@ def test_a_large_prompt_does_not_hold_up_normal_requests(server, client):
 
             async def normal():
                 await asyncio.sleep(1.0)  # the big body is uploaded and being encoded by now
-                reply = await asyncio.to_thread(client.chat.completions.create, model=MODEL, messages=chat("Hi"),
-                                                max_tokens=2, temperature=0)
+                reply = await asyncio.to_thread(client.chat.completions.create, model=MODEL,
+                                                messages=chat("Hi"), max_tokens=2, temperature=0)
                 order.append(f"normal {reply.usage.completion_tokens}")
 
             await asyncio.gather(big(), normal())
@@ -169,22 +172,24 @@ def _idle(metrics: dict) -> bool:
 
 async def _open_stream(server, index: int):
     """A streaming chat on a raw socket, read until its first content chunk (so it runs in the engine)."""
-    body = json.dumps({"messages": chat(f"Count from {index} upwards."), "max_tokens": 1000, "ignore_eos": True,
-                       "stream": True, "temperature": 0}).encode()
+    body = json.dumps({"messages": chat(f"Count from {index} upwards."), "max_tokens": 1000,
+                       "ignore_eos": True, "stream": True, "temperature": 0}).encode()
     reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
     writer.write(f"POST {CHAT_URL} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
                  f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
     while True:
         line = await reader.readline()
         assert line, f"stream {index} ended before its first content"
-        if line.startswith(b"data: {") and (json.loads(line[6:])["choices"] or [{}])[0].get("delta", {}).get("content"):
+        choices = json.loads(line[6:])["choices"] if line.startswith(b"data: {") else None
+        if choices and choices[0]["delta"].get("content"):
             return writer
 
 
 def test_cut_streams_free_their_blocks_while_a_large_prompt_is_encoded(server):
-    """16 running streams, cut by their clients while another client's 2 MB prompt is being encoded:
-    every block is back before that prompt is even answered (the engine thread never encodes it)."""
-    content = ("The quick brown fox jumps over the lazy dog. " * 50_000)[:2_000_000]
+    """16 running streams, cut by their clients while another client's 3 MB prompt is being encoded:
+    every block is back long before that prompt is answered (the engine thread never encodes it; where
+    it did, the aborts waited for the encoding, and the blocks came back with the answer)."""
+    content = ("The quick brown fox jumps over the lazy dog. " * 70_000)[:3_000_000]
     big_body = json.dumps({"messages": chat(content), "max_tokens": 2})
 
     async def cut() -> tuple[float, float, dict]:
@@ -208,7 +213,7 @@ def test_cut_streams_free_their_blocks_while_a_large_prompt_is_encoded(server):
     freed, answered, busy = asyncio.run(cut())
     assert busy["batchgen:num_requests_running"] == 16
     assert busy["batchgen:num_free_kv_blocks"] < busy["batchgen:num_kv_blocks"]
-    assert freed < answered, (freed, answered)
+    assert freed < answered / 2, (freed, answered)
 
 
 def test_after_everything_a_normal_request_answers_and_nothing_is_held(server, client):
