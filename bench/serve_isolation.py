@@ -153,7 +153,8 @@ async def disconnect_to_free(base_url: str, port: int, num_streams: int, beside_
                 say(f"the big request answered {big_s:.1f}s after the cut")
             num_used = busy["batchgen:num_kv_blocks"] - busy["batchgen:num_free_kv_blocks"]
             return {"seconds": seconds, "step_s": step_s, "blocks_used_before": num_used,
-                    "running_before": busy["batchgen:num_requests_running"], "big_answered_after_cut_s": big_s}
+                    "running_before": busy["batchgen:num_requests_running"],
+                    "big_answered_after_cut_s": big_s}
         await asyncio.sleep(POLL_S)
 
 
