@@ -13,7 +13,14 @@ from batchgen.pipeline.config import JobConfig
 from batchgen.pipeline.errors import JobError
 from batchgen.pipeline.job_plan import JobPlan, plan_job
 from batchgen.pipeline.model_files import needs_chat_template
-from batchgen.pipeline.output import SUCCESS_NAME, OutputRun, describe_redo, open_run, raise_if_refused
+from batchgen.pipeline.output import (
+    SUCCESS_NAME,
+    OutputRun,
+    describe_redo,
+    open_run,
+    raise_if_locked,
+    raise_if_refused,
+)
 from batchgen.pipeline.summary import SUMMARY_COLUMNS, Totals, speculative_summary, success_record
 from batchgen.pipeline.unit_loop import UnitSource, run_units
 
@@ -51,6 +58,7 @@ def run_job(job: JobConfig, *, engine: LLMEngine | None = None, limit: int | Non
     if not overwrite:
         raise_if_refused(plan.state)  # before the lock: nothing is written into a folder that is not ours
     if overwrite or not plan.is_complete:
+        raise_if_locked(plan.output.storage)  # a held folder is refused before minutes of model loading
         engine = start_engine(job, engine)
     with open_run(plan.output.storage, plan.identity, overwrite=overwrite) as run:
         return _run_held(plan, run, engine, progress)

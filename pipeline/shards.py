@@ -28,6 +28,7 @@ from batchgen.pipeline.output import (
     describe_redo,
     finalize_folder,
     open_run,
+    raise_if_locked,
     raise_if_refused,
 )
 from batchgen.pipeline.summary import SUMMARY_COLUMNS, Totals, speculative_summary
@@ -103,6 +104,7 @@ def run_shard(job: JobConfig, shard: ShardSpec, *, engine=None, limit: int | Non
     raise_if_refused(plan.state)
     started = time.time()
     if any(shard.owns(unit) for unit in plan.pending_units):
+        raise_if_locked(plan.output.storage, shared=True)  # an exclusive run there: refused before loading
         engine = start_engine(job, engine)  # before the folder is touched: a failed start leaves it as it was
     with open_run(plan.output.storage, plan.identity, shard=shard) as run:
         plan.state = run.state
