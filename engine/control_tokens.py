@@ -19,6 +19,8 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 
+from batchgen.engine.backend_encode import backend_of, encode_ids
+
 Messages = list[dict]
 _PRIVATE_USE = re.compile("[\U000f0000-\U0010ffff]")  # planes 15-16: where the markers are chosen
 _FIRST_MARKER = 0xF0000
@@ -29,6 +31,7 @@ class ControlTokens:
 
     def __init__(self, hf):
         self.hf = hf
+        self.backend = backend_of(hf)
         template = hf.chat_template if isinstance(hf.chat_template, str) else \
             "\0".join((hf.chat_template or {}).values())  # named templates (older transformers)
         self.template = template
@@ -37,7 +40,12 @@ class ControlTokens:
         self.ids = frozenset(self.token_ids.values())
         longest_first = sorted(self.token_ids, key=len, reverse=True)  # a token wins over tokens it contains
         self.pattern = re.compile("|".join(map(re.escape, longest_first)) or "(?!)")  # (?!): matches nothing
-        self._newline_ids = hf.encode("\n", add_special_tokens=False)
+        self._newline_ids = self.encode("\n", add_special_tokens=False)
+
+    def encode(self, text: str, add_special_tokens: bool,
+               split_special_tokens: bool | None = None) -> list[int]:
+        """`hf.encode`'s ids, through the Rust backend (engine/backend_encode.py)."""
+        return encode_ids(self.hf, self.backend, text, add_special_tokens, split_special_tokens)
 
     def holds_control_text(self, text: str) -> bool:
         return self.pattern.search(text) is not None
@@ -53,8 +61,8 @@ class ControlTokens:
 
     def _added_around(self) -> tuple[list[int], list[int]]:
         """The ids the tokenizer's post-processor puts before and after a text (e.g. BOS)."""
-        probe = self.hf.encode("a", add_special_tokens=False)
-        wrapped = self.hf.encode("a", add_special_tokens=True)
+        probe = self.encode("a", add_special_tokens=False)
+        wrapped = self.encode("a", add_special_tokens=True)
         for start in range(len(wrapped) - len(probe) + 1):
             if wrapped[start:start + len(probe)] == probe:
                 return wrapped[:start], wrapped[start + len(probe):]
@@ -65,7 +73,7 @@ class ControlTokens:
         """The rendered chat's ids, where the control tokens come only from the template itself."""
         strings = list(_strings(messages))
         if not any(self.holds_control_text(s) for s in strings):
-            return self.hf.encode(render(messages), add_special_tokens=False)  # exactly as without the check
+            return self.encode(render(messages), add_special_tokens=False)  # exactly as without the check
         start, end = self._markers(strings)
         marked = _map_strings(messages, lambda s: self.pattern.sub(lambda m: start + m.group() + end, s))
         return self._encode_marked(render(marked), start, end)
@@ -118,7 +126,7 @@ class ControlTokens:
 
     def _encode_piece(self, text: str, is_first: bool, split_special_tokens: bool = False) -> list[int]:
         def encode(s: str) -> list[int]:
-            return self.hf.encode(s, add_special_tokens=False, split_special_tokens=split_special_tokens)
+            return self.encode(s, add_special_tokens=False, split_special_tokens=split_special_tokens)
 
         if is_first:
             return encode(text)
@@ -130,7 +138,7 @@ class ControlTokens:
 
     # ---- text with no added tokens at all --------------------------------------------------------
     def _as_text(self, text: str) -> list[int]:
-        ids = self.hf.encode(text, add_special_tokens=False, split_special_tokens=True)
+        ids = self.encode(text, add_special_tokens=False, split_special_tokens=True)
         if self.ids.isdisjoint(ids):
             return ids
         ids = self._without_added_tokens(text)  # split_special_tokens leaves non-special added tokens on

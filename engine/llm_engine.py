@@ -132,12 +132,10 @@ class LLMEngine:
         `allow_special_tokens=False`: control-token text in a raw prompt or a message ("<|im_start|>")
         is encoded as text, so only the chat template writes control tokens.
         """
-        if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt, allow_special_tokens=allow_special_tokens)
         if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
             return list(prompt)
-        if isinstance(prompt, list) and all(isinstance(m, dict) for m in prompt):
-            return self.tokenizer.encode_messages(prompt, allow_special_tokens=allow_special_tokens)
+        if isinstance(prompt, str) or (isinstance(prompt, list) and all(isinstance(m, dict) for m in prompt)):
+            return self.tokenizer.encode_prompt(prompt, allow_special_tokens=allow_special_tokens)
         raise TypeError("a prompt is a string, a list of chat messages ({role, content}) or a list of token ids")
 
     def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams,

@@ -182,18 +182,29 @@ def finalize(
 
 @app.command()
 def validate(job: JobArg, set_: SetOpt = None, limit: LimitOpt = None) -> None:
-    """Check a job without running it: the file, the model's presence, every input's schema; print the plan.
+    """Check a job without running it: the file, the model's files, every input's schema; print the plan.
 
-    Loads no weights.
+    The model's files are read as the engine reads them before its weights (a GGUF's header and metadata
+    with the loader's size checks, safetensors headers, config.json, the tokenizer, the chat template);
+    loads no weights. A damaged or hostile file exits 2 naming it.
     """
     from batchgen.pipeline.config import load_job
     from batchgen.pipeline.job_plan import format_job_plan, plan_job
+    from batchgen.pipeline.model_files import check_model_files, needs_chat_template
 
     try:
         plan = plan_job(load_job(job, set_ or []), limit)
+        source = plan.model_source
+        files = None if source is None else check_model_files(source, needs_chat_template(plan.job))
     except Exception as exc:
         raise _fail(exc) from None
     typer.echo(format_job_plan(plan))
+    if files is None:
+        typer.echo("files    the model is remote: its files are read when the run fetches them")
+    else:
+        read = "GGUF header and metadata" if source.is_gguf else "config.json, safetensors headers"
+        typer.echo(f"files    {read}, tokenizer ({files.num_tokens:,} tokens), "
+                   + ("chat template: renders" if files.has_chat_template else "no chat template"))
     if plan.state.refusal:
         typer.echo("batchgen: bad job: the output folder would be refused (see above)", err=True)
         raise typer.Exit(EXIT_BAD_JOB)

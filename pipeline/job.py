@@ -12,7 +12,15 @@ from batchgen.engine import EngineConfig, LLMEngine
 from batchgen.pipeline.config import JobConfig
 from batchgen.pipeline.errors import JobError
 from batchgen.pipeline.job_plan import JobPlan, plan_job
-from batchgen.pipeline.output import SUCCESS_NAME, OutputRun, describe_redo, open_run, raise_if_refused
+from batchgen.pipeline.model_files import needs_chat_template
+from batchgen.pipeline.output import (
+    SUCCESS_NAME,
+    OutputRun,
+    describe_redo,
+    open_run,
+    raise_if_locked,
+    raise_if_refused,
+)
 from batchgen.pipeline.summary import SUMMARY_COLUMNS, Totals, speculative_summary, success_record
 from batchgen.pipeline.unit_loop import UnitSource, run_units
 
@@ -33,7 +41,10 @@ def run_job(job: JobConfig, *, engine: LLMEngine | None = None, limit: int | Non
     """Run a job to completion (or resume it). Raises JobError for a bad job before any generation.
 
     The run holds its output folder's lock from before it touches the folder until it returns; a
-    second run on the same folder raises LockHeld (a JobError) naming this one.
+    second run on the same folder raises LockHeld (a JobError) naming this one. The engine starts
+    before the folder is touched: an engine that cannot start (a model file the loader refuses, a KV
+    cache too small) leaves the folder as it was, with no manifest that would make the fixed job look
+    like "a different job config".
     `engine`: an already-built engine whose config equals the job's (tests and notebooks reuse one);
     None builds one from the job's model and engine sections.
     """
@@ -46,8 +57,18 @@ def run_job(job: JobConfig, *, engine: LLMEngine | None = None, limit: int | Non
     plan = plan_job(job, limit)
     if not overwrite:
         raise_if_refused(plan.state)  # before the lock: nothing is written into a folder that is not ours
+    if overwrite or not plan.is_complete:
+        raise_if_locked(plan.output.storage)  # a held folder is refused before minutes of model loading
+        engine = start_engine(job, engine)
     with open_run(plan.output.storage, plan.identity, overwrite=overwrite) as run:
         return _run_held(plan, run, engine, progress)
+
+
+def start_engine(job: JobConfig, engine: LLMEngine | None) -> LLMEngine:
+    """The job's engine (built unless one is passed), checked against what the job needs."""
+    engine = engine_for(job, engine)
+    check_engine_can_run(job, engine)
+    return engine
 
 
 def _run_held(plan: JobPlan, run: OutputRun, engine: LLMEngine | None, progress: bool) -> RunResult:
@@ -63,8 +84,7 @@ def _run_held(plan: JobPlan, run: OutputRun, engine: LLMEngine | None, progress:
     if skipped:
         log.info("resuming: skipping %d finished unit(s) (%s); %d to run", len(skipped),
                  ", ".join(u.output_name for u in skipped), len(pending))
-    engine = engine_for(job, engine)
-    check_engine_can_run(job, engine)
+    engine = start_engine(job, engine)  # started already, unless the plan found the folder complete
 
     source = UnitSource(job, plan.inputs.output_schema(job), plan.repeats)
     spec_before = engine.stats.get("speculative")  # None: speculation off (or an engine without it)
@@ -118,9 +138,6 @@ def _differing_fields(a: EngineConfig, b: EngineConfig) -> str:
 
 
 def check_engine_can_run(job: JobConfig, engine: LLMEngine) -> None:
-    # A batch file's chat lines need the template and its completions lines do not: a chat line on a
-    # model without one becomes that line's error row.
-    needs_template = job.input.apply_chat_template and not job.input.is_batch_file
-    if needs_template and not engine.tokenizer.has_chat_template:
+    if needs_chat_template(job) and not engine.tokenizer.has_chat_template:
         raise JobError(f"model.path: {job.model.path} has no chat template; set input.apply_chat_template: "
                        "false and use prompt_column (raw prompts)")

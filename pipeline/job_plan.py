@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import fsspec
 
-from batchgen.engine.loader.source import BUNDLED_ALIASES, bundled_model_path, resolve_model
+from batchgen.engine.loader.source import BUNDLED_ALIASES, ModelSource, resolve_model
 from batchgen.pipeline.config import JobConfig
 from batchgen.pipeline.errors import JobError
 from batchgen.pipeline.id_scan import Position, scan_ids
@@ -31,7 +31,7 @@ from batchgen.pipeline.storage import Storage
 class JobPlan:
     job: JobConfig
     config_hash: str
-    model_location: str
+    model_source: ModelSource | None  # None: a remote model (fsspec URI), fetched by the run
     input_storage: Storage
     files: list[InputFile]
     units: list[WorkUnit]
@@ -40,6 +40,10 @@ class JobPlan:
     limit: int | None
     inputs: JobInputs
     repeats: dict[Position, int]  # occurrence number of each repeated id (input.allow_duplicate_ids)
+
+    @property
+    def model_location(self) -> str:
+        return self.job.model.path if self.model_source is None else self.model_source.display_name
 
     @property
     def num_rows(self) -> int:
@@ -63,17 +67,16 @@ class JobPlan:
         return RunIdentity(self.job.name, self.config_hash, self.inputs.fingerprint, self.units)
 
 
-def check_model(path: str) -> str:
-    """Where the model's files are (no weights read); JobError naming model.path when it is not there."""
+def check_model(path: str) -> ModelSource | None:
+    """Where the model's files are (no file read); None for a remote model (resolving it would fetch its
+    weights). JobError naming model.path when it is not there."""
     try:
-        if path.lower() in BUNDLED_ALIASES:
-            return str(bundled_model_path(path.lower()))
-        if "://" in path and not path.startswith("file://"):
+        if "://" in path and not path.startswith("file://") and path.lower() not in BUNDLED_ALIASES:
             fs, fs_path = fsspec.core.url_to_fs(path)
             if not fs.exists(fs_path):
                 raise FileNotFoundError(f"{path} does not exist")
-            return path
-        return resolve_model(path).display_name
+            return None
+        return resolve_model(path)
     except JobError:
         raise
     except Exception as exc:  # missing file, missing package, unsupported file: all the user's to fix
@@ -85,7 +88,7 @@ def plan_job(job: JobConfig, limit: int | None = None) -> JobPlan:
     and the output folder; plan the units."""
     if limit is not None and limit < 1:
         raise JobError(f"--limit must be >= 1, got {limit}")
-    model_location = check_model(job.model.path)
+    model_source = check_model(job.model.path)
     check_model_limits(job)
     inputs = read_inputs(job)
     output = OutputFolder(Storage(job.output.path, job.output.storage_options))
@@ -96,7 +99,7 @@ def plan_job(job: JobConfig, limit: int | None = None) -> JobPlan:
         inputs.storage, units, job.input.id_column, inputs.column_types[job.input.id_column],
         job.input.allow_duplicate_ids)
     config_hash = job.config_hash(limit)
-    return JobPlan(job, config_hash, model_location, inputs.storage, inputs.files, units, output,
+    return JobPlan(job, config_hash, model_source, inputs.storage, inputs.files, units, output,
                    output.state(config_hash, inputs.fingerprint, units), limit, inputs, repeats)
 
 

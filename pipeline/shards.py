@@ -28,6 +28,7 @@ from batchgen.pipeline.output import (
     describe_redo,
     finalize_folder,
     open_run,
+    raise_if_locked,
     raise_if_refused,
 )
 from batchgen.pipeline.summary import SUMMARY_COLUMNS, Totals, speculative_summary
@@ -94,7 +95,7 @@ class ShardResult:
 def run_shard(job: JobConfig, shard: ShardSpec, *, engine=None, limit: int | None = None,
               progress: bool = True) -> ShardResult:
     """Run this shard's units (resuming like a local run), write its summary, try to finalize."""
-    from batchgen.pipeline.job import check_engine_can_run, engine_for, engine_reports
+    from batchgen.pipeline.job import engine_reports, start_engine
 
     if job.cluster.backend != "local":
         raise JobError("--shard runs on this machine: it does not combine with cluster.backend: ray "
@@ -102,6 +103,9 @@ def run_shard(job: JobConfig, shard: ShardSpec, *, engine=None, limit: int | Non
     plan = plan_job(job, limit)
     raise_if_refused(plan.state)
     started = time.time()
+    if any(shard.owns(unit) for unit in plan.pending_units):
+        raise_if_locked(plan.output.storage, shared=True)  # an exclusive run there: refused before loading
+        engine = start_engine(job, engine)  # before the folder is touched: a failed start leaves it as it was
     with open_run(plan.output.storage, plan.identity, shard=shard) as run:
         plan.state = run.state
         mine = run.units
@@ -116,8 +120,7 @@ def run_shard(job: JobConfig, shard: ShardSpec, *, engine=None, limit: int | Non
 
         totals, seconds, reports, spec = Totals(), 0.0, {"kernels": {}}, None
         if pending:
-            engine = engine_for(job, engine)
-            check_engine_can_run(job, engine)
+            engine = start_engine(job, engine)
             spec_before = engine.stats.get("speculative")
             source = UnitSource(job, plan.inputs.output_schema(job), plan.repeats)
             ran = run_units(source, plan.input_storage, run.storage, pending, engine, run.commit_context(),

@@ -1,8 +1,11 @@
 """The FastAPI app: OpenAI's /v1/models, /v1/chat/completions, /v1/completions, plus /health and /metrics.
 
-A request is checked field by field (protocol.py), admitted under the in-flight bound (else 503
-with Retry-After), then handed to the engine thread (engine_loop.py), which encodes its prompt(s),
-checks their length and queues one engine request per prompt. Non-streaming handlers wait for
+A request's body is read up to --max-request-body-bytes (413 past it, before the rest is read),
+checked field by field (protocol.py: types, nesting, text), admitted under the in-flight bound (else
+503 with Retry-After), then handed to the engine thread (engine_loop.py), which encodes its
+prompt(s), checks their length and queues one engine request per prompt; a large prompt is encoded
+first on the encoder's own thread (prompt_encoder.py), so it holds up neither the engine nor the
+event loop. Non-streaming handlers wait for
 every prompt's Finished event, streaming ones relay each step's text as server-sent events. A
 client that goes away aborts its engine requests, which gives their KV blocks back at once.
 """
@@ -30,8 +33,10 @@ from batchgen.pipeline.openai.protocol import (
     sampling_params_from_body,
 )
 from batchgen.serve import responses
+from batchgen.serve.cli import DEFAULT_MAX_REQUEST_BODY_BYTES
 from batchgen.serve.engine_loop import Admitted, EngineLoop, EventSink, Failed, Finished, Progress, Submission
 from batchgen.serve.metrics import Metrics
+from batchgen.serve.prompt_encoder import PromptEncoder, encode_prompt, is_large, is_token_ids
 
 log = logging.getLogger("batchgen.serve")
 
@@ -44,6 +49,7 @@ class ServerSettings:
     model_path: str  # what was loaded (/v1/models' `root`)
     api_key: str | None = None
     max_in_flight: int = 1024  # HTTP requests admitted at once (running or waiting); more get 503
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES  # a larger body gets 413
 
 
 @dataclass
@@ -53,6 +59,7 @@ class ServerState:
     metrics: Metrics
     max_model_len: int
     vocab_size: int
+    encoder: PromptEncoder | None = None  # large prompts' thread; None: every prompt on the engine thread
     in_flight: int = 0
     shutting_down: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
@@ -118,7 +125,8 @@ def create_app(state: ServerState) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         _check_key(request, state.settings.api_key)
-        body = parse_request(await request.body(), ChatCompletionRequest)
+        body = parse_request(await read_body(request, state.settings.max_request_body_bytes),
+                             ChatCompletionRequest)
         _check_model(body.model, names)
         messages = body.template_messages()
         return await _generate(state, request, body, [messages], is_chat=True)
@@ -126,7 +134,8 @@ def create_app(state: ServerState) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         _check_key(request, state.settings.api_key)
-        body = parse_request(await request.body(), CompletionRequest)
+        body = parse_request(await read_body(request, state.settings.max_request_body_bytes),
+                             CompletionRequest)
         _check_model(body.model, names)
         return await _generate(state, request, body, body.prompts(), is_chat=False)
 
@@ -136,10 +145,35 @@ def create_app(state: ServerState) -> FastAPI:
 def _check_key(request: Request, api_key: str | None) -> None:
     if api_key is None:
         return
-    given = request.headers.get("authorization", "")
-    # Constant time: how much of a guess matches must not show in how long the answer takes.
-    if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+    scheme, _, given = request.headers.get("authorization", "").strip().partition(" ")
+    # The scheme is case-insensitive (RFC 7235: "bearer", "BEARER"); the key is compared in constant
+    # time: how much of a guess matches must not show in how long the answer takes.
+    is_key = hmac.compare_digest(given.strip().encode(), api_key.encode())
+    if scheme.lower() != "bearer" or not is_key:
         raise APIError(401, "invalid or missing API key (send Authorization: Bearer KEY)", code="invalid_api_key")
+
+
+async def read_body(request: Request, max_bytes: int) -> bytes:
+    """The request's body, or 413 as soon as it is known to be longer than `max_bytes`: from its
+    Content-Length before reading any of it, else (chunked) once the bytes read pass the bound."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.strip().isdigit() and int(declared) > max_bytes:
+        raise _too_large(int(declared), max_bytes)
+    chunks, num_bytes = [], 0
+    async for chunk in request.stream():
+        num_bytes += len(chunk)
+        if num_bytes > max_bytes:
+            raise _too_large(None, max_bytes)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _too_large(num_bytes: int | None, max_bytes: int) -> APIError:
+    size = f"{num_bytes} bytes" if num_bytes is not None else "more"
+    # The rest of the body is never read: the connection closes after the answer.
+    return APIError(413, f"the request body is {size}, over this server's limit of {max_bytes} bytes "
+                         "(--max-request-body-bytes)", "body", "request_too_large",
+                    headers={"Connection": "close"})
 
 
 def _check_model(model: str | None, names: list[str]) -> None:
@@ -149,35 +183,35 @@ def _check_model(model: str | None, names: list[str]) -> None:
 
 
 def _prepare(body: ChatCompletionRequest | CompletionRequest, prompt, prompt_field: str, state: ServerState):
-    """What the engine thread runs for one prompt: its token ids and SamplingParams, or a 400."""
-    max_model_len, vocab_size = state.max_model_len, state.vocab_size
+    """What the engine thread runs for one prompt: its token ids and SamplingParams, or a 400.
+    `prompt` is text or chat messages (encoded here), or token ids (a large prompt arrives encoded)."""
 
     def prepare(engine: LLMEngine) -> tuple[list[int], SamplingParams]:
-        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-            if any(t < 0 or t >= vocab_size for t in prompt):
-                raise bad_request(f"{prompt_field} holds token ids outside [0, {vocab_size})", prompt_field)
-            token_ids = list(prompt)
-        else:
-            try:
-                # Control-token text in message content is text (as in jobs); a raw prompt is the
-                # caller's own template, as in vLLM.
-                token_ids = engine.encode(prompt, allow_special_tokens=not isinstance(prompt, list))
-            except ValueError as exc:  # no chat template
-                raise bad_request(str(exc), prompt_field) from None
-        if not token_ids:
-            raise bad_request(f"{prompt_field} is empty", prompt_field)
-        if len(token_ids) >= max_model_len:
-            raise bad_request(f"this model's maximum context length is {max_model_len} tokens; the "
-                              f"{prompt_field} has {len(token_ids)}", prompt_field, "context_length_exceeded")
-        params = sampling_params_from_body(body, default_max_tokens=max_model_len - len(token_ids))
-        if len(token_ids) + params.max_tokens > max_model_len:
-            _, max_tokens_field = body.requested_max_tokens()
-            raise bad_request(f"this model's maximum context length is {max_model_len} tokens; you asked for "
-                              f"{len(token_ids) + params.max_tokens} ({len(token_ids)} in the {prompt_field}, "
-                              f"{params.max_tokens} in {max_tokens_field})", max_tokens_field,
-                              "context_length_exceeded")
-        return token_ids, params
+        token_ids = prompt if is_token_ids(prompt) else encode_prompt(engine.tokenizer, prompt, prompt_field)
+        return _check_prompt(body, token_ids, prompt_field, state)
     return prepare
+
+
+def _check_prompt(body, token_ids: list[int], prompt_field: str,
+                  state: ServerState) -> tuple[list[int], SamplingParams]:
+    """The prompt's length (first: a huge one is refused before anything walks it) and token ids,
+    and the request's SamplingParams with the completion budget the context leaves; else a 400."""
+    max_model_len, vocab_size = state.max_model_len, state.vocab_size
+    if not token_ids:
+        raise bad_request(f"{prompt_field} is empty", prompt_field)
+    if len(token_ids) >= max_model_len:
+        raise bad_request(f"this model's maximum context length is {max_model_len} tokens; the "
+                          f"{prompt_field} has {len(token_ids)}", prompt_field, "context_length_exceeded")
+    if any(t < 0 or t >= vocab_size for t in token_ids):
+        raise bad_request(f"{prompt_field} holds token ids outside [0, {vocab_size})", prompt_field)
+    params = sampling_params_from_body(body, default_max_tokens=max_model_len - len(token_ids))
+    if len(token_ids) + params.max_tokens > max_model_len:
+        _, max_tokens_field = body.requested_max_tokens()
+        raise bad_request(f"this model's maximum context length is {max_model_len} tokens; you asked for "
+                          f"{len(token_ids) + params.max_tokens} ({len(token_ids)} in the {prompt_field}, "
+                          f"{params.max_tokens} in {max_tokens_field})", max_tokens_field,
+                          "context_length_exceeded")
+    return list(token_ids), params
 
 
 async def _generate(state: ServerState, request: Request, body, prompts: list, is_chat: bool) -> Response:
@@ -191,8 +225,12 @@ async def _generate(state: ServerState, request: Request, body, prompts: list, i
         # Seeded: samples keyed by (seed, index) alone, the same on every call; else a random key.
         sample_key = "" if body.seed is not None else uuid.uuid4().hex
         prompt_field = "messages" if is_chat else "prompt"
-        for i, (request_id, prompt) in enumerate(zip(request_ids, prompts)):
-            field_name = prompt_field if len(prompts) == 1 or is_chat else f"prompt[{i}]"
+        field_names = [prompt_field if len(prompts) == 1 or is_chat else f"prompt[{i}]"
+                       for i in range(len(prompts))]
+        if state.encoder is not None:  # large prompts: encoded and checked here, off the engine thread
+            prompts = [_check_prompt(body, await state.encoder.encode(p, name), name, state)[0]
+                       if is_large(p) else p for p, name in zip(prompts, field_names)]
+        for request_id, prompt, field_name in zip(request_ids, prompts, field_names):
             state.loop.submit(Submission(request_id, _prepare(body, prompt, field_name, state), sample_key,
                                          sink, body.stream))
         tracker = _Tracker(state.loop, request_ids, sink)

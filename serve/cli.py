@@ -34,6 +34,8 @@ VLLM_FLAG_NAMES = {"speculative": "speculative-config"}
 # What a 503 and the queue bound count: requests beyond the ones that can run (max_num_seqs).
 DEFAULT_MAX_QUEUED_REQUESTS = 1024
 DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
+# 8M tokens of text: more than any model's context, far less than what would exhaust the server's memory.
+DEFAULT_MAX_REQUEST_BODY_BYTES = 32 << 20
 API_KEY_ENV = "BATCHGEN_API_KEY"
 
 
@@ -61,6 +63,9 @@ def build_parser(config_class: type = EngineConfig) -> argparse.ArgumentParser:
     server.add_argument("--max-queued-requests", type=int, default=DEFAULT_MAX_QUEUED_REQUESTS,
                         help="requests held beyond --max-num-seqs; past it, 503 with Retry-After "
                              "(default: %(default)s)")
+    server.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+                        help="a request body over this many bytes gets 413 before the rest of it is read "
+                             "(default: %(default)s, 32 MiB)")
     server.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
                         help="on SIGTERM/Ctrl-C, seconds unfinished requests get before they end with "
                              "an error (default: %(default)s)")
@@ -128,19 +133,25 @@ def serve_main(argv: list[str]) -> int:
     if args.max_queued_requests < 0 or args.shutdown_timeout < 0:
         print("batchgen serve: --max-queued-requests and --shutdown-timeout must be >= 0", file=sys.stderr)
         return EXIT_BAD_USAGE
+    if args.max_request_body_bytes < 1:
+        print("batchgen serve: --max-request-body-bytes must be >= 1", file=sys.stderr)
+        return EXIT_BAD_USAGE
 
     from batchgen.engine import LLMEngine
     from batchgen.serve.app import ServerSettings, ServerState, create_app
     from batchgen.serve.engine_loop import EngineLoop
     from batchgen.serve.metrics import Metrics
+    from batchgen.serve.prompt_encoder import PromptEncoder
 
     engine = LLMEngine(config)
     names = args.served_model_name or [config.model]
     settings = ServerSettings(served_model_names=names, model_path=config.model, api_key=args.api_key,
-                              max_in_flight=config.max_num_seqs + args.max_queued_requests)
+                              max_in_flight=config.max_num_seqs + args.max_queued_requests,
+                              max_request_body_bytes=args.max_request_body_bytes)
     metrics = Metrics(names[0])
     loop = EngineLoop(engine, metrics)
-    state = ServerState(loop, settings, metrics, engine.max_model_len, engine.model_cfg.vocab_size)
+    state = ServerState(loop, settings, metrics, engine.max_model_len, engine.model_cfg.vocab_size,
+                        encoder=PromptEncoder(engine.tokenizer))
     app = create_app(state)
 
     stop_signal_time: list[float] = []
@@ -167,6 +178,7 @@ def serve_main(argv: list[str]) -> int:
         took = f" {time.monotonic() - stop_signal_time[0]:.1f}s after the stop signal" if stop_signal_time else ""
         log.info("the HTTP server stopped%s; stopping the engine thread", took)
         loop.stop()
+        state.encoder.close()
     log.info("stopped")
     return 0
 
@@ -189,5 +201,5 @@ def _make_server_class():
     return Server
 
 
-def _Server(config, on_stop):  # noqa: N802 (a class made lazily: uvicorn is an optional dependency)
+def _Server(config, on_stop):
     return _make_server_class()(config, on_stop)

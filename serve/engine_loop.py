@@ -2,8 +2,9 @@
 
 Between two engine steps the thread takes every request that arrived (and every abort), so
 concurrent HTTP requests share steps: continuous batching across clients. Everything that touches
-the tokenizer runs on this thread too (encoding prompts, streaming text, token strings for
-logprobs): a Rust tokenizer shared by two threads can fail with "Already borrowed".
+the engine's tokenizer runs on this thread too (encoding small prompts, streaming text, token
+strings for logprobs): a Rust tokenizer shared by two threads can fail with "Already borrowed".
+Large prompts arrive already encoded, by the PromptEncoder's own copy (prompt_encoder.py).
 
 Results go back to the asyncio side through each request's EventSink (call_soon_threadsafe onto an
 asyncio.Queue): a streaming request gets a Progress event per step with its new text and tokens;
@@ -194,17 +195,21 @@ class EngineLoop:
         self._publish()
 
     def _take_inbox(self) -> None:
+        num_aborted = 0
         while True:
             try:
                 kind, item = self._inbox.get_nowait()
             except queue.Empty:
-                return
+                break
             if kind == "add":
                 self._add(item)
             elif kind == "abort" and item in self._records:
                 record = self._records.pop(item)
                 self.engine.abort_request(item)
                 self.metrics.count_end("abort", len(record.seqs))
+                num_aborted += 1
+        if num_aborted:
+            self._publish()  # the freed blocks show now, not after the next step
 
     def _add(self, sub: Submission) -> None:
         if self._fail_at is not None and time.monotonic() >= self._fail_at:

@@ -5,13 +5,21 @@ makes it loop 2^40 times while its lists grow (the reads past the end come back 
 errors). This walk reads the same header (key/value metadata, then tensor infos) with every count
 and length checked against the bytes that are left, so a hostile or damaged file is refused in time
 proportional to its real length, naming the file, the field and the byte offset.
+
+The same walk reads what the header says (`read_gguf_header`): every scalar and string value, each
+array's item type and count (not its items), and the tensors' names. That is all a model's config
+needs, so the config is read without gguf.GGUFReader, which parses every array (seconds for a
+49k-token vocabulary) and maps every tensor.
 """
 
 from __future__ import annotations
 
+import functools
 import mmap
 import struct
+from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 _MAGIC = b"GGUF"
 _SUPPORTED_VERSIONS = (2, 3)  # what gguf.GGUFReader reads (version 1 had 32-bit counts)
@@ -28,6 +36,26 @@ _MIN_TENSOR_INFO_BYTES = 8 + 4 + 4 + 8  # name length, n_dims, type, offset
 
 class GGUFLayoutError(ValueError):
     """The file's declared counts or sizes do not fit in it (or it is not a GGUF file)."""
+
+
+class GGUFArray(NamedTuple):
+    """A metadata array as the header declares it: its items' GGUF value type and their count."""
+
+    item_type: int
+    num_items: int
+
+    @property
+    def is_strings(self) -> bool:
+        return self.item_type == _STRING
+
+
+@dataclass(frozen=True)
+class GGUFHeader:
+    """What a GGUF file declares before its tensor data: metadata values and tensor names, in order."""
+
+    path: Path
+    metadata: dict[str, object]  # int | float | bool | str | GGUFArray
+    tensor_names: list[str]
 
 
 class _Walk:
@@ -63,16 +91,12 @@ class _Walk:
         start = self.take(length, what)
         return bytes(self.buf[start:start + length])
 
-    def skip_string(self, what: str) -> None:
-        self.take(self.scalar("Q", f"{what} length"), what)
-
     def value(self, value_type: int, what: str, depth: int = 0):
-        """Walk one value; scalars are returned (general.alignment is needed), the rest skipped."""
+        """Walk one value: a scalar or a string is returned, an array as its GGUFArray (items skipped)."""
         if value_type in _SCALAR_FORMATS:
             return self.scalar(_SCALAR_FORMATS[value_type], what)
         if value_type == _STRING:
-            self.skip_string(what)
-            return None
+            return self.string(what).decode("utf-8", errors="replace")
         if value_type != _ARRAY:
             raise self.fail(f"{what} has unknown value type {value_type}")
         if depth >= _MAX_ARRAY_DEPTH:
@@ -82,20 +106,20 @@ class _Walk:
         if item_type in _SCALAR_FORMATS:
             item_bytes = struct.calcsize(_SCALAR_FORMATS[item_type])
             self.take(num_items * item_bytes, f"{what} ({num_items} items)")
-            return None
+            return GGUFArray(item_type, num_items)
         min_item_bytes = {_STRING: 8, _ARRAY: 12}.get(item_type)
         if min_item_bytes is None:
             raise self.fail(f"{what} has unknown item type {item_type}")
         self.count(num_items, min_item_bytes, what)
         if item_type == _STRING:
             self.skip_strings(num_items, what)
-            return None
+            return GGUFArray(item_type, num_items)
         for i in range(num_items):  # bounded by the bytes left, checked just above
             self.value(item_type, f"{what}[{i}]", depth + 1)
-        return None
+        return GGUFArray(item_type, num_items)
 
     def skip_strings(self, num_items: int, what: str) -> None:
-        """`skip_string` per item, inlined: a vocabulary holds 50k-150k of them."""
+        """Each item's length checked and its bytes skipped, inlined: a vocabulary holds 50k-150k of them."""
         length_format = struct.Struct(self.order + "Q")
         offset, size = self.offset, self.size
         for i in range(num_items):
@@ -107,17 +131,29 @@ class _Walk:
         self.offset = offset
 
 
-def check_gguf_layout(path: str | Path) -> None:
-    """Raise GGUFLayoutError unless every count, length and tensor extent the file declares fits in it."""
+def check_gguf_layout(path: str | Path) -> GGUFHeader:
+    """Raise GGUFLayoutError unless every count, length and tensor extent the file declares fits in it;
+    returns what the header declares."""
+    return read_gguf_header(path)
+
+
+def read_gguf_header(path: str | Path) -> GGUFHeader:
+    """The file's metadata and tensor names, every declared size checked (GGUFLayoutError naming the
+    file, the field and the byte offset). Cached per (path, modification time, size)."""
     path = Path(path)
-    size = path.stat().st_size
+    stat = path.stat()
+    return _read_header(path, stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=4)
+def _read_header(path: Path, mtime_ns: int, size: int) -> GGUFHeader:
     if size < 4 + 4 + 8 + 8:
         raise GGUFLayoutError(f"GGUF file {path} ({size} bytes) is too short to hold a GGUF header")
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-        _walk_file(_Walk(buf, size, path))
+        return _walk_file(_Walk(buf, size, path))
 
 
-def _walk_file(walk: _Walk) -> None:
+def _walk_file(walk: _Walk) -> GGUFHeader:
     if walk.buf[:4] != _MAGIC:
         raise walk.fail(f"it does not start with {_MAGIC!r} (found {bytes(walk.buf[:4])!r})")
     walk.offset = 4
@@ -131,10 +167,12 @@ def _walk_file(walk: _Walk) -> None:
     num_kvs = walk.scalar("Q", "metadata count")
     walk.count(num_kvs, _MIN_KV_BYTES, "metadata")
     alignment = _DEFAULT_ALIGNMENT
+    metadata: dict[str, object] = {}
     for _ in range(num_kvs):
         key = walk.string("metadata key").decode("utf-8", errors="replace")
         value_type = walk.scalar("I", f"metadata {key!r} type")
         value = walk.value(value_type, f"metadata {key!r}")
+        metadata[key] = value
         if key == "general.alignment" and value_type == 4 and value:
             alignment = value
     walk.count(num_tensors, _MIN_TENSOR_INFO_BYTES, "tensor infos")
@@ -147,6 +185,7 @@ def _walk_file(walk: _Walk) -> None:
         if offset + num_bytes > num_data_bytes:
             raise walk.fail(f"tensor {name!r} declares bytes {offset}..{offset + num_bytes} of the data "
                             f"section, which holds {max(num_data_bytes, 0)} bytes")
+    return GGUFHeader(walk.path, metadata, [name for name, _, _ in tensors])
 
 
 def _tensor_info(walk: _Walk) -> tuple[str, int, int]:

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from batchgen.engine.loader.gguf_layout import check_gguf_layout
+from batchgen.engine.loader.gguf_layout import GGUFArray, GGUFHeader, check_gguf_layout, read_gguf_header
 from batchgen.engine.models.config import ModelConfig
 
 _ARCH_TO_MODEL_TYPE = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
@@ -39,46 +39,58 @@ def _cached_reader(path: str, mtime_ns: int, size: int):
         raise ValueError(f"cannot read GGUF file {path}: {exc}") from exc
 
 
-def _field(reader, key: str, default=None):
-    field = reader.fields.get(key)
-    if field is None:
-        return default
-    return field.contents()
-
-
 def read_gguf_config(path: Path) -> ModelConfig:
-    reader = _reader(path)
-    arch = _field(reader, "general.architecture")
+    """The model's config from the header's metadata alone (gguf_layout.py's checked walk: no array
+    is parsed, no tensor mapped); ValueError naming the file and the key for what it lacks."""
+    header = read_gguf_header(path)
+    arch = header.metadata.get("general.architecture")
     if arch not in _ARCH_TO_MODEL_TYPE:
         raise ValueError(f"GGUF file {path}: architecture {arch!r} is not supported ({', '.join(_ARCH_TO_MODEL_TYPE)})")
-    num_heads = _field(reader, f"{arch}.attention.head_count")
-    hidden = _field(reader, f"{arch}.embedding_length")
-    names = {t.name for t in reader.tensors}
-    vocab = _field(reader, f"{arch}.vocab_size") or len(_field(reader, "tokenizer.ggml.tokens"))
-    head_dim = _field(reader, f"{arch}.attention.key_length") or _field(reader, f"{arch}.rope.dimension_count") or hidden // num_heads
-    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+
+    def field(key: str, default=None, required: bool = False):
+        value = header.metadata.get(key, default)
+        if isinstance(value, GGUFArray) or (value is None and required):
+            raise ValueError(f"GGUF file {path}: metadata {key!r} is "
+                             + ("missing" if value is None else "an array, not a number"))
+        return value
+
+    num_heads = field(f"{arch}.attention.head_count", required=True)
+    hidden = field(f"{arch}.embedding_length", required=True)
+    names = set(header.tensor_names)
+    vocab = field(f"{arch}.vocab_size") or _num_tokens(header)
+    head_dim = (field(f"{arch}.attention.key_length") or field(f"{arch}.rope.dimension_count")
+                or hidden // num_heads)
+    eos = field("tokenizer.ggml.eos_token_id")
     scaling = None
-    if _field(reader, f"{arch}.rope.scaling.type") == "linear":
-        scaling = {"rope_type": "linear", "factor": _field(reader, f"{arch}.rope.scaling.factor")}
+    if field(f"{arch}.rope.scaling.type") == "linear":
+        scaling = {"rope_type": "linear", "factor": field(f"{arch}.rope.scaling.factor")}
     return ModelConfig(
         model_type=_ARCH_TO_MODEL_TYPE[arch],
         vocab_size=vocab,
         hidden_size=hidden,
-        intermediate_size=_field(reader, f"{arch}.feed_forward_length"),
-        num_layers=_field(reader, f"{arch}.block_count"),
+        intermediate_size=field(f"{arch}.feed_forward_length", required=True),
+        num_layers=field(f"{arch}.block_count", required=True),
         num_heads=num_heads,
-        num_kv_heads=_field(reader, f"{arch}.attention.head_count_kv") or num_heads,
+        num_kv_heads=field(f"{arch}.attention.head_count_kv") or num_heads,
         head_dim=head_dim,
-        rms_norm_eps=_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6),
-        rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
-        max_position_embeddings=_field(reader, f"{arch}.context_length", 4096),
+        rms_norm_eps=field(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6),
+        rope_theta=float(field(f"{arch}.rope.freq_base", 10000.0)),
+        max_position_embeddings=field(f"{arch}.context_length", 4096),
         tie_word_embeddings="output.weight" not in names,
         attention_bias="blk.0.attn_q.bias" in names,
         qk_norm="blk.0.attn_q_norm.weight" in names,
         rope_scaling=scaling,
-        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        bos_token_id=field("tokenizer.ggml.bos_token_id"),
         eos_token_ids=() if eos is None else (eos,),
     )
+
+
+def _num_tokens(header: GGUFHeader) -> int:
+    tokens = header.metadata.get("tokenizer.ggml.tokens")
+    if not isinstance(tokens, GGUFArray) or not tokens.is_strings:
+        raise ValueError(f"GGUF file {header.path}: no vocabulary (neither a vocab_size key nor a "
+                         "tokenizer.ggml.tokens array of strings)")
+    return tokens.num_items
 
 
 def _reverse_permute(w: np.ndarray, num_heads: int) -> np.ndarray:

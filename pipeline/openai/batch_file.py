@@ -78,6 +78,8 @@ def custom_id_of(line: bytes) -> tuple[str | None, str | None]:
         request = json.loads(line)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         return None, f"is not valid JSON ({exc})"
+    except RecursionError:  # a body nested thousands deep: no custom_id can be read from it
+        return None, "nests JSON too deep for the parser (thousands of levels)"
     if not isinstance(request, dict):
         return None, f"is not a JSON object (a {type(request).__name__})"
     custom_id = request.get(BATCH_ID_COLUMN)
@@ -85,6 +87,10 @@ def custom_id_of(line: bytes) -> tuple[str | None, str | None]:
         return None, "has no custom_id"
     if not isinstance(custom_id, str) or not custom_id:
         return None, f"has a custom_id that is not a non-empty string ({custom_id!r})"
+    try:
+        custom_id.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate escape: no output file or column can hold this id
+        return None, f"has a custom_id that is not valid Unicode text ({custom_id!r})"
     return custom_id, None
 
 

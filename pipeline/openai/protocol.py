@@ -3,18 +3,23 @@ field by field, and their mapping onto SamplingParams.
 
 A field batchgen does not implement is refused by name (400), never ignored: a null (or the
 field's do-nothing value, such as `response_format: {"type": "text"}`) counts as not sent.
+
+Types are strict, as OpenAI's API checks them: a string or a boolean is never a number (`"max_tokens":
+"4"` and `"max_tokens": true` are 400s naming the field, where pydantic's lax mode would read 4 and 1),
+a number never a boolean or a string. An integer field takes a number with no fractional part (4.0,
+an integer in JSON Schema's sense); a number field takes an integer (`"temperature": 1`).
 """
 
 from __future__ import annotations
 
-import json
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict, ValidationError
 
 from batchgen.engine import SamplingParams
 from batchgen.engine.config import SettingError
 from batchgen.pipeline.openai.api_error import bad_request
+from batchgen.pipeline.openai.json_body import check_json_value, load_json_body
 
 # Fields of OpenAI's (or vLLM's) API that batchgen does not implement, with what to say.
 UNSUPPORTED = {
@@ -70,18 +75,29 @@ def _is_unused(name: str, value: Any, body: dict) -> bool:
     return False
 
 
+def _integral(value: Any) -> Any:
+    """4.0 -> 4 (an integer in JSON Schema's sense); anything else is left for the strict check."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+Int = Annotated[int, Strict(), BeforeValidator(_integral)]  # no bool, no string, no 4.5
+Float = Annotated[float, Strict()]  # an int is fine; a bool or a string is not
+Bool = Annotated[bool, Strict()]  # true/false only: not 1, not "true"
+Str = Annotated[str, Strict()]
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
 class StreamOptions(_Strict):
-    include_usage: bool = False
+    include_usage: Bool = False
 
 
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[dict] | None = None
-    name: str | None = None
+    content: Str | list[dict] | None = None
+    name: Str | None = None
 
     def to_template(self, index: int) -> dict:
         """{role, content[, name]} for the chat template; text parts are joined, other parts refused."""
@@ -106,25 +122,25 @@ class _SamplingRequest(BaseModel):
 
     model_config = ConfigDict(extra="allow")  # extras are checked against UNSUPPORTED, then refused
 
-    model: str | None = None
-    n: int = 1
-    temperature: float | None = None
-    top_p: float | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    stream: bool = False
+    model: Str | None = None
+    n: Int = 1
+    temperature: Float | None = None
+    top_p: Float | None = None
+    stop: Str | list[Str] | None = None
+    seed: Int | None = None
+    presence_penalty: Float | None = None
+    frequency_penalty: Float | None = None
+    stream: Bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None  # an end-user id for abuse tracking upstream: changes nothing here
+    user: Str | None = None  # an end-user id for abuse tracking upstream: changes nothing here
     # vLLM's extra sampling fields
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    min_tokens: int = 0
-    ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
-    skip_special_tokens: bool = True
+    top_k: Int | None = None
+    min_p: Float | None = None
+    repetition_penalty: Float | None = None
+    min_tokens: Int = 0
+    ignore_eos: Bool = False
+    stop_token_ids: list[Int] | None = None
+    skip_special_tokens: Bool = True
 
     @property
     def include_usage(self) -> bool:
@@ -153,10 +169,10 @@ class _SamplingRequest(BaseModel):
 class ChatCompletionRequest(_SamplingRequest):
     LOGPROBS_FIELD: ClassVar[str] = "top_logprobs"  # the field that sets SamplingParams.logprobs' N
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = None
+    max_tokens: Int | None = None
+    max_completion_tokens: Int | None = None
+    logprobs: Bool = False
+    top_logprobs: Int | None = None
 
     def requested_max_tokens(self) -> tuple[int | None, str]:
         """(the completion budget asked for or None, the field that asked)."""
@@ -175,9 +191,9 @@ class ChatCompletionRequest(_SamplingRequest):
 
 class CompletionRequest(_SamplingRequest):
     LOGPROBS_FIELD: ClassVar[str] = "logprobs"
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16  # OpenAI's (and vLLM's) default for completions
-    logprobs: int | None = None
+    prompt: Str | list[Str] | list[Int] | list[list[Int]]
+    max_tokens: Int | None = 16  # OpenAI's (and vLLM's) default for completions
+    logprobs: Int | None = None
 
     def requested_max_tokens(self) -> tuple[int | None, str]:
         """(the completion budget asked for or None, the field that asked)."""
@@ -200,14 +216,13 @@ class CompletionRequest(_SamplingRequest):
 
 def parse_request(body: bytes | str | dict, model: type[_SamplingRequest]) -> _SamplingRequest:
     """The body (JSON text or an already parsed object) as `model`, or an APIError (400) naming the
-    first field at fault (`body` itself when it is not a JSON object)."""
+    first field at fault (`body` itself when it is not a JSON object, nests too deep or is not JSON;
+    a string's path, `messages[0].content`, when it holds a lone surrogate)."""
     if isinstance(body, dict):
         raw = body
+        check_json_value(raw)
     else:
-        try:
-            raw = json.loads(body)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise bad_request(f"the request body is not valid JSON: {exc}", "body", "invalid_json") from None
+        raw = load_json_body(body)
     if not isinstance(raw, dict):
         raise bad_request("the request body must be a JSON object", "body", "invalid_json")
     try:

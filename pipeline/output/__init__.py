@@ -3,6 +3,7 @@
 - plan:    `plan_units` (input rows -> WorkUnits, each one `part-NNNNN.parquet`)
 - look:    `OutputFolder(storage).state(...)` (read only: what is done, whose output it is) for `validate`
 - open:    `open_run(storage, RunIdentity, overwrite=, shard=)` -> OutputRun: the lock held, the folder prepared
+           (`raise_if_locked` first: a held local folder refused before a run loads its engine)
 - commit:  `OutputRun.commit_context()` -> CommitContext.commit_unit (a part visible whole, then its record)
 - verify:  `OutputRun.missing_units()`; a part counts only with a matching commit record (commits.py)
 - finish:  `OutputRun.finish(record)` (`_SUCCESS`, written last); after shards `finalize_folder(storage)`
@@ -27,7 +28,7 @@ from batchgen.pipeline.output.folder import (
     describe_redo,
     raise_if_refused,
 )
-from batchgen.pipeline.output.lock import LockHeld, LockLost
+from batchgen.pipeline.output.lock import LockHeld, LockLost, raise_if_locked
 from batchgen.pipeline.output.run import OutputRun, RunIdentity, ShardSpec, open_run
 from batchgen.pipeline.output.shared_storage import check_output_shared, probe_nodes
 from batchgen.pipeline.output.units import WorkUnit, contiguous_runs, plan_units, unit_file_name
@@ -36,5 +37,6 @@ __all__ = [
     "ERRORS_JSONL", "MANIFEST_NAME", "OUTPUT_JSONL", "REPORT_NAME", "SUCCESS_NAME", "CommitContext", "FileFingerprint", "Finalized", "FolderState",
     "IdChecksum", "LockHeld", "LockLost", "OutputFolder", "OutputRun", "RunIdentity", "ShardSpec", "WorkUnit",
     "check_output_outside_input", "check_output_shared", "contiguous_runs", "describe_redo", "finalize_folder",
-    "fingerprint_files", "open_run", "plan_units", "probe_nodes", "raise_if_refused", "unit_file_name",
+    "fingerprint_files", "open_run", "plan_units", "probe_nodes", "raise_if_locked", "raise_if_refused",
+    "unit_file_name",
 ]

@@ -144,17 +144,42 @@ class _FlockLock(FolderLock):
         self.fd = fd
 
     def _held_message(self, path: str) -> str:
-        holders = _live_holders(_read_lines(path))
-        who = "; ".join(h.describe() for h in holders) or "a process that did not record itself"
-        return (f"output.path: {self.storage.url} is in use by another batchgen run ({who}). "
-                f"Wait for it to finish: its lock ({path}) is released when that process exits, even if killed; "
-                "or choose another output.path")
+        return _held_message(self.storage, path)
 
     def release(self) -> None:
         if self.fd is not None:
             fcntl.flock(self.fd, fcntl.LOCK_UN)
             os.close(self.fd)
             self.fd = None
+
+
+def _held_message(storage: Storage, path: str) -> str:
+    holders = _live_holders(_read_lines(path))
+    who = "; ".join(h.describe() for h in holders) or "a process that did not record itself"
+    return (f"output.path: {storage.url} is in use by another batchgen run ({who}). "
+            f"Wait for it to finish: its lock ({path}) is released when that process exits, even if killed; "
+            "or choose another output.path")
+
+
+def raise_if_locked(storage: Storage, shared: bool = False) -> None:
+    """LockHeld when a run holds a local folder in a mode that excludes this one (`shared`: a static
+    shard's), checked before a run spends minutes loading its engine. It creates nothing (no folder,
+    no lock file) and takes the lock only for the instant of the test; open_run takes it for real.
+    Object stores are not probed: their lease is taken by open_run alone."""
+    if not storage.is_local:
+        return
+    path = storage.join(LOCK_NAME)
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # no lock file yet (a new folder), or none readable: open_run decides
+        return
+    try:
+        fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
+    except OSError as exc:
+        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            raise LockHeld(_held_message(storage, path)) from None
+    finally:
+        os.close(fd)  # releases the probe's lock
 
 
 def _read_lines(path: str) -> list[Holder]:

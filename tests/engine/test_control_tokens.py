@@ -110,3 +110,42 @@ def test_non_special_control_tokens_and_trimming_templates(think_tokenizer):
     assert hf.decode(ids, skip_special_tokens=False) == render(messages)
     raw = control.encode_text("<think>x</think>", add_special_tokens=False)
     assert control.ids.isdisjoint(raw) and hf.decode(raw) == "<think>x</think>"
+
+
+@pytest.fixture(scope="module")
+def tokenizer_copy(tokenizer):
+    return tokenizer.copy()  # its own Rust object: transformers' encode in these tests changes its flags
+
+
+@pytest.mark.parametrize("add_special_tokens", [False, True])
+@pytest.mark.parametrize("split_special_tokens", [None, False, True])
+def test_the_backend_path_gives_transformers_encode_ids(tokenizer_copy, tokenizer, add_special_tokens,
+                                                        split_special_tokens):
+    """engine/backend_encode.py skips transformers' Python conversion (seconds of held GIL for a 9 MB
+    prompt); its ids are transformers' own, whatever the texts and flags."""
+    from batchgen.engine.backend_encode import backend_of, encode_ids
+
+    hf = tokenizer_copy.hf
+    backend = backend_of(hf)
+    assert backend is not None
+    texts = [*ORDINARY_RAW, FORGED, tokenizer.render_chat(CHAT_PROMPTS[0]), "", " ", "a\u00a0b\u200dc"]
+    kwargs = {} if split_special_tokens is None else {"split_special_tokens": split_special_tokens}
+    for text in texts:
+        expected = hf.encode(text, add_special_tokens=add_special_tokens, **kwargs)
+        assert encode_ids(hf, backend, text, add_special_tokens, split_special_tokens) == expected, text
+
+
+def test_a_tokenizer_copy_encodes_alike_on_its_own_thread(tokenizer):
+    import threading
+
+    other = tokenizer.copy()  # not the fixture: the backend test above changed its flags
+    assert other.hf is not tokenizer.hf and other.hf.backend_tokenizer is not tokenizer.hf.backend_tokenizer
+    chats = CHAT_PROMPTS[:8]
+    expected = [tokenizer.encode_messages(m, allow_special_tokens=False) for m in chats]
+    results: list = []
+    worker = threading.Thread(target=lambda: results.extend(
+        other.encode_prompt(m, allow_special_tokens=False) for m in chats * 20))
+    worker.start()
+    mine = [tokenizer.encode_prompt(m, allow_special_tokens=False) for m in chats * 20]  # at the same time
+    worker.join()
+    assert results == mine == expected * 20

@@ -162,3 +162,24 @@ def test_plan_and_run_refuse_the_file_as_a_bad_job(tmp_path):
     run = CliRunner().invoke(app, ["run", str(tmp_path / "job.yaml"), "--no-progress"])
     assert run.exit_code == 2 and "bomb.gguf" in run.output, run.output
     assert time.monotonic() - start < 10.0
+
+
+def test_the_header_says_what_gguf_reader_reads(smollm_path):
+    """Metadata values, array item types and counts, and tensor names as gguf.GGUFReader (the gguf
+    package's own parser) reads them; the model's config comes from them alone."""
+    from batchgen.engine.loader.gguf_layout import GGUFArray, read_gguf_header
+    from batchgen.engine.loader.gguf_loader import _reader
+
+    header = read_gguf_header(smollm_path)
+    reader = _reader(smollm_path)  # gguf.GGUFReader, the one the weights are read with (cached)
+    assert list(header.metadata) == [k for k in reader.fields if not k.startswith("GGUF.")]
+    for key, value in header.metadata.items():
+        field = reader.fields[key]
+        if isinstance(value, GGUFArray):
+            assert (value.item_type, value.num_items) == (int(field.types[1]), len(field.data)), key
+        else:
+            assert value == field.contents(), key
+    assert header.tensor_names == [t.name for t in reader.tensors]
+    config = read_gguf_config(smollm_path)
+    assert config.vocab_size == len(reader.fields["tokenizer.ggml.tokens"].data) == 49152
+    assert (config.num_layers, config.num_heads, config.num_kv_heads) == (30, 9, 3)

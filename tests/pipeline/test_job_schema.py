@@ -38,7 +38,7 @@ from batchgen.pipeline.job_settings import (
     SAMPLING_ONLY,
 )
 from tests.pipeline.conftest import make_job, read_output, write_parquet
-from tests.pipeline.tiny_model import tiny_config
+from tests.pipeline.tiny_model import tiny_config, write_tiny_model
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 
@@ -278,7 +278,9 @@ def test_validate_and_run_refuse_what_the_model_cannot_take_before_weights_load(
         assert expected in result.stderr, (command, result.stderr)
 
 
-def test_values_inside_the_model_pass_validate(model_job):
+def test_values_inside_the_model_pass_validate(model_job, engine, tmp_path):
+    # validate reads the tokenizer and the weights' headers too: a whole model, with the same config
+    write_tiny_model(tmp_path / "tiny", engine.tokenizer.hf, vocab_size=VOCAB)
     result = invoke("validate", str(model_job(max_tokens=CONTEXT - 1, stop_token_ids=[0, VOCAB - 1])))
     assert result.exit_code == 0, result.output
     # with max_model_len set, the job's own context is the bound (the model's is not read for it)

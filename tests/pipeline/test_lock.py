@@ -195,3 +195,22 @@ def test_racing_lease_takers_get_exactly_one_lock():
     assert (len(won), len(refused)) == (1, 7)
     won[0].release()
     assert storage.list_names() == []
+
+
+def test_the_probe_before_the_engine_loads_refuses_a_held_folder_and_creates_nothing(tmp_path):
+    from batchgen.pipeline.output import raise_if_locked
+
+    storage = Storage(str(tmp_path / "out"))
+    raise_if_locked(storage)  # a folder that does not exist yet: nothing to refuse, nothing made
+    assert not (tmp_path / "out").exists()
+    with lock_folder(storage):
+        with pytest.raises(LockHeld, match="in use by another batchgen run"):
+            raise_if_locked(storage)
+        with pytest.raises(LockHeld):
+            raise_if_locked(storage, shared=True)  # a shard is refused by an exclusive run too
+    with lock_folder(storage, shared=True):
+        raise_if_locked(storage, shared=True)  # shards coexist
+        with pytest.raises(LockHeld):
+            raise_if_locked(storage)
+    raise_if_locked(storage)  # released: free again, the probe left no lock behind
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["_batchgen.lock"]

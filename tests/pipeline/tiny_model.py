@@ -18,7 +18,7 @@ HIDDEN, INTERMEDIATE, NUM_LAYERS, NUM_HEADS, NUM_KV_HEADS = 32, 64, 2, 4, 2
 def tiny_config(vocab_size: int, eos_token_id: int | None, max_position_embeddings: int = 512, *,
                 hidden: int = HIDDEN, intermediate: int = INTERMEDIATE, num_layers: int = NUM_LAYERS,
                 num_heads: int = NUM_HEADS, num_kv_heads: int = NUM_KV_HEADS) -> dict:
-    """The tiny model's config.json (alone, it is a model folder that `batchgen validate` can read).
+    """The tiny model's config.json (alone, a folder whose limits `batchgen plan` and the job checks read).
 
     The keywords change the shape (head_dim = hidden / num_heads), e.g. to the bundled model's head_dim.
     """

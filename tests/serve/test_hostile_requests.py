@@ -1,0 +1,227 @@
+"""Hostile and careless requests against one `batchgen serve` process: bodies over the limit (413 before
+they are read), JSON nested too deep, lone surrogates, wrong types, a lower-case bearer scheme, a large
+prompt beside normal ones, and cut streams; after all of them, a normal request answers and /metrics
+shows nothing running and every KV block free.
+
+Malformed bodies go over raw HTTP (httpx, or a socket where the client must stop halfway); the rest
+through the real `openai` client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import select
+import socket
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.conftest import MODEL
+from tests.engine.prompts import chat
+from tests.serve.server_process import ServerProcess
+
+KEY = "hostile-key"
+MAX_BODY = 32 << 20  # the default --max-request-body-bytes
+CHAT_URL = "/v1/chat/completions"
+HEADERS = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+REQUEST_HEAD = (f"POST {CHAT_URL} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+                "Content-Type: application/json\r\n")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    server = ServerProcess(tmp_path_factory.mktemp("hostile") / "server.log", "--api-key", KEY,
+                           "--max-num-seqs", "16")
+    yield server.wait_ready()
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+def post_raw(server, body: bytes | str, headers: dict | None = None) -> httpx.Response:
+    return httpx.post(server.base_url + CHAT_URL, content=body, headers=headers or HEADERS, timeout=60)
+
+
+def error_of(response: httpx.Response, status: int = 400) -> dict:
+    assert response.status_code == status, response.text
+    return response.json()["error"]
+
+
+def raw_exchange(server, head: bytes, body_parts: list[bytes], timeout: float = 60.0) -> bytes:
+    """Send `head`, then the parts of the body one by one until the server answers (or they run out);
+    the status line and headers of the answer."""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=timeout) as sock:
+        sock.sendall(head)
+        answer = b""
+        for part in body_parts:
+            if select.select([sock], [], [], 0)[0]:
+                break  # the server answered (or closed): stop sending
+            try:
+                sock.sendall(part)
+            except (BrokenPipeError, ConnectionResetError):
+                break
+        while b"\r\n\r\n" not in answer:
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            answer += chunk
+        return answer
+
+
+def test_a_body_over_the_limit_gets_413_before_it_is_read(server):
+    # A declared length over the limit: answered from the headers, none of the 64 MiB is sent.
+    head = (REQUEST_HEAD + f"Content-Length: {2 * MAX_BODY}\r\n\r\n").encode()
+    answer = raw_exchange(server, head, [b'{"messages": ['])
+    assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
+
+    # Chunked, no length: refused once the bytes read pass the limit, before the body ends (it never does).
+    head = (REQUEST_HEAD + "Transfer-Encoding: chunked\r\n\r\n").encode()
+    chunk = b"%x\r\n" % (1 << 20) + b" " * (1 << 20) + b"\r\n"
+    answer = raw_exchange(server, head, [chunk] * (MAX_BODY // (1 << 20) + 8))
+    assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
+
+
+def test_json_nested_too_deep_is_a_400_naming_the_body_or_the_field(server):
+    messages = '{"model": "m", "messages": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    assert error_of(post_raw(server, messages))["param"] == "body"
+    stop = json.dumps({"messages": chat("Hi"), "max_tokens": 2})[:-1] + ', "stop": ' + "[" * 5000 + "]" * 5000
+    stop += "}"
+    assert error_of(post_raw(server, stop))["param"] == "body"
+    shallow = json.dumps({"messages": chat("Hi"), "max_tokens": 2, "stop": json.loads("[" * 40 + "]" * 40)})
+    error = error_of(post_raw(server, shallow))
+    assert error["param"].startswith("stop") and "deeper than" in error["message"]
+
+
+def test_a_lone_surrogate_is_a_400_naming_the_string(server):
+    messages = [{"role": "system", "content": "ok"}, {"role": "user", "content": "a\ud800b"}]
+    body = json.dumps({"messages": messages, "max_tokens": 2})
+    assert "\\ud800" in body
+    error = error_of(post_raw(server, body))
+    assert error["param"] == "messages[1].content" and "surrogate" in error["message"]
+    completion = json.dumps({"prompt": ["fine", "x\udfffy"], "max_tokens": 2})
+    response = httpx.post(server.base_url + "/v1/completions", content=completion, headers=HEADERS,
+                          timeout=60)
+    assert error_of(response)["param"] == "prompt[1]"
+    key = json.dumps({"messages": chat("Hi"), "\ud83d": 1})
+    assert error_of(post_raw(server, key))["param"] == "body"
+
+
+@pytest.mark.parametrize("field, value", [
+    ("max_tokens", "4"), ("max_tokens", True), ("max_tokens", 4.5), ("n", "1"), ("seed", False),
+    ("temperature", "0.5"), ("temperature", True), ("top_p", "1"), ("logprobs", 1), ("logprobs", "true"),
+    ("stream", "false"), ("ignore_eos", 0), ("stop_token_ids", [True]), ("top_k", 5.5),
+])
+def test_a_value_of_the_wrong_type_is_a_400_naming_the_field(client, field, value):
+    fields = {"max_tokens": 2, field: value}
+    # extra_body: sent as given, whatever the client's own types say
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=chat("Hi"), extra_body=fields)
+    assert info.value.body["param"] == field, info.value.body
+
+
+def test_integers_where_numbers_go_and_integral_numbers_where_integers_go_are_fine(client):
+    reply = client.chat.completions.create(model=MODEL, messages=chat("Hi"), max_tokens=3.0, temperature=0,
+                                           top_p=1, n=1.0, extra_body={"top_k": 40.0})
+    assert reply.usage.completion_tokens == 3
+
+
+def test_the_bearer_scheme_is_case_insensitive(server):
+    body = json.dumps({"messages": chat("Hi"), "max_tokens": 1})
+    for scheme in ("Bearer", "bearer", "BEARER"):
+        headers = {**HEADERS, "Authorization": f"{scheme} {KEY}"}
+        assert post_raw(server, body, headers).status_code == 200, scheme
+    for header in (f"Basic {KEY}", f"Bearer {KEY}x", f"Bearer{KEY}", KEY, ""):
+        assert post_raw(server, body, {**HEADERS, "Authorization": header}).status_code == 401, header
+
+
+def test_a_large_prompt_does_not_hold_up_normal_requests(server, client):
+    """3 MB of chat: seconds of tokenizing before its 400 (context_length_exceeded). A normal request
+    sent while it is tokenized is answered first: the engine thread and the event loop keep going."""
+    content = ("The quick brown fox jumps over the lazy dog. " * 70_000)[:3_000_000]
+    big_body = json.dumps({"messages": chat(content), "max_tokens": 2})
+
+    async def race() -> list[str]:
+        order = []
+        async with httpx.AsyncClient(base_url=server.base_url, headers=HEADERS, timeout=300) as http:
+            async def big():
+                response = await http.post(CHAT_URL, content=big_body)
+                order.append(f"big {response.status_code}")
+
+            async def normal():
+                await asyncio.sleep(1.0)  # the big body is uploaded and being encoded by now
+                reply = await asyncio.to_thread(client.chat.completions.create, model=MODEL,
+                                                messages=chat("Hi"), max_tokens=2, temperature=0)
+                order.append(f"normal {reply.usage.completion_tokens}")
+
+            await asyncio.gather(big(), normal())
+        return order
+
+    assert asyncio.run(race()) == ["normal 2", "big 400"]
+
+
+def _idle(metrics: dict) -> bool:
+    return (metrics["batchgen:num_requests_running"] == 0 and metrics["batchgen:num_requests_waiting"] == 0
+            and metrics["batchgen:num_free_kv_blocks"] == metrics["batchgen:num_kv_blocks"])
+
+
+async def _open_stream(server, index: int):
+    """A streaming chat on a raw socket, read until its first content chunk (so it runs in the engine)."""
+    body = json.dumps({"messages": chat(f"Count from {index} upwards."), "max_tokens": 1000,
+                       "ignore_eos": True, "stream": True, "temperature": 0}).encode()
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    writer.write(f"POST {CHAT_URL} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+                 f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+    while True:
+        line = await reader.readline()
+        assert line, f"stream {index} ended before its first content"
+        choices = json.loads(line[6:])["choices"] if line.startswith(b"data: {") else None
+        if choices and choices[0]["delta"].get("content"):
+            return writer
+
+
+def test_cut_streams_free_their_blocks_while_a_large_prompt_is_encoded(server):
+    """16 running streams, cut by their clients while another client's 3 MB prompt is being encoded:
+    every block is back long before that prompt is answered (the engine thread never encodes it; where
+    it did, the aborts waited for the encoding, and the blocks came back with the answer)."""
+    content = ("The quick brown fox jumps over the lazy dog. " * 70_000)[:3_000_000]
+    big_body = json.dumps({"messages": chat(content), "max_tokens": 2})
+
+    async def cut() -> tuple[float, float, dict]:
+        writers = await asyncio.gather(*(_open_stream(server, i) for i in range(16)))
+        busy = await asyncio.to_thread(server.metrics)
+        async with httpx.AsyncClient(base_url=server.base_url, headers=HEADERS, timeout=300) as http:
+            big = asyncio.ensure_future(http.post(CHAT_URL, content=big_body))
+            await asyncio.sleep(1.0)  # uploaded, being encoded
+            assert not big.done()
+            start = time.monotonic()
+            for writer in writers:
+                writer.transport.abort()  # the clients are gone
+            while not _idle(await asyncio.to_thread(server.metrics)):
+                await asyncio.sleep(0.02)
+            freed = time.monotonic() - start
+            response = await big
+            answered = time.monotonic() - start
+        assert response.status_code == 400 and response.json()["error"]["code"] == "context_length_exceeded"
+        return freed, answered, busy
+
+    freed, answered, busy = asyncio.run(cut())
+    assert busy["batchgen:num_requests_running"] == 16
+    assert busy["batchgen:num_free_kv_blocks"] < busy["batchgen:num_kv_blocks"]
+    assert freed < answered / 2, (freed, answered)
+
+
+def test_after_everything_a_normal_request_answers_and_nothing_is_held(server, client):
+    reply = client.chat.completions.create(model=MODEL, messages=chat("Hi"), max_tokens=3, temperature=0)
+    assert reply.usage.completion_tokens == 3 and reply.choices[0].message.content
+    deadline = time.monotonic() + 30
+    while not _idle(metrics := server.metrics()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert metrics["batchgen:num_requests_running"] == 0 and metrics["batchgen:num_requests_waiting"] == 0
+    assert metrics["batchgen:num_free_kv_blocks"] == metrics["batchgen:num_kv_blocks"] > 0
+    assert server.proc.poll() is None and "Traceback" not in server.output()
