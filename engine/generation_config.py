@@ -61,11 +61,20 @@ def read_generation_defaults(setting: str, source: ModelSource | None) -> Genera
             raise ValueError(f"generation_config {setting!r}: no {FILE_NAME} there (give auto, vllm, or a "
                              f"folder holding {FILE_NAME})")
     try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
         raise ValueError(f"cannot read {path}: {exc}") from None
+    return parse_generation_config(text, setting, str(path))
+
+
+def parse_generation_config(text: str, setting: str, where: str) -> GenerationDefaults:
+    """The defaults in a generation_config.json's text (`where`: its path or URI, for messages)."""
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"cannot read {where}: {exc}") from None
     if not isinstance(raw, dict):
-        raise ValueError(f"{path} is not a JSON object")  # noqa: TRY004 (a bad file, as a bad value in it)
+        raise ValueError(f"{where} is not a JSON object")  # noqa: TRY004 (a bad file, as a bad value in it)
     values = {}
     for key, name in SAMPLING_KEYS.items():
         value = raw.get(key)
@@ -74,9 +83,9 @@ def read_generation_defaults(setting: str, source: ModelSource | None) -> Genera
         is_int = name in ("top_k", "max_tokens")
         if isinstance(value, bool) or not isinstance(value, (int, float)) or (is_int and value != int(value)) \
                 or not math.isfinite(value):
-            raise ValueError(f"{path}: {key} must be {'an integer' if is_int else 'a number'}; got {value!r}")
+            raise ValueError(f"{where}: {key} must be {'an integer' if is_int else 'a number'}; got {value!r}")
         values[name] = int(value) if is_int else float(value)
     # transformers spells "no top-k" as 0; SamplingParams as -1.
     if values.get("top_k") == 0:
         values["top_k"] = -1
-    return GenerationDefaults(setting, str(path), values)
+    return GenerationDefaults(setting, where, values)

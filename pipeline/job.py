@@ -94,7 +94,8 @@ def finish_job(job: JobConfig, run: OutputRun, this_run: Totals, generation_seco
             whole.add_table(pq.read_table(f, columns=SUMMARY_COLUMNS))
     record = success_record(job.name, run.identity.config_hash, whole, this_run, generation_seconds,
                             resumed=bool(skipped), kernels=kernels, kv_cache=kv_cache, weights=weights,
-                            workers=workers, speculative=speculative, model=model)
+                            workers=workers, speculative=speculative, model=model,
+                            generation_config=job.generation_config_record)
     run.finish(record, write_batch_outputs=job.writes_batch_output)  # the .jsonl from every committed part
     return record
 
@@ -121,6 +122,12 @@ def check_engine_can_run(job: JobConfig, engine: LLMEngine) -> None:
     # A batch file's chat lines need the template and its completions lines do not: a chat line on a
     # model without one becomes that line's error row.
     needs_template = job.input.apply_chat_template and not job.input.is_batch_file
-    if needs_template and not engine.tokenizer.has_chat_template:
+    if needs_template and job.input.chat_template is None and not engine.tokenizer.has_chat_template:
         raise JobError(f"model.path: {job.model.path} has no chat template; set input.apply_chat_template: "
-                       "false and use prompt_column (raw prompts)")
+                       "false and use prompt_column (raw prompts), or give one in input.chat_template")
+    if job.input.chat_template is not None or job.input.chat_template_kwargs:
+        try:  # once, here: a template that cannot render fails the job, not each of its rows
+            engine.tokenizer.check_chat_template(job.input.chat_options)
+        except ValueError as exc:
+            key = "input.chat_template" if job.input.chat_template is not None else "input.chat_template_kwargs"
+            raise JobError(f"{key}: {exc}") from None

@@ -9,7 +9,15 @@ from dataclasses import dataclass
 
 import fsspec
 
-from batchgen.engine.loader.source import BUNDLED_ALIASES, bundled_model_path, resolve_model
+from batchgen.engine.config import SettingError
+from batchgen.engine.generation_config import FILE_NAME as GENERATION_FILE
+from batchgen.engine.generation_config import (
+    GenerationDefaults,
+    parse_generation_config,
+    read_generation_defaults,
+)
+from batchgen.engine.loader.source import BUNDLED_ALIASES, ModelSource, bundled_model_path, resolve_model
+from batchgen.engine.sampling_params import SamplingParams
 from batchgen.pipeline.config import JobConfig
 from batchgen.pipeline.errors import JobError
 from batchgen.pipeline.id_scan import Position, scan_ids
@@ -63,21 +71,61 @@ class JobPlan:
         return RunIdentity(self.job.name, self.config_hash, self.inputs.fingerprint, self.units)
 
 
-def check_model(path: str) -> str:
-    """Where the model's files are (no weights read); JobError naming model.path when it is not there."""
+def check_model(path: str, revision: str | None = None) -> tuple[str, ModelSource | None]:
+    """Where the model's files are (no weights read), with its local source (None for a remote URI);
+    JobError naming model.path (or model.revision) when it is not there."""
     try:
-        if path.lower() in BUNDLED_ALIASES:
-            return str(bundled_model_path(path.lower()))
+        if path.lower() in BUNDLED_ALIASES and revision is None:
+            local = bundled_model_path(path.lower())
+            return str(local), ModelSource(local.parent, local.name)
         if "://" in path and not path.startswith("file://"):
             fs, fs_path = fsspec.core.url_to_fs(path)
             if not fs.exists(fs_path):
                 raise FileNotFoundError(f"{path} does not exist")
-            return path
-        return resolve_model(path).display_name
+            return path, None
+        source = resolve_model(path, revision)
+        return source.display_name, source
     except JobError:
         raise
     except Exception as exc:  # missing file, missing package, unsupported file: all the user's to fix
-        raise JobError(f"model.path: {exc}") from None
+        key = "model.revision" if revision is not None and "revision" in str(exc) else "model.path"
+        raise JobError(f"{key}: {exc}") from None
+
+
+def apply_generation_config(job: JobConfig, source: ModelSource | None) -> GenerationDefaults:
+    """model.generation_config: the file's sampling defaults fill the sampling keys the job file does
+    not set (they then enter the config hash like any sampling value); what was filled is recorded on
+    the job for _SUCCESS. A remote (URI) model's file is read where it lies."""
+    setting = job.model.generation_config
+    try:
+        if source is None and setting == "auto":
+            defaults = _remote_generation_defaults(job.model.path)
+        else:
+            defaults = read_generation_defaults(setting, source)
+    except ValueError as exc:
+        raise JobError(f"model.generation_config: {exc}") from None
+    given = job.sampling.model_fields_set
+    applied = {key: value for key, value in defaults.values.items() if key not in given}
+    if applied:
+        try:
+            SamplingParams(**{**job.sampling.model_dump(), **applied})
+        except SettingError as exc:
+            raise JobError(f"model.generation_config: {defaults.file} gives sampling.{exc.name} "
+                           f"{exc.value!r}, which {exc.rule}; set sampling.{exc.name} in the job") from None
+        for key, value in applied.items():
+            setattr(job.sampling, key, value)  # now set: a second plan of this job fills nothing more
+    # A job planned twice (validate, then run) keeps what its first plan filled in.
+    if applied or not job.generation_config_record["applied"]:
+        job.record_generation_config(setting, defaults.file, applied)
+    return defaults
+
+
+def _remote_generation_defaults(uri: str) -> GenerationDefaults:
+    file_uri = uri.rstrip("/") + "/" + GENERATION_FILE
+    fs, fs_path = fsspec.core.url_to_fs(file_uri)
+    if uri.endswith(".gguf") or not fs.exists(fs_path):
+        return GenerationDefaults("auto")
+    return parse_generation_config(fs.cat_file(fs_path).decode("utf-8", "replace"), "auto", file_uri)
 
 
 def plan_job(job: JobConfig, limit: int | None = None) -> JobPlan:
@@ -85,7 +133,8 @@ def plan_job(job: JobConfig, limit: int | None = None) -> JobPlan:
     and the output folder; plan the units."""
     if limit is not None and limit < 1:
         raise JobError(f"--limit must be >= 1, got {limit}")
-    model_location = check_model(job.model.path)
+    model_location, source = check_model(job.model.path, job.model.revision)
+    apply_generation_config(job, source)
     check_model_limits(job)
     inputs = read_inputs(job)
     output = OutputFolder(Storage(job.output.path, job.output.storage_options))

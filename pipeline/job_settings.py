@@ -54,7 +54,9 @@ JOB_DEFAULTS = {
     ("model", "generation_config"): (
         "vllm", ("a job's sampling section is its defaults, so a job's rows do not change when a model "
                  "ships a generation_config.json (auto: its values fill the sampling keys the job file does "
-                 "not set, recorded in _SUCCESS)")),
+                 "not set, recorded in _SUCCESS); the engine and the server keep vLLM's auto: LLM.generate "
+                 "and LLM.chat without sampling_params, and a request's unset fields, take the model's "
+                 "generation_config.json values")),
     ("sampling", "temperature"): (
         0.0, "greedy: a job's outputs are reproducible and comparable run to run unless it asks for "
              "sampling (the engine keeps vLLM's 1.0)"),

@@ -22,6 +22,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from batchgen.engine import LLMEngine, RequestOutput, SamplingParams
+from batchgen.engine.chat_template import DEFAULT_CHAT, ChatTemplateOptions
 from batchgen.pipeline.openai.api_error import APIError, bad_request
 from batchgen.pipeline.openai.protocol import (
     ChatCompletionRequest,
@@ -44,6 +45,10 @@ class ServerSettings:
     model_path: str  # what was loaded (/v1/models' `root`)
     api_key: str | None = None
     max_in_flight: int = 1024  # HTTP requests admitted at once (running or waiting); more get 503
+    chat_template: str | None = None  # --chat-template's text; None: the model's own
+    chat_template_kwargs: dict = field(default_factory=dict)  # a job file's input.chat_template_kwargs
+    seed: int | None = None  # --seed: unseeded requests keyed by (seed, arrival number), not at random
+    sampling_defaults: dict = field(default_factory=dict)  # from generation_config.json (--generation-config)
 
 
 @dataclass
@@ -56,6 +61,15 @@ class ServerState:
     in_flight: int = 0
     shutting_down: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
+    num_unseeded: int = 0  # unseeded requests so far (with --seed, each one's sample key)
+
+    def unseeded_sample_key(self) -> str:
+        """The sample key of a request without a seed: random, or with --seed the server's seed and the
+        request's arrival number, so the same requests sent in the same order after a restart draw alike."""
+        if self.settings.seed is None:
+            return uuid.uuid4().hex
+        self.num_unseeded += 1
+        return f"server-seed-{self.settings.seed}/{self.num_unseeded}"
 
     def admit(self) -> Callable[[], None]:
         """Count one more request in flight, or refuse it (503); returns the idempotent release."""
@@ -121,7 +135,8 @@ def create_app(state: ServerState) -> FastAPI:
         body = parse_request(await request.body(), ChatCompletionRequest)
         _check_model(body.model, names)
         messages = body.template_messages()
-        return await _generate(state, request, body, [messages], is_chat=True)
+        chat = body.chat_options(state.settings.chat_template, state.settings.chat_template_kwargs)
+        return await _generate(state, request, body, [messages], is_chat=True, chat=chat)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -148,9 +163,11 @@ def _check_model(model: str | None, names: list[str]) -> None:
                           "model", "model_not_found")
 
 
-def _prepare(body: ChatCompletionRequest | CompletionRequest, prompt, prompt_field: str, state: ServerState):
+def _prepare(body: ChatCompletionRequest | CompletionRequest, prompt, prompt_field: str, state: ServerState,
+             chat: ChatTemplateOptions = DEFAULT_CHAT):
     """What the engine thread runs for one prompt: its token ids and SamplingParams, or a 400."""
     max_model_len, vocab_size = state.max_model_len, state.vocab_size
+    defaults = state.settings.sampling_defaults
 
     def prepare(engine: LLMEngine) -> tuple[list[int], SamplingParams]:
         if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
@@ -161,15 +178,15 @@ def _prepare(body: ChatCompletionRequest | CompletionRequest, prompt, prompt_fie
             try:
                 # Control-token text in message content is text (as in jobs); a raw prompt is the
                 # caller's own template, as in vLLM.
-                token_ids = engine.encode(prompt, allow_special_tokens=not isinstance(prompt, list))
-            except ValueError as exc:  # no chat template
+                token_ids = engine.encode(prompt, allow_special_tokens=not isinstance(prompt, list), chat=chat)
+            except ValueError as exc:  # no chat template, or the template refuses these messages
                 raise bad_request(str(exc), prompt_field) from None
         if not token_ids:
             raise bad_request(f"{prompt_field} is empty", prompt_field)
         if len(token_ids) >= max_model_len:
             raise bad_request(f"this model's maximum context length is {max_model_len} tokens; the "
                               f"{prompt_field} has {len(token_ids)}", prompt_field, "context_length_exceeded")
-        params = sampling_params_from_body(body, default_max_tokens=max_model_len - len(token_ids))
+        params = sampling_params_from_body(body, default_max_tokens=max_model_len - len(token_ids), defaults=defaults)
         if len(token_ids) + params.max_tokens > max_model_len:
             _, max_tokens_field = body.requested_max_tokens()
             raise bad_request(f"this model's maximum context length is {max_model_len} tokens; you asked for "
@@ -180,20 +197,22 @@ def _prepare(body: ChatCompletionRequest | CompletionRequest, prompt, prompt_fie
     return prepare
 
 
-async def _generate(state: ServerState, request: Request, body, prompts: list, is_chat: bool) -> Response:
+async def _generate(state: ServerState, request: Request, body, prompts: list, is_chat: bool,
+                    chat: ChatTemplateOptions = DEFAULT_CHAT) -> Response:
     # A bad field is a 400 before any queueing (the default budget is settled per prompt later).
-    sampling_params_from_body(body, default_max_tokens=state.max_model_len)
+    sampling_params_from_body(body, default_max_tokens=state.max_model_len, defaults=state.settings.sampling_defaults)
     release = state.admit()
     try:
         response_id = f"{'chatcmpl' if is_chat else 'cmpl'}-{uuid.uuid4().hex}"
         request_ids = [f"{response_id}-{i}" for i in range(len(prompts))]
         sink = EventSink()
-        # Seeded: samples keyed by (seed, index) alone, the same on every call; else a random key.
-        sample_key = "" if body.seed is not None else uuid.uuid4().hex
+        # Seeded: samples keyed by (seed, index) alone, the same on every call; else a random key
+        # (with --seed, one made of the server's seed and the request's arrival number).
+        sample_key = "" if body.seed is not None else state.unseeded_sample_key()
         prompt_field = "messages" if is_chat else "prompt"
         for i, (request_id, prompt) in enumerate(zip(request_ids, prompts)):
             field_name = prompt_field if len(prompts) == 1 or is_chat else f"prompt[{i}]"
-            state.loop.submit(Submission(request_id, _prepare(body, prompt, field_name, state), sample_key,
+            state.loop.submit(Submission(request_id, _prepare(body, prompt, field_name, state, chat), sample_key,
                                          sink, body.stream))
         tracker = _Tracker(state.loop, request_ids, sink)
         buffered = await tracker.admitted(request)
