@@ -170,11 +170,12 @@ def _prompt_list(prompts: Any) -> list:
         return [prompts]
     if isinstance(prompts, (list, tuple)) and all(_is_single_prompt(p) for p in prompts):
         return list(prompts)
-    if isinstance(prompts, dict):
-        _check_prompt_dict(prompts)  # names the key at fault
+    # A prompt dict with a key too many: name the key.
+    if isinstance(prompts, dict) and "role" not in prompts:
+        _check_prompt_dict(prompts)
     elif isinstance(prompts, (list, tuple)):
         for i, prompt in enumerate(prompts):
-            if isinstance(prompt, dict) and "role" not in prompt:
+            if isinstance(prompt, dict) and prompt.keys() & _PROMPT_KEYS:
                 _check_prompt_dict(prompt, f"prompts[{i}]")
     raise TypeError(f"cannot read prompts of type {_describe(prompts)}: {PROMPT_FORMS}; prompts is one "
                     "prompt or a list of them")

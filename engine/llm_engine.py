@@ -41,11 +41,12 @@ class _RequestState:
     prompt: str | None
 
 
-# Settings that shape only the KV pool and the scheduling, not the loaded model: an engine that differs
-# from another in these alone can share its weights (`weights_from`). max_model_len may only shrink.
+# Settings that shape only the KV pool, the scheduling or the defaults of requests, not the loaded model:
+# an engine that differs from another in these alone can share its weights (`weights_from`).
+# max_model_len may only shrink.
 RUNTIME_SETTINGS = ("block_size", "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching",
                     "kv_cache_memory", "num_kv_blocks", "max_model_len", "kv_cache_dtype", "calculate_kv_scales",
-                    "speculative")
+                    "speculative", "generation_config", "seed")
 
 
 class LLMEngine:

@@ -22,6 +22,8 @@ _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
 # template; not other formats the repo may also hold (.bin, .onnx, .gguf quantizations, ...).
 HUB_DOWNLOAD_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
 _TRUE = {"1", "on", "yes", "true"}
+# A name ending like a file is a path that is missing, not a repo id.
+_FILE_SUFFIXES = (".gguf", ".safetensors", ".bin", ".pt", ".json", ".yaml", ".yml", ".parquet")
 
 
 @dataclass(frozen=True)
@@ -89,8 +91,10 @@ def resolve_model(path: str, revision: str | None = None, cache_dir: str | None 
 
 
 def is_repo_id(path: str) -> bool:
-    """`org/name` as the Hub spells repo ids (not a path: no leading '.', '/' or '~', no '..')."""
-    return _REPO_ID.fullmatch(path) is not None and ".." not in path
+    """`org/name` as the Hub spells repo ids (not a path: no leading '.', '/' or '~', no '..', no file
+    suffix such as .gguf)."""
+    return (_REPO_ID.fullmatch(path) is not None and ".." not in path
+            and not path.lower().endswith(_FILE_SUFFIXES))
 
 
 def hub_cache_dir() -> Path:
@@ -121,15 +125,16 @@ def hub_snapshot(repo_id: str, revision: str | None = None) -> Path:
         pass  # not in the cache (or an unusable entry): the Hub, where it may be reached
     if is_hub_offline():
         raise FileNotFoundError(
-            f"model {repo_id!r}{at} is not in the Hugging Face cache {cache} and HF_HUB_OFFLINE is set; "
+            f"model {repo_id!r}{at} is not a local path, nor in the Hugging Face cache {cache}, and "
+            "HF_HUB_OFFLINE is set; "
             f"download it first (hf download {repo_id}{' --revision ' + revision if revision else ''}), "
             "point HF_HUB_CACHE or HF_HOME at the cache that holds it, or unset HF_HUB_OFFLINE")
     try:
         return Path(snapshot_download(repo_id, revision=revision, cache_dir=cache,
                                       allow_patterns=HUB_DOWNLOAD_PATTERNS))
     except Exception as exc:  # noqa: BLE001 (network, auth, missing repo or revision: all end the same way)
-        raise FileNotFoundError(f"model {repo_id!r}{at} is not in the Hugging Face cache {cache} and could not "
-                                f"be downloaded: {type(exc).__name__}: {exc}") from None
+        raise FileNotFoundError(f"model {repo_id!r}{at} is not a local path, nor in the Hugging Face cache "
+                                f"{cache}, and could not be downloaded: {type(exc).__name__}: {exc}") from None
 
 
 def _check_no_revision(path: str, revision: str | None) -> None:
