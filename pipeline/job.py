@@ -113,8 +113,15 @@ def engine_for(job: JobConfig, engine: LLMEngine | None) -> LLMEngine:
         raise JobError(f"cannot start the engine for {job.model.path}: {exc}") from None
 
 
+# EngineConfig fields that are defaults for requests a job never sends: every job request carries its
+# whole SamplingParams (generation_config is applied to the job's sampling section when it is planned)
+# and its own sample key (sampling.seed, the row's id), so an engine may differ from the job in these.
+_REQUEST_DEFAULT_FIELDS = ("generation_config", "seed")
+
+
 def _differing_fields(a: EngineConfig, b: EngineConfig) -> str:
-    names = [f.name for f in dataclasses.fields(a) if f.compare and getattr(a, f.name) != getattr(b, f.name)]
+    names = [f.name for f in dataclasses.fields(a) if f.compare and getattr(a, f.name) != getattr(b, f.name)
+             and f.name not in _REQUEST_DEFAULT_FIELDS]
     return ", ".join(f"{n}: job {getattr(a, n)!r} vs engine {getattr(b, n)!r}" for n in names)
 
 
