@@ -18,7 +18,7 @@ from batchgen.engine.generation_config import (
 )
 from batchgen.engine.loader.source import BUNDLED_ALIASES, ModelSource, bundled_model_path, resolve_model
 from batchgen.engine.sampling_params import SamplingParams
-from batchgen.pipeline.config import JobConfig
+from batchgen.pipeline.config import JobConfig, max_tokens_rule
 from batchgen.pipeline.errors import JobError
 from batchgen.pipeline.id_scan import Position, scan_ids
 from batchgen.pipeline.inputs import JobInputs, read_inputs
@@ -112,6 +112,12 @@ def apply_generation_config(job: JobConfig, source: ModelSource | None) -> Gener
         except SettingError as exc:
             raise JobError(f"model.generation_config: {defaults.file} gives sampling.{exc.name} "
                            f"{exc.value!r}, which {exc.rule}; set sampling.{exc.name} in the job") from None
+        if "max_tokens" in applied and job.model.max_model_len is not None:
+            rule = max_tokens_rule(applied["max_tokens"], job.model.max_model_len)
+            if rule:
+                raise JobError(f"model.generation_config: {defaults.file} gives sampling.max_tokens "
+                               f"{applied['max_tokens']} (max_new_tokens), which {rule}; set sampling.max_tokens "
+                               "in the job")
         for key, value in applied.items():
             setattr(job.sampling, key, value)  # now set: a second plan of this job fills nothing more
     # A job planned twice (validate, then run) keeps what its first plan filled in.
@@ -161,6 +167,10 @@ def format_job_plan(plan: JobPlan, max_units_shown: int = 20) -> str:
             "each line's n output rows (OpenAI batch file)" if job.input.is_batch_file
             else f"{plan.num_rows * job.sampling.n:,} output rows (n={job.sampling.n})")),
     ]
+    generation = job.generation_config_record
+    if generation["applied"]:
+        shown = ", ".join(f"{k}={v}" for k, v in generation["applied"].items())
+        lines.append(f"sampling {shown} from {generation['file']} (model.generation_config)")
     if plan.repeats:
         lines.append(f"ids      {len(plan.repeats):,} row(s) repeat an earlier id: each runs as a request of its own "
                      "(input.allow_duplicate_ids)")

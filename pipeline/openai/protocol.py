@@ -57,10 +57,10 @@ SERVER_DEFAULTS = {
         ("OpenAI's and vLLM's 1.0; with --generation-config auto (the server's default, as vLLM's) the model's "
          "generation_config.json value when it sets one, as for top_p, top_k, min_p and repetition_penalty")),
     "max_tokens": (
-        "chat: what max_model_len leaves after the prompt (at most generation_config.json's max_new_tokens); "
-        "completions: 16",
-        "OpenAI's chat API caps a completion only when asked (max_tokens / max_completion_tokens); its "
-        "completions API, like vLLM's, defaults to 16"),
+        ("chat: what max_model_len leaves after the prompt (at most generation_config.json's max_new_tokens); "
+         "completions: 16"),
+        ("OpenAI's chat API caps a completion only when asked (max_tokens / max_completion_tokens); its "
+         "completions API, like vLLM's, defaults to 16")),
 }
 
 

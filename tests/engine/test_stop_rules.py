@@ -86,7 +86,7 @@ def test_a_stop_token_is_left_out_of_the_text_unless_asked_for(llm, baseline):
     assert left_out.stop_reason == kept.stop_reason == stop_token
 
     # EOS too, when special tokens are decoded.
-    params = dict(temperature=0, max_tokens=32, skip_special_tokens=False)
+    params = {"temperature": 0, "max_tokens": 32, "skip_special_tokens": False}
     short = llm.chat(chat("What is the capital of France?"), SamplingParams(**params))[0].outputs[0]
     with_eos = llm.chat(chat("What is the capital of France?"),
                         SamplingParams(**params, include_stop_str_in_output=True))[0].outputs[0]
