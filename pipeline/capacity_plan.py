@@ -69,7 +69,7 @@ def read_model(path: str, revision: str | None = None) -> tuple[ModelConfig, Dec
     try:
         if "://" in path and not path.startswith("file://") and not path.endswith(".gguf"):
             return _read_remote_config(path)  # only config.json travels, never the weights
-        source = resolve_model(path, revision)
+        source = resolve_model(path, revision, config_only=True)
         if source.is_gguf:
             return read_model_config(source), None, True
         return read_hf_config(source.folder), read_declared_quantization(source), False
@@ -85,7 +85,7 @@ def read_declared(path: str, revision: str | None = None) -> tuple[DeclaredQuant
     try:
         if "://" in path and not path.startswith("file://") and not path.endswith(".gguf"):
             return _read_remote_config(path)[1], False
-        source = resolve_model(path, revision)
+        source = resolve_model(path, revision, config_only=True)
         return read_declared_quantization(source), source.is_gguf
     except (FileNotFoundError, ValueError) as exc:
         raise JobError(str(exc)) from None

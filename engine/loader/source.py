@@ -54,12 +54,14 @@ def bundled_model_path(alias: str) -> Path:
     return path
 
 
-def resolve_model(path: str, revision: str | None = None, cache_dir: str | None = None) -> ModelSource:
+def resolve_model(path: str, revision: str | None = None, cache_dir: str | None = None,
+                  config_only: bool = False) -> ModelSource:
     """Find the checkpoint `path` names, copying remote (fsspec) checkpoints to a local cache first.
 
     A path that exists locally wins; else a repo id (`org/name`) is looked up in the Hugging Face
     cache (HF_HUB_CACHE, or HF_HOME/hub) at `revision` (None: main), and downloaded only when it is not
     there, the Hub is reachable and HF_HUB_OFFLINE is unset. `revision` applies to repo ids only.
+    `config_only`: the caller reads the config alone (capacity planning): a download fetches config.json.
     """
     if path.lower() in BUNDLED_ALIASES:
         local = bundled_model_path(path.lower())
@@ -71,7 +73,7 @@ def resolve_model(path: str, revision: str | None = None, cache_dir: str | None 
     else:
         local = Path(path.removeprefix("file://")).expanduser()
         if not local.exists() and is_repo_id(path):
-            local = hub_snapshot(path, revision)
+            local = hub_snapshot(path, revision, config_only)
         else:
             _check_no_revision(path, revision)
     if local.is_file():
@@ -111,18 +113,23 @@ def is_hub_offline() -> bool:
     return any(os.environ.get(name, "").strip().lower() in _TRUE for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
 
 
-def hub_snapshot(repo_id: str, revision: str | None = None) -> Path:
+def hub_snapshot(repo_id: str, revision: str | None = None, config_only: bool = False) -> Path:
     """The local folder of `repo_id` at `revision`: from the cache, else downloaded (FileNotFoundError
-    naming the cache searched when neither works)."""
+    naming the cache searched when neither works). A cached snapshot without weights (a config fetched
+    for planning) is completed by a download where the Hub may be reached."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 
     cache = hub_cache_dir()
     at = f" at revision {revision!r}" if revision else ""
     try:
-        return Path(snapshot_download(repo_id, revision=revision, cache_dir=cache, local_files_only=True))
+        cached = Path(snapshot_download(repo_id, revision=revision, cache_dir=cache, local_files_only=True))
     except (LocalEntryNotFoundError, OSError, ValueError):
-        pass  # not in the cache (or an unusable entry): the Hub, where it may be reached
+        cached = None  # not in the cache (or an unusable entry): the Hub, where it may be reached
+    if cached is not None and (_holds_config(cached) if config_only else _holds_weights(cached)):
+        return cached
+    if cached is not None and is_hub_offline():
+        return cached  # what the cache holds; the loader names what is missing
     if is_hub_offline():
         raise FileNotFoundError(
             f"model {repo_id!r}{at} is not a local path, nor in the Hugging Face cache {cache}, and "
@@ -131,10 +138,20 @@ def hub_snapshot(repo_id: str, revision: str | None = None) -> Path:
             "point HF_HUB_CACHE or HF_HOME at the cache that holds it, or unset HF_HUB_OFFLINE")
     try:
         return Path(snapshot_download(repo_id, revision=revision, cache_dir=cache,
-                                      allow_patterns=HUB_DOWNLOAD_PATTERNS))
+                                      allow_patterns=["config.json"] if config_only else HUB_DOWNLOAD_PATTERNS))
     except Exception as exc:  # noqa: BLE001 (network, auth, missing repo or revision: all end the same way)
         raise FileNotFoundError(f"model {repo_id!r}{at} is not a local path, nor in the Hugging Face cache "
                                 f"{cache}, and could not be downloaded: {type(exc).__name__}: {exc}") from None
+
+
+def _holds_config(folder: Path) -> bool:
+    return (folder / "config.json").is_file() or len(list(folder.glob("*.gguf"))) == 1
+
+
+def _holds_weights(folder: Path) -> bool:
+    """What the loader reads: config.json with safetensors, or one .gguf file."""
+    return ((folder / "config.json").is_file() and any(folder.glob("*.safetensors"))) or \
+        len(list(folder.glob("*.gguf"))) == 1
 
 
 def _check_no_revision(path: str, revision: str | None) -> None:

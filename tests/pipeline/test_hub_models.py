@@ -114,8 +114,9 @@ def test_a_repo_id_not_in_the_cache_is_downloaded_only_when_not_offline(hub, smo
         if local_files_only:
             raise LocalEntryNotFoundError("not cached")
         folder = tmp_path / "downloaded"
-        folder.mkdir()
-        (folder / smollm_path.name).symlink_to(smollm_path)
+        if not folder.exists():
+            folder.mkdir()
+            (folder / smollm_path.name).symlink_to(smollm_path)
         return str(folder)
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
@@ -127,6 +128,10 @@ def test_a_repo_id_not_in_the_cache_is_downloaded_only_when_not_offline(hub, smo
     assert source.folder == tmp_path / "downloaded" and source.gguf_file == smollm_path.name
     assert calls[1][:3] == (MISSING_REPO_ID, "v2", True)
     assert calls[2][:3] == (MISSING_REPO_ID, "v2", False) and "*.safetensors" in calls[2][3]
+    # Capacity planning reads the config alone: only config.json is fetched.
+    calls.clear()
+    resolve_model(MISSING_REPO_ID, config_only=True)
+    assert calls[1][2:] == (False, ["config.json"])
 
 
 def test_a_repo_id_in_a_job_file_is_a_name_and_a_folder_of_that_name_is_a_path(tmp_path):
