@@ -147,6 +147,8 @@ class EngineConfig:
     """Everything the engine needs to know, resolved once. Derived values are properties."""
 
     model: str
+    # A Hugging Face repo id's branch, tag or commit (vLLM's name); None: main. Only for repo ids.
+    revision: str | None = None
     # auto: bfloat16 on GPU; on the CPU bfloat16 where it has BF16 units (AVX-512 BF16, AMX), else float32
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     quantization: str = "auto"  # auto | none | fp8 | int8 | int4 | gptq | awq | compressed-tensors | gguf
@@ -156,6 +158,9 @@ class EngineConfig:
     # clipping; searched on the bundled calibration text) | none (round to nearest from each row's / group's range)
     int_calibration: str = "activation_aware"
     max_model_len: int | None = None  # None: the model's own context length
+    # Sampling defaults from a generation_config.json (vLLM's name and values): auto (the model folder's),
+    # vllm (none: SamplingParams' own), or a folder holding one. engine/generation_config.py reads it.
+    generation_config: str = "auto"
     device: str = "auto"  # auto | cpu | cuda[:N]
     attention_backend: str = "auto"  # auto (triton on CUDA, cpu on the CPU) | cpu | sdpa | triton | torch
     kv_cache_dtype: str = "auto"  # auto (the model dtype) | fp8 | fp8_e4m3 | fp8_e5m2
@@ -173,6 +178,10 @@ class EngineConfig:
     num_threads: int | None = None  # CPU threads for torch; None: leave torch's default
     compile: bool = False  # torch.compile the elementwise ops (measured: no gain on the 2-core CPU)
     speculative: SpeculativeConfig | None = None  # off; a mapping is read as SpeculativeConfig
+    # Keys the draws of requests that carry no seed of their own (vLLM's name): LLM calls and a
+    # server's requests are then reproducible across restarts. None: LLM keys them by its request
+    # counter, the server by a random key per request.
+    seed: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "speculative", as_speculative_config(self.speculative))
@@ -181,7 +190,11 @@ class EngineConfig:
             _one_of("quantization", self.quantization, QUANTIZATIONS),
             _one_of("fp8_mode", self.fp8_mode, FP8_MODES),
             _one_of("int_calibration", self.int_calibration, INT_CALIBRATIONS),
+            ("revision", self.revision is None or (isinstance(self.revision, str) and self.revision.strip() != ""),
+             "must be a branch, tag or commit name, or null"),
             ("max_model_len", self.max_model_len is None or self.max_model_len >= 2, "must be >= 2 or null"),
+            ("generation_config", isinstance(self.generation_config, str) and self.generation_config.strip() != "",
+             "must be auto, vllm or a folder holding a generation_config.json"),
             ("device", isinstance(self.device, str) and _DEVICE.fullmatch(self.device) is not None,
              "must be one of auto, cpu, cuda, cuda:N"),
             _one_of("attention_backend", self.attention_backend, ATTENTION_BACKENDS),
@@ -196,6 +209,8 @@ class EngineConfig:
              "must be a fraction in (0, 1]"),
             ("num_kv_blocks", self.num_kv_blocks is None or self.num_kv_blocks >= 1, "must be >= 1 or None"),
             ("num_threads", self.num_threads is None or self.num_threads >= 1, "must be >= 1 or None"),
+            ("seed", self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool)),
+             "must be an integer or null"),
         ])
 
     @property

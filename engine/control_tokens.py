@@ -29,11 +29,13 @@ _FIRST_MARKER = 0xF0000
 class ControlTokens:
     """A tokenizer's control tokens and the encoders that keep them out of user text."""
 
-    def __init__(self, hf):
+    def __init__(self, hf, template: str | None = None):
+        """`template`: the chat template that renders the messages (None: the tokenizer's own)."""
         self.hf = hf
         self.backend = backend_of(hf)
-        template = hf.chat_template if isinstance(hf.chat_template, str) else \
-            "\0".join((hf.chat_template or {}).values())  # named templates (older transformers)
+        if template is None:
+            template = hf.chat_template if isinstance(hf.chat_template, str) else \
+                "\0".join((hf.chat_template or {}).values())  # named templates (older transformers)
         self.template = template
         self.token_ids = {token.content: token_id for token_id, token in hf.added_tokens_decoder.items()
                           if token.special or (token.content in template and not token.content.isspace())}

@@ -11,8 +11,10 @@ from dataclasses import dataclass
 import torch
 
 from batchgen.engine.capacity import kv_bytes_per_token, kv_cache_budget_bytes, num_kv_blocks
+from batchgen.engine.chat_template import DEFAULT_CHAT, ChatTemplateOptions
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.cpu_allocator import keep_freed_memory
+from batchgen.engine.generation_config import read_generation_defaults
 from batchgen.engine.gpu_memory import GpuMemoryPlan, plan_gpu_kv_cache
 from batchgen.engine.kv_cache_manager import KVCacheManager
 from batchgen.engine.loader.model_loader import LoadedModel, load_model
@@ -39,11 +41,12 @@ class _RequestState:
     prompt: str | None
 
 
-# Settings that shape only the KV pool and the scheduling, not the loaded model: an engine that differs
-# from another in these alone can share its weights (`weights_from`). max_model_len may only shrink.
+# Settings that shape only the KV pool, the scheduling or the defaults of requests, not the loaded model:
+# an engine that differs from another in these alone can share its weights (`weights_from`).
+# max_model_len may only shrink.
 RUNTIME_SETTINGS = ("block_size", "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching",
                     "kv_cache_memory", "num_kv_blocks", "max_model_len", "kv_cache_dtype", "calculate_kv_scales",
-                    "speculative")
+                    "speculative", "generation_config", "seed")
 
 
 class LLMEngine:
@@ -75,6 +78,9 @@ class LLMEngine:
         # The rotary tables cover loaded.max_model_len positions; a sharing engine may use fewer.
         self.max_model_len = min(config.max_model_len or loaded.max_model_len, loaded.max_model_len)
         self.weight_bytes = loaded.weight_bytes
+        # Sampling defaults from generation_config.json (engine/generation_config.py): read once, here, so
+        # a folder without the file fails at start.
+        self.generation_defaults = read_generation_defaults(config.generation_config, loaded.source)
         eos = set(self.model_cfg.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
@@ -106,6 +112,7 @@ class LLMEngine:
             self.runner.capture_decode_graphs(self.max_model_len)
         self.timings = self.runner.timings  # host time per step, by part (bench --workload overhead)
         self.requests: dict[str, _RequestState] = {}
+        self.num_generated_tokens = 0  # tokens appended to sequences since start (progress rates)
         # Speculative decoding (off: None). A draft model loads here, after the target's KV pool.
         self.spec = SpecDecoder(config.speculative, self) if config.speculative is not None else None
 
@@ -126,8 +133,10 @@ class LLMEngine:
         return self.gpu_memory.kv_cache // block_bytes
 
     # ---- requests -------------------------------------------------------------------------------
-    def encode(self, prompt: PromptInput, allow_special_tokens: bool = True) -> list[int]:
-        """A string is a raw prompt; a list of messages goes through the chat template; ints pass through.
+    def encode(self, prompt: PromptInput, allow_special_tokens: bool = True,
+               chat: ChatTemplateOptions = DEFAULT_CHAT) -> list[int]:
+        """A string is a raw prompt; a list of messages goes through the chat template (rendered as
+        `chat` says); ints pass through.
 
         `allow_special_tokens=False`: control-token text in a raw prompt or a message ("<|im_start|>")
         is encoded as text, so only the chat template writes control tokens.
@@ -135,7 +144,7 @@ class LLMEngine:
         if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
             return list(prompt)
         if isinstance(prompt, str) or (isinstance(prompt, list) and all(isinstance(m, dict) for m in prompt)):
-            return self.tokenizer.encode_prompt(prompt, allow_special_tokens=allow_special_tokens)
+            return self.tokenizer.encode_prompt(prompt, allow_special_tokens=allow_special_tokens, options=chat)
         raise TypeError("a prompt is a string, a list of chat messages ({role, content}) or a list of token ids")
 
     def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams,
@@ -226,6 +235,7 @@ class LLMEngine:
                 seq.draft_token_ids = []
             for _, token, logprob, top in rows:
                 seq.append_token(token, logprob, top)
+                self.num_generated_tokens += 1
                 if self._check_stop(seq):  # inside an accepted run: where plain decoding stops
                     self._finish(seq, finished)
                     break
@@ -254,11 +264,14 @@ class LLMEngine:
             self.spec.release(seq)
 
     def _check_stop(self, seq: Sequence) -> bool:
+        """vLLM's stops: EOS and stop tokens once past min_tokens; stop strings that end in text made once
+        past min_tokens; then max_tokens and max_model_len."""
         p = seq.params
         token = seq.token_ids[-1]
-        if not p.ignore_eos and token in self.eos_token_ids and seq.num_output_tokens > p.min_tokens:
+        is_past_min = seq.num_output_tokens > p.min_tokens
+        if not p.ignore_eos and token in self.eos_token_ids and is_past_min:
             seq.finish_reason, seq.stop_reason = "stop", None
-        elif token in p.stop_token_ids and seq.num_output_tokens > p.min_tokens:
+        elif token in p.stop_token_ids and is_past_min:
             seq.finish_reason, seq.stop_reason = "stop", token
         elif p.stop and self._check_stop_strings(seq):
             seq.finish_reason = "stop"
@@ -268,26 +281,32 @@ class LLMEngine:
 
     def _check_stop_strings(self, seq: Sequence) -> bool:
         """Decode the newest tokens only (stop_strings.py) and search the new text (and the few
-        characters before it a stop string may start in); below min_tokens only the text grows."""
+        characters before it a stop string may start in).
+
+        Up to min_tokens tokens only the text grows, and that text is marked as searched: as in vLLM, a
+        stop string counts only when it ends in text made after min_tokens, so what the first min_tokens
+        tokens say can never cut the output short of them.
+        """
         params = seq.params
         state = seq.text_state
         if state is None:
             state = seq.text_state = IncrementalText()
         state.update(lambda ids: self.tokenizer.decode(ids, params.skip_special_tokens), seq.token_ids,
                      seq.num_prompt_tokens)
-        if seq.num_output_tokens < params.min_tokens:
-            return False
-        hit = find_stop_string(state.text, params.stop, state.num_checked_chars)
+        start = state.num_checked_chars
         state.num_checked_chars = len(state.text)
+        if seq.num_output_tokens <= params.min_tokens:
+            return False
+        hit = find_stop_string(state.text, params.stop, start)
         if hit is None:
             return False
         # Found: cut the whole output's text once (as the output will be decoded), else the window's.
         text = self.tokenizer.decode(seq.output_token_ids, params.skip_special_tokens)
-        full_hit = find_stop_string(text, params.stop, 0)
+        full_hit = find_stop_string(text, params.stop, start)
         if full_hit is None:
             text, full_hit = state.text, hit
         cut, stop = full_hit
-        seq.output_text = text[:cut]  # the stop string itself is not part of the text
+        seq.output_text = text[:cut + len(stop) if params.include_stop_str_in_output else cut]
         seq.stop_reason = stop
         return True
 
@@ -298,7 +317,7 @@ class LLMEngine:
             if text is None and self.tokenizer is None:
                 text = ""
             elif text is None:
-                text = self.tokenizer.decode(seq.output_token_ids, seq.params.skip_special_tokens)
+                text = self.tokenizer.decode(self._text_token_ids(seq), seq.params.skip_special_tokens)
             completions.append(CompletionOutput(
                 index=seq.sample_index, text=text, token_ids=seq.output_token_ids,
                 cumulative_logprob=seq.cumulative_logprob,
@@ -316,6 +335,17 @@ class LLMEngine:
             last_token_time=max(s.last_token_time for s in state.seqs))
         return RequestOutput(state.request_id, state.prompt_token_ids, completions,
                              first.num_cached_tokens or 0, metrics, prompt=state.prompt)
+
+    @staticmethod
+    def _text_token_ids(seq: Sequence) -> list[int]:
+        """The output tokens the text is decoded from: as in vLLM, all of them but a stop token (EOS or
+        one of stop_token_ids) that ended the sample, unless include_stop_str_in_output. (A stop string
+        sets the text itself: _check_stop_strings.)"""
+        ids = seq.output_token_ids
+        is_stop_token = seq.finish_reason == "stop" and not isinstance(seq.stop_reason, str)
+        if is_stop_token and ids and not seq.params.include_stop_str_in_output:
+            return ids[:-1]
+        return ids
 
     def _top_logprobs(self, seq: Sequence) -> list[list[TopLogprob]]:
         ids = [token_id for position in seq.output_top_logprobs for token_id, _ in position]
@@ -336,6 +366,7 @@ class LLMEngine:
             "num_prefill_tokens": s.num_prefill_tokens, "num_decode_tokens": s.num_decode_tokens,
             "num_mixed_steps": s.num_mixed_steps, "num_partial_prefills": s.num_partial_prefills,
             "num_cached_tokens": s.num_cached_tokens, "num_evictions": pool.num_evictions,
+            "num_generated_tokens": self.num_generated_tokens,
             "num_free_blocks": pool.num_free_blocks, "num_blocks": pool.num_blocks,
             "prefix_cache_hit_rate": pool.num_hit_blocks / pool.num_queried_blocks if pool.num_queried_blocks else 0.0,
             "kv_cache": {"dtype": str(self.config.kv_torch_dtype).removeprefix("torch."),

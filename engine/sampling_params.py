@@ -22,6 +22,9 @@ class SamplingParams:
 
     Penalties follow vLLM: repetition_penalty over prompt and output tokens (divides positive
     logits, multiplies negative ones), presence/frequency penalties over output tokens only.
+    Stops follow vLLM: a stop string counts only when it ends in text made once `min_tokens` tokens
+    exist, and neither it nor a stop token (EOS, `stop_token_ids`) is part of the text unless
+    `include_stop_str_in_output`; the token ids always hold every generated token.
     `logprobs` follows vLLM: None records none, 0 the raw model log-probability of each chosen token,
     N also the N most likely tokens' (raw, before penalties and filters); True and False, the job
     file's spelling, mean 0 and None. Every float is
@@ -46,6 +49,8 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | bool | None = None  # bool: normalised to 0 (True) or None (False) below
     skip_special_tokens: bool = True
+    # The stop string (or stop token) that ended the sample stays at the end of its text (vLLM's name).
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

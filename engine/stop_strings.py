@@ -1,5 +1,6 @@
 """Stop strings checked on the new text only: each step decodes a sequence's newest tokens, not its
-whole output (vLLM's incremental detokenization)."""
+whole output (vLLM's incremental detokenization). A stop string counts when it ends in text not yet
+checked; text made before min_tokens is marked checked without a search (LLMEngine._check_stop_strings)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ class IncrementalText:
         self.text = ""
         self.prefix_offset = 0  # output token where the decode window starts
         self.read_offset = 0  # output tokens already in `text`
-        self.num_checked_chars = 0  # text already searched for stop strings
+        self.num_checked_chars = 0  # text already searched for stop strings, or made before min_tokens
 
     def update(self, decode: Callable[[list[int]], str], token_ids: list[int], first_output: int) -> None:
         """`token_ids[first_output:]` are the output tokens; decode the ones not in `text` yet."""

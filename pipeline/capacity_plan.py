@@ -41,26 +41,27 @@ class PlanTarget:
     is_gguf: bool = False
 
 
-def read_target(model_or_job: str) -> PlanTarget:
-    """A job file (.yaml/.yml) gives its model and engine settings; anything else names a model."""
+def read_target(model_or_job: str, revision: str | None = None) -> PlanTarget:
+    """A job file (.yaml/.yml) gives its model and engine settings; anything else names a model (a
+    Hugging Face repo id at `revision`, too)."""
     if model_or_job.endswith((".yaml", ".yml")):
         from batchgen.pipeline.config import load_job
 
         job = load_job(model_or_job)
-        cfg, declared, is_gguf = read_model(job.model.path)
+        cfg, declared, is_gguf = read_model(job.model.path, job.model.revision)
         return PlanTarget(
             name=f"{job.name} ({job.model.path})", model_cfg=cfg, dtype=job.model.dtype,
             quantization=job.model.quantization, int_calibration=job.model.int_calibration,
             kv_cache_dtype=job.engine.kv_cache_dtype, max_model_len=job.model.max_model_len, concurrency=job.engine.max_num_seqs,
             block_size=job.engine.block_size, max_num_batched_tokens=job.engine.max_num_batched_tokens,
             declared=declared, is_gguf=is_gguf)
-    cfg, declared, is_gguf = read_model(model_or_job)
+    cfg, declared, is_gguf = read_model(model_or_job, revision)
     return PlanTarget(name=model_or_job, model_cfg=cfg, declared=declared, is_gguf=is_gguf)
 
 
-def read_model(path: str) -> tuple[ModelConfig, DeclaredQuantization | None, bool]:
+def read_model(path: str, revision: str | None = None) -> tuple[ModelConfig, DeclaredQuantization | None, bool]:
     """(config, the declared quantization_config or None, is a GGUF file) from an alias, an HF folder
-    (config.json is enough) or a .gguf."""
+    (config.json is enough), a .gguf or a Hugging Face repo id."""
     from batchgen.engine.loader.hf_loader import read_hf_config
     from batchgen.engine.loader.model_loader import read_declared_quantization, read_model_config
     from batchgen.engine.loader.source import resolve_model
@@ -68,7 +69,7 @@ def read_model(path: str) -> tuple[ModelConfig, DeclaredQuantization | None, boo
     try:
         if "://" in path and not path.startswith("file://") and not path.endswith(".gguf"):
             return _read_remote_config(path)  # only config.json travels, never the weights
-        source = resolve_model(path)
+        source = resolve_model(path, revision, config_only=True)
         if source.is_gguf:
             return read_model_config(source), None, True
         return read_hf_config(source.folder), read_declared_quantization(source), False
@@ -76,7 +77,7 @@ def read_model(path: str) -> tuple[ModelConfig, DeclaredQuantization | None, boo
         raise JobError(str(exc)) from None
 
 
-def read_declared(path: str) -> tuple[DeclaredQuantization | None, bool]:
+def read_declared(path: str, revision: str | None = None) -> tuple[DeclaredQuantization | None, bool]:
     """(declared quantization, is a GGUF file) without parsing a GGUF file's metadata."""
     from batchgen.engine.loader.model_loader import read_declared_quantization
     from batchgen.engine.loader.source import resolve_model
@@ -84,7 +85,7 @@ def read_declared(path: str) -> tuple[DeclaredQuantization | None, bool]:
     try:
         if "://" in path and not path.startswith("file://") and not path.endswith(".gguf"):
             return _read_remote_config(path)[1], False
-        source = resolve_model(path)
+        source = resolve_model(path, revision, config_only=True)
         return read_declared_quantization(source), source.is_gguf
     except (FileNotFoundError, ValueError) as exc:
         raise JobError(str(exc)) from None
@@ -198,7 +199,10 @@ def format_capacity_plan(target: PlanTarget, plan: CapacityPlan) -> str:
 def plan_command(
     model_or_job: Annotated[str, typer.Argument(
         metavar="MODEL_OR_JOB", show_default=False,
-        help="A model (alias, HF folder - config.json is enough -, .gguf file) or a job file (.yaml).")],
+        help="A model (alias, HF folder - config.json is enough -, .gguf file, Hugging Face repo id) or a "
+             "job file (.yaml).")],
+    revision: Annotated[str | None, typer.Option(
+        "--revision", help="A repo id's branch, tag or commit (default: main; a job file gives its own).")] = None,
     max_model_len: Annotated[int | None, typer.Option(
         "--max-model-len", min=1,
         help="Context length per request (default: the job's, else the model's).")] = None,
@@ -224,7 +228,7 @@ def plan_command(
     Reads only the model's config (no weights). Text sizes are decimal GB; --json gives bytes.
     """
     try:
-        target = read_target(model_or_job)
+        target = read_target(model_or_job, revision)
         plan = make_plan(target, max_model_len, concurrency, dtype, quantization, memory, kv_cache_dtype)
     except JobError as exc:
         typer.echo(f"batchgen: bad input: {exc}", err=True)

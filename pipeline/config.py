@@ -17,6 +17,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PrivateAttr,
     ValidationError,
     create_model,
     field_validator,
@@ -24,12 +25,16 @@ from pydantic import (
 )
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
+from batchgen.engine.chat_template import ChatTemplateOptions, check_template_syntax, load_chat_template
 from batchgen.engine.config import EngineConfig, SettingError
-from batchgen.engine.loader.source import BUNDLED_ALIASES
+from batchgen.engine.generation_config import AUTO as GENERATION_AUTO
+from batchgen.engine.generation_config import NONE as GENERATION_NONE
+from batchgen.engine.loader.source import BUNDLED_ALIASES, is_repo_id
 from batchgen.engine.sampling_params import SamplingParams
 from batchgen.pipeline.errors import JobError
 from batchgen.pipeline.job_settings import (
     ENGINE_ONLY,
+    HASHED_WHEN_SET,
     JOB_DEFAULTS,
     KV_CACHE_HASH_KEYS,
     MODEL_KEYS,
@@ -44,7 +49,8 @@ from batchgen.pipeline.openai.batch_file import (
     is_batch_path,
 )
 
-_PATH_KEYS = {("model", "path"), ("input", "path"), ("output", "path")}
+_PATH_KEYS = {("model", "path"), ("input", "path"), ("output", "path"), ("model", "generation_config"),
+              ("input", "chat_template")}
 
 
 class _Section(BaseModel):
@@ -116,6 +122,21 @@ class InputSection(_Section):
     storage_options: dict[str, Any] = Field(default_factory=dict)  # fsspec options; not hashed
     allow_special_tokens: bool = False  # false: control-token text in prompts and messages is encoded as text
     max_prompt_bytes: int | None = Field(default=None, ge=1)  # null: max(1 MiB, 16 x max_model_len)
+    # The chat template in place of the model's: a file (relative to the job file) or the template's text;
+    # validate_job reads a file into its text. chat_template_kwargs: extra template variables.
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _check_template_kwargs(cls, value: dict[str, Any]) -> dict[str, Any]:
+        ChatTemplateOptions(chat_template_kwargs=value)  # names a key that would clash with the call
+        return value
+
+    @property
+    def chat_options(self) -> ChatTemplateOptions:
+        """How this job's messages are rendered (a batch line may add its own settings)."""
+        return ChatTemplateOptions(self.chat_template, chat_template_kwargs=self.chat_template_kwargs)
 
     @model_validator(mode="after")
     def _one_prompt_source(self) -> InputSection:
@@ -133,6 +154,8 @@ class InputSection(_Section):
             raise ValueError("set prompt_column (raw text) or messages_column (chat messages)")
         if self.system_prompt is not None and not self.apply_chat_template:
             raise ValueError("system_prompt needs apply_chat_template: true")
+        if (self.chat_template is not None or self.chat_template_kwargs) and not self.apply_chat_template:
+            raise ValueError("chat_template and chat_template_kwargs need apply_chat_template: true")
         return self
 
     def _as_batch_file(self) -> InputSection:
@@ -203,6 +226,8 @@ class JobConfig(_Section):
     batching: BatchingSection = Field(default_factory=BatchingSection)
     output: OutputSection = Field(default_factory=OutputSection)
     cluster: ClusterSection = Field(default_factory=ClusterSection)
+    # What model.generation_config filled into the sampling section (set by job_plan.plan_job).
+    _generation_config: dict | None = PrivateAttr(default=None)
 
     @field_validator("sampling_columns")
     @classmethod
@@ -282,9 +307,9 @@ class JobConfig(_Section):
         # it was before the formats existed (its output folders still resume).
         excluded = {"storage_options"} | ({"format"} if self.input.format == "parquet" else set())
         payload = {
-            "model": self.model.model_dump(),
-            "input": self.input.model_dump(exclude=excluded),
-            "sampling": self.sampling.model_dump(),
+            "model": _without_unset_new_keys(self.model, "model"),
+            "input": _without_unset_new_keys(self.input, "input", excluded),
+            "sampling": _without_unset_new_keys(self.sampling, "sampling"),
             "sampling_columns": dict(sorted(self.sampling_columns.items())),
         }
         kv_cache = {key: getattr(self.engine, key) for key in KV_CACHE_HASH_KEYS
@@ -297,6 +322,27 @@ class JobConfig(_Section):
             payload["limit"] = limit
         blob = json.dumps(payload, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(blob.encode()).hexdigest()
+
+
+    @property
+    def generation_config_record(self) -> dict:
+        """What `_SUCCESS` says of model.generation_config: the setting, the file read, the sampling
+        defaults it gave this job (the keys the job file did not set)."""
+        if self._generation_config is not None:
+            return dict(self._generation_config)
+        return {"setting": self.model.generation_config, "file": None, "applied": {}}
+
+    def record_generation_config(self, setting: str, file: str | None, applied: dict) -> None:
+        self._generation_config = {"setting": setting, "file": file, "applied": dict(applied)}
+
+
+def _without_unset_new_keys(section: BaseModel, name: str, excluded: set[str] = frozenset()) -> dict:
+    """The section's values for the hash, less HASHED_WHEN_SET keys still at their default."""
+    values = section.model_dump(exclude=set(excluded))
+    for key in HASHED_WHEN_SET.get(name, ()):
+        if key in values and values[key] == type(section).model_fields[key].get_default(call_default_factory=True):
+            del values[key]
+    return values
 
 
 def max_tokens_rule(max_tokens: int, max_model_len: int, origin: str = "model.max_model_len") -> str | None:
@@ -345,6 +391,14 @@ def validate_job(raw: dict, base_dir: Path, source: str = "job") -> JobConfig:
     except ValidationError as exc:
         raise JobError(f"{source}: invalid job\n" + format_validation_error(exc)) from None
     job.model.path = _resolve_model_path(job.model.path, base_dir)
+    if job.model.generation_config not in (GENERATION_AUTO, GENERATION_NONE):  # a folder
+        job.model.generation_config = _resolve_path(job.model.generation_config, base_dir)
+    if job.input.chat_template is not None:
+        try:
+            job.input.chat_template = load_chat_template(job.input.chat_template, base_dir)
+            check_template_syntax(job.input.chat_template)
+        except ValueError as exc:
+            raise JobError(f"{source}: invalid job\n  input.chat_template: {exc}") from None
     spec = job.engine.speculative
     if spec is not None and spec.model is not None:  # the draft model: a path like model.path
         job.engine.speculative = dataclasses.replace(spec, model=_resolve_model_path(spec.model, base_dir))
@@ -374,7 +428,7 @@ def apply_override(raw: dict, item: str) -> None:
     except yaml.YAMLError as exc:
         raise JobError(f"--set {item!r}: cannot read the value as YAML: {exc}") from None
     if tuple(parts) in _PATH_KEYS and isinstance(value, str) and not _is_uri(value) \
-            and value.lower() not in BUNDLED_ALIASES:
+            and value.lower() not in BUNDLED_ALIASES and not _is_not_a_path(value, tuple(parts)):
         value = os.path.abspath(value)  # a path typed on the command line is relative to the cwd
     node = raw
     for depth, part in enumerate(parts[:-1]):
@@ -427,6 +481,19 @@ def _resolve_path(path: str, base_dir: Path) -> str:
 
 
 def _resolve_model_path(path: str, base_dir: Path) -> str:
-    if path.lower() in BUNDLED_ALIASES and not (base_dir / path).exists():
+    # An alias or a Hub repo id (org/name) stays a name unless a file or folder of that name is there.
+    if (path.lower() in BUNDLED_ALIASES or is_repo_id(path)) and not (base_dir / path).exists():
         return path
     return _resolve_path(path, base_dir)
+
+
+def _is_not_a_path(value: str, key: tuple[str, ...]) -> bool:
+    """A --set value that is a name rather than a path: a Hub repo id for model.path (when no such
+    folder is here), auto/vllm for generation_config, template text for chat_template."""
+    if key == ("model", "path"):
+        return is_repo_id(value) and not os.path.exists(value)
+    if key == ("model", "generation_config"):
+        return value in (GENERATION_AUTO, GENERATION_NONE)
+    if key == ("input", "chat_template"):
+        return any(mark in value for mark in "{}\n")
+    return False

@@ -21,7 +21,7 @@ class Feeder:
 
     def __init__(self, engine, tasks: Iterator[RowTask], *, window: int, sort_by_length: bool,
                  max_in_flight: int, on_output: Callable[[RowTask, RequestOutput], None],
-                 on_error: Callable[[RowTask], None]):
+                 on_error: Callable[[RowTask], None], on_step: Callable[[], None] = lambda: None):
         self.engine = engine
         self.tasks = tasks
         self.window_size = window
@@ -29,6 +29,7 @@ class Feeder:
         self.max_in_flight = max_in_flight
         self.on_output = on_output
         self.on_error = on_error
+        self.on_step = on_step  # after every engine step (the progress bar's token rate)
         self.window: deque[RowTask] = deque()
         # A task whose request key is in flight waits for its twin (keys are unique unless an id given in
         # the input collides with an internal repeat key); per key, so each lookup is O(1).
@@ -58,6 +59,7 @@ class Feeder:
             outputs = self.engine.step()
             if outputs:
                 self.last_output_time = time.monotonic()
+            self.on_step()
             for out in outputs:
                 self.on_output(self.in_flight.pop(out.request_id), out)
                 self._release_twin(out.request_id)

@@ -114,7 +114,8 @@ def finish_job(job: JobConfig, run: OutputRun, this_run: Totals, generation_seco
             whole.add_table(pq.read_table(f, columns=SUMMARY_COLUMNS))
     record = success_record(job.name, run.identity.config_hash, whole, this_run, generation_seconds,
                             resumed=bool(skipped), kernels=kernels, kv_cache=kv_cache, weights=weights,
-                            workers=workers, speculative=speculative, model=model)
+                            workers=workers, speculative=speculative, model=model,
+                            generation_config=job.generation_config_record)
     run.finish(record, write_batch_outputs=job.writes_batch_output)  # the .jsonl from every committed part
     return record
 
@@ -132,12 +133,25 @@ def engine_for(job: JobConfig, engine: LLMEngine | None) -> LLMEngine:
         raise JobError(f"cannot start the engine for {job.model.path}: {exc}") from None
 
 
+# EngineConfig fields that are defaults for requests a job never sends: every job request carries its
+# whole SamplingParams (generation_config is applied to the job's sampling section when it is planned)
+# and its own sample key (sampling.seed, the row's id), so an engine may differ from the job in these.
+_REQUEST_DEFAULT_FIELDS = ("generation_config", "seed")
+
+
 def _differing_fields(a: EngineConfig, b: EngineConfig) -> str:
-    names = [f.name for f in dataclasses.fields(a) if f.compare and getattr(a, f.name) != getattr(b, f.name)]
+    names = [f.name for f in dataclasses.fields(a) if f.compare and getattr(a, f.name) != getattr(b, f.name)
+             and f.name not in _REQUEST_DEFAULT_FIELDS]
     return ", ".join(f"{n}: job {getattr(a, n)!r} vs engine {getattr(b, n)!r}" for n in names)
 
 
 def check_engine_can_run(job: JobConfig, engine: LLMEngine) -> None:
     if needs_chat_template(job) and not engine.tokenizer.has_chat_template:
         raise JobError(f"model.path: {job.model.path} has no chat template; set input.apply_chat_template: "
-                       "false and use prompt_column (raw prompts)")
+                       "false and use prompt_column (raw prompts), or give one in input.chat_template")
+    if job.input.chat_template is not None or job.input.chat_template_kwargs:
+        try:  # once, here: a template that cannot render fails the job, not each of its rows
+            engine.tokenizer.check_chat_template(job.input.chat_options)
+        except ValueError as exc:
+            key = "input.chat_template" if job.input.chat_template is not None else "input.chat_template_kwargs"
+            raise JobError(f"{key}: {exc}") from None

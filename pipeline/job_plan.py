@@ -9,8 +9,16 @@ from dataclasses import dataclass
 
 import fsspec
 
-from batchgen.engine.loader.source import BUNDLED_ALIASES, ModelSource, resolve_model
-from batchgen.pipeline.config import JobConfig
+from batchgen.engine.config import SettingError
+from batchgen.engine.generation_config import FILE_NAME as GENERATION_FILE
+from batchgen.engine.generation_config import (
+    GenerationDefaults,
+    parse_generation_config,
+    read_generation_defaults,
+)
+from batchgen.engine.loader.source import BUNDLED_ALIASES, ModelSource, bundled_model_path, resolve_model
+from batchgen.engine.sampling_params import SamplingParams
+from batchgen.pipeline.config import JobConfig, max_tokens_rule
 from batchgen.pipeline.errors import JobError
 from batchgen.pipeline.id_scan import Position, scan_ids
 from batchgen.pipeline.inputs import JobInputs, read_inputs
@@ -67,20 +75,66 @@ class JobPlan:
         return RunIdentity(self.job.name, self.config_hash, self.inputs.fingerprint, self.units)
 
 
-def check_model(path: str) -> ModelSource | None:
-    """Where the model's files are (no file read); None for a remote model (resolving it would fetch its
-    weights). JobError naming model.path when it is not there."""
+def check_model(path: str, revision: str | None = None) -> ModelSource | None:
+    """Where the model's files are (no weights read); None for a remote model (resolving it would fetch
+    its weights). JobError naming model.path (or model.revision) when it is not there."""
     try:
-        if "://" in path and not path.startswith("file://") and path.lower() not in BUNDLED_ALIASES:
+        if path.lower() in BUNDLED_ALIASES and revision is None:
+            local = bundled_model_path(path.lower())
+            return ModelSource(local.parent, local.name)
+        if "://" in path and not path.startswith("file://"):
             fs, fs_path = fsspec.core.url_to_fs(path)
             if not fs.exists(fs_path):
                 raise FileNotFoundError(f"{path} does not exist")
             return None
-        return resolve_model(path)
+        return resolve_model(path, revision)
     except JobError:
         raise
     except Exception as exc:  # missing file, missing package, unsupported file: all the user's to fix
-        raise JobError(f"model.path: {exc}") from None
+        key = "model.revision" if revision is not None and "revision" in str(exc) else "model.path"
+        raise JobError(f"{key}: {exc}") from None
+
+
+def apply_generation_config(job: JobConfig, source: ModelSource | None) -> GenerationDefaults:
+    """model.generation_config: the file's sampling defaults fill the sampling keys the job file does
+    not set (they then enter the config hash like any sampling value); what was filled is recorded on
+    the job for _SUCCESS. A remote (URI) model's file is read where it lies."""
+    setting = job.model.generation_config
+    try:
+        if source is None and setting == "auto":
+            defaults = _remote_generation_defaults(job.model.path)
+        else:
+            defaults = read_generation_defaults(setting, source)
+    except ValueError as exc:
+        raise JobError(f"model.generation_config: {exc}") from None
+    given = job.sampling.model_fields_set
+    applied = {key: value for key, value in defaults.values.items() if key not in given}
+    if applied:
+        try:
+            SamplingParams(**{**job.sampling.model_dump(), **applied})
+        except SettingError as exc:
+            raise JobError(f"model.generation_config: {defaults.file} gives sampling.{exc.name} "
+                           f"{exc.value!r}, which {exc.rule}; set sampling.{exc.name} in the job") from None
+        if "max_tokens" in applied and job.model.max_model_len is not None:
+            rule = max_tokens_rule(applied["max_tokens"], job.model.max_model_len)
+            if rule:
+                raise JobError(f"model.generation_config: {defaults.file} gives sampling.max_tokens "
+                               f"{applied['max_tokens']} (max_new_tokens), which {rule}; set sampling.max_tokens "
+                               "in the job")
+        for key, value in applied.items():
+            setattr(job.sampling, key, value)  # now set: a second plan of this job fills nothing more
+    # A job planned twice (validate, then run) keeps what its first plan filled in.
+    if applied or not job.generation_config_record["applied"]:
+        job.record_generation_config(setting, defaults.file, applied)
+    return defaults
+
+
+def _remote_generation_defaults(uri: str) -> GenerationDefaults:
+    file_uri = uri.rstrip("/") + "/" + GENERATION_FILE
+    fs, fs_path = fsspec.core.url_to_fs(file_uri)
+    if uri.endswith(".gguf") or not fs.exists(fs_path):
+        return GenerationDefaults("auto")
+    return parse_generation_config(fs.cat_file(fs_path).decode("utf-8", "replace"), "auto", file_uri)
 
 
 def plan_job(job: JobConfig, limit: int | None = None) -> JobPlan:
@@ -88,7 +142,8 @@ def plan_job(job: JobConfig, limit: int | None = None) -> JobPlan:
     and the output folder; plan the units."""
     if limit is not None and limit < 1:
         raise JobError(f"--limit must be >= 1, got {limit}")
-    model_source = check_model(job.model.path)
+    model_source = check_model(job.model.path, job.model.revision)
+    apply_generation_config(job, model_source)
     check_model_limits(job)
     inputs = read_inputs(job)
     output = OutputFolder(Storage(job.output.path, job.output.storage_options))
@@ -115,6 +170,10 @@ def format_job_plan(plan: JobPlan, max_units_shown: int = 20) -> str:
             "each line's n output rows (OpenAI batch file)" if job.input.is_batch_file
             else f"{plan.num_rows * job.sampling.n:,} output rows (n={job.sampling.n})")),
     ]
+    generation = job.generation_config_record
+    if generation["applied"]:
+        shown = ", ".join(f"{k}={v}" for k, v in generation["applied"].items())
+        lines.append(f"sampling {shown} from {generation['file']} (model.generation_config)")
     if plan.repeats:
         lines.append(f"ids      {len(plan.repeats):,} row(s) repeat an earlier id: each runs as a request of its own "
                      "(input.allow_duplicate_ids)")

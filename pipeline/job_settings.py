@@ -11,12 +11,22 @@ from __future__ import annotations
 
 # EngineConfig fields under `model:` (they say what is loaded); EngineConfig.model is `model.path`.
 # Every other EngineConfig field not in ENGINE_ONLY sits under `engine:`.
-MODEL_KEYS = ("dtype", "quantization", "fp8_mode", "quantize_lm_head", "int_calibration", "max_model_len")
+MODEL_KEYS = ("revision", "dtype", "quantization", "fp8_mode", "quantize_lm_head", "int_calibration", "max_model_len",
+              "generation_config")
 MODEL_PATH_FIELD = "model"
 
 # `engine:` keys that change outputs, so they join the config hash (when not at their default, so a
 # job that leaves them alone keeps its hash): an FP8 KV cache changes the numbers attention reads.
 KV_CACHE_HASH_KEYS = ("kv_cache_dtype", "calculate_kv_scales")
+
+# Keys of hashed sections that joined the job file after jobs had been run: hashed only when set to
+# something other than their default, so the output folders of jobs that leave them alone keep their
+# config hash (and resume).
+HASHED_WHEN_SET = {
+    "model": ("revision", "generation_config"),
+    "input": ("chat_template", "chat_template_kwargs"),
+    "sampling": ("include_stop_str_in_output",),
+}
 
 # EngineConfig fields that are not job keys, with the reason.
 ENGINE_ONLY = {
@@ -26,6 +36,8 @@ ENGINE_ONLY = {
                    "the bench and Python callers set it",
     "compile": "torch.compile of the elementwise ops, a Python-API experiment: nothing in the project "
                "sets it, the CPU's C kernels replace those ops and it brought no gain there",
+    "seed": "keys requests that carry no seed (LLM calls, a server's requests); every job row is keyed by "
+            "sampling.seed and its id",
 }
 
 # SamplingParams fields that are not job keys, with the reason.
@@ -39,6 +51,12 @@ JOB_DEFAULTS = {
     ("model", "max_model_len"): (
         4096, "a bounded context per request (models declare 32k-128k, which sizes KV pools and error "
               "rows for the largest case); null: the model's own"),
+    ("model", "generation_config"): (
+        "vllm", ("a job's sampling section is its defaults, so a job's rows do not change when a model "
+                 "ships a generation_config.json (auto: its values fill the sampling keys the job file does "
+                 "not set, recorded in _SUCCESS); the engine and the server keep vLLM's auto: LLM.generate "
+                 "and LLM.chat without sampling_params, and a request's unset fields, take the model's "
+                 "generation_config.json values")),
     ("sampling", "temperature"): (
         0.0, "greedy: a job's outputs are reproducible and comparable run to run unless it asks for "
              "sampling (the engine keeps vLLM's 1.0)"),

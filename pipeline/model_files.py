@@ -21,9 +21,10 @@ _PROBE_CHAT = [{"role": "user", "content": "Hello"}]
 
 
 def needs_chat_template(job: JobConfig) -> bool:
-    """A batch file's chat lines need the template and its completions lines do not: a chat line on a
-    model without one becomes that line's error; any other job that applies the template needs one."""
-    return job.input.apply_chat_template and not job.input.is_batch_file
+    """Whether the job needs the model's own chat template. A batch file's chat lines need the template
+    and its completions lines do not: a chat line on a model without one becomes that line's error; any
+    other job that applies the template needs one, unless input.chat_template gives its own."""
+    return job.input.apply_chat_template and not job.input.is_batch_file and job.input.chat_template is None
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from batchgen.pipeline.errors import JobError
 
 def check_model_limits(job: JobConfig) -> None:
     """JobError naming the key when a setting does not fit the model."""
-    declared, is_gguf = read_declared(job.model.path)  # config.json only: cheap
+    declared, is_gguf = read_declared(job.model.path, job.model.revision)  # config.json only: cheap
     try:
         resolve_plan_quantization(job.model.quantization, declared, is_gguf, job.model.path)
     except JobError as exc:
@@ -24,7 +24,7 @@ def check_model_limits(job: JobConfig) -> None:
     sampling = job.sampling
     if job.model.max_model_len is not None and not sampling.stop_token_ids:
         return  # nothing to ask the model (a GGUF's metadata takes seconds to read)
-    model_cfg, _, _ = read_model(job.model.path)
+    model_cfg, _, _ = read_model(job.model.path, job.model.revision)
     if job.model.max_model_len is None:
         own_len = model_cfg.max_position_embeddings  # what the engine uses when max_model_len is null
         rule = max_tokens_rule(sampling.max_tokens, own_len, "the model's own context length")

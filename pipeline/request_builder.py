@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from batchgen.engine import SamplingParams
+from batchgen.engine.chat_template import ChatTemplateOptions
 from batchgen.pipeline.config import JobConfig
 
 
@@ -46,6 +47,7 @@ class RowInput:
     params: SamplingParams | None = None  # already built and checked (a batch line's body): used as is
     sample_key: str | None = None  # the engine's sample key when not the request id (a seeded batch line)
     openai: OpenAIRequest | None = None
+    chat: ChatTemplateOptions | None = None  # how its messages render, when not as the job says (a batch line)
 
 
 @dataclass
@@ -88,6 +90,7 @@ class RequestBuilder:
         self.job = job
         self.engine = engine
         self.default_params = job.sampling_params()
+        self.chat = job.input.chat_options
         self.max_prompt_bytes = max_prompt_bytes(job, engine.max_model_len)
 
     def build(self, row: RowInput, unit_index: int, offset: int) -> RowTask:
@@ -120,8 +123,8 @@ class RequestBuilder:
 
     def _encode(self, row: RowInput) -> list[int]:
         try:
-            token_ids = self.engine.encode(row.prompt,
-                                           allow_special_tokens=self.job.input.allow_special_tokens)
+            token_ids = self.engine.encode(row.prompt, allow_special_tokens=self.job.input.allow_special_tokens,
+                                           chat=row.chat or self.chat)
         except Exception as exc:  # a template or tokenizer failure is this row's problem only
             raise RowError(f"cannot tokenize the prompt: {exc}") from None
         if not token_ids:

@@ -167,4 +167,5 @@ def _shard_summary(plan: JobPlan, run: OutputRun, totals: Totals, seconds: float
         "completion_tokens_per_s": totals.completion_tokens / seconds if seconds > 0 else 0.0,
         "ttft_s": percentiles(totals.ttft_s), "tpot_s": percentiles(totals.tpot_s),
         "engine": reports,  # engine_reports(): kernels, KV cache, weights
+        "generation_config": plan.job.generation_config_record,
     }

@@ -8,7 +8,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-SUCCESS_KEYS = ("job", "config_hash", "model", "num_requests", "num_rows", "num_errors", "prompt_tokens",
+SUCCESS_KEYS = ("job", "config_hash", "model", "generation_config", "num_requests", "num_rows", "num_errors", "prompt_tokens",
                 "cached_tokens", "completion_tokens", "generation_seconds", "completion_tokens_per_s",
                 "ttft_s", "tpot_s", "resumed", "kernels", "kv_cache", "weights", "workers", "speculative")
 SUMMARY_COLUMNS = ["sample_index", "finish_reason", "prompt_tokens", "cached_tokens", "completion_tokens",
@@ -54,18 +54,22 @@ def percentiles(chunks: list[np.ndarray]) -> dict[str, float | None]:
 
 def success_record(job: str, config_hash: str, whole: Totals, this_run: Totals, generation_seconds: float,
                    resumed: bool, kernels: dict, kv_cache: dict | None = None, weights: dict | None = None,
-                   workers: dict | None = None, speculative: dict | None = None, model: str | None = None) -> dict:
+                   workers: dict | None = None, speculative: dict | None = None, model: str | None = None,
+                   generation_config: dict | None = None) -> dict:
     """The `_SUCCESS` JSON: counts over the whole output; speed and latency figures over this run;
     `kernels`: the implementations this run's engine used (its stats' `kernels`); `kv_cache`: its KV
     cache's dtype and bytes per token (its stats' `kv_cache`); `weights`: its weight format and linear
     bytes (its stats' `weights`); `workers`: how the job ran (`{"backend": "local"}`, static shards, or
     Ray replicas with their failures); `speculative`: this run's draft and accepted tokens
     (`speculative_summary`), null when speculation is off; `model`: the model path the engine loaded (as
-    the job names it), so a report can tell whether two runs share a tokenizer."""
+    the job names it), so a report can tell whether two runs share a tokenizer; `generation_config`: the
+    job's model.generation_config, the file it read and the sampling defaults it gave the job
+    (`{"setting", "file", "applied"}`)."""
     record = {
         "job": job,
         "config_hash": config_hash,
         "model": model,
+        "generation_config": generation_config,
         "num_requests": whole.num_requests,
         "num_rows": whole.num_rows,
         "num_errors": whole.num_errors,
@@ -145,6 +149,15 @@ def describe_workers(workers: dict | None) -> str:
     return text
 
 
+def _generation_line(generation: dict | None) -> str:
+    if not generation:
+        return "-"
+    if not generation.get("applied"):
+        return f"the job's (generation_config {generation['setting']})"
+    shown = ", ".join(f"{k}={v}" for k, v in generation["applied"].items())
+    return f"{shown} from {generation['file']} (generation_config {generation['setting']}); the rest the job's"
+
+
 def _weights_line(weights: dict) -> str:
     if not weights:
         return "-"
@@ -165,6 +178,7 @@ def format_summary(record: dict, success_path: str) -> str:
     lines = [
         ("job", f"{record['job']}  (config {record['config_hash'][:12]})"),
         ("model", record.get("model") or "-"),
+        ("sampling defaults", _generation_line(record.get("generation_config"))),
         ("requests", f"{record['num_requests']:,}  ({record['num_errors']:,} errors)"),
         ("output rows", f"{record['num_rows']:,}"),
         ("prompt tokens", f"{prompt:,}"),

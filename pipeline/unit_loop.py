@@ -61,7 +61,7 @@ def run_units(source: UnitSource, input_storage: Storage, output_storage: Storag
 
     def on_output(task: RowTask, out: RequestOutput) -> None:
         writer.add_output(task, out)
-        bar.advance(1, sum(len(c.token_ids) for c in out.outputs))
+        bar.advance(1)
 
     def on_error(task: RowTask) -> None:
         writer.add_error(task)
@@ -69,14 +69,15 @@ def run_units(source: UnitSource, input_storage: Storage, output_storage: Storag
 
     feeder = Feeder(engine, iter_tasks(source, input_storage, units, RequestBuilder(job, engine), writer),
                     window=job.batching.window, sort_by_length=job.batching.sort_by_length,
-                    max_in_flight=2 * engine.config.max_num_seqs, on_output=on_output, on_error=on_error)
+                    max_in_flight=2 * engine.config.max_num_seqs, on_output=on_output, on_error=on_error,
+                    on_step=lambda: bar.on_step(feeder.first_add_time))
     try:
         feeder.run()
     except BaseException:
         writer.abort()  # unfinished parts leave no temp file behind
         raise
     finally:
-        bar.close()
+        bar.close(feeder.generation_seconds)
     if writer.num_open_units:  # every row was handed back, so every unit must have been written
         raise RuntimeError(f"{writer.num_open_units} unit(s) were not completed")
     return UnitsRun(this_run, feeder.generation_seconds)

@@ -25,6 +25,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from batchgen.engine import LLMEngine, RequestOutput, SamplingParams
+from batchgen.engine.chat_template import DEFAULT_CHAT, ChatTemplateOptions
 from batchgen.pipeline.openai.api_error import APIError, bad_request
 from batchgen.pipeline.openai.protocol import (
     ChatCompletionRequest,
@@ -50,6 +51,10 @@ class ServerSettings:
     api_key: str | None = None
     max_in_flight: int = 1024  # HTTP requests admitted at once (running or waiting); more get 503
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES  # a larger body gets 413
+    chat_template: str | None = None  # --chat-template's text; None: the model's own
+    chat_template_kwargs: dict = field(default_factory=dict)  # a job file's input.chat_template_kwargs
+    seed: int | None = None  # --seed: unseeded requests keyed by (seed, arrival number), not at random
+    sampling_defaults: dict = field(default_factory=dict)  # from generation_config.json (--generation-config)
 
 
 @dataclass
@@ -63,6 +68,15 @@ class ServerState:
     in_flight: int = 0
     shutting_down: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
+    num_unseeded: int = 0  # unseeded requests so far (with --seed, each one's sample key)
+
+    def unseeded_sample_key(self) -> str:
+        """The sample key of a request without a seed: random, or with --seed the server's seed and the
+        request's arrival number, so the same requests sent in the same order after a restart draw alike."""
+        if self.settings.seed is None:
+            return uuid.uuid4().hex
+        self.num_unseeded += 1
+        return f"server-seed-{self.settings.seed}/{self.num_unseeded}"
 
     def admit(self) -> Callable[[], None]:
         """Count one more request in flight, or refuse it (503); returns the idempotent release."""
@@ -129,7 +143,8 @@ def create_app(state: ServerState) -> FastAPI:
                              ChatCompletionRequest)
         _check_model(body.model, names)
         messages = body.template_messages()
-        return await _generate(state, request, body, [messages], is_chat=True)
+        chat = body.chat_options(state.settings.chat_template, state.settings.chat_template_kwargs)
+        return await _generate(state, request, body, [messages], is_chat=True, chat=chat)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -182,12 +197,14 @@ def _check_model(model: str | None, names: list[str]) -> None:
                           "model", "model_not_found")
 
 
-def _prepare(body: ChatCompletionRequest | CompletionRequest, prompt, prompt_field: str, state: ServerState):
+def _prepare(body: ChatCompletionRequest | CompletionRequest, prompt, prompt_field: str, state: ServerState,
+             chat: ChatTemplateOptions = DEFAULT_CHAT):
     """What the engine thread runs for one prompt: its token ids and SamplingParams, or a 400.
-    `prompt` is text or chat messages (encoded here), or token ids (a large prompt arrives encoded)."""
+    `prompt` is text or chat messages (encoded here, rendered as `chat` says), or token ids (a large
+    prompt arrives encoded)."""
 
     def prepare(engine: LLMEngine) -> tuple[list[int], SamplingParams]:
-        token_ids = prompt if is_token_ids(prompt) else encode_prompt(engine.tokenizer, prompt, prompt_field)
+        token_ids = prompt if is_token_ids(prompt) else encode_prompt(engine.tokenizer, prompt, prompt_field, chat)
         return _check_prompt(body, token_ids, prompt_field, state)
     return prepare
 
@@ -204,7 +221,8 @@ def _check_prompt(body, token_ids: list[int], prompt_field: str,
                           f"{prompt_field} has {len(token_ids)}", prompt_field, "context_length_exceeded")
     if any(t < 0 or t >= vocab_size for t in token_ids):
         raise bad_request(f"{prompt_field} holds token ids outside [0, {vocab_size})", prompt_field)
-    params = sampling_params_from_body(body, default_max_tokens=max_model_len - len(token_ids))
+    params = sampling_params_from_body(body, default_max_tokens=max_model_len - len(token_ids),
+                                       defaults=state.settings.sampling_defaults)
     if len(token_ids) + params.max_tokens > max_model_len:
         _, max_tokens_field = body.requested_max_tokens()
         raise bad_request(f"this model's maximum context length is {max_model_len} tokens; you asked for "
@@ -214,24 +232,26 @@ def _check_prompt(body, token_ids: list[int], prompt_field: str,
     return list(token_ids), params
 
 
-async def _generate(state: ServerState, request: Request, body, prompts: list, is_chat: bool) -> Response:
+async def _generate(state: ServerState, request: Request, body, prompts: list, is_chat: bool,
+                    chat: ChatTemplateOptions = DEFAULT_CHAT) -> Response:
     # A bad field is a 400 before any queueing (the default budget is settled per prompt later).
-    sampling_params_from_body(body, default_max_tokens=state.max_model_len)
+    sampling_params_from_body(body, default_max_tokens=state.max_model_len, defaults=state.settings.sampling_defaults)
     release = state.admit()
     try:
         response_id = f"{'chatcmpl' if is_chat else 'cmpl'}-{uuid.uuid4().hex}"
         request_ids = [f"{response_id}-{i}" for i in range(len(prompts))]
         sink = EventSink()
-        # Seeded: samples keyed by (seed, index) alone, the same on every call; else a random key.
-        sample_key = "" if body.seed is not None else uuid.uuid4().hex
+        # Seeded: samples keyed by (seed, index) alone, the same on every call; else a random key
+        # (with --seed, one made of the server's seed and the request's arrival number).
+        sample_key = "" if body.seed is not None else state.unseeded_sample_key()
         prompt_field = "messages" if is_chat else "prompt"
         field_names = [prompt_field if len(prompts) == 1 or is_chat else f"prompt[{i}]"
                        for i in range(len(prompts))]
         if state.encoder is not None:  # large prompts: encoded and checked here, off the engine thread
-            prompts = [_check_prompt(body, await state.encoder.encode(p, name), name, state)[0]
+            prompts = [_check_prompt(body, await state.encoder.encode(p, name, chat), name, state)[0]
                        if is_large(p) else p for p, name in zip(prompts, field_names)]
         for request_id, prompt, field_name in zip(request_ids, prompts, field_names):
-            state.loop.submit(Submission(request_id, _prepare(body, prompt, field_name, state), sample_key,
+            state.loop.submit(Submission(request_id, _prepare(body, prompt, field_name, state, chat), sample_key,
                                          sink, body.stream))
         tracker = _Tracker(state.loop, request_ids, sink)
         buffered = await tracker.admitted(request)

@@ -24,6 +24,7 @@ from pathlib import Path
 import yaml
 from pydantic import TypeAdapter, ValidationError
 
+from batchgen.engine.chat_template import ChatTemplateOptions, check_template_syntax, load_chat_template
 from batchgen.engine.config import EngineConfig, SettingError
 
 log = logging.getLogger("batchgen.serve")
@@ -50,8 +51,8 @@ def build_parser(config_class: type = EngineConfig) -> argparse.ArgumentParser:
         description="An OpenAI-compatible server (/v1/chat/completions, /v1/completions, /v1/models, "
                     "/health, /metrics) on batchgen's engine.")
     parser.add_argument("model_or_job", metavar="MODEL_OR_JOB",
-                        help="a model (bundled alias, HF folder, .gguf file) or a job file whose model "
-                             "and engine sections to use")
+                        help="a model (bundled alias, HF folder, .gguf file, Hugging Face repo id) or a job "
+                             "file whose model and engine sections to use")
     server = parser.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1",
                         help="address to bind (default: %(default)s; 0.0.0.0: every interface)")
@@ -69,6 +70,10 @@ def build_parser(config_class: type = EngineConfig) -> argparse.ArgumentParser:
     server.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
                         help="on SIGTERM/Ctrl-C, seconds unfinished requests get before they end with "
                              "an error (default: %(default)s)")
+    server.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
+                        help="the chat template for /v1/chat/completions in place of the model's: a Jinja "
+                             "file, or the template text itself (default: the model's; a job file's "
+                             "input.chat_template)")
     server.add_argument("--uvicorn-log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug", "trace"],
                         help="(default: %(default)s)")
@@ -113,6 +118,23 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         raise ValueError(f"{engine_flag(exc.name)} {exc.rule} (got {exc.value!r})") from None
 
 
+def chat_options_from_args(args: argparse.Namespace) -> ChatTemplateOptions:
+    """--chat-template (a file or the template's text), else a job file's input.chat_template and
+    chat_template_kwargs; the template's syntax is checked here, before any model loads."""
+    template, kwargs = None, {}
+    target = args.model_or_job
+    if Path(target).suffix in (".yaml", ".yml") and Path(target).is_file():
+        from batchgen.pipeline.config import load_job
+
+        job = load_job(target)
+        template, kwargs = job.input.chat_template, job.input.chat_template_kwargs
+    if args.chat_template is not None:
+        template = load_chat_template(args.chat_template)
+    if template is not None:
+        check_template_syntax(template)
+    return ChatTemplateOptions(template, chat_template_kwargs=kwargs)
+
+
 def serve_main(argv: list[str]) -> int:
     """Parse, load the model, serve until SIGTERM/Ctrl-C; 0 after a graceful shutdown."""
     args = build_parser().parse_args(argv)
@@ -136,6 +158,11 @@ def serve_main(argv: list[str]) -> int:
     if args.max_request_body_bytes < 1:
         print("batchgen serve: --max-request-body-bytes must be >= 1", file=sys.stderr)
         return EXIT_BAD_USAGE
+    try:
+        chat = chat_options_from_args(args)
+    except (ValueError, JobError) as exc:
+        print(f"batchgen serve: --chat-template: {exc}", file=sys.stderr)
+        return EXIT_BAD_USAGE
 
     from batchgen.engine import LLMEngine
     from batchgen.serve.app import ServerSettings, ServerState, create_app
@@ -144,10 +171,20 @@ def serve_main(argv: list[str]) -> int:
     from batchgen.serve.prompt_encoder import PromptEncoder
 
     engine = LLMEngine(config)
+    if chat.chat_template is not None or chat.chat_template_kwargs:
+        try:  # once, at start: a template that cannot render fails here, not in every request
+            engine.tokenizer.check_chat_template(chat)
+        except ValueError as exc:
+            print(f"batchgen serve: --chat-template: {exc}", file=sys.stderr)
+            return EXIT_BAD_USAGE
+    log.info("sampling defaults: %s", engine.generation_defaults.describe())
     names = args.served_model_name or [config.model]
     settings = ServerSettings(served_model_names=names, model_path=config.model, api_key=args.api_key,
                               max_in_flight=config.max_num_seqs + args.max_queued_requests,
-                              max_request_body_bytes=args.max_request_body_bytes)
+                              max_request_body_bytes=args.max_request_body_bytes,
+                              chat_template=chat.chat_template, seed=config.seed,
+                              sampling_defaults=dict(engine.generation_defaults.values),
+                              chat_template_kwargs=dict(chat.chat_template_kwargs))
     metrics = Metrics(names[0])
     loop = EngineLoop(engine, metrics)
     state = ServerState(loop, settings, metrics, engine.max_model_len, engine.model_cfg.vocab_size,

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
 
+from batchgen.engine.chat_template import DEFAULT_CHAT, ChatTemplateOptions
 from batchgen.engine.tokenizer import Tokenizer
 from batchgen.pipeline.openai.api_error import bad_request
 
@@ -38,13 +39,15 @@ def is_large(prompt: Prompt) -> bool:
     return sum(len(m.get("content") or "") for m in prompt) >= LARGE_PROMPT_BYTES
 
 
-def encode_prompt(tokenizer: Tokenizer, prompt: str | list[dict], prompt_field: str) -> list[int]:
-    """The prompt's token ids, or a 400 naming `prompt_field` (no chat template, a template error).
+def encode_prompt(tokenizer: Tokenizer, prompt: str | list[dict], prompt_field: str,
+                  chat: ChatTemplateOptions = DEFAULT_CHAT) -> list[int]:
+    """The prompt's token ids (messages rendered as `chat` says), or a 400 naming `prompt_field` (no
+    chat template, a template error).
 
     Control-token text in message content is text (as in jobs); a raw prompt is the caller's own
     template, as in vLLM."""
     try:
-        return tokenizer.encode_prompt(prompt, allow_special_tokens=isinstance(prompt, str))
+        return tokenizer.encode_prompt(prompt, allow_special_tokens=isinstance(prompt, str), options=chat)
     except ValueError as exc:  # no chat template
         raise bad_request(str(exc), prompt_field) from None
     except Exception as exc:  # the template raised (a role it refuses, ...): this request's problem
@@ -59,10 +62,11 @@ class PromptEncoder:
         self._tokenizer = tokenizer.copy()
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="batchgen-encode")
 
-    async def encode(self, prompt: str | list[dict], prompt_field: str) -> list[int]:
+    async def encode(self, prompt: str | list[dict], prompt_field: str,
+                     chat: ChatTemplateOptions = DEFAULT_CHAT) -> list[int]:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, encode_prompt, self._tokenizer, prompt,
-                                          prompt_field)
+                                          prompt_field, chat)
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)

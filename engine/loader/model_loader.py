@@ -105,7 +105,7 @@ def resolve_weight_format(config: EngineConfig, source: ModelSource):
 def load_model(config: EngineConfig) -> LoadedModel:
     from batchgen.engine.quant.methods import INT_CHECKPOINTS
 
-    source = resolve_model(config.model)
+    source = resolve_model(config.model, config.revision)
     model_cfg = read_model_config(source)
     max_model_len = config.max_model_len or model_cfg.max_position_embeddings
     device, dtype = config.torch_device, config.torch_dtype

@@ -31,6 +31,7 @@ class DraftModelProposer:
         quantization = spec.quantization or (config.quantization if spec.model == config.model else "auto")
         draft_config = config.replace(
             model=spec.model, quantization=quantization, quantize_lm_head=False,
+            revision=config.revision if spec.model == config.model else None,  # the target's revision is its own
             speculative=None, enable_prefix_caching=False, max_model_len=target.max_model_len,
             # As many tokens as the target's pool: a running target sequence always fits.
             num_kv_blocks=target.num_kv_blocks)

@@ -34,7 +34,7 @@ ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
 _LINE_KEYS = ("custom_id", "method", "url", "body")
 # Body fields that are SamplingParams fields of the same name and meaning.
 _SAME_NAME = ("n", "temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "top_k", "min_p",
-              "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids")
+              "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "include_stop_str_in_output")
 
 
 def decode_batch_lines(batch: pa.RecordBatch, job: JobConfig) -> list[RowInput]:
@@ -89,9 +89,12 @@ def _decode(custom_id: str, raw: dict, endpoint: str | None, job: JobConfig) -> 
                     f"{job.sampling.temperature} applies)")
         raise RowError(f"{field} {exc.rule}; got {exc.value!r}{hint}", field) from None
     prompt = request.template_messages() if endpoint == "chat" else _one_prompt(request)
+    # A chat line's own template fields (vLLM's) over the job's input.chat_template(_kwargs).
+    chat = request.chat_options(job.input.chat_template, job.input.chat_template_kwargs) \
+        if endpoint == "chat" else None
     seeded = "seed" in request.model_fields_set and request.seed is not None
     return RowInput(custom_id, prompt, overrides, num_prompt_bytes=_num_bytes(prompt), params=params,
-                    sample_key="" if seeded else None, openai=OpenAIRequest(endpoint))
+                    sample_key="" if seeded else None, openai=OpenAIRequest(endpoint), chat=chat)
 
 
 def _overrides(request, endpoint: str) -> tuple[dict[str, Any], dict[str, str]]:

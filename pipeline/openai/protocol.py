@@ -12,11 +12,13 @@ an integer in JSON Schema's sense); a number field takes an integer (`"temperatu
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict, ValidationError
 
 from batchgen.engine import SamplingParams
+from batchgen.engine.chat_template import ChatTemplateOptions
 from batchgen.engine.config import SettingError
 from batchgen.pipeline.openai.api_error import bad_request
 from batchgen.pipeline.openai.json_body import check_json_value, load_json_body
@@ -41,7 +43,7 @@ UNSUPPORTED = {
     "echo": "echo is not implemented",
     "suffix": "suffix (insertion) is not implemented",
     "best_of": "best_of is not implemented (use n)",
-    "include_stop_str_in_output": "the stop string is never part of the text",
+    "chat_template": "a request cannot bring its own chat template; the server's is set with --chat-template",
     "guided_json": "structured output is not implemented",
     "guided_regex": "structured output is not implemented",
     "guided_choice": "structured output is not implemented",
@@ -55,10 +57,15 @@ UNSUPPORTED = {
 # Request sampling fields whose default (the field left unset) is not SamplingParams', with the reason.
 # docs/architecture.md's defaults table lists them beside the job file's (pipeline/job_settings.py).
 SERVER_DEFAULTS = {
+    "temperature": (
+        "1.0, or generation_config.json's",
+        ("OpenAI's and vLLM's 1.0; with --generation-config auto (the server's default, as vLLM's) the model's "
+         "generation_config.json value when it sets one, as for top_p, top_k, min_p and repetition_penalty")),
     "max_tokens": (
-        "chat: what max_model_len leaves after the prompt; completions: 16",
-        "OpenAI's chat API caps a completion only when asked (max_tokens / max_completion_tokens); its "
-        "completions API, like vLLM's, defaults to 16"),
+        ("chat: what max_model_len leaves after the prompt (at most generation_config.json's max_new_tokens); "
+         "completions: 16"),
+        ("OpenAI's chat API caps a completion only when asked (max_tokens / max_completion_tokens); its "
+         "completions API, like vLLM's, defaults to 16")),
 }
 
 
@@ -141,24 +148,32 @@ class _SamplingRequest(BaseModel):
     ignore_eos: Bool = False
     stop_token_ids: list[Int] | None = None
     skip_special_tokens: Bool = True
+    include_stop_str_in_output: Bool = False
 
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
     def sampling_params(self, max_tokens: int, logprobs: int | None, logprobs_field: str,
-                        max_tokens_field: str) -> SamplingParams:
-        """SamplingParams with OpenAI's defaults for unset fields; a bad value is a 400 naming its field."""
+                        max_tokens_field: str, defaults: Mapping[str, Any] | None = None) -> SamplingParams:
+        """SamplingParams with OpenAI's defaults for unset fields, or the model's generation_config.json
+        ones in `defaults` (engine/generation_config.py); a bad value is a 400 naming its field."""
+        defaults = defaults or {}
+
+        def given_or_default(name: str, openai_default: float) -> float:
+            value = getattr(self, name)
+            return defaults.get(name, openai_default) if value is None else value
+
         values = dict(
-            n=self.n, temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p, top_k=-1 if self.top_k is None else self.top_k,
-            min_p=self.min_p or 0.0, presence_penalty=self.presence_penalty or 0.0,
-            frequency_penalty=self.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            n=self.n, temperature=given_or_default("temperature", 1.0), top_p=given_or_default("top_p", 1.0),
+            top_k=given_or_default("top_k", -1), min_p=given_or_default("min_p", 0.0),
+            presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=given_or_default("repetition_penalty", 1.0),
             max_tokens=max_tokens, min_tokens=self.min_tokens, seed=self.seed,
             stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
             stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
-            logprobs=logprobs, skip_special_tokens=self.skip_special_tokens)
+            logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output)
         try:
             return SamplingParams(**values)
         except SettingError as exc:
@@ -173,6 +188,24 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: Int | None = None
     logprobs: Bool = False
     top_logprobs: Int | None = None
+    # vLLM's chat-template fields
+    add_generation_prompt: Bool = True
+    continue_final_message: Bool = False
+    chat_template_kwargs: dict[Str, Any] | None = None
+
+    def chat_options(self, chat_template: str | None = None,
+                     base_kwargs: Mapping[str, Any] | None = None) -> ChatTemplateOptions:
+        """How to render this request's messages: `chat_template` (None: the model's), the request's
+        template fields over `base_kwargs`; a 400 naming the field at fault."""
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise bad_request("continue_final_message needs the last message to be the assistant's",
+                              "continue_final_message")
+        try:
+            return ChatTemplateOptions(chat_template, self.add_generation_prompt, self.continue_final_message,
+                                       {**(base_kwargs or {}), **(self.chat_template_kwargs or {})})
+        except ValueError as exc:
+            field = "chat_template_kwargs" if "chat_template_kwargs" in str(exc) else "continue_final_message"
+            raise bad_request(str(exc), field) from None
 
     def requested_max_tokens(self) -> tuple[int | None, str]:
         """(the completion budget asked for or None, the field that asked)."""
@@ -241,20 +274,25 @@ def parse_request(body: bytes | str | dict, model: type[_SamplingRequest]) -> _S
 REQUEST_MODELS: dict[str, type[_SamplingRequest]] = {}
 
 
-def sampling_params_from_body(request: _SamplingRequest, default_max_tokens: int | None = None) -> SamplingParams:
-    """SamplingParams for a parsed request (parse_request), with OpenAI's defaults for unset fields.
+def sampling_params_from_body(request: _SamplingRequest, default_max_tokens: int | None = None,
+                              defaults: Mapping[str, Any] | None = None) -> SamplingParams:
+    """SamplingParams for a parsed request (parse_request), with OpenAI's defaults for unset fields, or
+    the server's `defaults` (the model's generation_config.json: engine/generation_config.py).
 
     `default_max_tokens` applies when the body sets no completion budget (chat's max_tokens and
-    max_completion_tokens are optional; the server passes what is left of the context). A bad value,
+    max_completion_tokens are optional; the server passes what is left of the context), capped by
+    `defaults`' max_tokens (generation_config.json's max_new_tokens) when there is one. A bad value,
     or none at all, is an APIError (400) naming the request's own field (`top_logprobs`,
     `max_completion_tokens`, ...).
     """
     max_tokens, max_tokens_field = request.requested_max_tokens()
     if max_tokens is None:
-        max_tokens = default_max_tokens
+        candidates = [v for v in (default_max_tokens, (defaults or {}).get("max_tokens")) if v is not None]
+        max_tokens = min(candidates) if candidates else None
     if max_tokens is None:
         raise bad_request(f"{max_tokens_field} is required", max_tokens_field, "missing_required_parameter")
-    return request.sampling_params(max_tokens, request.num_logprobs(), request.LOGPROBS_FIELD, max_tokens_field)
+    return request.sampling_params(max_tokens, request.num_logprobs(), request.LOGPROBS_FIELD, max_tokens_field,
+                                   defaults)
 
 
 def _field_error(exc: ValidationError):

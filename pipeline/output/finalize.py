@@ -95,8 +95,9 @@ def merged_record(storage: Storage, manifest: dict, workers: dict, summaries: li
     resumed = any(s.get("resumed") for s in summaries)
     # Every worker loads the same job: the first that ran an engine speaks for all.
     reports = next((s["engine"] for s in summaries if s.get("engine", {}).get("kernels")), {"kernels": {}})
+    generation = next((s["generation_config"] for s in summaries if s.get("generation_config")), None)
     return success_record(manifest.get("job", ""), manifest["config_hash"], whole, generated, span,
-                          resumed=resumed, workers=workers,
+                          resumed=resumed, workers=workers, generation_config=generation,
                           speculative=merge_speculative([s.get("speculative") for s in summaries]), **reports)
 
 

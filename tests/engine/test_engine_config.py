@@ -53,7 +53,7 @@ def test_every_offered_choice_is_accepted():
 
 
 def test_llm_keywords_are_engine_config_fields_and_a_typo_lists_them():
-    with pytest.raises(TypeError, match=r"unknown engine setting\(s\) max_num_seq; EngineConfig's are: dtype, .*"
+    with pytest.raises(TypeError, match=r"unknown engine setting\(s\) max_num_seq; EngineConfig's are: revision, dtype, .*"
                                         r"max_num_seqs"):
         LLM("unused", max_num_seq=4)  # refused before anything loads
     with pytest.raises(SettingError, match="EngineConfig.block_size"):

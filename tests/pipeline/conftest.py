@@ -88,13 +88,15 @@ class FakeEngine:
         self.sample_keys: dict[str, str | None] = {}  # request id -> the sample_key it was added with
         self.max_unfinished = 0
         self.num_steps = 0
+        self.num_generated_tokens = 0
 
     @property
     def stats(self) -> dict:
         return {"prefix_cache_hit_rate": 0.0, "kernels": {"attention_backend": "fake"},
-                "kv_cache": {"dtype": "float32", "bytes_per_token": 4}}
+                "kv_cache": {"dtype": "float32", "bytes_per_token": 4},
+                "num_generated_tokens": self.num_generated_tokens}
 
-    def encode(self, prompt, allow_special_tokens: bool = True) -> list[int]:
+    def encode(self, prompt, allow_special_tokens: bool = True, chat=None) -> list[int]:
         text = prompt if isinstance(prompt, str) else "|".join(f"{m['role']}:{m['content']}" for m in prompt)
         return [ord(c) % 500 + 1 for c in text]
 
@@ -123,6 +125,7 @@ class FakeEngine:
             samples = [CompletionOutput(i, f"done {request_id}/{i}", tokens, -1.0, None, "length",
                                         first_scheduled_time=now, first_token_time=now, last_token_time=now)
                        for i in range(params.n)]
+            self.num_generated_tokens += len(tokens) * params.n
             outputs.append(RequestOutput(request_id, token_ids, samples, 0, RequestMetrics(arrival, now, now, now)))
         return outputs
 

@@ -29,15 +29,16 @@ def engine_flags(kwargs: dict = TEST_ENGINE_KWARGS) -> list[str]:
 
 
 class ServerProcess:
-    def __init__(self, log_path: Path, *flags: str):
+    def __init__(self, log_path: Path, *flags: str, model: str = MODEL, env: dict[str, str] | None = None):
+        """`batchgen serve MODEL` with the test engine flags and `flags`; `env`: variables to add."""
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self.log = open(log_path, "wb")
-        cmd = [sys.executable, "-m", "batchgen.pipeline.cli", "serve", MODEL, "--host", "127.0.0.1",
+        cmd = [sys.executable, "-m", "batchgen.pipeline.cli", "serve", model, "--host", "127.0.0.1",
                "--port", str(self.port), "--uvicorn-log-level", "warning", *engine_flags(), *flags]
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
 
     def wait_ready(self) -> ServerProcess:
         deadline = time.monotonic() + BOOT_TIMEOUT_S
