@@ -1,0 +1,97 @@
+"""GrammarState: one request's position in its compiled grammar; fills its row of the step's bitmask.
+
+The engine advances the state with each token the request emits (`accept_token`), asks it for the
+next token's mask (`fill_bitmask`, one row of a packed int32 bitmask: bit j of word w allows token
+32w + j), and can take tokens back (`rollback`) when speculative decoding rejects them. After the
+grammar's end only the stop tokens are allowed; once one is accepted the state `is_terminated`.
+
+Speculative decoding: `validate_tokens(drafts)` says how many leading drafts the grammar allows (the
+proposer's drafts are cut there), and `fill_bitmask(bitmask, row, drafts)` fills the 1 + k rows a
+verify chunk samples: row j is the mask after the first j drafts, each verify position masked as
+plain decoding would mask it. Neither moves the state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from batchgen.engine.structured.library import load_library
+
+
+class GrammarState:
+    def __init__(self, grammar):
+        """`grammar`: a CompiledGrammar (compiler.py), shared read-only between requests."""
+        xgr = load_library()
+        self.grammar = grammar
+        self.num_words = (grammar.vocab_size + 31) // 32  # int32 words in a bitmask row
+        self._matcher = xgr.GrammarMatcher(grammar.handle)
+        self.num_tokens = 0  # tokens accepted and not rolled back: the most `rollback` can undo
+
+    @property
+    def is_terminated(self) -> bool:
+        """A stop token was accepted after the grammar's end: the constrained output is complete."""
+        return self._matcher.is_terminated()
+
+    def accept_token(self, token_id: int) -> bool:
+        """Advance by one emitted token. False (the state unchanged) when the grammar does not allow it
+        here: a token outside the mask, or any token once terminated."""
+        if not self._matcher.accept_token(token_id):
+            return False
+        self.num_tokens += 1
+        return True
+
+    def accept_tokens(self, token_ids: Sequence[int]) -> bool:
+        """Advance through `token_ids` in order; at the first refused one stop and return False (the
+        tokens before it stay accepted)."""
+        return all(self.accept_token(t) for t in token_ids)
+
+    def validate_tokens(self, token_ids: Sequence[int]) -> int:
+        """How many leading `token_ids` the grammar would accept in a row from here; the state is
+        unchanged."""
+        num_valid = 0
+        for token in token_ids:
+            if not self._matcher.accept_token(token):
+                break
+            num_valid += 1
+        if num_valid:
+            self._matcher.rollback(num_valid)
+        return num_valid
+
+    def rollback(self, num_tokens: int) -> None:
+        """Take back the last `num_tokens` accepted tokens (a terminated state comes back to life when
+        its stop token is taken back)."""
+        if not 0 <= num_tokens <= self.num_tokens:
+            raise ValueError(f"cannot roll back {num_tokens} tokens: {self.num_tokens} accepted")
+        if num_tokens:
+            self._matcher.rollback(num_tokens)
+            self.num_tokens -= num_tokens
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int, draft_token_ids: Sequence[int] = ()) -> None:
+        """Write the allowed next tokens into `bitmask[row]` ((B, num_words) int32 on the CPU), and for
+        a verify chunk rows row + 1 .. row + k: the masks after each of the k drafts, which must all be
+        allowed (validate_tokens). A terminated state's rows allow every token (its sequence has
+        ended; nothing it samples is kept)."""
+        if bitmask.dtype != torch.int32 or bitmask.device.type != "cpu" or bitmask.dim() != 2 \
+                or bitmask.shape[1] != self.num_words:
+            raise ValueError(f"the bitmask must be a CPU int32 tensor of shape (rows, {self.num_words}); "
+                             f"got {tuple(bitmask.shape)} {bitmask.dtype} on {bitmask.device}")
+        if row + len(draft_token_ids) >= bitmask.shape[0]:
+            raise ValueError(f"rows {row}..{row + len(draft_token_ids)} do not fit a bitmask of "
+                             f"{bitmask.shape[0]} rows")
+        num_advanced = 0
+        try:
+            for j in range(len(draft_token_ids) + 1):
+                if self._matcher.is_terminated():
+                    bitmask[row + j].fill_(-1)
+                else:
+                    self._matcher.fill_next_token_bitmask(bitmask, row + j)
+                if j < len(draft_token_ids):
+                    if not self._matcher.accept_token(draft_token_ids[j]):
+                        raise ValueError(f"draft {j} (token {draft_token_ids[j]}) is not allowed by the grammar: "
+                                         "cut the drafts with validate_tokens first")
+                    num_advanced += 1
+        finally:
+            if num_advanced:
+                self._matcher.rollback(num_advanced)
