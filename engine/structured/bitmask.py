@@ -17,9 +17,17 @@ import sys
 
 import torch
 
-# Bit j of an int32 word as an int32 (bit 31 is the sign bit: -2**31), one copy per device.
-_BIT_VALUES = {torch.device("cpu"): torch.tensor([1 << j if j < 31 else -(1 << 31) for j in range(32)],
-                                                 dtype=torch.int32)}
+# Bit j of an int32 word as an int32 (bit 31 wraps to the sign bit, -2**31), per device: made there,
+# so unpacking on an accelerator copies nothing from the host.
+_BIT_VALUES: dict[torch.device, torch.Tensor] = {}
+
+
+def _bit_values(device: torch.device) -> torch.Tensor:
+    values = _BIT_VALUES.get(device)
+    if values is None:
+        ones = torch.ones(32, dtype=torch.int32, device=device)
+        values = _BIT_VALUES[device] = ones.bitwise_left_shift(torch.arange(32, dtype=torch.int32, device=device))
+    return values
 
 
 def num_bitmask_words(vocab_size: int) -> int:
@@ -34,10 +42,7 @@ def allocate_token_bitmask(num_rows: int, vocab_size: int, *, pin_memory: bool =
 
 def bitmask_to_allowed(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """(R, W) int32 packed -> (R, vocab_size) bool: True where the token is allowed."""
-    values = _BIT_VALUES.get(bitmask.device)
-    if values is None:
-        values = _BIT_VALUES[bitmask.device] = _BIT_VALUES[torch.device("cpu")].to(bitmask.device)
-    bits = (bitmask.unsqueeze(-1) & values) != 0  # (R, W, 32)
+    bits = (bitmask.unsqueeze(-1) & _bit_values(bitmask.device)) != 0  # (R, W, 32)
     return bits.view(bitmask.shape[0], -1)[:, :vocab_size]
 
 
@@ -58,6 +63,9 @@ def _check(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> N
 def apply_token_bitmask_torch(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
     """Set logits[rows[i], t] to -inf wherever bitmask[i] disallows token t, in torch ops."""
     allowed = bitmask_to_allowed(bitmask, logits.shape[1])  # (R, V)
+    if rows.shape[0] == logits.shape[0] and rows.device.type == "cpu" and rows.tolist() == list(range(len(rows))):
+        logits.masked_fill_(~allowed, float("-inf"))  # every row, in order: no gather and scatter
+        return
     index = rows.long()
     picked = logits.index_select(0, index)  # (R, V)
     picked.masked_fill_(~allowed, float("-inf"))

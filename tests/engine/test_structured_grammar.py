@@ -312,17 +312,20 @@ def _reference_allowed(bitmask: torch.Tensor, vocab: int) -> np.ndarray:
     return np.unpackbits(as_bytes, axis=1, bitorder="little")[:, :vocab].astype(bool)
 
 
+@pytest.mark.parametrize("rows", [[6, 1, 4], list(range(8))], ids=["some-rows", "every-row"])
 @pytest.mark.parametrize("apply", [apply_token_bitmask, apply_token_bitmask_torch], ids=["library", "torch"])
-def test_apply_masks_constrained_rows_and_leaves_the_rest_bit_for_bit(compiler, apply):
+def test_apply_masks_constrained_rows_and_leaves_the_rest_bit_for_bit(apply, rows):
     load_library()  # the library kernel is used once the library is imported (as a compile does)
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(8, VOCAB, generator=gen)  # (N, V)
-    logits[2, 5] = float("nan")  # an unconstrained row's odd values stay as they are
-    rows = torch.tensor([6, 1, 4])
-    bitmask = torch.randint(-(2**31), 2**31 - 1, (3, VOCAB // 32), dtype=torch.int32, generator=gen)
+    if 2 not in rows:
+        logits[2, 5] = float("nan")  # an unconstrained row's odd values stay as they are
+    rows = torch.tensor(rows)
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (len(rows), VOCAB // 32), dtype=torch.int32, generator=gen)
     bitmask[1] = -1  # a constrained row that allows everything
     original = logits.clone()
-    assert (_library_kernel(logits) is not None) == (apply is apply_token_bitmask)  # the path under test runs
+    if apply is apply_token_bitmask:
+        assert _library_kernel(logits) is not None  # the library's kernel is the path under test
     apply(logits, bitmask, rows)
     allowed = _reference_allowed(bitmask, VOCAB)
     for i, row in enumerate(rows.tolist()):
@@ -331,6 +334,20 @@ def test_apply_masks_constrained_rows_and_leaves_the_rest_bit_for_bit(compiler, 
     untouched = [r for r in range(8) if r not in rows.tolist()]
     assert torch.equal(logits[untouched].view(torch.int32), original[untouched].view(torch.int32))
     assert torch.equal(bitmask_to_allowed(bitmask, VOCAB), torch.from_numpy(allowed))
+
+
+def test_apply_off_the_host_copies_nothing_and_reads_nothing():
+    """On an accelerator (the meta device stands in, as in the step transfer test) the torch path
+    neither copies from the host nor reads a device value: the bitmask's copy is the step's only extra."""
+    from tests.engine.test_step_transfers import TransferCounter
+
+    meta = torch.device("meta")
+    logits = torch.empty((8, VOCAB), device=meta)
+    bitmask = torch.empty((3, VOCAB // 32), dtype=torch.int32, device=meta)
+    rows = torch.empty(3, dtype=torch.int32, device=meta)
+    with TransferCounter() as counter:
+        apply_token_bitmask(logits, bitmask, rows)
+    assert counter.transfers == [] and counter.scalar_reads == 0
 
 
 def test_apply_with_no_constrained_rows_and_bad_shapes():
