@@ -5,7 +5,7 @@ older spelling). `GrammarCompiler` compiles it for one tokenizer (cached by spec
 walks its compiled grammar with a `GrammarState`, which fills its row of a packed int32 bitmask;
 `apply_token_bitmask` masks the constrained rows of the logits in place.
 
-The grammar library (xgrammar, the `batchgen[structured]` extra) is imported when a grammar is first
+The grammar library (llguidance, the `batchgen[structured]` extra) is imported when a grammar is first
 compiled, never by importing this package.
 """
 

@@ -4,16 +4,14 @@ A bitmask row is ceil(V / 32) int32 words; bit j of word w (two's complement, li
 order) allows token 32w + j. Only constrained rows have a bitmask row: `rows` says which logits row
 each one masks, and every other logits row is left exactly as it was.
 
-`apply_token_bitmask` runs the grammar library's kernel where it has one (xgrammar: C++ on the CPU
-for float32 / bfloat16 / float16 logits, Triton on CUDA), else torch ops that run on any device
-(`apply_token_bitmask_torch`, also the tests' reference). On a 2-core CPU at 64 x 49152 float32
-logits the library's kernel took 7-15 ms and the torch ops 15-40 ms (benchmarks/NOTES.md).
+The apply is torch ops that run on any device. Measured at 64 x 49152 float32 logits with the masks
+of a real JSON walk on the shared 2-core CPU (benchmarks/NOTES.md): these ops 8 ms median (4 ms
+best), xgrammar's C++ kernel 19 ms (10 ms best: it tests token by token), llguidance's torch.compile
+of the same ops 9 ms (0.5 ms best, but it compiles C++ through inductor at run time, which the
+engine avoids). The grammar library has no native kernel to use instead.
 """
 
 from __future__ import annotations
-
-import importlib.util
-import sys
 
 import torch
 
@@ -60,8 +58,14 @@ def _check(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> N
                          f"{rows.device}")
 
 
-def apply_token_bitmask_torch(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
-    """Set logits[rows[i], t] to -inf wherever bitmask[i] disallows token t, in torch ops."""
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
+    """Mask the constrained rows of `logits` in place: logits (N, V) float; bitmask (R, W) int32 and
+    rows (R,) int32/int64 (distinct logits row indices), all on logits' device. Each disallowed
+    token's logit becomes -inf; rows not in `rows` are not touched. Nothing is read back to the host
+    and nothing copied to the device."""
+    _check(logits, bitmask, rows)
+    if rows.shape[0] == 0:
+        return
     allowed = bitmask_to_allowed(bitmask, logits.shape[1])  # (R, V)
     if rows.shape[0] == logits.shape[0] and rows.device.type == "cpu" and rows.tolist() == list(range(len(rows))):
         logits.masked_fill_(~allowed, float("-inf"))  # every row, in order: no gather and scatter
@@ -70,34 +74,3 @@ def apply_token_bitmask_torch(logits: torch.Tensor, bitmask: torch.Tensor, rows:
     picked = logits.index_select(0, index)  # (R, V)
     picked.masked_fill_(~allowed, float("-inf"))
     logits.index_copy_(0, index, picked)
-
-
-def _library_kernel(logits: torch.Tensor):
-    """The grammar library's apply function where it runs for these logits, else None. The library is
-    taken only if already imported: a bitmask exists only when a grammar was compiled, which imports it."""
-    xgr = sys.modules.get("xgrammar")
-    if xgr is None:
-        return None
-    if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.bfloat16, torch.float16):
-        return xgr.apply_token_bitmask_inplace
-    if logits.device.type == "cuda" and importlib.util.find_spec("triton") is not None:
-        return xgr.apply_token_bitmask_inplace
-    return None
-
-
-def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
-    """Mask the constrained rows of `logits` in place: logits (N, V) float; bitmask (R, W) int32 and
-    rows (R,) int32/int64 (distinct logits row indices), all on logits' device. Each disallowed
-    token's logit becomes -inf; rows not in `rows` are not touched."""
-    _check(logits, bitmask, rows)
-    if rows.shape[0] == 0:
-        return
-    kernel = _library_kernel(logits)
-    if kernel is None:
-        apply_token_bitmask_torch(logits, bitmask, rows)
-        return
-    # The kernel reads bitmask row r for logits row r: spread the constrained rows into a full-height
-    # bitmask (N x W int32 words, a small fraction of the logits' N x V) and name the rows to touch.
-    full = torch.full((logits.shape[0], bitmask.shape[1]), -1, dtype=torch.int32, device=logits.device)
-    full.index_copy_(0, rows.long(), bitmask)
-    kernel(logits, full, vocab_size=logits.shape[1], indices=rows if logits.device.type == "cuda" else rows.tolist())

@@ -1,4 +1,4 @@
-"""The grammar library (xgrammar), imported only when a constraint is first used.
+"""The grammar library (llguidance), imported only when a constraint is first used.
 
 A run without structured output never imports it, so it stays an optional extra:
 `pip install 'batchgen[structured]'`.
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import importlib
 
-LIBRARY = "xgrammar"
+LIBRARY = "llguidance"
 INSTALL_HINT = "pip install 'batchgen[structured]'"
 
 
@@ -17,10 +17,13 @@ class StructuredOutputUnavailable(ImportError):
 
 
 def load_library():
-    """The xgrammar module; StructuredOutputUnavailable naming the extra when it cannot be imported."""
+    """The llguidance module (with its transformers tokenizer bridge, llguidance.hf, imported);
+    StructuredOutputUnavailable naming the extra when it cannot be imported."""
     try:
-        return importlib.import_module(LIBRARY)
+        module = importlib.import_module(LIBRARY)
+        importlib.import_module(f"{LIBRARY}.hf")
     except ImportError as exc:
         raise StructuredOutputUnavailable(
             f"structured output (json / regex / choice / grammar constraints) needs the {LIBRARY} package, "
             f"which is not installed or does not import ({exc}): {INSTALL_HINT}") from exc
+    return module

@@ -1,25 +1,26 @@
 """StructuredOutputsParams: what a request's output must match, with vLLM's names; checked on construction.
 
 Exactly one constraint per request:
-- `json`: a JSON schema (a dict, or a string holding one). The output is one JSON value that the schema
-  accepts, object properties in the schema's order. Objects take no properties beyond those the
-  schema names unless it says `additionalProperties` (the grammar library's strict mode, as vLLM's
-  xgrammar backend): a model left free to add keys adds them.
-- `regex`: the whole output matches the regular expression (no anchors needed).
+- `json`: a JSON schema (a dict, or a string holding one). The output is one JSON value the schema
+  accepts, object properties in the schema's order. An object that names its properties takes no
+  others unless the schema says `additionalProperties` (strict_schema.py says why).
+- `regex`: the whole output matches the regular expression (Rust `regex` syntax: no look-around,
+  no backreferences; no anchors needed).
 - `choice`: the output is exactly one of the strings.
-- `grammar`: a context-free grammar, xgrammar's EBNF (`root ::= ...`) or Lark (`start: ...`); a
-  grammar holding `::=` is read as EBNF.
+- `grammar`: a context-free grammar in Lark form (`start: ...`, llguidance's dialect) or llama.cpp's
+  GBNF (`root ::= ...`); a grammar holding `::=` is read as GBNF.
 - `json_object`: any JSON object (OpenAI's `response_format: {type: json_object}`).
 
 `disable_any_whitespace` (vLLM's name): False (the default, as vLLM) lets JSON hold any whitespace
 between its tokens, so a model can write the indented JSON it was trained on; True allows exactly
-one space after `,` and `:` and none elsewhere (`{"a": 1, "b": [2, 3]}`): shorter outputs, and no
-room for a small model to loop on newlines.
+`", "` between items and `": "` after keys and no other whitespace (`{"a": 1, "b": [2, 3]}`):
+shorter outputs, and no room for a small model to loop on newlines.
 
-What can be checked without the grammar library is checked here (types, an empty choice list, a
-schema that is not JSON, schema keywords the library would silently not enforce); what only the
-library can tell (a schema it cannot compile, a regex that matches nothing) when the grammar is
-compiled (compiler.py). Either way the error is a StructuredOutputError naming the field.
+What can be checked without the grammar library is checked here (one constraint, types, an empty
+choice list or choice, a schema string that is not JSON); what only the library can tell (a schema
+keyword it does not implement, an unsatisfiable schema, a regex that does not parse or matches
+nothing) when the grammar is compiled (compiler.py). Either way the error is a StructuredOutputError
+naming the field.
 
 `GuidedDecodingParams` is the older spelling of the same class (vLLM renamed it; both are accepted).
 """
@@ -30,8 +31,6 @@ import hashlib
 import json as json_module
 from dataclasses import dataclass, field
 from typing import Any
-
-from batchgen.engine.structured.schema_check import unenforced_keywords
 
 CONSTRAINT_FIELDS = ("json", "regex", "choice", "grammar", "json_object")
 
@@ -83,11 +82,6 @@ class StructuredOutputsParams:
                 raise StructuredOutputError("json", f"is not valid JSON: {exc}") from None
         if not isinstance(schema, dict):
             raise StructuredOutputError("json", f"must be a JSON schema object; got {type(schema).__name__}")
-        unenforced = unenforced_keywords(schema)
-        if unenforced:
-            raise StructuredOutputError(
-                "json", "the grammar library would not enforce " + "; ".join(unenforced)
-                + " (an output could break the schema there): leave these out")
         self.json = schema
 
     def _check_regex(self) -> None:
