@@ -5,10 +5,10 @@ order) allows token 32w + j. Only constrained rows have a bitmask row: `rows` sa
 each one masks, and every other logits row is left exactly as it was.
 
 The apply is torch ops that run on any device. Measured at 64 x 49152 float32 logits with the masks
-of a real JSON walk on the shared 2-core CPU (benchmarks/NOTES.md): these ops 8 ms median (4 ms
-best), xgrammar's C++ kernel 19 ms (10 ms best: it tests token by token), llguidance's torch.compile
-of the same ops 9 ms (0.5 ms best, but it compiles C++ through inductor at run time, which the
-engine avoids). The grammar library has no native kernel to use instead.
+of a real JSON walk on the shared 2-core CPU (benchmarks/NOTES.md, "Structured output"): these ops
+7-12 ms per step, xgrammar's C++ kernel 19 ms (it tests token by token), llguidance's torch.compile
+of the same ops 0.7 ms (one fused pass, but compiled to C++ through inductor at run time, which the
+engine does not do by default). llguidance, the library in use, has no native kernel besides that.
 """
 
 from __future__ import annotations

@@ -2,12 +2,12 @@
 
 One compiler per engine (per tokenizer and vocabulary). A compile turns the constraint into an
 llguidance grammar and builds a matcher for it over the tokenizer (about 2 ms for a 30-field schema
-on this CPU, 1 ms for a regex or a choice list; the tokenizer's view of the vocabulary, ~0.4 s, is
-built at the first compile). That matcher, at the grammar's start, is the compiled grammar: each
-request's GrammarState starts from a copy of it (~15 us). Compiled grammars are kept in a bounded
-LRU keyed by `StructuredOutputsParams.key` (a hash of the canonical spec and its options), so a job
-whose rows share a handful of schemas compiles each once; a constraint that fails to compile is
-remembered as well, so a bad schema repeated on many rows fails fast each time.
+on this CPU, 1 ms for a regex or a choice list; the tokenizer's view of the vocabulary is built at
+the first compile, 0.4-1.4 s here). That matcher, at the grammar's start, is the compiled grammar:
+each request's GrammarState starts from a copy of it (~15 us). Compiled grammars are kept in a
+bounded LRU keyed by `StructuredOutputsParams.key` (a hash of the canonical spec and its options), so
+a job whose rows share a handful of schemas compiles each once; a constraint that fails to compile
+is remembered as well, so a bad schema repeated on many rows fails fast each time.
 """
 
 from __future__ import annotations
