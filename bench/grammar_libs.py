@@ -35,6 +35,10 @@ from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 
+# Idle OpenMP threads sleep instead of spinning: on a shared CPU, spinning threads wait on descheduled
+# peers at every barrier and torch's 2-thread ops ran 5-10x slower (read when torch is first imported).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import torch
 
 from batchgen.bench.structured_schemas import WIDE_SCHEMA, wide_instance
