@@ -4,16 +4,19 @@ A bitmask row is ceil(V / 32) int32 words; bit j of word w (two's complement, li
 order) allows token 32w + j. Only constrained rows have a bitmask row: `rows` says which logits row
 each one masks, and every other logits row is left exactly as it was.
 
-The apply is torch ops that run on any device. Measured at 64 x 49152 float32 logits with the masks
-of a real JSON walk on the shared 2-core CPU (benchmarks/NOTES.md, "Structured output"): these ops
-7-12 ms per step, xgrammar's C++ kernel 19 ms (it tests token by token), llguidance's torch.compile
-of the same ops 0.7 ms (one fused pass, but compiled to C++ through inductor at run time, which the
-engine does not do by default). llguidance, the library in use, has no native kernel besides that.
+On CPU logits the apply is a C kernel (kernels/cpu_token_bitmask.py: one pass over the words,
+in place); elsewhere, or without a compiler, torch ops that run on any device. Measured at 64 x 49152
+float32 logits with the masks of a real JSON walk on the shared 2-core CPU (benchmarks/NOTES.md,
+"Structured output"): the torch ops 7-12 ms per step, xgrammar's C++ kernel 19 ms (it tests token by
+token), llguidance's torch.compile of the same ops 0.7 ms (one fused pass, compiled to C++ through
+inductor at run time, which the engine does not do by default).
 """
 
 from __future__ import annotations
 
 import torch
+
+from batchgen.kernels import cpu_token_bitmask
 
 # Bit j of an int32 word as an int32 (bit 31 wraps to the sign bit, -2**31), per device: made there,
 # so unpacking on an accelerator copies nothing from the host.
@@ -63,6 +66,17 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch
     rows (R,) int32/int64 (distinct logits row indices), all on logits' device. Each disallowed
     token's logit becomes -inf; rows not in `rows` are not touched. Nothing is read back to the host
     and nothing copied to the device."""
+    _check(logits, bitmask, rows)
+    if rows.shape[0] == 0:
+        return
+    if cpu_token_bitmask.can_apply(logits) and cpu_token_bitmask.is_available():
+        cpu_token_bitmask.apply_token_bitmask(logits, bitmask, rows)
+        return
+    apply_token_bitmask_torch(logits, bitmask, rows)
+
+
+def apply_token_bitmask_torch(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
+    """apply_token_bitmask in torch ops alone (any device; the CPU kernel's reference)."""
     _check(logits, bitmask, rows)
     if rows.shape[0] == 0:
         return

@@ -21,6 +21,7 @@ import torch
 
 from batchgen.engine.structured.bitmask import allocate_token_bitmask, apply_token_bitmask
 from batchgen.engine.structured.grammar_state import GrammarState
+from batchgen.kernels import cpu_token_bitmask
 
 # (state, its first bitmask row, the drafts its verify chunk checks): one per constrained sequence.
 GrammarFill = tuple[GrammarState, int, Seq[int]]
@@ -62,6 +63,8 @@ class StepBitmask:
     def apply(self, logits: torch.Tensor, fills: list[GrammarFill], rows: torch.Tensor) -> None:
         """Mask `logits` (N, V) in place at `rows` ((R,) int32 on its device, the constrained logits rows
         in order): each state fills its rows (1 + drafts) of the host bitmask, then one copy, then the apply."""
+        if self.host is None and self.device.type == "cpu":
+            cpu_token_bitmask.is_available()  # the first use builds the C kernel: not a step's mask time
         start = time.perf_counter()
         num_rows = rows.shape[0]
         host = self._reserve(num_rows)

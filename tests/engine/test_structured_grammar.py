@@ -29,6 +29,7 @@ from batchgen.engine.structured import (
     apply_token_bitmask,
     bitmask_to_allowed,
 )
+from batchgen.engine.structured.bitmask import apply_token_bitmask_torch
 from batchgen.engine.structured.library import load_library
 
 VOCAB = 49152  # the bundled SmolLM2's logits width
@@ -353,24 +354,37 @@ def _reference_allowed(bitmask: torch.Tensor, vocab: int) -> np.ndarray:
     return np.unpackbits(as_bytes, axis=1, bitorder="little")[:, :vocab].astype(bool)
 
 
+def _apply_with(implementation: str):
+    if implementation == "torch":
+        return apply_token_bitmask_torch
+    from batchgen.kernels import cpu_token_bitmask
+
+    assert cpu_token_bitmask.is_available()  # the engine's CPU path: it must build here
+    return cpu_token_bitmask.apply_token_bitmask
+
+
+@pytest.mark.parametrize("implementation", ["c-kernel", "torch"])
+@pytest.mark.parametrize("vocab", [VOCAB, VOCAB - 5], ids=["whole-words", "last-word-partial"])
 @pytest.mark.parametrize("rows", [[6, 1, 4], list(range(8))], ids=["some-rows", "every-row"])
-def test_apply_masks_constrained_rows_and_leaves_the_rest_bit_for_bit(rows):
+def test_apply_masks_constrained_rows_and_leaves_the_rest_bit_for_bit(rows, vocab, implementation):
     gen = torch.Generator().manual_seed(0)
-    logits = torch.randn(8, VOCAB, generator=gen)  # (N, V)
+    logits = torch.randn(8, vocab, generator=gen)  # (N, V)
     if 2 not in rows:
         logits[2, 5] = float("nan")  # an unconstrained row's odd values stay as they are
     rows = torch.tensor(rows)
-    bitmask = torch.randint(-(2**31), 2**31 - 1, (len(rows), VOCAB // 32), dtype=torch.int32, generator=gen)
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (len(rows), (vocab + 31) // 32), dtype=torch.int32,
+                            generator=gen)
     bitmask[1] = -1  # a constrained row that allows everything
+    bitmask[0, 3] = 0  # a word that allows nothing
     original = logits.clone()
-    apply_token_bitmask(logits, bitmask, rows)
-    allowed = _reference_allowed(bitmask, VOCAB)
+    _apply_with(implementation)(logits, bitmask, rows)
+    allowed = _reference_allowed(bitmask, vocab)
     for i, row in enumerate(rows.tolist()):
         expected = torch.where(torch.from_numpy(allowed[i]), original[row], torch.tensor(float("-inf")))
         assert torch.equal(logits[row], expected), row
     untouched = [r for r in range(8) if r not in rows.tolist()]
     assert torch.equal(logits[untouched].view(torch.int32), original[untouched].view(torch.int32))
-    assert torch.equal(bitmask_to_allowed(bitmask, VOCAB), torch.from_numpy(allowed))
+    assert torch.equal(bitmask_to_allowed(bitmask, vocab), torch.from_numpy(allowed))
 
 
 def test_apply_off_the_host_copies_nothing_and_reads_nothing():
