@@ -182,15 +182,18 @@ def finalize(
 
 @app.command()
 def validate(job: JobArg, set_: SetOpt = None, limit: LimitOpt = None) -> None:
-    """Check a job without running it: the file, the model's presence, every input's schema; print the plan.
+    """Check a job without running it: the file, the model's presence, every input's schema, the
+    structured-output constraint (compiled over the model's tokenizer); print the plan.
 
     Loads no weights.
     """
     from batchgen.pipeline.config import load_job
     from batchgen.pipeline.job_plan import format_job_plan, plan_job
+    from batchgen.pipeline.structured_job import check_job_constraint_before_load
 
     try:
         plan = plan_job(load_job(job, set_ or []), limit)
+        check_job_constraint_before_load(plan.job)
     except Exception as exc:
         raise _fail(exc) from None
     typer.echo(format_job_plan(plan))

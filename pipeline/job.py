@@ -13,7 +13,14 @@ from batchgen.pipeline.config import JobConfig
 from batchgen.pipeline.errors import JobError
 from batchgen.pipeline.job_plan import JobPlan, plan_job
 from batchgen.pipeline.output import SUCCESS_NAME, OutputRun, describe_redo, open_run, raise_if_refused
-from batchgen.pipeline.summary import SUMMARY_COLUMNS, Totals, speculative_summary, success_record
+from batchgen.pipeline.structured_job import check_job_constraint
+from batchgen.pipeline.summary import (
+    SUMMARY_COLUMNS,
+    Totals,
+    speculative_summary,
+    structured_summary,
+    success_record,
+)
 from batchgen.pipeline.unit_loop import UnitSource, run_units
 
 log = logging.getLogger("batchgen.pipeline")
@@ -68,10 +75,13 @@ def _run_held(plan: JobPlan, run: OutputRun, engine: LLMEngine | None, progress:
 
     source = UnitSource(job, plan.inputs.output_schema(job), plan.repeats)
     spec_before = engine.stats.get("speculative")  # None: speculation off (or an engine without it)
+    structured_before = engine.stats.get("structured")
     ran = run_units(source, plan.input_storage, run.storage, pending, engine, run.commit_context(),
                     progress=progress)
+    after = engine.stats
     record = finish_job(job, run, ran.totals, ran.generation_seconds, **engine_reports(engine),
-                        speculative=speculative_summary(spec_before, engine.stats.get("speculative")))
+                        speculative=speculative_summary(spec_before, after.get("speculative")),
+                        structured=structured_summary(structured_before, after.get("structured")))
     return RunResult(record, success_path, len(pending), len(skipped), dict(run.redo))
 
 
@@ -84,7 +94,7 @@ def engine_reports(engine: LLMEngine) -> dict:
 
 def finish_job(job: JobConfig, run: OutputRun, this_run: Totals, generation_seconds: float, *, kernels: dict,
                kv_cache: dict | None = None, weights: dict | None = None, workers: dict | None = None,
-               speculative: dict | None = None, model: str | None = None) -> dict:
+               speculative: dict | None = None, model: str | None = None, structured: dict | None = None) -> dict:
     """The run's `_SUCCESS`, written last (after output.jsonl/errors.jsonl for openai_batch output) while
     the run still holds its folder: counts over the whole output, speed and latency over this run."""
     whole = dataclasses.replace(this_run, ttft_s=[], tpot_s=[])  # latency figures: this run only
@@ -94,7 +104,7 @@ def finish_job(job: JobConfig, run: OutputRun, this_run: Totals, generation_seco
             whole.add_table(pq.read_table(f, columns=SUMMARY_COLUMNS))
     record = success_record(job.name, run.identity.config_hash, whole, this_run, generation_seconds,
                             resumed=bool(skipped), kernels=kernels, kv_cache=kv_cache, weights=weights,
-                            workers=workers, speculative=speculative, model=model)
+                            workers=workers, speculative=speculative, model=model, structured=structured)
     run.finish(record, write_batch_outputs=job.writes_batch_output)  # the .jsonl from every committed part
     return record
 
@@ -118,6 +128,8 @@ def _differing_fields(a: EngineConfig, b: EngineConfig) -> str:
 
 
 def check_engine_can_run(job: JobConfig, engine: LLMEngine) -> None:
+    check_job_constraint(job, engine.compile_grammar)
+
     # A batch file's chat lines need the template and its completions lines do not: a chat line on a
     # model without one becomes that line's error row.
     needs_template = job.input.apply_chat_template and not job.input.is_batch_file

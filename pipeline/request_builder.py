@@ -9,7 +9,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from batchgen.engine import SamplingParams
+from batchgen.engine.structured import StructuredOutputError
 from batchgen.pipeline.config import JobConfig
+from batchgen.pipeline.structured_job import row_constraint
 
 
 class RowError(ValueError):
@@ -44,6 +46,7 @@ class RowInput:
     error: str | None = None
     num_prompt_bytes: int = 0  # the row's own text (prompt, or messages' roles and contents) as stored
     params: SamplingParams | None = None  # already built and checked (a batch line's body): used as is
+    schema: str | None = None  # the row's JSON schema (input.schema_column): its structured-output constraint
     sample_key: str | None = None  # the engine's sample key when not the request id (a seeded batch line)
     openai: OpenAIRequest | None = None
 
@@ -101,6 +104,7 @@ class RequestBuilder:
             return task
         try:
             task.params = self._params(row)
+            self._compile(task.params, row)
             task.token_ids = self._encode(row)  # kept on an overlong error: its prompt_tokens tell by how much
             task.token_ids = self._fit(task.token_ids, task.params)
         except RowError as exc:
@@ -110,6 +114,8 @@ class RequestBuilder:
     def _params(self, row: RowInput) -> SamplingParams:
         if row.params is not None:
             return row.params
+        if row.schema is not None:
+            return self._params_with_schema(row)
         if not row.overrides:
             return self.default_params
         try:
@@ -117,6 +123,29 @@ class RequestBuilder:
         except (ValueError, TypeError) as exc:
             columns = ", ".join(f"{self.job.sampling_columns[k]}={v!r}" for k, v in row.overrides.items())
             raise RowError(f"invalid per-row sampling value ({columns}): {exc}") from None
+
+    def _params_with_schema(self, row: RowInput) -> SamplingParams:
+        column = self.job.input.schema_column
+        try:
+            constraint = row_constraint(row.schema, self.job.sampling.structured)
+            return self.job.sampling_params(**row.overrides, structured_outputs=constraint)
+        except StructuredOutputError as exc:
+            raise RowError(f"the row's schema (column {column!r}) cannot be used: {exc.reason}") from None
+        except (ValueError, TypeError) as exc:
+            raise RowError(f"the row's schema (column {column!r}) with its sampling values: {exc}") from None
+
+    def _compile(self, params: SamplingParams, row: RowInput) -> None:
+        """A constrained row's grammar compiled now, while its window is read ahead (cached: the engine's
+        add_request finds it there); one that cannot be compiled is this row's error."""
+        if params.structured_outputs is None:
+            return
+        try:
+            self.engine.compile_grammar(params.structured_outputs)
+        except StructuredOutputError as exc:
+            if row.schema is not None:
+                raise RowError(f"the row's schema (column {self.job.input.schema_column!r}) cannot be used: "
+                               f"{exc.reason}") from None
+            raise RowError(str(exc), row.openai.error_param if row.openai else None) from None
 
     def _encode(self, row: RowInput) -> list[int]:
         try:
