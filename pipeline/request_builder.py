@@ -5,12 +5,14 @@ openai/batch_lines.py); everything after that is format-independent."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
 from batchgen.engine import SamplingParams
 from batchgen.engine.structured import StructuredOutputError
 from batchgen.pipeline.config import JobConfig
+from batchgen.pipeline.openai.structured_fields import error_param
 from batchgen.pipeline.structured_job import row_constraint
 
 
@@ -34,6 +36,7 @@ class OpenAIRequest:
     endpoint: str | None  # "chat" | "completions"; None for a batch line whose url is not one of them
     error_param: str | None = None  # the field an error row's body.error names
     error_code: str | None = None  # its machine-readable kind (the server's codes), where known
+    structured_param: str | None = None  # the body field that set the output constraint, if one did
 
 
 @dataclass
@@ -109,6 +112,8 @@ class RequestBuilder:
             task.token_ids = self._fit(task.token_ids, task.params)
         except RowError as exc:
             task.error = str(exc)
+            if exc.param is not None and task.openai is not None:  # the body field an error line names
+                task.openai = dataclasses.replace(task.openai, error_param=exc.param, error_code="invalid_value")
         return task
 
     def _params(self, row: RowInput) -> SamplingParams:
@@ -145,7 +150,10 @@ class RequestBuilder:
             if row.schema is not None:
                 raise RowError(f"the row's schema (column {self.job.input.schema_column!r}) cannot be used: "
                                f"{exc.reason}") from None
-            raise RowError(str(exc), row.openai.error_param if row.openai else None) from None
+            if row.openai is not None and row.openai.structured_param is not None:
+                param = error_param(row.openai.structured_param, exc)
+                raise RowError(f"{param}: {exc.reason}", param) from None
+            raise RowError(str(exc)) from None
 
     def _encode(self, row: RowInput) -> list[int]:
         try:

@@ -29,6 +29,7 @@ from batchgen.pipeline.openai.protocol import (
     parse_request,
     sampling_params_from_body,
 )
+from batchgen.pipeline.openai.structured_fields import compile_request_constraint
 from batchgen.serve import responses
 from batchgen.serve.engine_loop import Admitted, EngineLoop, EventSink, Failed, Finished, Progress, Submission
 from batchgen.serve.metrics import Metrics
@@ -176,6 +177,7 @@ def _prepare(body: ChatCompletionRequest | CompletionRequest, prompt, prompt_fie
                               f"{len(token_ids) + params.max_tokens} ({len(token_ids)} in the {prompt_field}, "
                               f"{params.max_tokens} in {max_tokens_field})", max_tokens_field,
                               "context_length_exceeded")
+        compile_request_constraint(engine, body, params)  # a schema the grammar library refuses: 400
         return token_ids, params
     return prepare
 
