@@ -66,6 +66,10 @@ class BenchOptions:
             raise ValueError(f"vllm_reps must be >= 1; got {self.vllm_reps}")
         if self.structured_schema is not None and self.workload not in ("random", "chat", "shared-prefix"):
             raise ValueError(f"--structured-schema runs the random, chat or shared-prefix workload; got {self.workload}")
+        if self.structured_schema is not None:
+            from batchgen.bench.structured_bench import read_schema
+
+            read_schema(self.structured_schema)  # a missing or unreadable file fails before any loading
         if self.structured_runs < 1:
             raise ValueError(f"--structured-runs must be >= 1; got {self.structured_runs}")
         unknown = [q for q in self.quantizations if q not in BENCH_QUANTIZATIONS]
