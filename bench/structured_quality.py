@@ -244,12 +244,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--kv-cache-memory", default="1536MiB", help="the engine's KV pool (128 running requests)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     args = parser.parse_args(argv)
     from batchgen.engine import EngineConfig
 
     engine = LLMEngine(EngineConfig(model=args.model, dtype="float32", device="cpu", num_threads=args.threads,
-                                    max_model_len=2048))
+                                    max_model_len=2048, kv_cache_memory=args.kv_cache_memory))
     report = run_structured_quality(engine, args.num_prompts, args.max_tokens, seed=args.seed)
     print(json.dumps(report, indent=2) if args.json else format_report(report))
     return 0

@@ -119,3 +119,24 @@ class GrammarState:
                     num_advanced += 1
         finally:
             self.rollback(num_advanced)
+
+
+def fill_bitmasks(fills: Sequence[tuple[GrammarState, int, Sequence[int]]], bitmask: torch.Tensor,
+                  executor=None) -> None:
+    """Fill several states' rows of `bitmask` (each (state, first row, drafts) as in fill_bitmask). With
+    the library's `executor` (an llguidance LLExecutor), the rows of states without drafts are filled
+    in one call on its thread pool; the others, or all without an executor, in turn."""
+    batch = []
+    for state, row, drafts in fills:
+        if executor is None or drafts or state.is_terminated:
+            state.fill_bitmask(bitmask, row, drafts)
+        else:
+            batch.append((state._matcher, row))
+    if batch:
+        if bitmask.dtype != torch.int32 or bitmask.device.type != "cpu" or not bitmask.is_contiguous():
+            raise ValueError(f"the bitmask must be a contiguous CPU int32 tensor; got {bitmask.dtype} on "
+                             f"{bitmask.device}")
+        if any(not 0 <= row < bitmask.shape[0] for _, row in batch):
+            raise ValueError(f"a row outside the bitmask's {bitmask.shape[0]} rows")
+        executor.unsafe_compute_mask_ptr(batch, bitmask.data_ptr(), bitmask.shape[1] * bitmask.element_size(),
+                                         bitmask.shape[0])

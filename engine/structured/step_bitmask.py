@@ -20,11 +20,15 @@ from dataclasses import dataclass
 import torch
 
 from batchgen.engine.structured.bitmask import allocate_token_bitmask, apply_token_bitmask
-from batchgen.engine.structured.grammar_state import GrammarState
+from batchgen.engine.structured.grammar_state import GrammarState, fill_bitmasks
+from batchgen.engine.structured.library import load_library
 from batchgen.kernels import cpu_token_bitmask
 
 # (state, its first bitmask row, the drafts its verify chunk checks): one per constrained sequence.
 GrammarFill = tuple[GrammarState, int, Seq[int]]
+# From this many constrained sequences on, their rows are filled by the library's thread pool in one
+# call (as many threads as torch's, idle while the host fills) rather than in turn.
+PARALLEL_FILL_MIN_SEQS = 16
 
 
 @dataclass
@@ -51,6 +55,7 @@ class StepBitmask:
         self.device = device
         self.pin = device.type == "cuda" and torch.cuda.is_available()
         self.host: torch.Tensor | None = None  # (rows, W) int32, grown on demand
+        self._executor = None  # the library's thread pool, made at the first large fill
         self.stats = MaskStats()
 
     def _reserve(self, num_rows: int) -> torch.Tensor:
@@ -60,6 +65,13 @@ class StepBitmask:
             self.host = allocate_token_bitmask(size, self.vocab_size, pin_memory=self.pin)
         return self.host
 
+    def _executor_for(self, num_fills: int):
+        if num_fills < PARALLEL_FILL_MIN_SEQS or torch.get_num_threads() < 2:
+            return None
+        if self._executor is None:
+            self._executor = load_library().LLExecutor(torch.get_num_threads())
+        return self._executor
+
     def apply(self, logits: torch.Tensor, fills: list[GrammarFill], rows: torch.Tensor) -> None:
         """Mask `logits` (N, V) in place at `rows` ((R,) int32 on its device, the constrained logits rows
         in order): each state fills its rows (1 + drafts) of the host bitmask, then one copy, then the apply."""
@@ -68,8 +80,7 @@ class StepBitmask:
         start = time.perf_counter()
         num_rows = rows.shape[0]
         host = self._reserve(num_rows)
-        for state, first_row, drafts in fills:
-            state.fill_bitmask(host, first_row, drafts)
+        fill_bitmasks(fills, host, self._executor_for(len(fills)))
         filled = time.perf_counter()
         bitmask = host[:num_rows]  # (R, W)
         if self.device.type != "cpu":

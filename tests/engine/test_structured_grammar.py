@@ -347,6 +347,35 @@ def test_draft_rows_are_the_masks_plain_decoding_sees(compiler, tok):
         state.fill_bitmask(bitmask, 0, [wrong])
 
 
+def test_filling_many_states_in_one_library_call_equals_filling_them_in_turn(compiler, tok):
+    """The step's large fills go through the library's thread pool; states with drafts, and a
+    terminated one, are filled in turn beside them. Every row equals the row filled alone."""
+    from batchgen.engine.structured.grammar_state import fill_bitmasks
+    from batchgen.engine.structured.library import load_library
+
+    rng = random.Random(3)
+    fills, row = [], 0
+    for i in range(20):
+        state = compiler.new_state(StructuredOutputsParams(json=WIDE_SCHEMA))
+        tokens = encode(tok, json.dumps(wide_instance(rng)))
+        walk(state, tokens[:5 + 7 * i % 60])
+        drafts = tokens[5 + 7 * i % 60:][:2] if i % 5 == 0 else []
+        fills.append((state, row, drafts))
+        row += 1 + len(drafts)
+    done = compiler.new_state(StructuredOutputsParams(choice=["yes"]))
+    walk(done, encode(tok, "yes") + [tok.eos_token_id])
+    assert done.is_terminated
+    fills.append((done, row, []))
+    expected = allocate_token_bitmask(row + 2, VOCAB)
+    for state, first, drafts in fills:
+        state.fill_bitmask(expected, first, drafts)
+    together = torch.zeros_like(expected)
+    together[row + 1:] = -1  # the spare row, as allocated
+    fill_bitmasks(fills, together, load_library().LLExecutor(2))
+    assert torch.equal(together, expected)
+    assert all(state.num_tokens == n for (state, _, _), n in zip(fills, [5 + 7 * i % 60 for i in range(20)]))
+
+
 # ---- applying the bitmask ----------------------------------------------------------------------
 def _reference_allowed(bitmask: torch.Tensor, vocab: int) -> np.ndarray:
     """numpy's own unpacking: each int32 word's little-endian bytes, bits low to high."""
