@@ -142,7 +142,7 @@ def build_requests(prompts: list[list[dict]], num_prompts: int, temperature: flo
         chat = [m for m in prompts[i % len(prompts)] if m["role"] != "system"]
         name = names[i % len(names)]
         instruction, schema = SCHEMAS[name]
-        base = dict(temperature=temperature, max_tokens=max_tokens, seed=seed if temperature else None)
+        base = {"temperature": temperature, "max_tokens": max_tokens, "seed": seed if temperature else None}
         with_system = [{"role": "system", "content": instruction}, *chat]
         if "schema" in kinds:
             requests.append(Request(f"{tag}-schema-{i}", "schema", name, with_system,

@@ -15,7 +15,11 @@ import json
 from pathlib import Path
 from typing import Any
 
-from batchgen.engine.structured import StructuredOutputError, StructuredOutputsParams, StructuredOutputUnavailable
+from batchgen.engine.structured import (
+    StructuredOutputError,
+    StructuredOutputsParams,
+    StructuredOutputUnavailable,
+)
 from batchgen.engine.structured.params import CONSTRAINT_FIELDS
 from batchgen.pipeline.errors import JobError
 

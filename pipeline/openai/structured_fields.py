@@ -14,7 +14,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from batchgen.engine.structured import StructuredOutputError, StructuredOutputsParams, StructuredOutputUnavailable
+from batchgen.engine.structured import (
+    StructuredOutputError,
+    StructuredOutputsParams,
+    StructuredOutputUnavailable,
+)
 from batchgen.pipeline.openai.api_error import APIError, bad_request
 
 STRUCTURED_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",

@@ -9,6 +9,7 @@ figures are in benchmarks/NOTES.md); here a smaller batch of the same requests.
 from __future__ import annotations
 
 import json
+import math
 
 import jsonschema
 import pytest
@@ -52,7 +53,7 @@ def test_constrained_outputs_validate_and_the_same_prompts_unconstrained_do_not(
 
 
 def test_grammar_end_is_stop_and_max_tokens_mid_object_is_length(engine):
-    params = SamplingParams(temperature=0, max_tokens=64, structured_outputs={"json": PERSON})
+    params = SamplingParams(temperature=0, max_tokens=64, logprobs=2, structured_outputs={"json": PERSON})
     short = SamplingParams(temperature=0, max_tokens=6, structured_outputs={"json": PERSON})
     outputs = run_requests(engine, {"whole": (quality.chat_prompts()[0], params),
                                     "cut": (quality.chat_prompts()[0], short)})
@@ -60,6 +61,9 @@ def test_grammar_end_is_stop_and_max_tokens_mid_object_is_length(engine):
     assert whole.finish_reason == "stop" and whole.stop_reason is None
     assert whole.token_ids[-1] in engine.eos_token_ids  # the grammar's end allows only EOS
     jsonschema.validate(json.loads(whole.text), PERSON)
+    # Logprobs are of the constrained distribution: the EOS the complete grammar forces has probability 1.
+    assert whole.logprobs[-1] == 0.0 and all(math.isfinite(lp) and lp <= 0 for lp in whole.logprobs)
+    assert whole.top_logprobs[-1][0].token_id == whole.token_ids[-1] and whole.top_logprobs[-1][1].logprob == -math.inf
     assert cut.finish_reason == "length" and len(cut.token_ids) == 6
     assert cut.token_ids == whole.token_ids[:6]  # the same greedy walk, cut
     with pytest.raises(ValueError):

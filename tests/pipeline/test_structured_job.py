@@ -59,7 +59,7 @@ def schema_job(tmp_path_factory, engine):
 
 
 def test_rows_follow_the_job_schema_or_their_own_and_a_bad_schema_is_that_rows_error(schema_job):
-    folder, result, cells = schema_job
+    folder, _, _ = schema_job
     rows = {r["id"]: r for r in read_output(folder / "out").to_pylist()}
     expected = {0: PERSON, 1: PERSON, 2: KEYWORDS, 3: VERDICT}
     for row_id, schema in expected.items():

@@ -344,8 +344,8 @@ def test_response_format_json_schema_streamed_and_not_with_n2(client, llm):
     import jsonschema
 
     messages = [{"role": "system", "content": "Answer with a JSON object: name and age."}, *chat(QUESTIONS[0])]
-    kwargs = dict(model=MODEL, messages=messages, n=2, temperature=0.8, seed=7, max_tokens=48,
-                  response_format=PERSON_FORMAT)
+    kwargs = {"model": MODEL, "messages": messages, "n": 2, "temperature": 0.8, "seed": 7, "max_tokens": 48,
+              "response_format": PERSON_FORMAT}
     reply = client.chat.completions.create(**kwargs)
     texts = [c.message.content for c in reply.choices]
     assert [c.finish_reason for c in reply.choices] == ["stop", "stop"] and texts[0] != texts[1]
@@ -372,8 +372,12 @@ def test_json_object_and_vllms_extra_fields(client):
     assert isinstance(json.loads(reply.choices[0].message.content), dict)
     choices = ["Paris", "London", "Rome"]
     for extra in ({"guided_choice": choices}, {"structured_outputs": {"choice": choices}}):
-        reply = ask(model=MODEL, messages=chat(QUESTIONS[0]), max_tokens=8, temperature=0, extra_body=extra)
+        reply = ask(model=MODEL, messages=chat(QUESTIONS[0]), max_tokens=8, temperature=0, extra_body=extra,
+                    logprobs=True, top_logprobs=3)
         assert reply.choices[0].message.content in choices and reply.choices[0].finish_reason == "stop"
+        # tokens the grammar rules out have probability 0: sent as vLLM's floor, -9999 (JSON has no -inf)
+        last = reply.choices[0].logprobs.content[-1]
+        assert last.logprob == 0.0 and [t.logprob for t in last.top_logprobs][1:] == [-9999.0, -9999.0]
     completion = client.completions.create(model=MODEL, prompt="The date today is ", max_tokens=16, temperature=0,
                                            extra_body={"guided_regex": "20[0-9]{2}-[01][0-9]-[0-3][0-9]"})
     assert re.fullmatch("20[0-9]{2}-[01][0-9]-[0-3][0-9]", completion.choices[0].text)
@@ -387,21 +391,22 @@ def test_a_bad_schema_is_a_400_naming_the_field(client):
     unsatisfiable = {**PERSON_FORMAT, "json_schema": {"name": "p", "schema": {
         "type": "object", "required": ["a"], "properties": {"a": {"type": "integer", "minimum": 3, "maximum": 1}}}}}
     cases = [
-        (dict(response_format=unsatisfiable), "response_format.json_schema.schema"),
-        (dict(response_format={**PERSON_FORMAT, "json_schema": {"name": "p", "schema": {"type": "strin"}}}),
+        ({"response_format": unsatisfiable}, "response_format.json_schema.schema"),
+        ({"response_format": {**PERSON_FORMAT, "json_schema": {"name": "p", "schema": {"type": "strin"}}}},
          "response_format.json_schema.schema"),
-        (dict(response_format={"type": "json_schema", "json_schema": {"schema": PERSON}}),
+        ({"response_format": {"type": "json_schema", "json_schema": {"schema": PERSON}}},
          "response_format.json_schema.name"),
-        (dict(response_format={"type": "xml"}), "response_format.type"),
-        (dict(extra_body={"structured_outputs": {"regex": "[a-z"}}), "structured_outputs.regex"),
-        (dict(extra_body={"structured_outputs": {"choice": []}}), "structured_outputs.choice"),
-        (dict(extra_body={"guided_regex": "[^\\s\\S]"}), "guided_regex"),
-        (dict(response_format=PERSON_FORMAT, extra_body={"guided_regex": "a"}), "guided_regex"),
-        (dict(response_format=PERSON_FORMAT, extra_body={"ignore_eos": True}), "ignore_eos"),
+        ({"response_format": {"type": "xml"}}, "response_format.type"),
+        ({"extra_body": {"structured_outputs": {"regex": "[a-z"}}}, "structured_outputs.regex"),
+        ({"extra_body": {"structured_outputs": {"choice": []}}}, "structured_outputs.choice"),
+        ({"extra_body": {"guided_regex": "[^\\s\\S]"}}, "guided_regex"),
+        ({"response_format": PERSON_FORMAT, "extra_body": {"guided_regex": "a"}}, "guided_regex"),
+        ({"response_format": PERSON_FORMAT, "extra_body": {"ignore_eos": True}}, "ignore_eos"),
     ]
     for kwargs, param in cases:
         for stream in (False, True):
-            error = _bad_request(lambda: ask(model=MODEL, messages=chat("Hi"), max_tokens=8, stream=stream, **kwargs))
+            error = _bad_request(lambda kwargs=kwargs, stream=stream: ask(model=MODEL, messages=chat("Hi"),
+                                                                          max_tokens=8, stream=stream, **kwargs))
             assert error.body["param"] == param and param in error.body["message"], (kwargs, error.body)
     reply = ask(model=MODEL, messages=chat("Hi"), max_tokens=3, temperature=0)  # the server keeps answering
     assert reply.usage.completion_tokens == 3
