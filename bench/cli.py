@@ -97,6 +97,12 @@ def bench_command(
     draft_model: Annotated[str | None, typer.Option(help="copy: the draft model (default: the model itself).")] = None,
     draft_quantization: Annotated[str | None, typer.Option(
         help="copy: the draft's quantization, e.g. fp8 (default: none).")] = None,
+    structured_schema: Annotated[Path | None, typer.Option(
+        "--structured-schema", help="random/chat/shared-prefix: a JSON schema file constraining every request, "
+                                    "run against the same workload unconstrained (interleaved runs; the "
+                                    "throughput ratio and the token mask's time per step), e.g. "
+                                    "benchmarks/schemas/records.json.")] = None,
+    structured_runs: Annotated[int, typer.Option(help="--structured-schema: interleaved run pairs.")] = 3,
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
     output: Annotated[Path | None, typer.Option(
         help="Also write the JSON result here, e.g. benchmarks/results/random-2core.json.")] = None,
@@ -120,6 +126,8 @@ def bench_command(
                             kv_cache_dtype=kv_cache_dtype, num_speculative_tokens=spec_tokens,
                             draft_model=draft_model, draft_quantization=draft_quantization,
                             copy_batches=tuple(_parse_batch_sizes(copy_batches)),
+                            structured_schema=str(structured_schema) if structured_schema else None,
+                            structured_runs=structured_runs,
                             quantizations=[q for q in (quantization or "").replace(" ", "").split(",") if q])
         if opts.is_quality:
             result = run_quality(opts)
@@ -155,6 +163,10 @@ def bench_command(
         from batchgen.bench.serve_load import format_serve_report
 
         typer.echo(format_serve_report(result))
+    elif opts.structured_schema is not None:
+        from batchgen.bench.structured_bench import format_structured_report
+
+        typer.echo(format_structured_report(result))
     else:
         typer.echo(format_report(result))
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 
 import yaml
 
@@ -45,9 +46,11 @@ def fixed_length_params(output_len: int) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=output_len, min_tokens=output_len, ignore_eos=True)
 
 
-def run_engine(engine: LLMEngine, workload: Workload, name: str = "engine") -> TimedRun:
-    """Time add_request for every prompt (token ids: no tokenizing) through the last step."""
-    params = {n: fixed_length_params(n) for n in set(workload.output_lens)}
+def run_engine(engine: LLMEngine, workload: Workload, name: str = "engine",
+               params_for: Callable[[int], SamplingParams] = fixed_length_params) -> TimedRun:
+    """Time add_request for every prompt (token ids: no tokenizing) through the last step.
+    `params_for(output_len)`: each request's SamplingParams (default: greedy, exactly output_len tokens)."""
+    params = {n: params_for(n) for n in set(workload.output_lens)}
     before = engine.stats
     outputs = {}
     start = time.perf_counter()
@@ -60,12 +63,17 @@ def run_engine(engine: LLMEngine, workload: Workload, name: str = "engine") -> T
     after = engine.stats
     stats = {k: after[k] - before[k] for k in after
              if k.startswith("num_") and k not in ("num_free_blocks", "num_blocks")}
+    finish_reasons: dict[str, int] = {}
+    for out in outputs.values():
+        for completion in out.outputs:
+            finish_reasons[completion.finish_reason] = finish_reasons.get(completion.finish_reason, 0) + 1
     prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs.values())
     token_ids = {rid: list(o.outputs[0].token_ids) for rid, o in outputs.items()}
     cfg = engine.config
     details = {
         "stats": stats,
         "prefix_cache_hit_rate": stats["num_cached_tokens"] / prompt_tokens if prompt_tokens else 0.0,
+        "finish_reasons": finish_reasons,
         "config": {"max_num_seqs": cfg.max_num_seqs, "max_num_batched_tokens": cfg.max_num_batched_tokens,
                    "enable_prefix_caching": cfg.enable_prefix_caching, "compile": cfg.compile,
                    "attention_backend": engine.capabilities.attention_backend, "num_kv_blocks": engine.num_kv_blocks},

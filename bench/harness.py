@@ -146,6 +146,13 @@ def run_bench(opts: BenchOptions, engine: LLMEngine | None = None, peer_model=No
                               num_requests_at_batch_1=opts.num_requests or 8,
                               switch_output_len=SWITCH_OUTPUT_LEN, say=say, batches=tuple(opts.copy_batches))
     workload = make_workload(opts, engine)
+    if opts.structured_schema is not None:  # constrained against unconstrained, nothing else
+        from batchgen.bench.structured_bench import run_structured_comparison
+
+        structured = run_structured_comparison(engine, workload, opts.structured_schema, opts.structured_runs, say)
+        return {"model": opts.model, "workload": workload.describe(),
+                "machine": {**machine_fingerprint(), "cpu_busy_before": busy_before}, "structured": structured,
+                "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     model_cfg = engine.model_cfg
     eos_token_ids = list(engine.eos_token_ids)
     pad_token_id = engine.tokenizer.hf.pad_token_id

@@ -49,6 +49,9 @@ class BenchOptions:
     draft_model: str | None = None
     draft_quantization: str | None = None
     copy_batches: tuple[int, ...] = (1, 8, 64)  # running batches of the copy workload
+    # a JSON schema file: the workload constrained by it on every request against none (structured_bench.py)
+    structured_schema: str | None = None
+    structured_runs: int = 3  # interleaved (unconstrained, constrained) pairs
 
     def __post_init__(self) -> None:
         if self.workload not in WORKLOADS:
@@ -61,6 +64,14 @@ class BenchOptions:
             raise ValueError(f"--peer vllm runs the random, chat and shared-prefix workloads, not {self.workload}")
         if self.vllm_reps < 1:
             raise ValueError(f"vllm_reps must be >= 1; got {self.vllm_reps}")
+        if self.structured_schema is not None and self.workload not in ("random", "chat", "shared-prefix"):
+            raise ValueError(f"--structured-schema runs the random, chat or shared-prefix workload; got {self.workload}")
+        if self.structured_schema is not None:
+            from batchgen.bench.structured_bench import read_schema
+
+            read_schema(self.structured_schema)  # a missing or unreadable file fails before any loading
+        if self.structured_runs < 1:
+            raise ValueError(f"--structured-runs must be >= 1; got {self.structured_runs}")
         unknown = [q for q in self.quantizations if q not in BENCH_QUANTIZATIONS]
         if unknown:
             raise ValueError(f"--quantization takes {', '.join(BENCH_QUANTIZATIONS)}; got {', '.join(unknown)}")
@@ -70,7 +81,7 @@ class BenchOptions:
         """hf | vllm | none, the default resolved."""
         if self.peer is not None:
             return self.peer
-        return "none" if self.workload == "shared-prefix" else "hf"
+        return "none" if self.workload == "shared-prefix" or self.structured_schema is not None else "hf"
 
     @property
     def is_peer(self) -> bool:

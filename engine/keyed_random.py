@@ -33,7 +33,11 @@ _MIX64_2 = _signed(0x94D049BB133111EB, 64)
 _GOLDEN32 = _signed(0x9E3779B9, 32)
 _MIX32_1 = _signed(0x7FEB352D, 32)  # "lowbias32" (C. Wellons' hash prospector): full avalanche
 _MIX32_2 = _signed(0x846CA68B, 32)
-_UNIFORM_BITS = 24  # float32 holds 24 significant bits: (bits + 0.5) / 2^24 is exact and in (0, 1)
+_UNIFORM_BITS = 24  # (bits + 0.5) / 2^24 in (0, 1): exact in float32 for every value but the largest
+# The largest, 2^24 - 0.5, needs 25 significant bits and rounds up to 2^24: a uniform of exactly 1 and
+# an exponential of 0, which wins the race with any probability (and gives 0 / 0 = NaN, which argmax
+# takes, at a token the filters or a grammar removed). It is clamped to the float just below 1.
+_MAX_UNIFORM = 1.0 - 2.0 ** -_UNIFORM_BITS
 
 
 def sequence_key(seed: int, sample_key: str, sample_index: int) -> int:
@@ -69,7 +73,12 @@ def row_states(keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
 
 def _uniform_from(state: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
     bits = _shift_right(mix32(state + token_ids.to(torch.int32) * _GOLDEN32), 32 - _UNIFORM_BITS, 32)
-    return (bits.to(torch.float32) + 0.5) * (1.0 / (1 << _UNIFORM_BITS))
+    return uniform_of_bits(bits)
+
+
+def uniform_of_bits(bits: torch.Tensor) -> torch.Tensor:
+    """Integer draws in [0, 2^24) -> float32 uniforms in (0, 1), both ends excluded."""
+    return ((bits.to(torch.float32) + 0.5) * (1.0 / (1 << _UNIFORM_BITS))).clamp_(max=_MAX_UNIFORM)
 
 
 def keyed_uniform(keys: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:

@@ -25,6 +25,7 @@ from batchgen.engine.scheduler import Scheduler
 from batchgen.engine.sequence import Sequence
 from batchgen.engine.speculative import SpecDecoder, num_accepted
 from batchgen.engine.stop_strings import IncrementalText, find_stop_string
+from batchgen.engine.structured.manager import StructuredOutputManager
 from batchgen.engine.tokenizer import Messages, Tokenizer
 
 log = logging.getLogger("batchgen.engine")
@@ -85,6 +86,10 @@ class LLMEngine:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = tuple(sorted(eos))
+        # Structured output: constraints compiled at add_request (the grammar library loads at the first).
+        self.structured = StructuredOutputManager(
+            self.tokenizer.hf if self.tokenizer is not None else None, self.model_cfg.vocab_size,
+            self.eos_token_ids, shared=weights_from.structured if weights_from is not None else None)
 
         device = config.torch_device
         self.kv_bytes_per_token = kv_bytes_per_token(self.model_cfg, config.kv_torch_dtype)
@@ -149,8 +154,9 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams,
                     prompt_token_ids: list[int] | None = None, sample_key: str | None = None) -> None:
-        """Queue a request (n sequences). Raises ValueError for an empty or overlong prompt, or stop
-        token ids outside the vocabulary.
+        """Queue a request (n sequences). Raises ValueError for an empty or overlong prompt, stop
+        token ids outside the vocabulary, or a structured-output constraint that cannot be compiled
+        (StructuredOutputError, naming its field).
 
         Sample i draws from a generator keyed by (params.seed, sample key, i). The sample key is the
         request id unless `sample_key` is given: a job's rows are keyed by their ids, while a caller
@@ -166,13 +172,23 @@ class LLMEngine:
         if any(t >= self.model_cfg.vocab_size for t in params.stop_token_ids):  # an index past the logits
             raise ValueError(f"stop_token_ids {params.stop_token_ids} reach past the vocabulary "
                              f"({self.model_cfg.vocab_size} tokens)")
+        grammars = self.structured.new_states(params.structured_outputs, params.n) \
+            if params.structured_outputs is not None else None
         now = time.monotonic()
         seqs = [Sequence(request_id, i, token_ids, params, now, self.max_model_len, sample_key)
                 for i in range(params.n)]
+        for seq, grammar in zip(seqs, grammars or ()):
+            seq.grammar = grammar
         self.requests[request_id] = _RequestState(request_id, token_ids, seqs, now,
                                                   prompt if isinstance(prompt, str) else None)
         for seq in seqs:
             self.scheduler.add(seq)
+
+    def compile_grammar(self, constraint):
+        """Compile a structured-output constraint (StructuredOutputsParams) now, as add_request would:
+        StructuredOutputError naming its field when it cannot be used. The compiled grammar is cached,
+        so a request that carries it later starts without compiling."""
+        return self.structured.compile(constraint)
 
     def abort_request(self, request_id: str) -> bool:
         """Drop an unfinished request: its sequences leave the waiting and running queues and their
@@ -236,6 +252,9 @@ class LLMEngine:
             for _, token, logprob, top in rows:
                 seq.append_token(token, logprob, top)
                 self.num_generated_tokens += 1
+                if seq.grammar is not None and not seq.grammar.accept_token(token):
+                    raise RuntimeError(f"request {seq.request_id!r} sampled token {token}, which its grammar's "
+                                       "mask did not allow")
                 if self._check_stop(seq):  # inside an accepted run: where plain decoding stops
                     self._finish(seq, finished)
                     break
@@ -358,7 +377,9 @@ class LLMEngine:
     def stats(self) -> dict:
         """Counters since the engine started, `kernels`: the implementations that run (Capabilities),
         `weights`: the weight format and the decoder's linear bytes (quant/weight_report.py), and
-        `speculative`: draft and accepted tokens (speculative/__init__.py SpecStats; None when off)."""
+        `speculative`: draft and accepted tokens (speculative/__init__.py SpecStats; None when off),
+        `structured`: constrained requests, grammar compiles and the per-step mask's counters and host
+        time (structured/manager.py)."""
         s = self.scheduler.stats
         pool = self.kv_cache_manager.pool
         return {
@@ -374,6 +395,7 @@ class LLMEngine:
             "kernels": self.capabilities.as_dict(),
             "weights": dict(self.loaded.weights),
             "speculative": self.spec.stats.as_dict() if self.spec is not None else None,
+            "structured": self.structured.stats(self.runner.step_bitmask.stats),
         }
 
 

@@ -3,7 +3,9 @@
 Host<->device traffic happens only here, twice per step: the step's inputs (model, attention and
 sampling alike) go over in one packed copy (step_inputs.py), and the sampled tokens with their
 log-probabilities (and top-N log-probabilities where asked) come back in one copy. Nothing in
-between reads a device value on the host. On CUDA, decode-only steps replay a captured graph
+between reads a device value on the host. A step with a structured-output constraint adds one copy:
+its constrained rows' token bitmask, filled on the host while the forward runs (structured/step_bitmask.py)
+and applied to the logits before the sampler sees them. On CUDA, decode-only steps replay a captured graph
 (decode_graphs.py) unless `enforce_eager`.
 """
 
@@ -26,6 +28,7 @@ from batchgen.engine.scheduler import ScheduledSeq
 from batchgen.engine.sequence import Sequence
 from batchgen.engine.step_inputs import StepInputs, StepPacker, add_step_sections, make_step_inputs
 from batchgen.engine.step_timings import StepTimings
+from batchgen.engine.structured.step_bitmask import StepBitmask
 
 # (scheduled seq, token, raw logprob, top logprobs or None): one per sampled row. A verify chunk
 # (speculative decoding) gives 1 + k consecutive results for its sequence, in position order.
@@ -58,6 +61,7 @@ class ModelRunner:
                                                              config.torch_dtype, self.device)
         self.packer = StepPacker(self.device)
         self.penalties = PenaltyState(model_cfg.vocab_size, self.device)
+        self.step_bitmask = StepBitmask(model_cfg.vocab_size, self.device)
         self.graphs: DecodeGraphs | None = None  # set by capture_decode_graphs (CUDA, not enforce_eager)
         self.timings = StepTimings()
 
@@ -122,6 +126,8 @@ class ModelRunner:
             timings.add(prepare=prepared - start, forward=time.perf_counter() - prepared)
             return []
         seqs, _ = sampling_rows(sampling)
+        if batch.grammar_fills:  # constrained rows: masked before penalties, temperature, top-k/p
+            self.step_bitmask.apply(logits, batch.grammar_fills, batch.grammar_rows)
         sampled = self.sampler.sample(logits, batch, seqs, self.penalties)
         host = read_back(sampled)  # the one device-to-host copy; waits for the step
         done = time.perf_counter()

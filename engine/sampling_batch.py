@@ -26,6 +26,7 @@ import torch
 
 from batchgen.engine.sequence import Sequence
 from batchgen.engine.step_inputs import StepPacker, float_section, int_section
+from batchgen.engine.structured.step_bitmask import GrammarFill
 
 
 @dataclass
@@ -71,6 +72,10 @@ class SamplingBatch:
     # Top-N logprobs: rows that ask, and N per row (host).
     top_index: torch.Tensor | None = None  # (L,) int32
     top_counts: list[int] = field(default_factory=list)  # (N,) host: N per row, 0 = none
+    # Structured output: the constrained rows (a verify chunk's each), and per constrained sequence
+    # its state, first bitmask row and drafts (host): the runner fills and applies the mask.
+    grammar_rows: torch.Tensor | None = None  # (R,) int32 into the N rows
+    grammar_fills: list[GrammarFill] = field(default_factory=list)
 
     @property
     def has_penalties(self) -> bool:
@@ -260,8 +265,16 @@ class TopLogprobSections:
     top_index: list[int] = int_section()
 
 
+@dataclass
+class GrammarSections:
+    """Rows with a structured-output constraint: the logits row each bitmask row masks."""
+
+    grammar_rows: list[int] = int_section()
+
+
 SECTION_GROUPS = (RandomSections, PenaltySections, VerifyPenaltySections, DraftCountSections,
-                  NewPenaltyRowSections, PromptTokenSections, OutputTokenSections, BanSections, TopLogprobSections)
+                  NewPenaltyRowSections, PromptTokenSections, OutputTokenSections, BanSections, TopLogprobSections,
+                  GrammarSections)
 
 
 def _has_rows(group) -> bool:
@@ -281,11 +294,16 @@ def add_sampling_sections(packer: StepPacker, seqs: list[Sequence], eos_token_id
     offsets = draft_offsets if draft_offsets is not None else [0] * len(seqs)
     rnd, pen, verify, drafted = RandomSections(), PenaltySections(), VerifyPenaltySections(), DraftCountSections()
     new, prompt, output = NewPenaltyRowSections(), PromptTokenSections(), OutputTokenSections()
-    ban, top = BanSections(), TopLogprobSections()
+    ban, top, grammar = BanSections(), TopLogprobSections(), GrammarSections()
     top_counts = [0] * len(seqs)
     for i, (seq, offset) in enumerate(zip(seqs, offsets)):
         p = seq.params
         position = seq.num_output_tokens + offset  # the output position this row samples
+        if seq.grammar is not None:
+            if offset == 0:  # the sequence's first row: it fills this row and one per draft
+                drafts = seq.draft_token_ids if draft_offsets is not None else ()
+                batch.grammar_fills.append((seq.grammar, len(grammar.grammar_rows), drafts))
+            grammar.grammar_rows.append(i)
         if (p.temperature == 0.0 and not p.logprobs and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0
                 and p.frequency_penalty == 0.0 and (p.min_tokens == 0 or position >= p.min_tokens)):
             continue  # plain greedy: nothing to send (the common case at large batch)
@@ -335,7 +353,7 @@ def add_sampling_sections(packer: StepPacker, seqs: list[Sequence], eos_token_id
             top_counts[i] = p.num_top_logprobs
     batch.random_rows, batch.top_counts = rnd.random_index, top_counts
     is_verify_with_penalties = any(d >= 0 for d in verify.penalty_draft)
-    for group in (rnd, pen, drafted, new, prompt, output, ban, top):
+    for group in (rnd, pen, drafted, new, prompt, output, ban, top, grammar):
         if _has_rows(group):
             packer.add_sections(group, "s.")
     if is_verify_with_penalties:

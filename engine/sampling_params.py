@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 from batchgen.engine.config import check_settings
+from batchgen.engine.structured.params import StructuredOutputError, StructuredOutputsParams
 
 MAX_TEMPERATURE = 100.0  # far past any useful value (near-uniform long before): keeps inf and typos out
 # Samples per request. The n sequences of a request are created when it is added and each holds KV
@@ -31,6 +32,11 @@ class SamplingParams:
     checked to be finite and in range (NaN fails every range). `stop_token_ids` are checked against
     the vocabulary and `max_tokens` against max_model_len where those are known (the engine's
     add_request, the pipeline's preflight).
+
+    `structured_outputs` constrains the output (a JSON schema, a regex, a choice list, a grammar:
+    StructuredOutputsParams, or a mapping of its fields); `guided_decoding` is vLLM's older name
+    for it. A constrained output ends with EOS where its grammar is complete, so it takes neither
+    `ignore_eos` nor `min_tokens` (the grammar decides the length).
     """
 
     n: int = 1
@@ -51,8 +57,11 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # The stop string (or stop token) that ended the sample stays at the end of its text (vLLM's name).
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputsParams | None = None
+    guided_decoding: StructuredOutputsParams | None = None  # vLLM's older name: moved to structured_outputs
 
     def __post_init__(self) -> None:
+        self._take_structured_outputs()
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
@@ -76,7 +85,25 @@ class SamplingParams:
              f"must be None, True, False or in [0, {MAX_LOGPROBS}]"),
             ("n", not (self.n > 1 and self.is_greedy),
              "must be 1 with greedy sampling (temperature 0 gives n identical samples)"),
+            ("ignore_eos", not (self.ignore_eos and self.structured_outputs is not None),
+             "must be false with structured_outputs (the output ends with EOS where its grammar is complete)"),
+            ("min_tokens", not (self.min_tokens and self.structured_outputs is not None),
+             "must be 0 with structured_outputs (the grammar decides where the output may end)"),
         ])
+
+    def _take_structured_outputs(self) -> None:
+        """The constraint as StructuredOutputsParams, from either name and either form."""
+        if self.guided_decoding is not None:
+            if self.structured_outputs is not None:
+                raise StructuredOutputError(None, "give structured_outputs or its older name guided_decoding, "
+                                                  "not both")
+            self.structured_outputs, self.guided_decoding = self.guided_decoding, None
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
+        elif self.structured_outputs is not None and not isinstance(self.structured_outputs,
+                                                                    StructuredOutputsParams):
+            raise StructuredOutputError(None, f"must be StructuredOutputsParams or a mapping of its fields; got "
+                                              f"{type(self.structured_outputs).__name__}")
 
     @property
     def num_top_logprobs(self) -> int:
@@ -86,6 +113,10 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def is_constrained(self) -> bool:
+        return self.structured_outputs is not None
 
     @property
     def has_penalties(self) -> bool:

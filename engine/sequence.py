@@ -54,6 +54,9 @@ class Sequence:
         # drafts accepted over the sample's life.
         self.draft_token_ids: list[int] = []
         self.num_accepted_tokens = 0
+        # Structured output: the sample's place in its grammar (structured/grammar_state.py), advanced
+        # with each emitted token; None when unconstrained.
+        self.grammar = None
         # Keys every random draw of this sample (with the output position): see keyed_random.py.
         self.random_key = sequence_key(params.seed or 0, self.sample_key, sample_index)
 

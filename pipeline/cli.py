@@ -182,7 +182,8 @@ def finalize(
 
 @app.command()
 def validate(job: JobArg, set_: SetOpt = None, limit: LimitOpt = None) -> None:
-    """Check a job without running it: the file, the model's files, every input's schema; print the plan.
+    """Check a job without running it: the file, the model's files, every input's schema, the
+    structured-output constraint (compiled over the model's tokenizer); print the plan.
 
     The model's files are read as the engine reads them before its weights (a GGUF's header and metadata
     with the loader's size checks, safetensors headers, config.json, the tokenizer, the chat template);
@@ -191,9 +192,11 @@ def validate(job: JobArg, set_: SetOpt = None, limit: LimitOpt = None) -> None:
     from batchgen.pipeline.config import load_job
     from batchgen.pipeline.job_plan import format_job_plan, plan_job
     from batchgen.pipeline.model_files import check_model_files, needs_chat_template
+    from batchgen.pipeline.structured_job import check_job_constraint_before_load
 
     try:
         plan = plan_job(load_job(job, set_ or []), limit)
+        check_job_constraint_before_load(plan.job)
         source = plan.model_source
         files = None if source is None else check_model_files(source, needs_chat_template(plan.job))
     except Exception as exc:

@@ -31,6 +31,8 @@ from batchgen.engine.generation_config import AUTO as GENERATION_AUTO
 from batchgen.engine.generation_config import NONE as GENERATION_NONE
 from batchgen.engine.loader.source import BUNDLED_ALIASES, is_repo_id
 from batchgen.engine.sampling_params import SamplingParams
+from batchgen.engine.structured import StructuredOutputError, StructuredOutputsParams
+from batchgen.pipeline import structured_job
 from batchgen.pipeline.errors import JobError
 from batchgen.pipeline.job_settings import (
     ENGINE_ONLY,
@@ -41,6 +43,7 @@ from batchgen.pipeline.job_settings import (
     MODEL_PATH_FIELD,
     ROW_OVERRIDABLE,
     SAMPLING_ONLY,
+    SAMPLING_RENAMED,
 )
 from batchgen.pipeline.openai.batch_file import (
     BATCH_FORMAT,
@@ -50,7 +53,7 @@ from batchgen.pipeline.openai.batch_file import (
 )
 
 _PATH_KEYS = {("model", "path"), ("input", "path"), ("output", "path"), ("model", "generation_config"),
-              ("input", "chat_template")}
+              ("input", "chat_template"), ("sampling", "structured", "json_file")}
 
 
 class _Section(BaseModel):
@@ -82,8 +85,9 @@ def engine_keys(owner: type = EngineConfig) -> list[str]:
 
 
 def sampling_keys(owner: type = SamplingParams) -> list[str]:
-    """SamplingParams fields under `sampling:`: all but the engine-only ones."""
-    return [f.name for f in dataclasses.fields(owner) if f.name not in SAMPLING_ONLY]
+    """SamplingParams fields under `sampling:` by their own name: all but the engine-only and renamed ones."""
+    renamed = {field for field, _ in SAMPLING_RENAMED.values()}
+    return [f.name for f in dataclasses.fields(owner) if f.name not in SAMPLING_ONLY and f.name not in renamed]
 
 
 class _ModelPath(_Section):
@@ -92,7 +96,26 @@ class _ModelPath(_Section):
 
 ModelSection = derive_section("ModelSection", EngineConfig, "model", MODEL_KEYS, base=_ModelPath)
 EngineSection = derive_section("EngineSection", EngineConfig, "engine", engine_keys())
-SamplingSection = derive_section("SamplingSection", SamplingParams, "sampling", sampling_keys())
+class _SamplingBase(_Section):
+    """The sampling keys that are not SamplingParams fields of the same name (SAMPLING_RENAMED)."""
+
+    structured: dict[str, Any] | None = None  # structured_job.py; builds SamplingParams.structured_outputs
+    _schema_file: dict | None = PrivateAttr(default=None)  # structured.json_file's content, once read
+
+    @field_validator("structured")
+    @classmethod
+    def _check_structured_keys(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        problem = structured_job.check_keys(value or {})
+        if problem:
+            raise ValueError(f"{problem[0]}: {problem[1]}")
+        return value
+
+    def constraint(self) -> StructuredOutputsParams | None:
+        """The job's structured-output constraint (None: none, or json_file not read yet)."""
+        return structured_job.job_constraint(self.structured, self._schema_file)
+
+
+SamplingSection = derive_section("SamplingSection", SamplingParams, "sampling", sampling_keys(), base=_SamplingBase)
 
 # sampling_columns: key -> the kind of column it needs (schema.py checks input columns against it).
 _KINDS = {float: "float", int: "int", bool: "bool"}
@@ -105,7 +128,7 @@ InputFormat = Literal["auto", "parquet", "openai_batch"]
 # settings), with the one value they may hold there: any other value is refused rather than ignored.
 # (Those values are what a batch job's own section holds, so a dumped job validates again.)
 _BATCH_FILE_VALUES = {"id_column": BATCH_ID_COLUMN, "prompt_column": None, "messages_column": None,
-                      "system_prompt": None, "apply_chat_template": True}
+                      "system_prompt": None, "apply_chat_template": True, "schema_column": None}
 
 
 class InputSection(_Section):
@@ -126,6 +149,7 @@ class InputSection(_Section):
     # validate_job reads a file into its text. chat_template_kwargs: extra template variables.
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    schema_column: str | None = None  # a JSON schema per row (its JSON text); null cells: sampling.structured
 
     @field_validator("chat_template_kwargs")
     @classmethod
@@ -276,6 +300,8 @@ class JobConfig(_Section):
             params = self.sampling_params()
         except SettingError as exc:
             errors.append(_key_error(("sampling", exc.name), exc.rule, exc.value))
+        except StructuredOutputError as exc:
+            errors.append(_structured_error(exc, self.sampling.structured))
         else:
             if self.model.max_model_len is not None:  # null: checked against the model's own (preflight)
                 rule = max_tokens_rule(params.max_tokens, self.model.max_model_len)
@@ -291,8 +317,11 @@ class JobConfig(_Section):
         return EngineConfig(**{MODEL_PATH_FIELD: model.pop("path")}, **model, **self.engine.model_dump())
 
     def sampling_params(self, **row_overrides: Any) -> SamplingParams:
-        """The job's SamplingParams (the `sampling` section), with a row's overrides if given."""
-        return SamplingParams(**{**self.sampling.model_dump(), **row_overrides})
+        """The job's SamplingParams (the `sampling` section), with a row's overrides if given (a row's
+        schema: `structured_outputs`)."""
+        values = self.sampling.model_dump(exclude=set(SAMPLING_RENAMED))
+        values["structured_outputs"] = self.sampling.constraint()
+        return SamplingParams(**{**values, **row_overrides})
 
     def config_hash(self, limit: int | None = None) -> str:
         """sha256 over what changes outputs: model, input, sampling, sampling_columns, the KV cache's
@@ -306,10 +335,17 @@ class JobConfig(_Section):
         # The formats enter the hash only when not parquet, so the hash of every Parquet job stays what
         # it was before the formats existed (its output folders still resume).
         excluded = {"storage_options"} | ({"format"} if self.input.format == "parquet" else set())
+        if self.input.schema_column is None:  # keys added later enter the hash only when set
+            excluded.add("schema_column")
+        sampling = _without_unset_new_keys(self.sampling, "sampling", {"structured"})
+        if self.sampling.structured is not None:  # a schema file's content, not its path
+            sampling["structured"] = {**self.sampling.structured, **({"json_file": self.sampling._schema_file}
+                                                                     if "json_file" in self.sampling.structured
+                                                                     else {})}
         payload = {
             "model": _without_unset_new_keys(self.model, "model"),
             "input": _without_unset_new_keys(self.input, "input", excluded),
-            "sampling": _without_unset_new_keys(self.sampling, "sampling"),
+            "sampling": sampling,
             "sampling_columns": dict(sorted(self.sampling_columns.items())),
         }
         kv_cache = {key: getattr(self.engine, key) for key in KV_CACHE_HASH_KEYS
@@ -351,6 +387,15 @@ def max_tokens_rule(max_tokens: int, max_model_len: int, origin: str = "model.ma
     if max_tokens >= max_model_len:
         return f"must be below {origin} ({max_model_len})"
     return None
+
+
+def _structured_error(exc: StructuredOutputError, values: dict | None) -> InitErrorDetails:
+    """sampling.structured.<key>: the constraint's field (a schema file's problems name json_file)."""
+    key = exc.field
+    if key == "json" and values and structured_job.FILE_KEY in values:
+        key = structured_job.FILE_KEY
+    loc = ("sampling", "structured", key) if key else ("sampling", "structured")
+    return _key_error(loc, exc.reason, None)
 
 
 def _key_error(loc: tuple[str, ...], rule: str, value: Any) -> InitErrorDetails:
@@ -403,8 +448,26 @@ def validate_job(raw: dict, base_dir: Path, source: str = "job") -> JobConfig:
     if spec is not None and spec.model is not None:  # the draft model: a path like model.path
         job.engine.speculative = dataclasses.replace(spec, model=_resolve_model_path(spec.model, base_dir))
     job.input.path = _resolve_path(job.input.path, base_dir)
+    _read_schema_file(job, base_dir, source)
     job.output.path = _resolve_path(job.output.path or _default_output_path(job.name, source), base_dir)
     return job
+
+
+def _read_schema_file(job: JobConfig, base_dir: Path, source: str) -> None:
+    """sampling.structured.json_file, resolved against the job's folder, read and checked as the
+    job's constraint."""
+    structured = job.sampling.structured
+    if not structured or structured_job.FILE_KEY not in structured:
+        return
+    path = _resolve_path(structured[structured_job.FILE_KEY], base_dir)
+    structured[structured_job.FILE_KEY] = path
+    try:
+        job.sampling._schema_file = structured_job.read_schema_file(path)
+        job.sampling_params()
+    except JobError as exc:
+        raise JobError(f"{source}: invalid job\n  {exc}") from None
+    except StructuredOutputError as exc:
+        raise JobError(f"{source}: invalid job\n  sampling.structured.json_file: {path}: {exc.reason}") from None
 
 
 def _default_output_path(name: str, source: str) -> str:

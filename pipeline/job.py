@@ -21,7 +21,14 @@ from batchgen.pipeline.output import (
     raise_if_locked,
     raise_if_refused,
 )
-from batchgen.pipeline.summary import SUMMARY_COLUMNS, Totals, speculative_summary, success_record
+from batchgen.pipeline.structured_job import check_job_constraint
+from batchgen.pipeline.summary import (
+    SUMMARY_COLUMNS,
+    Totals,
+    speculative_summary,
+    structured_summary,
+    success_record,
+)
 from batchgen.pipeline.unit_loop import UnitSource, run_units
 
 log = logging.getLogger("batchgen.pipeline")
@@ -88,10 +95,13 @@ def _run_held(plan: JobPlan, run: OutputRun, engine: LLMEngine | None, progress:
 
     source = UnitSource(job, plan.inputs.output_schema(job), plan.repeats)
     spec_before = engine.stats.get("speculative")  # None: speculation off (or an engine without it)
+    structured_before = engine.stats.get("structured")
     ran = run_units(source, plan.input_storage, run.storage, pending, engine, run.commit_context(),
                     progress=progress)
+    after = engine.stats
     record = finish_job(job, run, ran.totals, ran.generation_seconds, **engine_reports(engine),
-                        speculative=speculative_summary(spec_before, engine.stats.get("speculative")))
+                        speculative=speculative_summary(spec_before, after.get("speculative")),
+                        structured=structured_summary(structured_before, after.get("structured")))
     return RunResult(record, success_path, len(pending), len(skipped), dict(run.redo))
 
 
@@ -104,7 +114,7 @@ def engine_reports(engine: LLMEngine) -> dict:
 
 def finish_job(job: JobConfig, run: OutputRun, this_run: Totals, generation_seconds: float, *, kernels: dict,
                kv_cache: dict | None = None, weights: dict | None = None, workers: dict | None = None,
-               speculative: dict | None = None, model: str | None = None) -> dict:
+               speculative: dict | None = None, model: str | None = None, structured: dict | None = None) -> dict:
     """The run's `_SUCCESS`, written last (after output.jsonl/errors.jsonl for openai_batch output) while
     the run still holds its folder: counts over the whole output, speed and latency over this run."""
     whole = dataclasses.replace(this_run, ttft_s=[], tpot_s=[])  # latency figures: this run only
@@ -114,7 +124,7 @@ def finish_job(job: JobConfig, run: OutputRun, this_run: Totals, generation_seco
             whole.add_table(pq.read_table(f, columns=SUMMARY_COLUMNS))
     record = success_record(job.name, run.identity.config_hash, whole, this_run, generation_seconds,
                             resumed=bool(skipped), kernels=kernels, kv_cache=kv_cache, weights=weights,
-                            workers=workers, speculative=speculative, model=model,
+                            workers=workers, speculative=speculative, model=model, structured=structured,
                             generation_config=job.generation_config_record)
     run.finish(record, write_batch_outputs=job.writes_batch_output)  # the .jsonl from every committed part
     return record
@@ -146,6 +156,7 @@ def _differing_fields(a: EngineConfig, b: EngineConfig) -> str:
 
 
 def check_engine_can_run(job: JobConfig, engine: LLMEngine) -> None:
+    check_job_constraint(job, engine.compile_grammar)
     if needs_chat_template(job) and not engine.tokenizer.has_chat_template:
         raise JobError(f"model.path: {job.model.path} has no chat template; set input.apply_chat_template: "
                        "false and use prompt_column (raw prompts), or give one in input.chat_template")

@@ -44,6 +44,14 @@ ENGINE_ONLY = {
 SAMPLING_ONLY = {
     "skip_special_tokens": "the completion column is always the text without special tokens; the "
                            "token ids column keeps every token",
+    "guided_decoding": "vLLM's older name of structured_outputs; a job sets the constraint as "
+                       "sampling.structured",
+}
+
+# Job keys that set a SamplingParams field of another name, with why: job key -> (field, reason).
+SAMPLING_RENAMED = {
+    "structured": ("structured_outputs", "a job's constraint may be a schema file relative to the job file "
+                                         "(json_file), which StructuredOutputsParams does not read"),
 }
 
 # (section, key): (the job's default, why it differs from the engine's default).

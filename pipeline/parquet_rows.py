@@ -20,8 +20,9 @@ def decode_batch(batch: pa.RecordBatch, job: JobConfig) -> list[RowInput]:
     ids = _as_python(batch.column(inp.id_column))
     texts = _as_python(batch.column(inp.text_column))
     overrides = {key: batch.column(name).to_pylist() for key, name in job.sampling_columns.items()}
+    schemas = _as_python(batch.column(inp.schema_column)) if inp.schema_column else [None] * batch.num_rows
     rows = []
-    for i, (raw_id, raw_text) in enumerate(zip(ids, texts)):
+    for i, (raw_id, raw_text, raw_schema) in enumerate(zip(ids, texts, schemas)):
         row_overrides = {key: values[i] for key, values in overrides.items() if values[i] is not None}
         try:
             request_id = _decode_id(raw_id)
@@ -35,7 +36,9 @@ def decode_batch(batch: pa.RecordBatch, job: JobConfig) -> list[RowInput]:
                 prompt = _decode_text(raw_text, "prompt")
                 if inp.apply_chat_template:
                     prompt = _with_system([{"role": "user", "content": prompt}], inp.system_prompt)
-            rows.append(RowInput(request_id, prompt, row_overrides, num_prompt_bytes=_num_bytes(raw_text)))
+            schema = None if raw_schema is None else _decode_text(raw_schema, f"the schema ({inp.schema_column})")
+            rows.append(RowInput(request_id, prompt, row_overrides, num_prompt_bytes=_num_bytes(raw_text),
+                                 schema=schema))
         except RowError as exc:
             rows.append(RowInput(request_id, error=str(exc)))
     return rows

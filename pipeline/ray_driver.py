@@ -35,7 +35,7 @@ from batchgen.pipeline.output import (
     raise_if_refused,
 )
 from batchgen.pipeline.replica import EngineReplica
-from batchgen.pipeline.summary import Totals, merge_speculative
+from batchgen.pipeline.summary import Totals, merge_speculative, merge_structured
 from batchgen.pipeline.unit_loop import repeats_of
 
 log = logging.getLogger("batchgen.pipeline")
@@ -122,7 +122,8 @@ def run_on_ray(job: JobConfig, *, limit: int | None = None, overwrite: bool = Fa
                 raise RuntimeError(f"replicas reported every unit done, but {len(missing)} unit(s) are not "
                                    f"committed in {job.output.path}: {', '.join(missing[:20])}")
             record = finish_job(job, run, this_run, driver.generation_seconds, workers=driver.workers(),
-                                speculative=merge_speculative(driver.speculative), **driver.engine_reports)
+                                speculative=merge_speculative(driver.speculative),
+                                structured=merge_structured(driver.structured), **driver.engine_reports)
             return RunResult(record, success_path, len(pending), len(skipped), dict(run.redo))
     finally:
         if connected:
@@ -149,6 +150,7 @@ class _Driver:
         self.retried: set[str] = set()
         self.engine_reports: dict = {"kernels": {}}  # the first replica's (every replica loads the same job)
         self.speculative: list[dict | None] = []  # each unit's draft and accepted tokens (None: off)
+        self.structured: list[dict | None] = []  # each unit's constrained requests and mask time (None: none)
         self.started: list[dict] = []
         self.generation_seconds = 0.0
         self.first_ready: float | None = None  # monotonic time the first replica was ready
@@ -229,6 +231,7 @@ class _Driver:
         unit = replica.in_flight.pop(ref)
         _merge(totals, result["totals"])
         self.speculative.append(result.get("speculative"))
+        self.structured.append(result.get("structured"))
         bar.update(unit.num_rows)
 
     def _replica_died(self, replica: Replica, queue: deque, exc: BaseException) -> None:

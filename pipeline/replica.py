@@ -19,7 +19,7 @@ from batchgen.pipeline.config import JobConfig
 from batchgen.pipeline.id_scan import Position
 from batchgen.pipeline.output import CommitContext, WorkUnit
 from batchgen.pipeline.storage import Storage
-from batchgen.pipeline.summary import speculative_summary
+from batchgen.pipeline.summary import speculative_summary, structured_summary
 from batchgen.pipeline.unit_loop import UnitSource, run_units
 
 
@@ -46,9 +46,10 @@ class EngineReplica:
     def run_unit(self, unit: WorkUnit, repeats: dict[Position, int]) -> dict:
         """Generate one unit and commit its part; its figures (a Totals) and this process's id."""
         source = UnitSource(self.job, self.output_schema, repeats)
-        spec_before = self.engine.stats.get("speculative")
+        spec_before, structured_before = self.engine.stats.get("speculative"), self.engine.stats.get("structured")
         ran = run_units(source, self.input_storage, self.output_storage, [unit], self.engine, self.commit,
                         progress=False)
         return {"unit": unit.index, "totals": ran.totals, "generation_seconds": ran.generation_seconds,
                 "pid": os.getpid(),
-                "speculative": speculative_summary(spec_before, self.engine.stats.get("speculative"))}
+                "speculative": speculative_summary(spec_before, self.engine.stats.get("speculative")),
+                "structured": structured_summary(structured_before, self.engine.stats.get("structured"))}

@@ -5,12 +5,16 @@ openai/batch_lines.py); everything after that is format-independent."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
 from batchgen.engine import SamplingParams
 from batchgen.engine.chat_template import ChatTemplateOptions
+from batchgen.engine.structured import StructuredOutputError
 from batchgen.pipeline.config import JobConfig
+from batchgen.pipeline.openai.structured_fields import error_param
+from batchgen.pipeline.structured_job import row_constraint
 
 
 class RowError(ValueError):
@@ -33,6 +37,7 @@ class OpenAIRequest:
     endpoint: str | None  # "chat" | "completions"; None for a batch line whose url is not one of them
     error_param: str | None = None  # the field an error row's body.error names
     error_code: str | None = None  # its machine-readable kind (the server's codes), where known
+    structured_param: str | None = None  # the body field that set the output constraint, if one did
 
 
 @dataclass
@@ -45,6 +50,7 @@ class RowInput:
     error: str | None = None
     num_prompt_bytes: int = 0  # the row's own text (prompt, or messages' roles and contents) as stored
     params: SamplingParams | None = None  # already built and checked (a batch line's body): used as is
+    schema: str | None = None  # the row's JSON schema (input.schema_column): its structured-output constraint
     sample_key: str | None = None  # the engine's sample key when not the request id (a seeded batch line)
     openai: OpenAIRequest | None = None
     chat: ChatTemplateOptions | None = None  # how its messages render, when not as the job says (a batch line)
@@ -104,15 +110,20 @@ class RequestBuilder:
             return task
         try:
             task.params = self._params(row)
+            self._compile(task.params, row)
             task.token_ids = self._encode(row)  # kept on an overlong error: its prompt_tokens tell by how much
             task.token_ids = self._fit(task.token_ids, task.params)
         except RowError as exc:
             task.error = str(exc)
+            if exc.param is not None and task.openai is not None:  # the body field an error line names
+                task.openai = dataclasses.replace(task.openai, error_param=exc.param, error_code="invalid_value")
         return task
 
     def _params(self, row: RowInput) -> SamplingParams:
         if row.params is not None:
             return row.params
+        if row.schema is not None:
+            return self._params_with_schema(row)
         if not row.overrides:
             return self.default_params
         try:
@@ -120,6 +131,32 @@ class RequestBuilder:
         except (ValueError, TypeError) as exc:
             columns = ", ".join(f"{self.job.sampling_columns[k]}={v!r}" for k, v in row.overrides.items())
             raise RowError(f"invalid per-row sampling value ({columns}): {exc}") from None
+
+    def _params_with_schema(self, row: RowInput) -> SamplingParams:
+        column = self.job.input.schema_column
+        try:
+            constraint = row_constraint(row.schema, self.job.sampling.structured)
+            return self.job.sampling_params(**row.overrides, structured_outputs=constraint)
+        except StructuredOutputError as exc:
+            raise RowError(f"the row's schema (column {column!r}) cannot be used: {exc.reason}") from None
+        except (ValueError, TypeError) as exc:
+            raise RowError(f"the row's schema (column {column!r}) with its sampling values: {exc}") from None
+
+    def _compile(self, params: SamplingParams, row: RowInput) -> None:
+        """A constrained row's grammar compiled now, while its window is read ahead (cached: the engine's
+        add_request finds it there); one that cannot be compiled is this row's error."""
+        if params.structured_outputs is None:
+            return
+        try:
+            self.engine.compile_grammar(params.structured_outputs)
+        except StructuredOutputError as exc:
+            if row.schema is not None:
+                raise RowError(f"the row's schema (column {self.job.input.schema_column!r}) cannot be used: "
+                               f"{exc.reason}") from None
+            if row.openai is not None and row.openai.structured_param is not None:
+                param = error_param(row.openai.structured_param, exc)
+                raise RowError(f"{param}: {exc.reason}", param) from None
+            raise RowError(str(exc)) from None
 
     def _encode(self, row: RowInput) -> list[int]:
         try:

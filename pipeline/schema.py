@@ -107,6 +107,10 @@ def check_input_schema(file: InputFile, job: JobConfig) -> None:
         t = column(inp.prompt_column, "input.prompt_column")
         if not is_text(t):
             raise wrong(inp.prompt_column, "input.prompt_column", t, "a string type")
+    if inp.schema_column is not None:
+        t = column(inp.schema_column, "input.schema_column")
+        if not is_text(t):
+            raise wrong(inp.schema_column, "input.schema_column", t, "a string type (a JSON schema per row)")
     for key, name in job.sampling_columns.items():
         t = column(name, f"sampling_columns.{key}")
         kind = OVERRIDABLE_SAMPLING_KEYS[key]

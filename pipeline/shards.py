@@ -31,7 +31,7 @@ from batchgen.pipeline.output import (
     raise_if_locked,
     raise_if_refused,
 )
-from batchgen.pipeline.summary import SUMMARY_COLUMNS, Totals, speculative_summary
+from batchgen.pipeline.summary import SUMMARY_COLUMNS, Totals, speculative_summary, structured_summary
 from batchgen.pipeline.unit_loop import UnitSource, run_units
 
 log = logging.getLogger("batchgen.pipeline")
@@ -118,17 +118,19 @@ def run_shard(job: JobConfig, shard: ShardSpec, *, engine=None, limit: int | Non
         log.info("shard %d/%d (from %s): %d of the job's %d units, %d done, %d to run", shard.index,
                  shard.count, shard.source, len(mine), len(plan.units), len(skipped), len(pending))
 
-        totals, seconds, reports, spec = Totals(), 0.0, {"kernels": {}}, None
+        totals, seconds, reports, spec, structured = Totals(), 0.0, {"kernels": {}}, None, None
         if pending:
             engine = start_engine(job, engine)
-            spec_before = engine.stats.get("speculative")
+            spec_before, structured_before = engine.stats.get("speculative"), engine.stats.get("structured")
             source = UnitSource(job, plan.inputs.output_schema(job), plan.repeats)
             ran = run_units(source, plan.input_storage, run.storage, pending, engine, run.commit_context(),
                             progress=progress)
             totals, seconds, reports = ran.totals, ran.generation_seconds, engine_reports(engine)
             spec = speculative_summary(spec_before, engine.stats.get("speculative"))
+            structured = structured_summary(structured_before, engine.stats.get("structured"))
         summary = _shard_summary(plan, run, totals, seconds, reports, started)
         summary["speculative"] = spec  # this run's drafts (None: off, or nothing to run)
+        summary["structured"] = structured  # this run's constrained requests (None: none)
         run.write_worker_summary(summary)
         finalized = finalize_folder(run.storage)
     if finalized.created:

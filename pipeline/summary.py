@@ -10,7 +10,8 @@ import pyarrow.compute as pc
 
 SUCCESS_KEYS = ("job", "config_hash", "model", "generation_config", "num_requests", "num_rows", "num_errors", "prompt_tokens",
                 "cached_tokens", "completion_tokens", "generation_seconds", "completion_tokens_per_s",
-                "ttft_s", "tpot_s", "resumed", "kernels", "kv_cache", "weights", "workers", "speculative")
+                "ttft_s", "tpot_s", "resumed", "kernels", "kv_cache", "weights", "workers", "speculative",
+                "structured")
 SUMMARY_COLUMNS = ["sample_index", "finish_reason", "prompt_tokens", "cached_tokens", "completion_tokens",
                    "ttft_s", "tpot_s"]
 
@@ -55,7 +56,7 @@ def percentiles(chunks: list[np.ndarray]) -> dict[str, float | None]:
 def success_record(job: str, config_hash: str, whole: Totals, this_run: Totals, generation_seconds: float,
                    resumed: bool, kernels: dict, kv_cache: dict | None = None, weights: dict | None = None,
                    workers: dict | None = None, speculative: dict | None = None, model: str | None = None,
-                   generation_config: dict | None = None) -> dict:
+                   generation_config: dict | None = None, structured: dict | None = None) -> dict:
     """The `_SUCCESS` JSON: counts over the whole output; speed and latency figures over this run;
     `kernels`: the implementations this run's engine used (its stats' `kernels`); `kv_cache`: its KV
     cache's dtype and bytes per token (its stats' `kv_cache`); `weights`: its weight format and linear
@@ -64,7 +65,8 @@ def success_record(job: str, config_hash: str, whole: Totals, this_run: Totals, 
     (`speculative_summary`), null when speculation is off; `model`: the model path the engine loaded (as
     the job names it), so a report can tell whether two runs share a tokenizer; `generation_config`: the
     job's model.generation_config, the file it read and the sampling defaults it gave the job
-    (`{"setting", "file", "applied"}`)."""
+    (`{"setting", "file", "applied"}`); `structured`: this run's constrained requests and the token
+    mask's time per step (`structured_summary`), null when no request was constrained."""
     record = {
         "job": job,
         "config_hash": config_hash,
@@ -86,6 +88,7 @@ def success_record(job: str, config_hash: str, whole: Totals, this_run: Totals, 
         "weights": weights or {},
         "workers": workers if workers is not None else local_workers(),
         "speculative": speculative,
+        "structured": structured,
     }
     assert tuple(record) == SUCCESS_KEYS
     return record
@@ -118,6 +121,43 @@ def _with_rates(drafted: int, accepted: int, verifies: int) -> dict:
     return {"num_draft_tokens": drafted, "num_accepted_tokens": accepted, "num_verifies": verifies,
             "acceptance_rate": accepted / drafted if drafted else None,
             "mean_accepted_length": 1 + accepted / verifies if verifies else None}
+
+
+_STRUCTURED_COUNTS = ("num_constrained_requests", "num_masked_steps", "num_masked_rows", "mask_seconds",
+                      "num_compiles", "compile_seconds")
+
+
+def structured_summary(before: dict | None, after: dict | None) -> dict | None:
+    """Constrained requests, grammar compiles and the per-step token mask between two engine
+    `stats["structured"]` readings, with the mask's host time per masked step (fill, copy, apply) and
+    the constrained rows per masked step. None: no request was constrained."""
+    if after is None:
+        return None
+    before = before or {}
+    counts = {k: after[k] - before.get(k, 0) for k in _STRUCTURED_COUNTS}
+    return _with_mask_rates(counts) if counts["num_constrained_requests"] else None
+
+
+def merge_structured(parts: list[dict | None]) -> dict | None:
+    """Several workers' `structured_summary` figures as one (counts summed, rates recomputed)."""
+    parts = [p for p in parts if p is not None]
+    if not parts:
+        return None
+    return _with_mask_rates({k: sum(p[k] for p in parts) for k in _STRUCTURED_COUNTS})
+
+
+def _with_mask_rates(counts: dict) -> dict:
+    steps = counts["num_masked_steps"]
+    return {**counts, "mask_ms_per_step": 1000 * counts["mask_seconds"] / steps if steps else None,
+            "masked_rows_per_step": counts["num_masked_rows"] / steps if steps else None}
+
+
+def _structured_line(structured: dict | None) -> str:
+    if not structured:
+        return "-"
+    ms = structured["mask_ms_per_step"]
+    return (f"{structured['num_constrained_requests']:,} constrained requests; token mask "
+            + (f"{ms:.2f} ms per step ({structured['masked_rows_per_step']:.1f} rows)" if ms is not None else "-"))
 
 
 def _speculative_line(spec: dict | None) -> str:
@@ -194,6 +234,7 @@ def format_summary(record: dict, success_path: str) -> str:
         ("weights", _weights_line(record.get("weights") or {})),
         ("workers", describe_workers(record.get("workers"))),
         ("speculative", _speculative_line(record.get("speculative"))),
+        ("structured", _structured_line(record.get("structured"))),
         ("success file", success_path),
     ]
     width = max(len(k) for k, _ in lines)

@@ -88,6 +88,7 @@ def iter_tasks(source: UnitSource, input_storage: Storage, units: list[WorkUnit]
     """Every row of `units` as a RowTask, in input order; each unit's id/kept columns go to the writer."""
     job = source.job
     columns = list(dict.fromkeys([job.input.id_column, job.input.text_column, *job.sampling_columns.values(),
+                                  *([job.input.schema_column] if job.input.schema_column else []),
                                   *job.output.keep_columns]))
     decode = decode_batch_lines if job.input.is_batch_file else decode_batch
     for run in contiguous_runs(units):

@@ -33,6 +33,7 @@ from batchgen.pipeline.openai.protocol import (
     parse_request,
     sampling_params_from_body,
 )
+from batchgen.pipeline.openai.structured_fields import compile_request_constraint
 from batchgen.serve import responses
 from batchgen.serve.cli import DEFAULT_MAX_REQUEST_BODY_BYTES
 from batchgen.serve.engine_loop import Admitted, EngineLoop, EventSink, Failed, Finished, Progress, Submission
@@ -205,7 +206,9 @@ def _prepare(body: ChatCompletionRequest | CompletionRequest, prompt, prompt_fie
 
     def prepare(engine: LLMEngine) -> tuple[list[int], SamplingParams]:
         token_ids = prompt if is_token_ids(prompt) else encode_prompt(engine.tokenizer, prompt, prompt_field, chat)
-        return _check_prompt(body, token_ids, prompt_field, state)
+        token_ids, params = _check_prompt(body, token_ids, prompt_field, state)
+        compile_request_constraint(engine, body, params)  # a schema the grammar library refuses: 400
+        return token_ids, params
     return prepare
 
 

@@ -38,13 +38,22 @@ def usage(outputs: list[RequestOutput]) -> dict:
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
+# A log-probability of -inf (a token a structured-output grammar rules out, listed among the top ones)
+# is not JSON: sent as this floor, as vLLM does.
+MIN_LOGPROB = -9999.0
+
+
+def _json_logprob(value: float) -> float:
+    return max(value, MIN_LOGPROB)
+
+
 def chat_logprobs(tokens: list[TokenLogprob] | None) -> dict | None:
     """{"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]} (chat's shape)."""
     if tokens is None:
         return None
     return {"content": [
-        {"token": t.token, "logprob": t.logprob, "bytes": list(t.token.encode()),
-         "top_logprobs": [{"token": top.token, "logprob": top.logprob, "bytes": list(top.token.encode())}
+        {"token": t.token, "logprob": _json_logprob(t.logprob), "bytes": list(t.token.encode()),
+         "top_logprobs": [{"token": top.token, "logprob": _json_logprob(top.logprob), "bytes": list(top.token.encode())}
                           for top in t.top]}
         for t in tokens]}
 
@@ -61,8 +70,9 @@ def completion_logprobs(tokens: list[TokenLogprob] | None, text_offset: int = 0)
         offsets.append(position)
         position += len(t.token)
     has_top = any(t.top for t in tokens)
-    return {"tokens": [t.token for t in tokens], "token_logprobs": [t.logprob for t in tokens],
-            "top_logprobs": [{top.token: top.logprob for top in t.top} for t in tokens] if has_top else None,
+    return {"tokens": [t.token for t in tokens], "token_logprobs": [_json_logprob(t.logprob) for t in tokens],
+            "top_logprobs": [{top.token: _json_logprob(top.logprob) for top in t.top} for t in tokens]
+            if has_top else None,
             "text_offset": offsets}
 
 

@@ -82,6 +82,8 @@ class SpecDecoder:
         if not seqs:
             return
         for seq, drafts in zip(seqs, self.proposer.propose(seqs, budgets)):
+            if seq.grammar is not None and drafts:  # a constrained sequence verifies only what its grammar allows
+                drafts = drafts[:seq.grammar.validate_tokens(drafts)]
             seq.draft_token_ids = drafts
 
     def release(self, seq: Sequence) -> None:

@@ -126,8 +126,8 @@ def completion_line(custom_id: str, prompt: str, **fields) -> dict:
 
 
 # An OpenAI Batch API input file, as OpenAI's docs write them (the `model` names are ignored: the job's
-# model runs every line). The last line asks for JSON mode, which batchgen does not implement: it
-# shows an error line in errors.jsonl.
+# model runs every line). JSON mode is constrained decoding; the last line asks for tool calling, which
+# batchgen does not implement: it shows an error line in errors.jsonl.
 BATCH = [
     chat_line("capital", user("What is the capital of France?"), max_tokens=24),
     chat_line("tutor", [{"role": "system", "content": TUTOR}, {"role": "user", "content": "What is a prime number?"}],
@@ -137,6 +137,8 @@ BATCH = [
     completion_line("story", "Once upon a time, a small robot", max_tokens=24, stop=["\n"]),
     completion_line("list", "Three fruits that are red:", max_tokens=16, temperature=0.5, seed=1),
     chat_line("json-mode", user("List two colors as JSON."), response_format={"type": "json_object"}),
+    chat_line("tool-call", user("What is the weather in Paris?"),
+              tools=[{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]),
 ]
 
 

@@ -94,7 +94,8 @@ def _decode(custom_id: str, raw: dict, endpoint: str | None, job: JobConfig) -> 
         if endpoint == "chat" else None
     seeded = "seed" in request.model_fields_set and request.seed is not None
     return RowInput(custom_id, prompt, overrides, num_prompt_bytes=_num_bytes(prompt), params=params,
-                    sample_key="" if seeded else None, openai=OpenAIRequest(endpoint), chat=chat)
+                    sample_key="" if seeded else None,
+                    openai=OpenAIRequest(endpoint, structured_param=fields.get("structured_outputs")), chat=chat)
 
 
 def _overrides(request, endpoint: str) -> tuple[dict[str, Any], dict[str, str]]:
@@ -117,6 +118,9 @@ def _overrides(request, endpoint: str) -> tuple[dict[str, Any], dict[str, str]]:
             overrides["max_tokens"] = request.max_tokens
         if "logprobs" in given:
             overrides["logprobs"] = request.logprobs
+    constraint, field = request.structured()  # a body's constraint replaces the job's sampling.structured
+    if constraint is not None:
+        overrides["structured_outputs"], fields["structured_outputs"] = constraint, field
     return overrides, fields
 
 

@@ -20,12 +20,13 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict, Vali
 from batchgen.engine import SamplingParams
 from batchgen.engine.chat_template import ChatTemplateOptions
 from batchgen.engine.config import SettingError
+from batchgen.engine.structured import StructuredOutputsParams
 from batchgen.pipeline.openai.api_error import bad_request
 from batchgen.pipeline.openai.json_body import check_json_value, load_json_body
+from batchgen.pipeline.openai.structured_fields import STRUCTURED_FIELDS, structured_constraint
 
 # Fields of OpenAI's (or vLLM's) API that batchgen does not implement, with what to say.
 UNSUPPORTED = {
-    "response_format": "structured output is not implemented (only {\"type\": \"text\"})",
     "tools": "tool calling is not implemented",
     "tool_choice": "tool calling is not implemented",
     "functions": "function calling is not implemented",
@@ -44,11 +45,9 @@ UNSUPPORTED = {
     "suffix": "suffix (insertion) is not implemented",
     "best_of": "best_of is not implemented (use n)",
     "chat_template": "a request cannot bring its own chat template; the server's is set with --chat-template",
-    "guided_json": "structured output is not implemented",
-    "guided_regex": "structured output is not implemented",
-    "guided_choice": "structured output is not implemented",
-    "guided_grammar": "structured output is not implemented",
-    "structured_outputs": "structured output is not implemented",
+    "guided_decoding_backend": "the grammar library is fixed (llguidance)",
+    "guided_whitespace_pattern": "a whitespace pattern is not implemented (structured_outputs."
+                                 "disable_any_whitespace allows none)",
     "prompt_logprobs": "prompt logprobs are not implemented",
     "use_beam_search": "beam search is not implemented",
 }
@@ -73,8 +72,6 @@ def _is_unused(name: str, value: Any, body: dict) -> bool:
     """A value that asks for nothing: null, false, empty, or the field's default behaviour."""
     if value is None or value is False or value == {} or value == []:
         return True
-    if name == "response_format":
-        return value == {"type": "text"}
     if name == "tool_choice":
         return value == "none"
     if name == "best_of":
@@ -149,10 +146,23 @@ class _SamplingRequest(BaseModel):
     stop_token_ids: list[Int] | None = None
     skip_special_tokens: Bool = True
     include_stop_str_in_output: Bool = False
+    # structured output (structured_fields.py): OpenAI's response_format, vLLM's structured_outputs and
+    # guided_* fields; checked there, naming the field
+    response_format: Any = None
+    structured_outputs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
 
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    def structured(self) -> tuple[StructuredOutputsParams | None, str | None]:
+        """(the output constraint, the field that set it), or (None, None); a 400 naming the field."""
+        return structured_constraint({name: getattr(self, name) for name in STRUCTURED_FIELDS})
+
 
     def sampling_params(self, max_tokens: int, logprobs: int | None, logprobs_field: str,
                         max_tokens_field: str, defaults: Mapping[str, Any] | None = None) -> SamplingParams:
@@ -173,7 +183,8 @@ class _SamplingRequest(BaseModel):
             stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
             stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
             logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
-            include_stop_str_in_output=self.include_stop_str_in_output)
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            structured_outputs=self.structured()[0])
         try:
             return SamplingParams(**values)
         except SettingError as exc:

@@ -23,7 +23,13 @@ from batchgen.pipeline.output.folder import MANIFEST_NAME, SUCCESS_NAME, WORKERS
 from batchgen.pipeline.output.units import WorkUnit, unit_file_name
 from batchgen.pipeline.reader import InputFile
 from batchgen.pipeline.storage import Storage
-from batchgen.pipeline.summary import SUMMARY_COLUMNS, Totals, merge_speculative, success_record
+from batchgen.pipeline.summary import (
+    SUMMARY_COLUMNS,
+    Totals,
+    merge_speculative,
+    merge_structured,
+    success_record,
+)
 
 
 @dataclass
@@ -98,7 +104,8 @@ def merged_record(storage: Storage, manifest: dict, workers: dict, summaries: li
     generation = next((s["generation_config"] for s in summaries if s.get("generation_config")), None)
     return success_record(manifest.get("job", ""), manifest["config_hash"], whole, generated, span,
                           resumed=resumed, workers=workers, generation_config=generation,
-                          speculative=merge_speculative([s.get("speculative") for s in summaries]), **reports)
+                          speculative=merge_speculative([s.get("speculative") for s in summaries]),
+                          structured=merge_structured([s.get("structured") for s in summaries]), **reports)
 
 
 def finalize_folder(storage: Storage, workers: dict | None = None) -> Finalized:

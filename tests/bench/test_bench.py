@@ -202,6 +202,8 @@ def test_engine_overrides_are_typed_and_checked():
     (["--workload", "nope"], "workload must be one of"),
     (["--peer-batch-sizes", "16,x"], "comma-separated integers"),
     (["--quantization", "int8,int3"], "--quantization takes int8, int4; got int3"),
+    (["--workload", "copy", "--structured-schema", "s.json"], "--structured-schema runs the random"),
+    (["--structured-schema", "/nonexistent/schema.json"], "/nonexistent/schema.json not found"),
 ])
 def test_bad_options_fail_before_any_loading(args, message):
     app = typer.Typer()
@@ -209,3 +211,26 @@ def test_bad_options_fail_before_any_loading(args, message):
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 2
     assert message in result.output
+
+
+def test_structured_schema_runs_constrained_against_unconstrained_interleaved(llm, tmp_path):
+    """Every request constrained by the schema (outputs longer than output_len: cut there, as the
+    unconstrained side), 2 interleaved runs each on a fresh pool; the ratio and the mask time come back."""
+    from batchgen.bench.structured_bench import format_structured_report
+
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps({"type": "array", "items": {"type": "integer"}, "minItems": 40}))
+    opts = BenchOptions(workload="random", num_requests=3, input_len_min=10, input_len_max=20, output_len=6,
+                        seed=0, structured_schema=str(schema), structured_runs=2)
+    result = run_bench(opts, engine=llm.engine, say=lambda _: None)
+    structured = result["structured"]
+    assert [len(structured["runs"][side]) for side in ("unconstrained", "structured")] == [2, 2]
+    for side in ("unconstrained", "structured"):
+        assert structured["finish_reasons"][side] == {"length": 3}
+        assert all(r["completion_tokens"] == 18 for r in structured["runs"][side])
+    constrained = structured["runs"]["structured"][0]["structured"]
+    assert constrained["num_constrained_requests"] == 3 and constrained["masked_rows_per_step"] == 3
+    assert structured["runs"]["unconstrained"][0]["structured"]["num_masked_steps"] == 0
+    assert structured["ratio"] == pytest.approx(structured["median_completion_tokens_per_s"]["structured"]
+                                                / structured["median_completion_tokens_per_s"]["unconstrained"])
+    assert structured["mask_ms_per_step"] > 0 and "median" in format_structured_report(result)

@@ -81,6 +81,18 @@ def test_uniforms_are_uniform_and_each_key_position_has_its_own():
     assert torch.equal(keyed_uniform(keys[3:4], positions[3:4], 50_000), u[3:4])  # of its own row only
 
 
+def test_the_largest_draw_is_below_one_so_no_exponential_is_zero():
+    """(2^24 - 1 + 0.5) / 2^24 rounds to 1.0 in float32: an exponential of 0, which would win the race
+    at any probability, and 0 / 0 = NaN (taken by argmax) at a token a filter or a grammar removed."""
+    from batchgen.engine.keyed_random import uniform_of_bits
+
+    bits = torch.tensor([0, 1, 2**23, 2**24 - 2, 2**24 - 1], dtype=torch.int32)
+    u = uniform_of_bits(bits)
+    assert bool((u > 0).all()) and bool((u < 1).all())
+    assert bool((-torch.log(u) > 0).all())
+    assert torch.equal(u[:4], (bits[:4].double() + 0.5).div(2**24).float())  # the others are exact
+
+
 def test_draws_at_chosen_entries_equal_the_dense_draws():
     keys = torch.tensor([sequence_key(7, "x", i) for i in range(4)])
     positions = torch.tensor([0, 3, 9, 2**20])

@@ -158,3 +158,57 @@ def test_a_verify_step_with_penalties_and_sampled_drafts_is_one_copy_too(monkeyp
         results = runner.execute(scheduled)
     assert len(results) == 4 * len(seqs)
     assert_one_copy_each_way(counter)
+
+
+class RecordingGrammar:
+    """Stands in for a GrammarState (the tiny model has no tokenizer to compile for): allows every token
+    and records which bitmask rows it was asked to fill, with which drafts."""
+
+    def __init__(self):
+        self.fills: list[tuple[int, list[int]]] = []
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int, drafts=()) -> None:
+        assert bitmask.device.type == "cpu" and bitmask.dtype == torch.int32  # filled on the host
+        bitmask[row:row + 1 + len(drafts)] = -1
+        self.fills.append((row, list(drafts)))
+
+
+def assert_one_extra_copy_for_the_bitmask(counter: TransferCounter) -> None:
+    assert counter.transfers == [("cpu", "meta"), ("cpu", "meta"), ("meta", "cpu")], counter.transfers
+    assert counter.scalar_reads == 0
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_a_decode_step_with_constrained_rows_adds_one_copy_only(monkeypatch, graphs):
+    """Structured output: the constrained rows' bitmask, filled on the host, is the one extra copy;
+    which logits rows it masks travels in the packed copy."""
+    runner, seqs = decode_step_on_meta(monkeypatch, graphs=graphs)
+    grammars = {1: RecordingGrammar(), 4: RecordingGrammar()}
+    for i, grammar in grammars.items():
+        seqs[i].grammar = grammar
+    with TransferCounter() as counter:
+        runner.execute(decode(seqs))
+    assert_one_extra_copy_for_the_bitmask(counter)
+    assert [g.fills for g in grammars.values()] == [[(0, [])], [(1, [])]]
+    assert runner.step_bitmask.stats.num_masked_steps == 1 and runner.step_bitmask.stats.num_masked_rows == 2
+    for seq in seqs:  # without a constrained row the step is back to one copy each way
+        seq.grammar = None
+    with TransferCounter() as counter:
+        runner.execute(decode(seqs))
+    assert_one_copy_each_way(counter)
+    assert runner.step_bitmask.stats.num_masked_steps == 1
+
+
+def test_a_verify_step_with_constrained_rows_is_one_extra_copy_too(monkeypatch):
+    """Every sequence verifies 3 drafts; the constrained ones fill 4 rows each (one per draft prefix)."""
+    runner, seqs = decode_step_on_meta(monkeypatch, graphs=True)
+    grammar = RecordingGrammar()
+    seqs[2].grammar = grammar
+    scheduled = []
+    for seq in seqs:
+        seq.draft_token_ids = [7, 8, 9]
+        scheduled.append(ScheduledSeq(seq, 4, 3))
+    with TransferCounter() as counter:
+        runner.execute(scheduled)
+    assert_one_extra_copy_for_the_bitmask(counter)
+    assert grammar.fills == [(0, [7, 8, 9])] and runner.step_bitmask.stats.num_masked_rows == 4

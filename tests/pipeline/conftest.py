@@ -108,6 +108,9 @@ class FakeEngine:
         self.sample_keys[request_id] = sample_key
         self.max_unfinished = max(self.max_unfinished, len(self.waiting))
 
+    def compile_grammar(self, constraint) -> None:
+        """A structured-output constraint is taken as is (no tokenizer here to compile it for)."""
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting)
 

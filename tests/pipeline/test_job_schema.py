@@ -36,6 +36,7 @@ from batchgen.pipeline.job_settings import (
     MODEL_PATH_FIELD,
     ROW_OVERRIDABLE,
     SAMPLING_ONLY,
+    SAMPLING_RENAMED,
 )
 from tests.pipeline.conftest import make_job, read_output, write_parquet
 from tests.pipeline.tiny_model import tiny_config, write_tiny_model
@@ -47,13 +48,21 @@ def field_names(owner: type) -> set[str]:
     return {f.name for f in dataclasses.fields(owner)}
 
 
+# SamplingParams fields set by a job key of another name (sampling.structured: structured_outputs).
+RENAMED_FIELDS = {field: key for key, (field, _) in SAMPLING_RENAMED.items()}
+
+
 def not_learned(owner: type, sections: list[type[BaseModel]], not_job_keys: dict) -> set[str]:
-    """Fields of `owner` neither job keys in `sections` nor listed (with a reason) as not job keys."""
+    """Fields of `owner` neither job keys in `sections` (by their name, or renamed) nor listed (with a
+    reason) as not job keys."""
     keys = {k for section in sections for k in section.model_fields} - {"path"}
+    keys |= {field for field, key in RENAMED_FIELDS.items() if key in keys}
     return field_names(owner) - keys - set(not_job_keys) - {MODEL_PATH_FIELD if owner is EngineConfig else ""}
 
 
 def engine_default(owner: type, key: str) -> Any:
+    if owner is SamplingParams and key in SAMPLING_RENAMED:
+        key = SAMPLING_RENAMED[key][0]
     f = {f.name: f for f in dataclasses.fields(owner)}[key]
     return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
 
@@ -66,12 +75,13 @@ def test_every_engine_and_sampling_field_is_a_job_key_or_listed_with_a_reason():
     assert not_learned(SamplingParams, [SamplingSection], SAMPLING_ONLY) == set()
     assert not_learned(EngineConfig, [ModelSection, EngineSection], ENGINE_ONLY) == set()
     # ... and nothing else: no job key the engine does not know, no key in two sections.
-    assert set(SamplingSection.model_fields) == field_names(SamplingParams) - set(SAMPLING_ONLY)
+    assert set(SamplingSection.model_fields) == \
+        (field_names(SamplingParams) - set(SAMPLING_ONLY) - set(RENAMED_FIELDS)) | set(SAMPLING_RENAMED)
     assert set(ModelSection.model_fields) == {"path", *MODEL_KEYS}
     assert not set(ModelSection.model_fields) & set(EngineSection.model_fields)
     assert set(EngineSection.model_fields) | set(MODEL_KEYS) | set(ENGINE_ONLY) | {MODEL_PATH_FIELD} == \
         field_names(EngineConfig)
-    for listed in (ENGINE_ONLY, SAMPLING_ONLY):
+    for listed in (ENGINE_ONLY, SAMPLING_ONLY, {k: reason for k, (_, reason) in SAMPLING_RENAMED.items()}):
         for name, reason in listed.items():
             assert len(reason) > 20, name  # a reason, not a placeholder
     assert set(ENGINE_ONLY) <= field_names(EngineConfig) and set(SAMPLING_ONLY) <= field_names(SamplingParams)
@@ -91,12 +101,13 @@ def test_a_field_added_to_sampling_params_is_caught_or_learned():
     hand_copied = create_model("HandCopied", **{k: (Any, None) for k in SamplingSection.model_fields})
     assert not_learned(WithBestOf, [hand_copied], SAMPLING_ONLY) == {"best_of"}
     # The derived schema learns it, with its default, and keeps the job's own defaults.
-    derived = derive_section("Derived", WithBestOf, "sampling", sampling_keys(WithBestOf))
+    derived = derive_section("Derived", WithBestOf, "sampling", sampling_keys(WithBestOf),
+                             base=SamplingSection.__bases__[0])  # with the renamed keys (structured)
     assert not_learned(WithBestOf, [derived], SAMPLING_ONLY) == set()
     section = derived(best_of=3, temperature=0.5, n=2)
     assert section.best_of == 3 and derived().best_of == 1 and derived().temperature == 0.0
     with pytest.raises(ValueError, match=r"WithBestOf.best_of must be >= n"):
-        WithBestOf(**derived(n=4, temperature=1.0).model_dump())
+        WithBestOf(**derived(n=4, temperature=1.0).model_dump(exclude=set(SAMPLING_RENAMED)))
 
 
 @pytest.mark.parametrize("section, model, owner", SECTIONS)
@@ -122,8 +133,10 @@ def test_the_job_builds_exactly_its_engine_config_and_sampling_params(tmp_path):
         for key, value in section.model_dump(exclude={"path"}).items():
             assert getattr(config, key) == value, key
     # The job's logprobs false is the engine's None (true: 0, N: N).
-    assert {k: getattr(params, k) for k in SamplingSection.model_fields} == {**job.sampling.model_dump(),
-                                                                             "logprobs": None}
+    own_names = [k for k in SamplingSection.model_fields if k not in SAMPLING_RENAMED]
+    assert {k: getattr(params, k) for k in own_names} == {**job.sampling.model_dump(exclude=set(SAMPLING_RENAMED)),
+                                                          "logprobs": None}
+    assert params.structured_outputs is None and job.sampling.structured is None
     assert (config.quantize_lm_head, config.max_num_seqs, params.n, params.stop) == (True, 7, 3, ["END"])
     assert job.sampling_params(temperature=1.5).temperature == 1.5  # a row's override, same construction
 

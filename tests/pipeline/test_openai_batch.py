@@ -85,7 +85,9 @@ def test_a_completions_body_takes_a_string_or_token_ids_and_logprobs_as_a_number
 
 @pytest.mark.parametrize("raw, param, words", [
     (line("x", tools=[{"type": "function", "function": {"name": "f"}}]), "tools", "not supported"),
-    (line("x", response_format={"type": "json_object"}), "response_format", "not supported"),
+    (line("x", response_format={"type": "json_schema", "json_schema": {"name": "p"}}),
+     "response_format.json_schema.schema", "is required"),
+    (line("x", response_format={"type": "json_object"}, guided_regex="a"), "guided_regex", "one output constraint"),
     (line("x", logit_bias={"5": 1}), "logit_bias", "not supported"),
     (line("x", temperature=-1), "temperature", "must be in"),
     (line("x", temperature="hot"), "temperature", "valid number"),
@@ -147,7 +149,7 @@ def test_a_custom_id_is_unique_across_the_files_of_a_job(tmp_path):
 def mixed_lines(num: int) -> list[dict]:
     lines = [line(f"r{i}", COMPLETIONS if i % 3 else CHAT, **({"temperature": 0.8, "n": 2} if i % 4 == 1 else {}))
              for i in range(num)]
-    lines[2] = line("r2", response_format={"type": "json_object"})
+    lines[2] = line("r2", logit_bias={"5": 1})
     lines[5] = line("r5", COMPLETIONS, temperature=7000)
     return lines
 
@@ -165,7 +167,7 @@ def check_outputs(out, num: int) -> tuple[list[dict], list[dict]]:
         assert len(parsed.choices) == (2 if i % 4 == 1 else 1)
         assert parsed.usage.total_tokens == parsed.usage.prompt_tokens + parsed.usage.completion_tokens
     assert {x["custom_id"]: x["response"]["body"]["error"]["param"] for x in errors} == {
-        "r2": "response_format", "r5": "temperature"}
+        "r2": "logit_bias", "r5": "temperature"}
     assert all(x["response"]["status_code"] == 400 for x in errors)
     return ok, errors
 
@@ -246,7 +248,7 @@ def test_the_example_batch_job_runs(tmp_path):
     job = load_job(job_file, [*overrides, f"output.path={tmp_path / 'out'}"])
     run_job(job, engine=FakeEngine(job.engine_config()), progress=False)
     ok, errors = read_jsonl(tmp_path / "out" / "output.jsonl"), read_jsonl(tmp_path / "out" / "errors.jsonl")
-    assert len(ok) == 6 and [x["custom_id"] for x in errors] == ["json-mode"]  # as its comment says
+    assert len(ok) == 7 and [x["custom_id"] for x in errors] == ["tool-call"]  # as its comment says
 
 
 # ---- the job file --------------------------------------------------------------------------------

@@ -21,8 +21,11 @@ from tests.pipeline.test_openai_batch import CHAT, COMPLETIONS, line, read_jsonl
 
 NUM_LINES, NUM_UNITS = 40, 10
 BAD = {  # custom_id -> (the line, the field its error names, words of its message)
-    "bad-json-mode": (line("bad-json-mode", response_format={"type": "json_object"}), "response_format",
-                      "not supported"),
+    # a schema the grammar library refuses: the line's error, found when its window is read ahead
+    "bad-json-schema": (line("bad-json-schema", response_format={"type": "json_schema", "json_schema": {
+        "name": "n", "schema": {"type": "object", "required": ["a"],
+                                "properties": {"a": {"type": "integer", "minimum": 2, "maximum": 1}}}}}),
+        "response_format.json_schema.schema", "nsatisfiable"),
     "bad-temperature": (line("bad-temperature", COMPLETIONS, temperature=5000), "temperature", "must be in"),
     "bad-url": (line("bad-url", "/v1/embeddings", input="hello"), "url", "/v1/embeddings"),
 }

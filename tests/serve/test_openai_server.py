@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 
 import httpx
@@ -160,8 +161,9 @@ def test_errors_are_400_naming_the_field_and_the_server_keeps_answering(server, 
     assert error.body["param"] == "messages" and error.body["code"] == "context_length_exceeded"
     error = _bad_request(lambda: ask(model=MODEL, messages=chat("word " * 2100), max_tokens=4, stream=True))
     assert error.body["param"] == "messages"  # a refused stream is a 400 too, not an error event
-    error = _bad_request(lambda: ask(model=MODEL, messages=chat("Hi"), response_format={"type": "json_object"}))
-    assert error.body["param"] == "response_format" and error.body["code"] == "unsupported_parameter"
+    error = _bad_request(lambda: ask(model=MODEL, messages=chat("Hi"),
+                                     tools=[{"type": "function", "function": {"name": "f"}}]))
+    assert error.body["param"] == "tools" and error.body["code"] == "unsupported_parameter"
     assert _bad_request(lambda: ask(model=MODEL, messages=chat("Hi"), logit_bias={"1": 5})).body["param"] == \
         "logit_bias"
     assert _bad_request(lambda: ask(model=MODEL, messages=chat("Hi"), extra_body={"top_k": 0})).body["param"] == \
@@ -328,3 +330,83 @@ def test_sample_deltas_build_the_same_body_from_a_request_output(llm):
     assert [len(t.top_logprobs) for t in body.choices[0].logprobs.content] == [2] * 4
     legacy = Completion.model_validate(responses.completion("cmpl-1", 0, MODEL, [out], [deltas], 1))
     assert legacy.choices[0].logprobs.token_logprobs == out.outputs[0].logprobs
+
+
+# ---- structured output ---------------------------------------------------------------------------
+PERSON = {"type": "object", "required": ["name", "age"],
+          "properties": {"name": {"type": "string", "maxLength": 20},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 120}}}
+PERSON_FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+
+
+def test_response_format_json_schema_streamed_and_not_with_n2(client, llm):
+    """Two seeded samples that the schema validates, the same streamed, as LLM.generate's with the constraint."""
+    import jsonschema
+
+    messages = [{"role": "system", "content": "Answer with a JSON object: name and age."}, *chat(QUESTIONS[0])]
+    kwargs = {"model": MODEL, "messages": messages, "n": 2, "temperature": 0.8, "seed": 7, "max_tokens": 48,
+              "response_format": PERSON_FORMAT}
+    reply = client.chat.completions.create(**kwargs)
+    texts = [c.message.content for c in reply.choices]
+    assert [c.finish_reason for c in reply.choices] == ["stop", "stop"] and texts[0] != texts[1]
+    for text in texts:
+        jsonschema.validate(json.loads(text), PERSON)
+    expected = llm.generate(messages, SamplingParams(n=2, temperature=0.8, seed=7, max_tokens=48,
+                                                     structured_outputs={"json": PERSON}))[0]
+    assert [c.text for c in expected.outputs] == texts
+    chunks = list(client.chat.completions.create(**kwargs, stream=True))
+    streamed = ["", ""]
+    for chunk in chunks:
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.delta.content or ""
+    assert streamed == texts
+    assert sorted(choice.finish_reason for c in chunks for choice in c.choices if choice.finish_reason) == \
+        ["stop", "stop"]
+
+
+def test_json_object_and_vllms_extra_fields(client):
+    ask = client.chat.completions.create
+    reply = ask(model=MODEL, messages=chat(QUESTIONS[3]), max_tokens=40, temperature=0,
+                response_format={"type": "json_object"})
+    assert reply.choices[0].finish_reason == "stop"
+    assert isinstance(json.loads(reply.choices[0].message.content), dict)
+    choices = ["Paris", "London", "Rome"]
+    for extra in ({"guided_choice": choices}, {"structured_outputs": {"choice": choices}}):
+        reply = ask(model=MODEL, messages=chat(QUESTIONS[0]), max_tokens=8, temperature=0, extra_body=extra,
+                    logprobs=True, top_logprobs=3)
+        assert reply.choices[0].message.content in choices and reply.choices[0].finish_reason == "stop"
+        # tokens the grammar rules out have probability 0: sent as vLLM's floor, -9999 (JSON has no -inf)
+        last = reply.choices[0].logprobs.content[-1]
+        assert last.logprob == 0.0 and [t.logprob for t in last.top_logprobs][1:] == [-9999.0, -9999.0]
+    completion = client.completions.create(model=MODEL, prompt="The date today is ", max_tokens=16, temperature=0,
+                                           extra_body={"guided_regex": "20[0-9]{2}-[01][0-9]-[0-3][0-9]"})
+    assert re.fullmatch("20[0-9]{2}-[01][0-9]-[0-3][0-9]", completion.choices[0].text)
+    reply = ask(model=MODEL, messages=chat(QUESTIONS[0]), max_tokens=48, temperature=0,
+                extra_body={"guided_json": PERSON})
+    assert set(json.loads(reply.choices[0].message.content)) == {"name", "age"}
+
+
+def test_a_bad_schema_is_a_400_naming_the_field(client):
+    ask = client.chat.completions.create
+    unsatisfiable = {**PERSON_FORMAT, "json_schema": {"name": "p", "schema": {
+        "type": "object", "required": ["a"], "properties": {"a": {"type": "integer", "minimum": 3, "maximum": 1}}}}}
+    cases = [
+        ({"response_format": unsatisfiable}, "response_format.json_schema.schema"),
+        ({"response_format": {**PERSON_FORMAT, "json_schema": {"name": "p", "schema": {"type": "strin"}}}},
+         "response_format.json_schema.schema"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"schema": PERSON}}},
+         "response_format.json_schema.name"),
+        ({"response_format": {"type": "xml"}}, "response_format.type"),
+        ({"extra_body": {"structured_outputs": {"regex": "[a-z"}}}, "structured_outputs.regex"),
+        ({"extra_body": {"structured_outputs": {"choice": []}}}, "structured_outputs.choice"),
+        ({"extra_body": {"guided_regex": "[^\\s\\S]"}}, "guided_regex"),
+        ({"response_format": PERSON_FORMAT, "extra_body": {"guided_regex": "a"}}, "guided_regex"),
+        ({"response_format": PERSON_FORMAT, "extra_body": {"ignore_eos": True}}, "ignore_eos"),
+    ]
+    for kwargs, param in cases:
+        for stream in (False, True):
+            error = _bad_request(lambda kwargs=kwargs, stream=stream: ask(model=MODEL, messages=chat("Hi"),
+                                                                          max_tokens=8, stream=stream, **kwargs))
+            assert error.body["param"] == param and param in error.body["message"], (kwargs, error.body)
+    reply = ask(model=MODEL, messages=chat("Hi"), max_tokens=3, temperature=0)  # the server keeps answering
+    assert reply.usage.completion_tokens == 3
