@@ -145,6 +145,16 @@ def run_bench(opts: BenchOptions, engine: LLMEngine | None = None, peer_model=No
                               draft_quantization=opts.draft_quantization, max_tokens=opts.output_len,
                               num_requests_at_batch_1=opts.num_requests or 8,
                               switch_output_len=SWITCH_OUTPUT_LEN, say=say, batches=tuple(opts.copy_batches))
+    if opts.workload == "score":
+        from batchgen.bench.score_bench import DEFAULT_NUM_CONTEXTS, run_score_bench
+
+        if opts.is_peer and peer_model is None:
+            say(f"loading the peer (HF transformers, {opts.model})")
+            peer_model = load_peer_model(opts.model)
+        return run_score_bench(engine, peer_model if opts.is_peer else None,
+                               num_contexts=opts.num_requests or DEFAULT_NUM_CONTEXTS,
+                               input_len_min=opts.input_len_min, input_len_max=opts.input_len_max,
+                               continuation_len=opts.output_len, seed=opts.seed, say=say)
     workload = make_workload(opts, engine)
     model_cfg = engine.model_cfg
     eos_token_ids = list(engine.eos_token_ids)

@@ -7,10 +7,12 @@ from collections.abc import Sequence as Seq
 
 from tqdm.auto import tqdm
 
+from batchgen.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.llm_engine import LLMEngine, PromptInput
-from batchgen.engine.outputs import RequestOutput
+from batchgen.engine.outputs import RequestOutput, ScoreOutput
 from batchgen.engine.sampling_params import SamplingParams
+from batchgen.engine.score_group import encode_continuations
 
 
 class LLM:
@@ -62,13 +64,65 @@ class LLM:
             # this LLM's request counter (reproducible from a fresh LLM).
             self.engine.add_request(request_id, prompt, params, sample_key="" if params.seed is not None else None)
             ids.append(request_id)
-        results: dict[str, RequestOutput] = {}
+        return self._run(ids, use_tqdm)
+
+    def beam_search(self, prompts: PromptInput | dict | Seq[PromptInput | dict], params: BeamSearchParams,
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """vLLM's `LLM.beam_search`: the `params.beam_width` best beams of each prompt, best first (HF's
+        algorithm and ranking, beam_search.py). A prompt is as in `generate`, or vLLM's
+        {"prompt": text} / {"prompt_token_ids": ids}."""
+        if isinstance(prompts, (str, dict)) or _is_messages(prompts):
+            prompts = [prompts]
+        prompts = [_from_prompt_dict(p) for p in prompts]
+        outputs = self.generate(prompts, params.to_sampling_params(), use_tqdm=use_tqdm)
+        return [BeamSearchOutput([BeamSearchSequence(out.prompt_token_ids + c.token_ids, c.logprobs,
+                                                     c.cumulative_logprob, c.text, c.finish_reason, c.stop_reason,
+                                                     c.score) for c in out.outputs])
+                for out in outputs]
+
+    def score_continuations(self, contexts: str | Seq[str], continuations: Seq[str] | Seq[Seq[str]],
+                            use_tqdm: bool = False) -> list[ScoreOutput]:
+        """The log-probability of each continuation given its context (lm-evaluation-harness'
+        loglikelihood: `sum_logprob`, `is_greedy`), each context computed once for all its continuations
+        (score_group.py). Raw text: contexts and continuations are tokenized as lm-evaluation-harness
+        does (context + continuation as one text, split after the context's tokens)."""
+        if isinstance(contexts, str):
+            contexts, continuations = [contexts], [continuations]
+        if len(contexts) != len(continuations):
+            raise ValueError(f"{len(contexts)} contexts but {len(continuations)} continuation lists")
+        ids = []
+        encode = self.engine.tokenizer.encode
+        for context, conts in zip(contexts, continuations):
+            request_id = str(self._next_id)
+            self._next_id += 1
+            context_ids, cont_ids = encode_continuations(encode, context, list(conts))
+            self.engine.add_score_request(request_id, context_ids, cont_ids)
+            ids.append(request_id)
+        return self._run(ids, use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list:
+        results = {}
         with tqdm(total=len(ids), disable=not use_tqdm, desc="requests") as bar:
             while self.engine.has_unfinished():
                 for out in self.engine.step():
                     results[out.request_id] = out
                     bar.update(1)
         return [results[i] for i in ids]
+
+
+def _is_messages(prompt) -> bool:
+    return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], dict) and "role" in prompt[0]
+
+
+def _from_prompt_dict(prompt):
+    """vLLM's TextPrompt / TokensPrompt dicts as the text or the token ids they hold."""
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            return list(prompt["prompt_token_ids"])
+        if "prompt" in prompt:
+            return prompt["prompt"]
+        raise ValueError("a prompt dict holds 'prompt' (text) or 'prompt_token_ids'")
+    return prompt
 
 
 def _speculative_alias(settings: dict) -> dict:

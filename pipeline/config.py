@@ -45,6 +45,10 @@ from batchgen.pipeline.openai.batch_file import (
 )
 
 _PATH_KEYS = {("model", "path"), ("input", "path"), ("output", "path")}
+CONTINUATION_KEYS = ("continuations_column", "continuation_column")
+# sampling keys (beam search) added after jobs existed, with their defaults: left out of the config hash
+# at their default.
+LATER_SAMPLING_KEYS = {"beam_width": 1, "length_penalty": 1.0, "early_stopping": False}
 
 
 class _Section(BaseModel):
@@ -108,6 +112,9 @@ class InputSection(_Section):
     id_column: str = "id"
     prompt_column: str | None = "prompt"
     messages_column: str | None = None
+    # task: loglikelihood: the continuations to score after each row's prompt (the context)
+    continuations_column: str | None = None  # a list of strings per row
+    continuation_column: str | None = None  # or one string per row
     apply_chat_template: bool = True
     system_prompt: str | None = None
     on_overlong: Literal["error", "truncate_left"] = "error"
@@ -150,6 +157,11 @@ class InputSection(_Section):
     @property
     def is_batch_file(self) -> bool:
         return self.format == BATCH_FORMAT
+
+    @property
+    def scored_column(self) -> str | None:
+        """The column of continuations to score (task: loglikelihood), whichever kind it is."""
+        return self.continuations_column or self.continuation_column
 
     @property
     def text_column(self) -> str:
@@ -195,6 +207,9 @@ class JobConfig(_Section):
     """One job file, validated. Paths are resolved (relative to the job file's folder) by `load_job`."""
 
     name: str = Field(min_length=1)
+    # generate: each row's prompt is completed. loglikelihood (lm-evaluation-harness' name; vLLM's "score"
+    # is a cross-encoder's): each row's prompt is a context whose given continuations are scored.
+    task: Literal["generate", "loglikelihood"] = "generate"
     model: ModelSection
     engine: EngineSection = Field(default_factory=EngineSection)
     input: InputSection
@@ -221,6 +236,7 @@ class JobConfig(_Section):
         if self.input.is_batch_file and self.sampling_columns:
             errors.append(_key_error(("sampling_columns",), "does not apply to input.format openai_batch: "
                                      "each line's body sets its own sampling fields", self.sampling_columns))
+        errors += self._task_errors()
         if self.input.is_batch_file and self.output.keep_columns:
             errors.append(_key_error(("output", "keep_columns"), "does not apply to input.format "
                                      "openai_batch: a batch file has no columns besides custom_id (the output's id)",
@@ -231,6 +247,43 @@ class JobConfig(_Section):
         if errors:
             raise ValidationError.from_exception_data(type(self).__name__, errors)
         return self
+
+    def _task_errors(self) -> list[InitErrorDetails]:
+        """What a loglikelihood job needs (continuations to score) and what it cannot take."""
+        inp, sampling = self.input, self.sampling
+        given = [key for key in CONTINUATION_KEYS if getattr(inp, key) is not None]
+        if not self.is_scoring:
+            return [_key_error(("input", key), "applies to task: loglikelihood only", getattr(inp, key))
+                    for key in given]
+        errors = []
+        if len(given) != 1:
+            errors.append(_key_error(("input", "continuations_column"), "task: loglikelihood needs one of "
+                                     "input.continuations_column (a list of strings per row) or "
+                                     "input.continuation_column (one string)", None))
+        if inp.is_batch_file:
+            errors.append(_key_error(("input", "format"), "must be parquet with task: loglikelihood (an OpenAI "
+                                     "batch line is a generation request)", inp.format))
+        if self.output.format == BATCH_FORMAT:
+            errors.append(_key_error(("output", "format"), "must be parquet with task: loglikelihood",
+                                     self.output.format))
+        rule = "task: loglikelihood scores the given continuations: it samples nothing, leave it at its default"
+        for key in ("n", "beam_width"):
+            if getattr(sampling, key) != 1:
+                errors.append(_key_error(("sampling", key), f"must be 1 with task: loglikelihood ({rule})",
+                                         getattr(sampling, key)))
+        if sampling.logprobs not in (None, False, True, 0):
+            errors.append(_key_error(("sampling", "logprobs"), "must be false or true with task: loglikelihood "
+                                     "(true: each continuation token's log-probability; no top N)",
+                                     sampling.logprobs))
+        if self.sampling_columns:
+            errors.append(_key_error(("sampling_columns",), f"does not apply to task: loglikelihood ({rule})",
+                                     self.sampling_columns))
+        return errors
+
+    @property
+    def is_scoring(self) -> bool:
+        """task: loglikelihood: rows score given continuations instead of generating."""
+        return self.task == "loglikelihood"
 
     @property
     def writes_batch_output(self) -> bool:
@@ -281,12 +334,18 @@ class JobConfig(_Section):
         # The formats enter the hash only when not parquet, so the hash of every Parquet job stays what
         # it was before the formats existed (its output folders still resume).
         excluded = {"storage_options"} | ({"format"} if self.input.format == "parquet" else set())
+        # Keys added after jobs existed enter the hash only when set, so those jobs keep their hash.
+        excluded |= {key for key in CONTINUATION_KEYS if getattr(self.input, key) is None}
+        sampling_excluded = {key for key, default in LATER_SAMPLING_KEYS.items()
+                             if getattr(self.sampling, key) == default}
         payload = {
             "model": self.model.model_dump(),
             "input": self.input.model_dump(exclude=excluded),
-            "sampling": self.sampling.model_dump(),
+            "sampling": self.sampling.model_dump(exclude=sampling_excluded),
             "sampling_columns": dict(sorted(self.sampling_columns.items())),
         }
+        if self.is_scoring:
+            payload["task"] = self.task
         kv_cache = {key: getattr(self.engine, key) for key in KV_CACHE_HASH_KEYS
                     if getattr(self.engine, key) != getattr(EngineConfig, key)}
         if kv_cache:

@@ -6,14 +6,12 @@ import dataclasses
 import logging
 from dataclasses import dataclass, field
 
-import pyarrow.parquet as pq
-
 from batchgen.engine import EngineConfig, LLMEngine
 from batchgen.pipeline.config import JobConfig
 from batchgen.pipeline.errors import JobError
 from batchgen.pipeline.job_plan import JobPlan, plan_job
 from batchgen.pipeline.output import SUCCESS_NAME, OutputRun, describe_redo, open_run, raise_if_refused
-from batchgen.pipeline.summary import SUMMARY_COLUMNS, Totals, speculative_summary, success_record
+from batchgen.pipeline.summary import Totals, read_summary_table, speculative_summary, success_record
 from batchgen.pipeline.unit_loop import UnitSource, run_units
 
 log = logging.getLogger("batchgen.pipeline")
@@ -91,7 +89,7 @@ def finish_job(job: JobConfig, run: OutputRun, this_run: Totals, generation_seco
     skipped = run.skipped_units
     for unit in skipped:  # counts cover the whole output, also what an earlier run wrote
         with run.storage.fs.open(run.storage.join(unit.output_name), "rb") as f:
-            whole.add_table(pq.read_table(f, columns=SUMMARY_COLUMNS))
+            whole.add_table(read_summary_table(f))
     record = success_record(job.name, run.identity.config_hash, whole, this_run, generation_seconds,
                             resumed=bool(skipped), kernels=kernels, kv_cache=kv_cache, weights=weights,
                             workers=workers, speculative=speculative, model=model)

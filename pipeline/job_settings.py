@@ -32,6 +32,9 @@ ENGINE_ONLY = {
 SAMPLING_ONLY = {
     "skip_special_tokens": "the completion column is always the text without special tokens; the "
                            "token ids column keeps every token",
+    "prompt_logprobs": "a job scores text with task: loglikelihood (each given continuation's "
+                       "log-probability after the prompt); the prompt's own log-probabilities are the "
+                       "Python API's and the server's (echo)",
 }
 
 # (section, key): (the job's default, why it differs from the engine's default).

@@ -32,6 +32,7 @@ from batchgen.pipeline.openai.protocol import (
 from batchgen.serve import responses
 from batchgen.serve.engine_loop import Admitted, EngineLoop, EventSink, Failed, Finished, Progress, Submission
 from batchgen.serve.metrics import Metrics
+from batchgen.serve.tokenizer_routes import add_tokenizer_routes
 
 log = logging.getLogger("batchgen.serve")
 
@@ -130,6 +131,7 @@ def create_app(state: ServerState) -> FastAPI:
         _check_model(body.model, names)
         return await _generate(state, request, body, body.prompts(), is_chat=False)
 
+    add_tokenizer_routes(app, state, lambda request: _check_key(request, state.settings.api_key))
     return app
 
 
@@ -194,7 +196,7 @@ async def _generate(state: ServerState, request: Request, body, prompts: list, i
         for i, (request_id, prompt) in enumerate(zip(request_ids, prompts)):
             field_name = prompt_field if len(prompts) == 1 or is_chat else f"prompt[{i}]"
             state.loop.submit(Submission(request_id, _prepare(body, prompt, field_name, state), sample_key,
-                                         sink, body.stream))
+                                         sink, body.stream, echo=getattr(body, "echo", False)))
         tracker = _Tracker(state.loop, request_ids, sink)
         buffered = await tracker.admitted(request)
         model = body.model or state.settings.served_model_names[0]
@@ -211,8 +213,10 @@ async def _generate(state: ServerState, request: Request, body, prompts: list, i
     release()
     outputs_in_order = [outputs[r] for r in request_ids]
     build = responses.chat_completion if is_chat else responses.completion
+    echo = {} if is_chat else {"echo": body.echo, "is_echo_only": body.is_echo_only}
     return JSONResponse(build(response_id, int(time.time()), model, [o.output for o in outputs_in_order],
-                              [o.deltas for o in outputs_in_order], body.n))
+                              [o.deltas for o in outputs_in_order], body.n,
+                              prompts=[o.prompt for o in outputs_in_order], **echo))
 
 
 class _Tracker:

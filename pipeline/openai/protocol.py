@@ -33,7 +33,6 @@ UNSUPPORTED = {
     "store": "stored completions are not implemented",
     "metadata": "stored completions are not implemented",
     "service_tier": "service tiers are not implemented",
-    "echo": "echo is not implemented",
     "suffix": "suffix (insertion) is not implemented",
     "best_of": "best_of is not implemented (use n)",
     "include_stop_str_in_output": "the stop string is never part of the text",
@@ -42,8 +41,6 @@ UNSUPPORTED = {
     "guided_choice": "structured output is not implemented",
     "guided_grammar": "structured output is not implemented",
     "structured_outputs": "structured output is not implemented",
-    "prompt_logprobs": "prompt logprobs are not implemented",
-    "use_beam_search": "beam search is not implemented",
 }
 
 
@@ -125,16 +122,36 @@ class _SamplingRequest(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
+    prompt_logprobs: int | None = None  # the prompt tokens' log-probabilities (and top N), as vLLM's
+    use_beam_search: bool = False  # vLLM's: n beams (beam_width = n), ranked by length_penalty
+    length_penalty: float = 1.0
+    early_stopping: bool | Literal["never"] = False
 
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    def num_prompt_logprobs(self) -> int | None:
+        return self.prompt_logprobs
+
+    def prompt_logprobs_field(self) -> str:
+        return "prompt_logprobs"
+
+    def check_combinations(self) -> None:
+        """What cannot go together, named by field (400): streams carry no prompt log-probabilities
+        and no beams (vLLM neither streams beam search)."""
+        if self.stream and self.use_beam_search:
+            raise bad_request("stream is not available with use_beam_search (the beams are ranked at the end)",
+                              "stream")
+        if self.stream and self.num_prompt_logprobs() is not None:
+            raise bad_request("stream is not available with prompt_logprobs (or echo with logprobs)", "stream")
+
     def sampling_params(self, max_tokens: int, logprobs: int | None, logprobs_field: str,
                         max_tokens_field: str) -> SamplingParams:
         """SamplingParams with OpenAI's defaults for unset fields; a bad value is a 400 naming its field."""
+        default_temperature = 0.0 if self.use_beam_search else 1.0  # beam search samples nothing
         values = dict(
-            n=self.n, temperature=1.0 if self.temperature is None else self.temperature,
+            n=self.n, temperature=default_temperature if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p, top_k=-1 if self.top_k is None else self.top_k,
             min_p=self.min_p or 0.0, presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
@@ -142,11 +159,16 @@ class _SamplingRequest(BaseModel):
             max_tokens=max_tokens, min_tokens=self.min_tokens, seed=self.seed,
             stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
             stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
-            logprobs=logprobs, skip_special_tokens=self.skip_special_tokens)
+            logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
+            prompt_logprobs=self.num_prompt_logprobs(), beam_width=self.n if self.use_beam_search else 1,
+            length_penalty=self.length_penalty, early_stopping=self.early_stopping)
         try:
             return SamplingParams(**values)
         except SettingError as exc:
-            field = {"max_tokens": max_tokens_field, "logprobs": logprobs_field}.get(exc.name, exc.name)
+            field = {"max_tokens": max_tokens_field, "logprobs": logprobs_field, "beam_width": "n",
+                     "prompt_logprobs": self.prompt_logprobs_field()}.get(exc.name, exc.name)
+            if exc.name in ("length_penalty", "early_stopping") and not self.use_beam_search:
+                raise bad_request(f"{exc.name} applies to beam search only (use_beam_search: true)", exc.name) from None
             raise bad_request(f"{field} {exc.rule}; got {exc.value!r}", field) from None
 
 
@@ -178,13 +200,39 @@ class CompletionRequest(_SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16  # OpenAI's (and vLLM's) default for completions
     logprobs: int | None = None
+    echo: bool = False  # the prompt before the completion, in the text and (with logprobs) the logprobs
+
+    def prompt_logprobs_field(self) -> str:
+        return "prompt_logprobs" if self.prompt_logprobs is not None else "logprobs"
+
+    @property
+    def is_echo_only(self) -> bool:
+        """echo with max_tokens 0: the prompt alone (one token is generated and left out, as vLLM does)."""
+        return self.echo and self.max_tokens == 0
 
     def requested_max_tokens(self) -> tuple[int | None, str]:
         """(the completion budget asked for or None, the field that asked)."""
+        if self.max_tokens == 0:
+            if not self.echo:
+                raise bad_request("max_tokens must be >= 1 (0 only with echo: true, the prompt alone)",
+                                  "max_tokens")
+            return 1, "max_tokens"
         return self.max_tokens, "max_tokens"
 
     def num_logprobs(self) -> int | None:
         return self.logprobs
+
+    def check_combinations(self) -> None:
+        super().check_combinations()
+        if self.stream and self.echo:
+            raise bad_request("stream is not available with echo (the prompt comes in the whole response)",
+                              "stream")
+
+    def num_prompt_logprobs(self) -> int | None:
+        """vLLM's: prompt_logprobs when given, else with echo the request's logprobs."""
+        if self.prompt_logprobs is None and self.echo:
+            return self.logprobs
+        return self.prompt_logprobs
 
     def prompts(self) -> list[str | list[int]]:
         """One entry per prompt: a string, or token ids."""
@@ -198,18 +246,23 @@ class CompletionRequest(_SamplingRequest):
         return list(prompt)
 
 
+def parse_json_object(body: bytes | str | dict) -> dict:
+    """The body as a JSON object, or an APIError (400) naming `body`."""
+    if isinstance(body, dict):
+        return body
+    try:
+        raw = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise bad_request(f"the request body is not valid JSON: {exc}", "body", "invalid_json") from None
+    if not isinstance(raw, dict):
+        raise bad_request("the request body must be a JSON object", "body", "invalid_json")
+    return raw
+
+
 def parse_request(body: bytes | str | dict, model: type[_SamplingRequest]) -> _SamplingRequest:
     """The body (JSON text or an already parsed object) as `model`, or an APIError (400) naming the
     first field at fault (`body` itself when it is not a JSON object)."""
-    if isinstance(body, dict):
-        raw = body
-    else:
-        try:
-            raw = json.loads(body)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise bad_request(f"the request body is not valid JSON: {exc}", "body", "invalid_json") from None
-    if not isinstance(raw, dict):
-        raise bad_request("the request body must be a JSON object", "body", "invalid_json")
+    raw = parse_json_object(body)
     try:
         request = model.model_validate(raw)
     except ValidationError as exc:
@@ -234,6 +287,7 @@ def sampling_params_from_body(request: _SamplingRequest, default_max_tokens: int
     or none at all, is an APIError (400) naming the request's own field (`top_logprobs`,
     `max_completion_tokens`, ...).
     """
+    request.check_combinations()
     max_tokens, max_tokens_field = request.requested_max_tokens()
     if max_tokens is None:
         max_tokens = default_max_tokens
