@@ -8,7 +8,9 @@ on a fresh engine over the same weights (an empty prefix cache):
 - score: each context with its continuations (LLMEngine.add_score_request: the context computed once,
   its blocks shared by its continuations, the partial last one copied);
 - separate: each (context, continuation) pair as its own request with prompt_logprobs, as a server
-  answers lm-evaluation-harness (the prefix cache is not used for positions that owe log-probabilities).
+  answers lm-evaluation-harness (the prefix cache is not used for positions that owe log-probabilities);
+- pairs, no logprobs: the same pairs as plain requests, their contexts' full blocks from the prefix
+  cache (separate minus this: the cost of recomputing cached positions for their logits).
 The peer: HF transformers' forward over each context's pairs (one batch of NUM_CONTINUATIONS equal-length
 rows), the continuations' log-softmax gathered, as lm-evaluation-harness' `hf` backend scores them.
 The figure: score seconds / context seconds (the goal: below 1.5 at 4 continuations of 500 tokens).
@@ -74,6 +76,17 @@ def run_scores(engine: LLMEngine, items) -> tuple[list[list[tuple[float, bool]]]
                              "num_block_copies": stats["num_block_copies"]}
 
 
+def run_pairs_cached(engine: LLMEngine, items) -> float:
+    """Each pair as a plain request (no log-probabilities): its context's full blocks from the prefix
+    cache. Beside `separate`, what recomputing the cached positions for their logits costs."""
+    engine = _fresh(engine)
+    params = SamplingParams(temperature=0, max_tokens=1)
+    for i, (context, continuations) in enumerate(items):
+        for j, continuation in enumerate(continuations):
+            engine.add_request(f"pair-{i}-{j}", None, params, prompt_token_ids=context + continuation)
+    return _run(engine)[1]
+
+
 def run_separate(engine: LLMEngine, items) -> tuple[list[list[tuple[float, bool]]], float]:
     engine = _fresh(engine)
     params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
@@ -127,12 +140,15 @@ def run_score_bench(engine: LLMEngine, hf_model, *, num_contexts: int, input_len
     scores, score_s, score_stats = run_scores(engine, items)
     say("separate: the same pairs as prompt_logprobs requests")
     separate, separate_s = run_separate(engine, items)
+    say("pairs without log-probabilities (prefix cache)")
+    pairs_cached_s = run_pairs_cached(engine, items)
     result = {
         "workload": {"name": "score", "num_contexts": num_contexts, "num_continuations": NUM_CONTINUATIONS,
                      "context_len_min": input_len_min, "context_len_max": input_len_max,
                      "continuation_len": continuation_len, "seed": seed,
                      "num_context_tokens": sum(len(c) for c, _ in items)},
         "engine": {"context_s": context_s, "score_s": score_s, "separate_s": separate_s,
+                   "pairs_cached_s": pairs_cached_s,
                    "score_over_context": score_s / context_s, "separate_over_context": separate_s / context_s,
                    **score_stats},
         "separate_agreement": _agreement(scores, separate),
@@ -153,7 +169,10 @@ def format_score_report(result: dict) -> str:
     shared = (f"  scored (shared)        {e['score_s']:8.2f} s   {e['score_over_context']:.2f}x the contexts alone "
               f"({e['num_block_copies']} block copies)")
     lines = [head, f"  contexts alone         {e['context_s']:8.2f} s", shared,
-             f"  pairs, prompt_logprobs {e['separate_s']:8.2f} s   {e['separate_over_context']:.2f}x"]
+             (f"  pairs, prompt_logprobs {e['separate_s']:8.2f} s   {e['separate_over_context']:.2f}x "
+              "(the prefix cache not used for owed positions)"),
+             (f"  pairs, no logprobs     {e['pairs_cached_s']:8.2f} s   (the prefix cache used: what the "
+              "recomputation costs is the difference)")]
     if "peer" in result:
         a = result["agreement"]
         lines.append(f"  HF transformers        {result['peer']['seconds']:8.2f} s   "

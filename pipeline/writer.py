@@ -110,7 +110,7 @@ class UnitPart:
         self.unit = unit
         self.file = file
         self.schema = schema
-        generated = {f.name for f in GENERATED_FIELDS}
+        generated = {f.name for f in GENERATED_FIELDS} | {f.name for f in SCORE_FIELDS}
         self.sources_schema = pa.schema([f for f in schema if f.name not in generated])  # id, then kept
         self.writer: pq.ParquetWriter | None = None
         self.sources: deque[pa.RecordBatch] = deque()  # id + kept columns of unwritten rows, input order

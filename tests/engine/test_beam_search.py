@@ -23,17 +23,22 @@ def prompt_ids(llm) -> list[list[int]]:
 
 
 @torch.no_grad()
-def hf_beams(hf_model, ids: list[int], eos: tuple[int, ...], early_stopping) -> tuple[list[int], float]:
-    """HF's best beam (its padding after EOS cut) and its sequence score."""
-    out = hf_model.generate(torch.tensor([ids]), num_beams=WIDTH, do_sample=False, length_penalty=1.0,
-                            early_stopping=early_stopping, max_new_tokens=NUM_TOKENS, eos_token_id=list(eos),
-                            pad_token_id=eos[0], output_scores=True, return_dict_in_generate=True)
-    tokens = out.sequences[0, len(ids):].tolist()
-    for i, t in enumerate(tokens):
-        if t in eos:
-            tokens = tokens[:i + 1]
-            break
-    return tokens, out.sequences_scores[0].item()
+def hf_beams(hf_model, prompts: list[list[int]], eos: tuple[int, ...], early_stopping) -> list[tuple[list[int], float]]:
+    """HF's best beam of each prompt (its padding after EOS cut) and its sequence score: one left-padded
+    batch (HF derives positions from the attention mask)."""
+    width = max(len(ids) for ids in prompts)
+    input_ids = torch.tensor([[eos[0]] * (width - len(ids)) + ids for ids in prompts])
+    mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in prompts])
+    out = hf_model.generate(input_ids=input_ids, attention_mask=mask, num_beams=WIDTH, do_sample=False,
+                            length_penalty=1.0, early_stopping=early_stopping, max_new_tokens=NUM_TOKENS,
+                            eos_token_id=list(eos), pad_token_id=eos[0], output_scores=True,
+                            return_dict_in_generate=True)
+    best = []
+    for row, score in zip(out.sequences, out.sequences_scores.tolist()):
+        tokens = row[width:].tolist()
+        end = next((i for i, t in enumerate(tokens) if t in eos), len(tokens) - 1)
+        best.append((tokens[:end + 1], score))
+    return best
 
 
 def run_with_block_count(engine, prompt_ids, params):
@@ -60,9 +65,9 @@ def test_sixteen_prompts_equal_hf_generate_num_beams_4(llm, hf_model, prompt_ids
     eos = engine.eos_token_ids
     params = SamplingParams(beam_width=WIDTH, n=WIDTH, temperature=0, max_tokens=NUM_TOKENS, logprobs=0)
     outputs, peak = run_with_block_count(engine, prompt_ids, params)
-    for i, ids in enumerate(prompt_ids):
+    reference = hf_beams(hf_model, prompt_ids, eos, early_stopping=False)
+    for i, (expected_tokens, expected_score) in enumerate(reference):
         out = outputs[f"beam-{i}"]
-        expected_tokens, expected_score = hf_beams(hf_model, ids, eos, early_stopping=False)
         best = out.outputs[0]
         assert best.token_ids == expected_tokens, f"prompt {i}"
         assert abs(best.score - expected_score) <= SCORE_TOLERANCE, f"prompt {i}"
@@ -82,8 +87,8 @@ def test_early_stopping_true_and_the_llm_api(llm, hf_model, prompt_ids):
     chosen = prompt_ids[:4]
     outputs = llm.beam_search([{"prompt_token_ids": ids} for ids in chosen],
                               BeamSearchParams(beam_width=WIDTH, max_tokens=NUM_TOKENS, early_stopping=True))
-    for ids, out in zip(chosen, outputs):
-        expected_tokens, expected_score = hf_beams(hf_model, ids, eos, early_stopping=True)
+    for ids, out, (expected_tokens, expected_score) in zip(chosen, outputs,
+                                                           hf_beams(hf_model, chosen, eos, early_stopping=True)):
         best = out.sequences[0]
         assert best.tokens == ids + expected_tokens
         assert abs(best.score - expected_score) <= SCORE_TOLERANCE

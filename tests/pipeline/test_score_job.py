@@ -65,11 +65,15 @@ def test_forty_contexts_by_four_continuations_equal_hf(scored, engine, hf_model)
         context_ids = engine.tokenizer.encode(context)
         assert row["prompt_tokens"] == len(context_ids) and row["subject"] == context.split()[1]
         assert len(row["continuation_logprob"]) == 4
-        for total, num, greedy, ids, values in zip(row["continuation_logprob"], row["continuation_num_tokens"],
-                                                  row["is_greedy"], row["continuation_token_ids"],
-                                                  row["continuation_token_logprobs"]):
-            full = torch.tensor([context_ids + ids])
-            log_softmax = torch.log_softmax(hf_model(full).logits[0, len(context_ids) - 1:-1].float(), dim=-1)
+        # The four pairs in one batch, right-padded: a causal model's logits at a real position do not
+        # see the padding after it.
+        width = max(len(ids) for ids in row["continuation_token_ids"])
+        batch = torch.tensor([context_ids + ids + [0] * (width - len(ids)) for ids in row["continuation_token_ids"]])
+        all_logits = hf_model(batch).logits[:, len(context_ids) - 1:].float()  # (4, width + 1, V)
+        for k, (total, num, greedy, ids, values) in enumerate(zip(
+                row["continuation_logprob"], row["continuation_num_tokens"], row["is_greedy"],
+                row["continuation_token_ids"], row["continuation_token_logprobs"])):
+            log_softmax = torch.log_softmax(all_logits[k, :len(ids)], dim=-1)
             expected = log_softmax.gather(-1, torch.tensor(ids)[:, None]).squeeze(-1)
             assert abs(total - expected.sum().item()) <= SUM_TOLERANCE, (context, ids)
             assert greedy == bool((log_softmax.argmax(-1) == torch.tensor(ids)).all())
