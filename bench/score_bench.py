@@ -18,6 +18,7 @@ The figure: score seconds / context seconds (the goal: below 1.5 at 4 continuati
 
 from __future__ import annotations
 
+import gc
 import random
 import time
 from collections.abc import Callable
@@ -29,7 +30,7 @@ from batchgen.bench.workloads import special_token_ids
 from batchgen.engine import LLMEngine, SamplingParams
 
 NUM_CONTINUATIONS = 4
-DEFAULT_NUM_CONTEXTS = 16
+DEFAULT_NUM_CONTEXTS = 8
 
 
 def score_workload(num_contexts: int, input_len_min: int, input_len_max: int, continuation_len: int, seed: int,
@@ -44,8 +45,13 @@ def score_workload(num_contexts: int, input_len_min: int, input_len_max: int, co
     return items
 
 
-def _fresh(engine: LLMEngine) -> LLMEngine:
-    return LLMEngine(engine.config, weights_from=engine)
+def _fresh(engine: LLMEngine, items) -> LLMEngine:
+    """An engine over the same weights with an empty prefix cache and a pool that holds every pair at
+    once (the default CPU pool, 4 GiB per engine, is far more than these sides need)."""
+    gc.collect()  # the previous side's pool goes before this one is allocated
+    num_tokens = sum(len(context) + len(c) + engine.config.block_size for context, cs in items for c in cs)
+    num_tokens = max(num_tokens, engine.max_model_len)
+    return LLMEngine(engine.config.replace(kv_cache_memory=num_tokens * engine.kv_bytes_per_token), weights_from=engine)
 
 
 def _run(engine: LLMEngine) -> tuple[dict, float]:
@@ -58,7 +64,7 @@ def _run(engine: LLMEngine) -> tuple[dict, float]:
 
 
 def run_contexts(engine: LLMEngine, items) -> float:
-    engine = _fresh(engine)
+    engine = _fresh(engine, items)
     params = SamplingParams(temperature=0, max_tokens=1)
     for i, (context, _) in enumerate(items):
         engine.add_request(f"context-{i}", None, params, prompt_token_ids=context)
@@ -66,7 +72,7 @@ def run_contexts(engine: LLMEngine, items) -> float:
 
 
 def run_scores(engine: LLMEngine, items) -> tuple[list[list[tuple[float, bool]]], float, dict]:
-    engine = _fresh(engine)
+    engine = _fresh(engine, items)
     for i, (context, continuations) in enumerate(items):
         engine.add_score_request(f"score-{i}", context, continuations)
     outputs, seconds = _run(engine)
@@ -79,7 +85,7 @@ def run_scores(engine: LLMEngine, items) -> tuple[list[list[tuple[float, bool]]]
 def run_pairs_cached(engine: LLMEngine, items) -> float:
     """Each pair as a plain request (no log-probabilities): its context's full blocks from the prefix
     cache. Beside `separate`, what recomputing the cached positions for their logits costs."""
-    engine = _fresh(engine)
+    engine = _fresh(engine, items)
     params = SamplingParams(temperature=0, max_tokens=1)
     for i, (context, continuations) in enumerate(items):
         for j, continuation in enumerate(continuations):
@@ -88,7 +94,7 @@ def run_pairs_cached(engine: LLMEngine, items) -> float:
 
 
 def run_separate(engine: LLMEngine, items) -> tuple[list[list[tuple[float, bool]]], float]:
-    engine = _fresh(engine)
+    engine = _fresh(engine, items)
     params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
     for i, (context, continuations) in enumerate(items):
         for j, continuation in enumerate(continuations):
