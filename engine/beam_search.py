@@ -13,16 +13,19 @@ does (transformers 5's vectorised version):
   otherwise (false, HF's default) once W are kept and the best running beam's score at its current
   length (`"never"` with length_penalty > 0: at max_tokens) cannot beat the worst kept one; and it ends
   when every one of the K candidates ends (max_tokens reached).
-The engine turns the selection into sequences (llm_engine.py): a beam that continues more than once is
-forked, its copies holding the same KV blocks (the prompt's and every full block since; the last,
+`BeamGroup.advance` turns the selection into sequences through the engine's callbacks (llm_engine.py):
+a beam that continues more than once is forked, its copies holding the same KV blocks (the prompt's and every full block since; the last,
 partial block is copied when a fork first writes into it: kv_cache_manager.py), and a beam with no
 continuation gives its blocks back.
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from batchgen.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from batchgen.engine.sampling_params import SamplingParams
 from batchgen.engine.sequence import Sequence
 
@@ -164,3 +167,55 @@ class BeamGroup:
         is_done = (not self.is_improvable or (self.params.early_stopping is True and is_full)
                    or all(c.is_end for c in top))
         return Selection(children, is_done)
+
+    def advance(self, fork: Callable[[Sequence, int], Sequence], start: Callable[[Sequence], None],
+                end: Callable[[Sequence], None]) -> bool:
+        """Select (HF's iteration), then make the next beams: a beam continued k times keeps the first
+        continuation and is forked (`fork(parent, sample index)`: a copy holding its blocks) for the other
+        k - 1, which `start` hands to the scheduler; a beam not continued, or every beam once the search
+        is done, goes to `end`. True when the search is done."""
+        selection = self.select()
+        for seq in self.beams:
+            seq.beam_candidates = None
+        if selection.is_done:
+            for seq in self.beams:
+                end(seq)
+            return True
+        by_parent: dict[int, list[Candidate]] = {}
+        for c in selection.children:
+            by_parent.setdefault(id(c.beam), []).append(c)
+        next_seq: dict[int, Sequence] = {}  # candidate -> its sequence
+        for parent in self.beams:
+            continued = by_parent.get(id(parent))
+            if not continued:
+                end(parent)
+                continue
+            for c in continued[1:]:  # forked before the parent takes its own next token
+                self.num_forks += 1
+                child = fork(parent, self.num_forks)
+                child.append_token(c.token_id, c.logprob)
+                start(child)
+                next_seq[id(c)] = child
+            parent.append_token(continued[0].token_id, continued[0].logprob)
+            next_seq[id(continued[0])] = parent
+        self.beams = [next_seq[id(c)] for c in selection.children]
+        return False
+
+    def output(self, request_id: str, prompt_token_ids: list[int], arrival_time: float, prompt: str | None,
+               decode: Callable[[list[int], bool], str] | None) -> RequestOutput:
+        """The finished search: the n best hypotheses, best first, each with its score."""
+        params = self.params
+        now = time.monotonic()
+        first_scheduled = min((s.first_scheduled_time for s in self.beams if s.first_scheduled_time is not None),
+                              default=None)
+        first_token = min((s.first_token_time for s in self.beams if s.first_token_time is not None), default=None)
+        completions = [CompletionOutput(
+            index=rank, text="" if decode is None else decode(h.token_ids, params.skip_special_tokens),
+            token_ids=list(h.token_ids), cumulative_logprob=h.cumulative_logprob,
+            logprobs=list(h.logprobs) if params.logprobs is not None else None, finish_reason=h.finish_reason,
+            first_scheduled_time=first_scheduled, first_token_time=first_token, last_token_time=now, score=h.score)
+            for rank, h in enumerate(self.finished[:params.n])]
+        metrics = RequestMetrics(arrival_time=arrival_time, first_scheduled_time=first_scheduled,
+                                 first_token_time=first_token, last_token_time=now)
+        num_cached = (self.beams[0].num_cached_tokens or 0) if self.beams else 0
+        return RequestOutput(request_id, prompt_token_ids, completions, num_cached, metrics, prompt=prompt)

@@ -330,65 +330,26 @@ class LLMEngine:
             del self.requests[seq.request_id]
 
     def _advance_beams(self, state: _RequestState, finished: list) -> None:
-        """Every live beam reported its candidates: HF's selection (beam_search.py), then the next beams
-        as sequences: a beam continued k times is forked k - 1 times (its blocks shared), one not
-        continued gives its blocks back."""
+        """Every live beam reported its candidates: HF's selection, then the next beams as sequences
+        (beam_search.py `BeamGroup.advance`): forks hold their parent's blocks, ended beams give theirs back."""
         group = state.beam
-        selection = group.select()
-        for seq in group.beams:
-            seq.beam_candidates = None
-        if selection.is_done:
-            for seq in group.beams:
-                self._end_beam(seq)
-            finished.append(self._make_beam_output(state))
+
+        def fork(parent: Sequence, sample_index: int) -> Sequence:
+            child = parent.fork(sample_index)
+            self.kv_cache_manager.fork(parent, child)
+            return child
+
+        def end(seq: Sequence) -> None:
+            self.scheduler.finish(seq)
+            self._release(seq)
+
+        if group.advance(fork, self.scheduler.add_running, end):
+            decode = None if self.tokenizer is None else self.tokenizer.decode
+            finished.append(group.output(state.request_id, state.prompt_token_ids, state.arrival_time,
+                                         state.prompt, decode))
             del self.requests[state.request_id]
-            return
-        by_parent: dict[int, list] = {}
-        for c in selection.children:
-            by_parent.setdefault(id(c.beam), []).append(c)
-        next_seq: dict[int, Sequence] = {}  # candidate -> its sequence
-        for parent in group.beams:
-            continued = by_parent.get(id(parent))
-            if not continued:
-                self._end_beam(parent)
-                continue
-            for c in continued[1:]:  # forked before the parent takes its own next token
-                group.num_forks += 1
-                child = parent.fork(group.num_forks)
-                self.kv_cache_manager.fork(parent, child)
-                child.append_token(c.token_id, c.logprob)
-                self.scheduler.add_running(child)
-                next_seq[id(c)] = child
-            parent.append_token(continued[0].token_id, continued[0].logprob)
-            next_seq[id(continued[0])] = parent
-        group.beams = [next_seq[id(c)] for c in selection.children]
-        state.seqs = list(group.beams)
-
-    def _end_beam(self, seq: Sequence) -> None:
-        self.scheduler.finish(seq)
-        self._release(seq)
-
-    def _make_beam_output(self, state: _RequestState) -> RequestOutput:
-        group = state.beam
-        params = group.params
-        now = time.monotonic()
-        first_scheduled = min((s.first_scheduled_time for s in group.beams if s.first_scheduled_time is not None),
-                              default=None)
-        first_token = min((s.first_token_time for s in group.beams if s.first_token_time is not None), default=None)
-        completions = []
-        for rank, h in enumerate(group.finished[:params.n]):
-            text = "" if self.tokenizer is None else self.tokenizer.decode(h.token_ids, params.skip_special_tokens)
-            completions.append(CompletionOutput(
-                index=rank, text=text, token_ids=list(h.token_ids), cumulative_logprob=h.cumulative_logprob,
-                logprobs=list(h.logprobs) if params.logprobs is not None else None, finish_reason=h.finish_reason,
-                stop_reason=None, first_scheduled_time=first_scheduled, first_token_time=first_token,
-                last_token_time=now, score=h.score))
-        metrics = RequestMetrics(arrival_time=state.arrival_time, first_scheduled_time=first_scheduled,
-                                 first_token_time=first_token, last_token_time=now)
-        first = group.beams[0] if group.beams else None
-        num_cached = first.num_cached_tokens if first is not None and first.num_cached_tokens else 0
-        return RequestOutput(state.request_id, state.prompt_token_ids, completions, num_cached, metrics,
-                             prompt=state.prompt)
+        else:
+            state.seqs = list(group.beams)
 
     def _finish(self, seq: Sequence, finished: list[RequestOutput]) -> None:
         self.scheduler.finish(seq)
