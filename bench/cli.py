@@ -55,7 +55,7 @@ def bench_command(
     workload: Annotated[str, typer.Option(help=f"One of: {', '.join(WORKLOADS)}.")] = "random",
     model: Annotated[str, typer.Option(help="Model alias, HF folder or .gguf file.")] = DEFAULT_MODEL,
     num_requests: Annotated[int | None, typer.Option(
-        help="Requests (default 64; chat: the whole prompt set; score: contexts, default 8).")] = None,
+        help="Requests (default 64; chat: the whole prompt set; score: contexts, default 32).")] = None,
     input_len_min: Annotated[int, typer.Option(
         help="random: shortest prompt in tokens; overhead: every prompt's length; score: shortest context.")] = 100,
     input_len_max: Annotated[int, typer.Option(help="random: longest prompt in tokens; score: longest context.")] = 200,

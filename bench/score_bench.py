@@ -14,6 +14,10 @@ on a fresh engine over the same weights (an empty prefix cache):
 The peer: HF transformers' forward over each context's pairs (one batch of NUM_CONTINUATIONS equal-length
 rows), the continuations' log-softmax gathered, as lm-evaluation-harness' `hf` backend scores them.
 The figure: score seconds / context seconds (the goal: below 1.5 at 4 continuations of 500 tokens).
+Contexts take one step's token budget at a time and continuations run once their context is computed,
+so a context's continuations share a step with the next contexts' prefill: only the last contexts'
+continuations run alone (a step of a few hundred tokens, several times the per-token cost of a full
+one on the CPU). Fewer contexts than two steps' budget measure mostly that tail.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from batchgen.bench.workloads import special_token_ids
 from batchgen.engine import LLMEngine, SamplingParams
 
 NUM_CONTINUATIONS = 4
-DEFAULT_NUM_CONTEXTS = 8
+DEFAULT_NUM_CONTEXTS = 32
 
 
 def score_workload(num_contexts: int, input_len_min: int, input_len_max: int, continuation_len: int, seed: int,
@@ -46,10 +50,12 @@ def score_workload(num_contexts: int, input_len_min: int, input_len_max: int, co
 
 
 def _fresh(engine: LLMEngine, items) -> LLMEngine:
-    """An engine over the same weights with an empty prefix cache and a pool that holds every pair at
-    once (the default CPU pool, 4 GiB per engine, is far more than these sides need)."""
+    """An engine over the same weights with an empty prefix cache and a pool that holds every context
+    with its continuations at once (the scored side's working set; the pair sides queue for blocks as a
+    server's requests would). The default CPU pool, 4 GiB per engine, is far more than a side needs."""
     gc.collect()  # the previous side's pool goes before this one is allocated
-    num_tokens = sum(len(context) + len(c) + engine.config.block_size for context, cs in items for c in cs)
+    block = engine.config.block_size
+    num_tokens = sum(len(context) + len(cs) * (len(cs[0]) + 2 * block) for context, cs in items)
     num_tokens = max(num_tokens, engine.max_model_len)
     return LLMEngine(engine.config.replace(kv_cache_memory=num_tokens * engine.kv_bytes_per_token), weights_from=engine)
 

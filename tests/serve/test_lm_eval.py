@@ -17,7 +17,7 @@ import httpx
 import pytest
 import torch
 
-from batchgen.engine import BeamSearchParams
+from batchgen.engine import BeamSearchParams, SamplingParams
 from tests.conftest import MODEL
 from tests.serve.server_process import ServerProcess
 
@@ -195,3 +195,16 @@ def test_tokenizer_endpoints_answer_as_vllms(server, hf_tokenizer):
     assert _post(server, "/detokenize", {"tokens": tokens}).json() == {"prompt": text}
     info = httpx.get(f"{server.base_url}/tokenizer_info", timeout=30).json()
     assert info["eos_token"] == hf_tokenizer.eos_token and info["chat_template"]
+
+
+def test_chat_prompt_logprobs_are_the_engines(server, llm):
+    messages = [{"role": "user", "content": "Say hello."}]
+    reply = _post(server, "/v1/chat/completions", {"model": MODEL, "messages": messages, "max_tokens": 2,
+                                                   "temperature": 0, "prompt_logprobs": 1}).json()
+    expected = llm.generate([messages], SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=1))[0]
+    got = reply["prompt_logprobs"]
+    assert got[0] is None and len(got) == len(expected.prompt_token_ids)
+    for position, want in zip(got[1:], expected.prompt_logprobs[1:]):
+        assert {int(t): entry["rank"] for t, entry in position.items()} == {t: lp.rank for t, lp in want.items()}
+        assert [e["logprob"] for e in position.values()] == pytest.approx([lp.logprob for lp in want.values()],
+                                                                          abs=1e-4)
