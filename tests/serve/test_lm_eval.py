@@ -11,7 +11,6 @@ One server subprocess for the module (the bundled model, the `llm` fixture's set
 from __future__ import annotations
 
 import json
-import os
 
 import httpx
 import pytest
@@ -94,19 +93,20 @@ def lm_eval_run(tmp_path_factory):
     """lm_eval imported with its datasets offline and cached under a temporary folder, and a runner
     of `simple_evaluate` over the two local tasks."""
     folder = tmp_path_factory.mktemp("lm_eval")
-    os.environ["HF_DATASETS_OFFLINE"] = "1"
-    os.environ.setdefault("HF_DATASETS_CACHE", str(folder / "datasets"))
     _write_tasks(folder)
-    import lm_eval
-    from lm_eval.tasks import TaskManager
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("HF_DATASETS_OFFLINE", "1")  # the tasks' files are local: nothing is downloaded
+        env.setenv("HF_DATASETS_CACHE", str(folder / "datasets"))
+        import lm_eval
+        from lm_eval.tasks import TaskManager
 
-    manager = TaskManager(include_path=str(folder))
+        manager = TaskManager(include_path=str(folder))
 
-    def run(model, task: str, **kwargs) -> list[dict]:
-        results = lm_eval.simple_evaluate(model=model, tasks=[task], task_manager=manager, log_samples=True,
-                                          **kwargs)
-        return sorted(results["samples"][task], key=lambda s: s["doc_id"])
-    return run
+        def run(model, task: str, **kwargs) -> list[dict]:
+            results = lm_eval.simple_evaluate(model=model, tasks=[task], task_manager=manager, log_samples=True,
+                                              **kwargs)
+            return sorted(results["samples"][task], key=lambda s: s["doc_id"])
+        yield run
 
 
 @pytest.fixture(scope="module")
