@@ -305,7 +305,8 @@ class JobConfig(_Section):
         except SettingError as exc:
             errors.append(_key_error(("sampling", exc.name), exc.rule, exc.value))
         else:
-            if self.model.max_model_len is not None:  # null: checked against the model's own (preflight)
+            # null: checked against the model's own (preflight); a loglikelihood job generates nothing
+            if self.model.max_model_len is not None and not self.is_scoring:
                 rule = max_tokens_rule(params.max_tokens, self.model.max_model_len)
                 if rule:
                     errors.append(_key_error(("sampling", "max_tokens"), rule, params.max_tokens))
