@@ -55,12 +55,13 @@ def bench_command(
     workload: Annotated[str, typer.Option(help=f"One of: {', '.join(WORKLOADS)}.")] = "random",
     model: Annotated[str, typer.Option(help="Model alias, HF folder or .gguf file.")] = DEFAULT_MODEL,
     num_requests: Annotated[int | None, typer.Option(
-        help="Requests (default 64; chat: the whole prompt set).")] = None,
+        help="Requests (default 64; chat: the whole prompt set; score: contexts, default 32).")] = None,
     input_len_min: Annotated[int, typer.Option(
-        help="random: shortest prompt in tokens; overhead: every prompt's length.")] = 100,
-    input_len_max: Annotated[int, typer.Option(help="random: longest prompt in tokens.")] = 200,
+        help="random: shortest prompt in tokens; overhead: every prompt's length; score: shortest context.")] = 100,
+    input_len_max: Annotated[int, typer.Option(help="random: longest prompt in tokens; score: longest context.")] = 200,
     output_len: Annotated[int, typer.Option(
-        help="Completion tokens per request (fixed, EOS ignored); overhead: timed decode steps.")] = 64,
+        help="Completion tokens per request (fixed, EOS ignored); overhead: timed decode steps; score: tokens "
+             "per continuation (4 per context).")] = 64,
     seed: Annotated[int, typer.Option(help="Seed for random prompts and shared-prefix messages.")] = 0,
     peer: Annotated[str | None, typer.Option(
         "--peer", help="hf: HF transformers generate (default; none for shared-prefix); vllm: vLLM's CPU build "
@@ -159,6 +160,10 @@ def bench_command(
         typer.echo(format_overhead(result))
     elif opts.workload == "copy":
         typer.echo(format_copy_report(result))
+    elif opts.workload == "score":
+        from batchgen.bench.score_bench import format_score_report
+
+        typer.echo(format_score_report(result))
     elif opts.workload == "serve":
         from batchgen.bench.serve_load import format_serve_report
 

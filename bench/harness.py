@@ -133,7 +133,11 @@ def run_bench(opts: BenchOptions, engine: LLMEngine | None = None, peer_model=No
         require_peer_dependencies()
     if engine is None:
         say(f"loading the engine ({opts.model}, dtype {opts.dtype})")
-        engine = build_engine(opts.model, opts.num_threads, opts.engine_overrides, opts.dtype)
+        overrides = opts.engine_overrides
+        if opts.workload == "score" and "kv_cache_memory" not in overrides:
+            # Only its weights serve: each side builds its own pool, sized for the workload (score_bench.py).
+            overrides = {**overrides, "kv_cache_memory": "512MiB"}
+        engine = build_engine(opts.model, opts.num_threads, overrides, opts.dtype)
     dtype = engine.config.torch_dtype  # what `auto` resolved to: the peer runs the same
     if opts.workload == "copy":
         if opts.is_peer and peer_model is None:
@@ -145,6 +149,16 @@ def run_bench(opts: BenchOptions, engine: LLMEngine | None = None, peer_model=No
                               draft_quantization=opts.draft_quantization, max_tokens=opts.output_len,
                               num_requests_at_batch_1=opts.num_requests or 8,
                               switch_output_len=SWITCH_OUTPUT_LEN, say=say, batches=tuple(opts.copy_batches))
+    if opts.workload == "score":
+        from batchgen.bench.score_bench import DEFAULT_NUM_CONTEXTS, run_score_bench
+
+        if opts.is_peer and peer_model is None:
+            say(f"loading the peer (HF transformers, {opts.model})")
+            peer_model = load_peer_model(opts.model, dtype)
+        return run_score_bench(engine, peer_model if opts.is_peer else None,
+                               num_contexts=opts.num_requests or DEFAULT_NUM_CONTEXTS,
+                               input_len_min=opts.input_len_min, input_len_max=opts.input_len_max,
+                               continuation_len=opts.output_len, seed=opts.seed, say=say)
     workload = make_workload(opts, engine)
     if opts.structured_schema is not None:  # constrained against unconstrained, nothing else
         from batchgen.bench.structured_bench import run_structured_comparison

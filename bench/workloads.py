@@ -15,8 +15,9 @@ import numpy as np
 from batchgen.engine.token_prefix import num_shared_prefix
 
 # overhead: bench/overhead.py (null model); serve: random prompts through `batchgen serve`; copy:
-# bench/copy_bench.py (speculative decoding on prompts whose answers copy them)
-WORKLOADS = ("random", "chat", "shared-prefix", "overhead", "serve", "copy")
+# bench/copy_bench.py (speculative decoding on prompts whose answers copy them); score:
+# bench/score_bench.py (continuations scored after shared contexts)
+WORKLOADS = ("random", "chat", "shared-prefix", "overhead", "serve", "copy", "score")
 CHAT_PROMPTS_FILE = "chat_prompts.parquet"
 
 

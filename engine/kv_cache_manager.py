@@ -12,9 +12,15 @@ def cache_slots(block_ids: list[int], start: int, end: int, block_size: int) -> 
 
 
 class KVCacheManager:
+    """Blocks per sequence: prefix-cache hits at admission, new blocks as tokens come, and sharing between
+    a sequence and its forks (beams, the continuations of a scored context): a fork holds its parent's
+    blocks (ref counts), and the first write into a block someone else also holds copies it first
+    (copy on write; the (source, destination) pairs go to the step as `take_copies`)."""
+
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool):
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
+        self.pending_copies: list[tuple[int, int]] = []  # (source block, destination block) for the next step
 
     def _block_keys(self, seq: Sequence, num_full_blocks: int) -> list[tuple]:
         """Chained keys of the first `num_full_blocks` blocks of `seq`, extending its memo."""
@@ -30,6 +36,10 @@ class KVCacheManager:
         if not self.pool.enable_caching:
             return []
         max_blocks = (seq.num_tokens - 1) // self.block_size
+        if seq.num_prompt_logprob_rows:
+            # Cached positions give no logits: a sequence still owing prompt log-probabilities takes only
+            # the blocks before the first position it owes (none at first, as vLLM: it recomputes them).
+            max_blocks = min(max_blocks, seq.prompt_logprob_position // self.block_size)
         hits = []
         for key in self._block_keys(seq, max_blocks):
             block_id = self.pool.lookup(key)
@@ -50,7 +60,8 @@ class KVCacheManager:
         scheduled later in the same step can share them.
         """
         is_admission = computed_blocks is not None
-        if not is_admission:  # a running sequence: most steps its new tokens fit its last block
+        needs_copy = not is_admission and self._shares_next_write(seq)
+        if not is_admission and not needs_copy:  # a running sequence: most steps its new tokens fit its last block
             total_tokens = seq.num_computed_tokens + num_new_tokens
             if total_tokens <= len(seq.block_ids) * self.block_size:
                 self._cache_full_blocks(seq, total_tokens)
@@ -61,8 +72,10 @@ class KVCacheManager:
         num_required = -(-total_tokens // self.block_size)
         num_new_blocks = num_required - len(seq.block_ids) - len(computed_blocks)
         num_revived = sum(1 for b in computed_blocks if self.pool.ref_counts[b] == 0)
-        if num_new_blocks + num_revived > self.pool.num_free_blocks:
+        if num_new_blocks + num_revived + needs_copy > self.pool.num_free_blocks:
             return False
+        if needs_copy:
+            self._copy_on_write(seq)
         for block_id in computed_blocks:
             self.pool.touch(block_id)
         seq.block_ids.extend(computed_blocks)
@@ -87,6 +100,37 @@ class KVCacheManager:
             if self.pool.block_keys[seq.block_ids[i]] is None:
                 self.pool.cache_block(seq.block_ids[i], keys[i])
         seq.num_registered_blocks = max(seq.num_registered_blocks, num_full)
+
+    def _shares_next_write(self, seq: Sequence) -> bool:
+        """Whether the block the sequence writes next is held by another sequence too. Only that one can
+        be: a fork shares its parent's blocks up to the fork point, and full blocks are never written."""
+        i = seq.num_computed_tokens // self.block_size
+        return i < len(seq.block_ids) and self.pool.ref_counts[seq.block_ids[i]] > 1
+
+    def _copy_on_write(self, seq: Sequence) -> None:
+        """A private copy of the shared block the sequence writes next (the caller checked a block is free)."""
+        i = seq.num_computed_tokens // self.block_size
+        source = seq.block_ids[i]
+        (copy,) = self.pool.allocate(1)
+        self.pool.free([source])  # the others keep it
+        seq.block_ids[i] = copy
+        self.pending_copies.append((source, copy))
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """`child` (the parent's tokens, maybe more after them) holds the parent's blocks and counts its
+        computed tokens: its first write into a block still shared copies it (allocate_slots)."""
+        child.block_ids = list(parent.block_ids)
+        for block_id in child.block_ids:
+            self.pool.ref_counts[block_id] += 1
+        child.num_computed_tokens = parent.num_computed_tokens
+        num_shared_full = min(parent.num_tokens, child.num_tokens) // self.block_size
+        child.block_hashes = list(parent.block_hashes[:num_shared_full])
+        child.num_registered_blocks = min(parent.num_registered_blocks, num_shared_full)
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """The block copies the next step runs before its forward (copy on write), and forgets them."""
+        copies, self.pending_copies = self.pending_copies, []
+        return copies
 
     def trim(self, seq: Sequence) -> None:
         """Give back the blocks wholly past the sequence's known tokens (a verify chunk's rejected

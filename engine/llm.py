@@ -8,11 +8,13 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from batchgen.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from batchgen.engine.chat_template import ChatTemplateOptions
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.llm_engine import LLMEngine
-from batchgen.engine.outputs import RequestOutput
+from batchgen.engine.outputs import RequestOutput, ScoreOutput
 from batchgen.engine.sampling_params import SamplingParams
+from batchgen.engine.score_group import encode_continuations
 
 # vLLM's prompt dicts: TextPrompt {"prompt": str} and TokensPrompt {"prompt_token_ids": [int, ...]}
 # (which may carry the text as "prompt" too). Their other keys are multimodal inputs.
@@ -83,7 +85,7 @@ class LLM:
         the model's chat template; `chat` takes template settings). Anything else is a TypeError.
         `sampling_params=None`: `get_default_sampling_params()`.
         """
-        return self._run([self._prompt(p) for p in _prompt_list(prompts)], sampling_params, use_tqdm)
+        return self._generate([self._prompt(p) for p in _prompt_list(prompts)], sampling_params, use_tqdm)
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Seq[SamplingParams] | None = None, use_tqdm: bool = False,
@@ -113,7 +115,7 @@ class LLM:
                 raise TypeError(f"messages[{i}] is not a conversation: LLM.chat takes a list of "
                                 "{'role', 'content'} messages or a list of such lists")
         prompts = [_Prompt(None, self.engine.encode(c, chat=options)) for c in conversations]
-        return self._run(prompts, sampling_params, use_tqdm)
+        return self._generate(prompts, sampling_params, use_tqdm)
 
     # ---- shared by generate and chat --------------------------------------------------------------
     def _prompt(self, prompt: Any) -> _Prompt:
@@ -132,8 +134,8 @@ class LLM:
             raise ValueError(f"prompt_token_ids holds ids outside the vocabulary [0, {vocab_size})")
         return token_ids
 
-    def _run(self, prompts: list[_Prompt], sampling_params: SamplingParams | Seq[SamplingParams] | None,
-             use_tqdm: bool) -> list[RequestOutput]:
+    def _generate(self, prompts: list[_Prompt], sampling_params: SamplingParams | Seq[SamplingParams] | None,
+                  use_tqdm: bool) -> list[RequestOutput]:
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
@@ -155,7 +157,41 @@ class LLM:
             self.engine.add_request(request_id, prompt.prompt, params, prompt_token_ids=prompt.token_ids,
                                     sample_key=sample_key)
             ids.append(request_id)
-        results: dict[str, RequestOutput] = {}
+        return self._collect(ids, use_tqdm)
+
+    def beam_search(self, prompts: Any, params: BeamSearchParams, use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """vLLM's `LLM.beam_search`: the `params.beam_width` best beams of each prompt, best first (HF's
+        algorithm and ranking, beam_search.py). Prompts are as in `generate` (vLLM's {"prompt": text} /
+        {"prompt_token_ids": ids} included)."""
+        outputs = self.generate(prompts, params.to_sampling_params(), use_tqdm=use_tqdm)
+        return [BeamSearchOutput([BeamSearchSequence(out.prompt_token_ids + c.token_ids, c.logprobs,
+                                                     c.cumulative_logprob, c.text, c.finish_reason, c.stop_reason,
+                                                     c.score) for c in out.outputs])
+                for out in outputs]
+
+    def score_continuations(self, contexts: str | Seq[str], continuations: Seq[str] | Seq[Seq[str]],
+                            use_tqdm: bool = False) -> list[ScoreOutput]:
+        """The log-probability of each continuation given its context (lm-evaluation-harness'
+        loglikelihood: `sum_logprob`, `is_greedy`), each context computed once for all its continuations
+        (score_group.py). Raw text: contexts and continuations are tokenized as lm-evaluation-harness
+        does (context + continuation as one text, split after the context's tokens)."""
+        if isinstance(contexts, str):
+            contexts, continuations = [contexts], [continuations]
+        if len(contexts) != len(continuations):
+            raise ValueError(f"{len(contexts)} contexts but {len(continuations)} continuation lists")
+        ids = []
+        encode = self.engine.tokenizer.encode
+        for context, conts in zip(contexts, continuations):
+            request_id = str(self._next_id)
+            self._next_id += 1
+            context_ids, cont_ids = encode_continuations(encode, context, list(conts))
+            self.engine.add_score_request(request_id, context_ids, cont_ids)
+            ids.append(request_id)
+        return self._collect(ids, use_tqdm)
+
+    def _collect(self, ids: list[str], use_tqdm: bool) -> list:
+        """Step the engine until it is idle; the outputs of `ids` in their order."""
+        results = {}
         with tqdm(total=len(ids), disable=not use_tqdm, desc="requests") as bar:
             while self.engine.has_unfinished():
                 for out in self.engine.step():

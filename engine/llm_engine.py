@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from batchgen.engine.beam_search import BeamGroup
 from batchgen.engine.capacity import kv_bytes_per_token, kv_cache_budget_bytes, num_kv_blocks
 from batchgen.engine.chat_template import DEFAULT_CHAT, ChatTemplateOptions
 from batchgen.engine.config import EngineConfig
@@ -19,9 +20,11 @@ from batchgen.engine.gpu_memory import GpuMemoryPlan, plan_gpu_kv_cache
 from batchgen.engine.kv_cache_manager import KVCacheManager
 from batchgen.engine.loader.model_loader import LoadedModel, load_model
 from batchgen.engine.model_runner import ModelRunner
-from batchgen.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TopLogprob
+from batchgen.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, ScoreOutput, TopLogprob
+from batchgen.engine.prompt_logprobs import prompt_logprobs_output
 from batchgen.engine.sampling_params import SamplingParams
 from batchgen.engine.scheduler import Scheduler
+from batchgen.engine.score_group import ScoreGroup
 from batchgen.engine.sequence import Sequence
 from batchgen.engine.speculative import SpecDecoder, num_accepted
 from batchgen.engine.stop_strings import IncrementalText, find_stop_string
@@ -37,9 +40,11 @@ PromptInput = str | Messages | list[int]
 class _RequestState:
     request_id: str
     prompt_token_ids: list[int]
-    seqs: list[Sequence]
+    seqs: list[Sequence]  # its live sequences (a beam search's beams, a scored context's parts)
     arrival_time: float
     prompt: str | None
+    beam: BeamGroup | None = None
+    score: ScoreGroup | None = None
 
 
 # Settings that shape only the KV pool, the scheduling or the defaults of requests, not the loaded model:
@@ -175,12 +180,19 @@ class LLMEngine:
         grammars = self.structured.new_states(params.structured_outputs, params.n) \
             if params.structured_outputs is not None else None
         now = time.monotonic()
+        # A beam search starts from one sequence (the prompt, computed once); its beams fork from it.
+        num_seqs = 1 if params.is_beam_search else params.n
         seqs = [Sequence(request_id, i, token_ids, params, now, self.max_model_len, sample_key)
-                for i in range(params.n)]
+                for i in range(num_seqs)]
         for seq, grammar in zip(seqs, grammars or ()):
             seq.grammar = grammar
-        self.requests[request_id] = _RequestState(request_id, token_ids, seqs, now,
-                                                  prompt if isinstance(prompt, str) else None)
+        for seq in seqs[1:]:  # the n samples share one prompt: sample 0 computes its log-probabilities
+            seq.num_prompt_top_logprobs = None
+        state = _RequestState(request_id, token_ids, seqs, now, prompt if isinstance(prompt, str) else None)
+        if params.is_beam_search:
+            state.beam = BeamGroup(params, self.eos_token_ids, beams=list(seqs))
+            seqs[0].beam = state.beam
+        self.requests[request_id] = state
         for seq in seqs:
             self.scheduler.add(seq)
 
@@ -189,6 +201,42 @@ class LLMEngine:
         StructuredOutputError naming its field when it cannot be used. The compiled grammar is cached,
         so a request that carries it later starts without compiling."""
         return self.structured.compile(constraint)
+
+    def add_score_request(self, request_id: str, context_token_ids: list[int],
+                          continuation_token_ids: list[list[int]], sample_key: str | None = None) -> None:
+        """Queue the scoring of continuations of one context (score_group.py); step() hands back a
+        ScoreOutput. Raises ValueError for an empty context or continuation, or one past max_model_len."""
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in the engine")
+        if not context_token_ids:
+            raise ValueError("the context is empty")
+        if not continuation_token_ids:
+            raise ValueError("there are no continuations to score")
+        for i, ids in enumerate(continuation_token_ids):
+            if not ids:
+                raise ValueError(f"continuation {i} is empty (no token after the context)")
+            if len(context_token_ids) + len(ids) > self.max_model_len:
+                raise ValueError(f"the context ({len(context_token_ids)} tokens) and continuation {i} "
+                                 f"({len(ids)}) exceed max_model_len {self.max_model_len}")
+        if any(t < 0 or t >= self.model_cfg.vocab_size for ids in (context_token_ids, *continuation_token_ids)
+               for t in ids):
+            raise ValueError(f"a token id is outside the vocabulary [0, {self.model_cfg.vocab_size})")
+        now = time.monotonic()
+        params = SamplingParams(temperature=0.0, max_tokens=1)  # never sampled: the parts are prompt-only
+        group = ScoreGroup(request_id, list(context_token_ids), [list(c) for c in continuation_token_ids], now)
+        state = _RequestState(request_id, group.context_token_ids, [], now, None, score=group)
+        if len(context_token_ids) > 1:
+            context = Sequence(request_id, 0, group.context_token_ids[:-1], params, now, self.max_model_len,
+                               sample_key)
+            context.is_prompt_only = True
+            group.context = context
+            state.seqs = [context]
+        else:  # nothing to share before the continuations' own first position
+            state.seqs = [group.continuation(i, params, self.max_model_len, sample_key)
+                          for i in range(len(continuation_token_ids))]
+        self.requests[request_id] = state
+        for seq in state.seqs:
+            self.scheduler.add(seq)
 
     def abort_request(self, request_id: str) -> bool:
         """Drop an unfinished request: its sequences leave the waiting and running queues and their
@@ -204,7 +252,8 @@ class LLMEngine:
         return True
 
     def sequences(self, request_id: str) -> list[Sequence]:
-        """The n sequences of an unfinished request, for callers that stream tokens as they come."""
+        """The live sequences of an unfinished request (its n samples, a beam search's beams, a scored
+        context's parts), for callers that stream tokens as they come."""
         return self.requests[request_id].seqs
 
     def has_unfinished(self) -> bool:
@@ -223,21 +272,28 @@ class LLMEngine:
         out = self.scheduler.schedule()
         scheduled = time.perf_counter()
         if out.is_empty:
-            if self.scheduler.waiting and not self.scheduler.running:
+            # Nothing ran: what waits cannot get blocks, and what runs (beams waiting for their group)
+            # will not give any back.
+            if self.scheduler.waiting:
                 raise RuntimeError("the scheduler cannot admit any waiting request: the KV cache is too small")
             return []
         # Sequences that may decode soon: the runner sizes its decode staging for them at once.
         num_live = min(len(self.scheduler.running) + len(self.scheduler.waiting), self.config.max_num_seqs)
-        results = self.runner.execute(out.scheduled, num_live)
+        results = self.runner.execute(out.scheduled, num_live, out.blocks_to_copy)
         executed = time.perf_counter()
         for s in out.scheduled:
             s.seq.num_computed_tokens += s.num_new_tokens
-        finished: list[RequestOutput] = []
+        finished: list[RequestOutput | ScoreOutput] = []
         num_verifies = 0
+        reported: dict[int, BeamGroup] = {}  # beam groups with candidates from this step
         for _, group in itertools.groupby(results, key=lambda r: id(r[0])):  # a verify chunk: 1 + k rows
             rows = list(group)
             s = rows[0][0]
             seq = s.seq
+            if seq.beam is not None:  # its next token is chosen with the rest of its group
+                seq.beam_candidates = rows[0][3]
+                reported[id(seq.beam)] = seq.beam
+                continue
             if s.num_draft_tokens:
                 # Keep the drafts plain decoding agrees with, then its own token there; the KV of the
                 # rejected drafts' positions is overwritten by later steps.
@@ -261,12 +317,66 @@ class LLMEngine:
             else:
                 if s.num_draft_tokens:  # blocks only rejected drafts reached go back
                     self.kv_cache_manager.trim(seq)
+        for s in out.scheduled:  # prompt-only sequences whose prompt is now computed
+            if s.seq.is_prompt_only and s.seq.num_computed_tokens == s.seq.num_tokens:
+                self._prompt_done(s.seq, finished)
+        for beams in reported.values():
+            if beams.is_ready and beams.beams[0].request_id in self.requests:
+                self._advance_beams(self.requests[beams.beams[0].request_id], finished)
         if num_verifies:
             self.spec.stats.num_spec_steps += 1
         timings = self.timings
         timings.num_steps += 1
         timings.add(schedule=scheduled - start, process=time.perf_counter() - executed)
         return finished
+
+    def _prompt_done(self, seq: Sequence, finished: list) -> None:
+        """A scored context's part computed its prompt: the context forks its continuations (holding its
+        blocks), a continuation's score is recorded; the last one finishes the request."""
+        state = self.requests[seq.request_id]
+        group = state.score
+        if seq is group.context:
+            group.num_cached_tokens = seq.num_cached_tokens or 0
+            group.first_scheduled_time = seq.first_scheduled_time
+            children = [group.continuation(i, seq.params, self.max_model_len, seq.sample_key)
+                        for i in range(len(group.continuation_token_ids))]
+            for child in children:
+                self.kv_cache_manager.fork(seq, child)
+                child.num_cached_tokens = seq.num_cached_tokens
+                child.first_scheduled_time = seq.first_scheduled_time
+                self.scheduler.add_running(child)
+            # The forks hold the context's blocks now; its own references go back (below).
+            group.context = None
+            state.seqs = children
+        else:
+            group.record(seq)
+        self.scheduler.finish(seq)
+        self._release(seq)
+        if group.is_done:
+            finished.append(group.output())
+            del self.requests[seq.request_id]
+
+    def _advance_beams(self, state: _RequestState, finished: list) -> None:
+        """Every live beam reported its candidates: HF's selection, then the next beams as sequences
+        (beam_search.py `BeamGroup.advance`): forks hold their parent's blocks, ended beams give theirs back."""
+        group = state.beam
+
+        def fork(parent: Sequence, sample_index: int) -> Sequence:
+            child = parent.fork(sample_index)
+            self.kv_cache_manager.fork(parent, child)
+            return child
+
+        def end(seq: Sequence) -> None:
+            self.scheduler.finish(seq)
+            self._release(seq)
+
+        if group.advance(fork, self.scheduler.add_running, end):
+            decode = None if self.tokenizer is None else self.tokenizer.decode
+            finished.append(group.output(state.request_id, state.prompt_token_ids, state.arrival_time,
+                                         state.prompt, decode))
+            del self.requests[state.request_id]
+        else:
+            state.seqs = list(group.beams)
 
     def _finish(self, seq: Sequence, finished: list[RequestOutput]) -> None:
         self.scheduler.finish(seq)
@@ -352,8 +462,13 @@ class LLMEngine:
             first_scheduled_time=min(s.first_scheduled_time for s in state.seqs),
             first_token_time=min(s.first_token_time for s in state.seqs),
             last_token_time=max(s.last_token_time for s in state.seqs))
+        prompt_logprobs = None
+        if first.params.prompt_logprobs is not None:
+            texts = self.tokenizer.token_texts if self.tokenizer is not None else (lambda ids: [""] * len(ids))
+            prompt_logprobs = prompt_logprobs_output(first, texts)
         return RequestOutput(state.request_id, state.prompt_token_ids, completions,
-                             first.num_cached_tokens or 0, metrics, prompt=state.prompt)
+                             first.num_cached_tokens or 0, metrics, prompt=state.prompt,
+                             prompt_logprobs=prompt_logprobs)
 
     @staticmethod
     def _text_token_ids(seq: Sequence) -> list[int]:
@@ -386,8 +501,8 @@ class LLMEngine:
             "num_steps": s.num_steps, "num_preemptions": s.num_preemptions,
             "num_prefill_tokens": s.num_prefill_tokens, "num_decode_tokens": s.num_decode_tokens,
             "num_mixed_steps": s.num_mixed_steps, "num_partial_prefills": s.num_partial_prefills,
-            "num_cached_tokens": s.num_cached_tokens, "num_evictions": pool.num_evictions,
-            "num_generated_tokens": self.num_generated_tokens,
+            "num_cached_tokens": s.num_cached_tokens, "num_block_copies": s.num_block_copies,
+            "num_evictions": pool.num_evictions, "num_generated_tokens": self.num_generated_tokens,
             "num_free_blocks": pool.num_free_blocks, "num_blocks": pool.num_blocks,
             "prefix_cache_hit_rate": pool.num_hit_blocks / pool.num_queried_blocks if pool.num_queried_blocks else 0.0,
             "kv_cache": {"dtype": str(self.config.kv_torch_dtype).removeprefix("torch."),

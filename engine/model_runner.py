@@ -1,9 +1,10 @@
 """ModelRunner: owns the model and the KV cache; flattens a step into tensors, runs it, samples.
 
 Host<->device traffic happens only here, twice per step: the step's inputs (model, attention and
-sampling alike) go over in one packed copy (step_inputs.py), and the sampled tokens with their
-log-probabilities (and top-N log-probabilities where asked) come back in one copy. Nothing in
-between reads a device value on the host. A step with a structured-output constraint adds one copy:
+sampling alike, the block copies of a copy on write, the prompt positions that owe log-probabilities)
+go over in one packed copy (step_inputs.py), and the sampled tokens with their log-probabilities (and
+top-N log-probabilities where asked), then the prompt log-probabilities, come back in one copy. Nothing
+in between reads a device value on the host. A step with a structured-output constraint adds one copy:
 its constrained rows' token bitmask, filled on the host while the forward runs (structured/step_bitmask.py)
 and applied to the logits before the sampler sees them. On CUDA, decode-only steps replay a captured graph
 (decode_graphs.py) unless `enforce_eager`.
@@ -16,17 +17,28 @@ import time
 import numpy as np
 import torch
 
-from batchgen.engine.attention import allocate_kv_caches
+from batchgen.engine.attention import allocate_kv_caches, copy_blocks
 from batchgen.engine.capabilities import Capabilities
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.decode_graphs import DecodeGraphs
 from batchgen.engine.models.config import ModelConfig
 from batchgen.engine.models.llama import LlamaForCausalLM
+from batchgen.engine.prompt_logprobs import (
+    add_prompt_logprob_sections,
+    compute_prompt_logprobs,
+    record_prompt_logprobs,
+)
 from batchgen.engine.sampler import SampledTokens, Sampler
 from batchgen.engine.sampling_batch import PenaltyState, add_sampling_sections, attach_sampling_tensors
 from batchgen.engine.scheduler import ScheduledSeq
 from batchgen.engine.sequence import Sequence
-from batchgen.engine.step_inputs import StepInputs, StepPacker, add_step_sections, make_step_inputs
+from batchgen.engine.step_inputs import (
+    BlockCopySections,
+    StepInputs,
+    StepPacker,
+    add_step_sections,
+    make_step_inputs,
+)
 from batchgen.engine.step_timings import StepTimings
 from batchgen.engine.structured.step_bitmask import StepBitmask
 
@@ -75,9 +87,11 @@ class ModelRunner:
                                    max_model_len, self.block_size, self.device, capturer)
         self.graphs.capture()
 
-    def prepare(self, scheduled: list[ScheduledSeq], num_live_seqs: int = 0):
+    def prepare(self, scheduled: list[ScheduledSeq], num_live_seqs: int = 0,
+                blocks_to_copy: list[tuple[int, int]] | None = None):
         """The step's inputs on the device in one copy: (StepInputs, attention metadata, sampling
-        chunks, SamplingBatch). Verify chunks (drafts) run as prefill chunks over their cached context."""
+        chunks, SamplingBatch, PromptLogprobPlan or None). Verify chunks (drafts) run as prefill chunks
+        over their cached context; `blocks_to_copy` (source, destination) go in the same copy."""
         # Decodes first, in the order the attention backend asks for, then prefill chunks.
         decodes = [s for s in scheduled if s.num_new_tokens == 1]
         decode_seqs = [s.seq for s in decodes]
@@ -98,40 +112,60 @@ class ModelRunner:
         seqs, offsets = sampling_rows(sampling)
         batch = add_sampling_sections(packer, seqs, self.eos_token_ids, self.model_cfg.vocab_size, self.penalties,
                                       offsets)
+        prompt_plan = add_prompt_logprob_sections(packer, decodes + prefills, query_lens)
+        if blocks_to_copy:
+            packer.add_sections(BlockCopySections([s for s, _ in blocks_to_copy], [d for _, d in blocks_to_copy]),
+                                "c.")
         tensors = packer.send()  # the one host-to-device copy
         step = make_step_inputs(tensors, query_lens, context_lens, tables, len(decodes), max_seq_len, self.block_size)
         attach_sampling_tensors(batch, tensors)
         meta = self.attention.build_packed(step)
-        return step, meta, sampling, batch
+        return step, meta, sampling, batch, prompt_plan
 
-    def forward(self, step: StepInputs, meta) -> torch.Tensor:
+    def forward(self, step: StepInputs, meta) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Logits (N, V) float32 of the step's sampling rows: a graph replay for a decode-only step
-        of a captured size, else the eager model."""
+        of a captured size, else the eager model; with prompt log-probability rows, also their normed
+        hidden states (R, H) (eager)."""
+        prompt_rows = step.tensors.get("p.prompt_rows")
+        if prompt_rows is not None:
+            return self.model(step.input_ids, step.positions, self.kv_caches, meta, step.logits_indices, prompt_rows)
         if self.graphs is not None and step.is_decode_only and self.graphs.fits(step.num_seqs):
             return self.graphs.run(step)
         return self.model(step.input_ids, step.positions, self.kv_caches, meta, step.logits_indices)
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[ScheduledSeq], num_live_seqs: int = 0) -> list[StepResult]:
+    def execute(self, scheduled: list[ScheduledSeq], num_live_seqs: int = 0,
+                blocks_to_copy: list[tuple[int, int]] | None = None) -> list[StepResult]:
         """Run one step; returns (scheduled seq, token, raw logprob, top logprobs or None) for each
         sampled row: one per sampling sequence, 1 + k in position order for a verify chunk (each
-        sampled as plain decoding would there; the engine keeps the accepted prefix).
-        `num_live_seqs`: unfinished sequences that may decode soon (the backend may plan for them)."""
+        sampled as plain decoding would there; the engine keeps the accepted prefix). Prompt
+        log-probabilities are recorded into their sequences (prompt_logprobs.py).
+        `num_live_seqs`: unfinished sequences that may decode soon (the backend may plan for them);
+        `blocks_to_copy`: (source, destination) blocks copied before the forward (copy on write)."""
         timings = self.timings
         start = time.perf_counter()
-        step, meta, sampling, batch = self.prepare(scheduled, num_live_seqs)
+        step, meta, sampling, batch, prompt_plan = self.prepare(scheduled, num_live_seqs, blocks_to_copy)
         prepared = time.perf_counter()
-        logits = self.forward(step, meta)  # (N, V)
-        if not sampling:
+        if blocks_to_copy:
+            copy_blocks(self.kv_caches, step.tensors["c.copy_src"], step.tensors["c.copy_dst"], self.block_size)
+        logits = self.forward(step, meta)  # (N, V), or with prompt rows ((N, V), (R, H))
+        prompt_values = None
+        if prompt_plan is not None:
+            logits, hidden = logits
+            prompt_values = compute_prompt_logprobs(self.model.lm_head, hidden, step.tensors["p.prompt_targets"],
+                                                    prompt_plan.num_top)
+        if not sampling and prompt_plan is None:
             timings.add(prepare=prepared - start, forward=time.perf_counter() - prepared)
             return []
         seqs, _ = sampling_rows(sampling)
-        if batch.grammar_fills:  # constrained rows: masked before penalties, temperature, top-k/p
+        if sampling and batch.grammar_fills:  # constrained rows: masked before penalties, temperature, top-k/p
             self.step_bitmask.apply(logits, batch.grammar_fills, batch.grammar_rows)
-        sampled = self.sampler.sample(logits, batch, seqs, self.penalties)
-        host = read_back(sampled)  # the one device-to-host copy; waits for the step
+        sampled = self.sampler.sample(logits, batch, seqs, self.penalties) if sampling else None
+        host, prompt_host = read_back(sampled, prompt_values)  # the one device-to-host copy; waits for the step
         done = time.perf_counter()
-        results = unpack_results(host, sampling, batch.top_counts)
+        if prompt_plan is not None:
+            record_prompt_logprobs(prompt_host, prompt_plan)
+        results = unpack_results(host, sampling, batch.top_counts) if sampling else []
         timings.add(prepare=prepared - start, forward=done - prepared, process=time.perf_counter() - done)
         return results
 
@@ -153,7 +187,7 @@ class ModelRunner:
             seq = Sequence(f"profile-{i}", 0, [0] * n, params, 0.0, n + 1)
             seq.block_ids = [0] * (-(-n // self.block_size))
             scheduled.append(ScheduledSeq(seq, n))
-        step, meta, sampling, batch = self.prepare(scheduled)
+        step, meta, sampling, batch, _ = self.prepare(scheduled)
         logits = self.model(step.input_ids, step.positions, self.kv_caches, meta, step.logits_indices)
         read_back(self.sampler.sample(logits, batch, [s.seq for s in sampling], self.penalties))
 
@@ -169,12 +203,32 @@ def sampling_rows(sampling: list[ScheduledSeq]) -> tuple[list[Sequence], list[in
     return seqs, offsets
 
 
-def read_back(sampled: SampledTokens) -> np.ndarray:
-    """(N, 2 + 2K) int32 on the host in one copy: token, logprob bits, K top ids, K top logprob bits."""
-    columns = [sampled.tokens.to(torch.int32)[:, None], sampled.logprobs.view(torch.int32)[:, None]]
-    if sampled.top_ids is not None:
-        columns += [sampled.top_ids.to(torch.int32), sampled.top_logprobs.contiguous().view(torch.int32)]
-    return torch.cat(columns, dim=1).cpu().numpy()
+def read_back(sampled: SampledTokens | None, prompt_values: torch.Tensor | None = None
+              ) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """The step's results on the host in one copy: the sampled rows (N, 2 + 2K) int32 (token, logprob
+    bits, K top ids, K top logprob bits) and the prompt log-probability rows (R, 2 + 2K') int32
+    (compute_prompt_logprobs), each None when the step has none."""
+    parts, shapes = [], []
+    if sampled is not None:
+        columns = [sampled.tokens.to(torch.int32)[:, None], sampled.logprobs.view(torch.int32)[:, None]]
+        if sampled.top_ids is not None:
+            columns += [sampled.top_ids.to(torch.int32), sampled.top_logprobs.contiguous().view(torch.int32)]
+        rows = torch.cat(columns, dim=1)
+        parts.append(rows.reshape(-1))
+        shapes.append(rows.shape)
+    if prompt_values is not None:
+        parts.append(prompt_values.reshape(-1))
+        shapes.append(prompt_values.shape)
+    host = (parts[0] if len(parts) == 1 else torch.cat(parts)).cpu().numpy()
+    out, offset = [], 0
+    for rows, cols in shapes:
+        out.append(host[offset:offset + rows * cols].reshape(rows, cols))
+        offset += rows * cols
+    if sampled is None:
+        out.insert(0, None)
+    if prompt_values is None:
+        out.append(None)
+    return out[0], out[1]
 
 
 def unpack_results(host: np.ndarray, sampling: list[ScheduledSeq], top_counts: list[int]) -> list[StepResult]:

@@ -304,7 +304,8 @@ def add_sampling_sections(packer: StepPacker, seqs: list[Sequence], eos_token_id
                 drafts = seq.draft_token_ids if draft_offsets is not None else ()
                 batch.grammar_fills.append((seq.grammar, len(grammar.grammar_rows), drafts))
             grammar.grammar_rows.append(i)
-        if (p.temperature == 0.0 and not p.logprobs and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0
+        num_top = seq.num_top_logprobs  # the request's logprobs N, or a beam's candidates
+        if (p.temperature == 0.0 and not num_top and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0
                 and p.frequency_penalty == 0.0 and (p.min_tokens == 0 or position >= p.min_tokens)):
             continue  # plain greedy: nothing to send (the common case at large batch)
         if p.temperature != 0.0:
@@ -348,9 +349,9 @@ def add_sampling_sections(packer: StepPacker, seqs: list[Sequence], eos_token_id
             banned = list(eos_token_ids) + p.stop_token_ids
             ban.ban_index.extend([i] * len(banned))
             ban.ban_tokens.extend(banned)
-        if p.num_top_logprobs:
+        if num_top:
             top.top_index.append(i)
-            top_counts[i] = p.num_top_logprobs
+            top_counts[i] = num_top
     batch.random_rows, batch.top_counts = rnd.random_index, top_counts
     is_verify_with_penalties = any(d >= 0 for d in verify.penalty_draft)
     for group in (rnd, pen, drafted, new, prompt, output, ban, top, grammar):

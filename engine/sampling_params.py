@@ -14,7 +14,10 @@ MAX_TEMPERATURE = 100.0  # far past any useful value (near-uniform long before):
 # RL-style sampling (OpenAI's API stops at 128) while keeping one request's bookkeeping small.
 MAX_N = 1024
 # Top log-probabilities per token (vLLM's default max_logprobs; OpenAI's top_logprobs stops at 20).
+# prompt_logprobs has the same cap, as in vLLM: every prompt position of a request keeps its top N.
 MAX_LOGPROBS = 20
+# Beams per request. Each live beam is a sequence with a scheduler slot; HF and vLLM users run 4-16.
+MAX_BEAM_WIDTH = 64
 
 
 @dataclass
@@ -28,7 +31,16 @@ class SamplingParams:
     `include_stop_str_in_output`; the token ids always hold every generated token.
     `logprobs` follows vLLM: None records none, 0 the raw model log-probability of each chosen token,
     N also the N most likely tokens' (raw, before penalties and filters); True and False, the job
-    file's spelling, mean 0 and None. Every float is
+    file's spelling, mean 0 and None. `prompt_logprobs` (vLLM's): None, or N >= 0: the log-probability
+    (and rank) of each prompt token after the first given the tokens before it, plus the N most likely
+    tokens there (RequestOutput.prompt_logprobs).
+
+    Beam search (`beam_width` > 1, HF's algorithm; beam_search.py): the `beam_width` most likely
+    sequences are kept at each step, finished ones ranked by cumulative log-probability / generated
+    length ** `length_penalty`; `early_stopping` is HF's (False: stop when no running beam can beat the
+    worst finished one at its current length; True: when `beam_width` beams finished; "never": when
+    none could at max_tokens). The `n` best beams are returned. It samples nothing, so every sampling
+    setting must stay at its default (temperature 0). Every float is
     checked to be finite and in range (NaN fails every range). `stop_token_ids` are checked against
     the vocabulary and `max_tokens` against max_model_len where those are known (the engine's
     add_request, the pipeline's preflight).
@@ -59,6 +71,10 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputsParams | None = None
     guided_decoding: StructuredOutputsParams | None = None  # vLLM's older name: moved to structured_outputs
+    prompt_logprobs: int | None = None
+    beam_width: int = 1  # 1: no beam search
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
 
     def __post_init__(self) -> None:
         self._take_structured_outputs()
@@ -83,13 +99,50 @@ class SamplingParams:
             ("logprobs", self.logprobs is None or (isinstance(self.logprobs, int)
                                                    and 0 <= self.logprobs <= MAX_LOGPROBS),
              f"must be None, True, False or in [0, {MAX_LOGPROBS}]"),
-            ("n", not (self.n > 1 and self.is_greedy),
-             "must be 1 with greedy sampling (temperature 0 gives n identical samples)"),
             ("ignore_eos", not (self.ignore_eos and self.structured_outputs is not None),
              "must be false with structured_outputs (the output ends with EOS where its grammar is complete)"),
             ("min_tokens", not (self.min_tokens and self.structured_outputs is not None),
              "must be 0 with structured_outputs (the grammar decides where the output may end)"),
+            ("prompt_logprobs", self.prompt_logprobs is None or (
+                isinstance(self.prompt_logprobs, int) and not isinstance(self.prompt_logprobs, bool)
+                and 0 <= self.prompt_logprobs <= MAX_LOGPROBS), f"must be None or in [0, {MAX_LOGPROBS}]"),
+            ("beam_width", 1 <= self.beam_width <= MAX_BEAM_WIDTH, f"must be in [1, {MAX_BEAM_WIDTH}]"),
+            ("length_penalty", math.isfinite(self.length_penalty), "must be finite"),
+            ("early_stopping", self.early_stopping is False or self.early_stopping is True
+             or self.early_stopping == "never", "must be false, true or never"),
         ])
+        if self.is_beam_search:
+            check_settings(self, self._beam_checks())
+        else:
+            check_settings(self, [
+                ("n", not (self.n > 1 and self.is_greedy),
+                 "must be 1 with greedy sampling (temperature 0 gives n identical samples)"),
+                ("length_penalty", self.length_penalty == 1.0, "applies to beam search only (beam_width > 1)"),
+                ("early_stopping", self.early_stopping is False, "applies to beam search only (beam_width > 1)"),
+            ])
+
+    def _beam_checks(self) -> list[tuple[str, bool, str]]:
+        """Beam search keeps the most likely sequences: it samples nothing and stops at EOS or max_tokens."""
+        sampling = "beam search samples nothing (beam_width > 1): leave it at its default"
+        ends = "must be empty with beam search (beam_width > 1): beams end at EOS or max_tokens"
+        return [
+            ("n", self.n <= self.beam_width, "must be at most beam_width (the best n beams are returned)"),
+            ("temperature", self.temperature == 0.0, "must be 0 with beam search (beam_width > 1): it samples nothing"),
+            ("top_p", self.top_p == 1.0, sampling),
+            ("top_k", self.top_k == -1, sampling),
+            ("min_p", self.min_p == 0.0, sampling),
+            ("repetition_penalty", self.repetition_penalty == 1.0, sampling),
+            ("presence_penalty", self.presence_penalty == 0.0, sampling),
+            ("frequency_penalty", self.frequency_penalty == 0.0, sampling),
+            ("min_tokens", self.min_tokens == 0, "must be 0 with beam search (beam_width > 1)"),
+            ("stop", not self.stop, ends),
+            ("stop_token_ids", not self.stop_token_ids, ends),
+            ("logprobs", not self.logprobs, ("must be None, False, True or 0 with beam search (beam_width > 1): "
+                                             "each beam's tokens' log-probabilities, no top-N")),
+            ("prompt_logprobs", self.prompt_logprobs is None, "must be None with beam search (beam_width > 1)"),
+            ("structured_outputs", self.structured_outputs is None,
+             "must be None with beam search (beam_width > 1): beams are not constrained"),
+        ]
 
     def _take_structured_outputs(self) -> None:
         """The constraint as StructuredOutputsParams, from either name and either form."""
@@ -109,6 +162,10 @@ class SamplingParams:
     def num_top_logprobs(self) -> int:
         """How many most likely tokens to record per position besides the chosen one (0: none)."""
         return self.logprobs or 0
+
+    @property
+    def is_beam_search(self) -> bool:
+        return self.beam_width > 1
 
     @property
     def is_greedy(self) -> bool:

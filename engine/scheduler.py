@@ -29,8 +29,9 @@ class ScheduledSeq:
 
     @property
     def num_sampled(self) -> int:
-        """Positions sampled in this chunk: none, one, or 1 + drafts for a verify chunk."""
-        return 1 + self.num_draft_tokens if self.is_sampling else 0
+        """Positions sampled in this chunk: none, one, or 1 + drafts for a verify chunk (none for a
+        prompt-only sequence: it computes its prompt and stops)."""
+        return 1 + self.num_draft_tokens if self.is_sampling and not self.seq.is_prompt_only else 0
 
     def input_token_ids(self) -> list[int]:
         """The chunk's token ids: the sequence's tokens from num_computed_tokens, then its drafts."""
@@ -44,6 +45,7 @@ class ScheduledSeq:
 class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     num_preempted: int = 0
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (source, destination): copy on write
 
     @property
     def num_tokens(self) -> int:
@@ -63,6 +65,7 @@ class SchedulerStats:
     num_mixed_steps: int = 0  # steps holding both a prefill chunk and a decode
     num_partial_prefills: int = 0  # prefill chunks that stopped short of the prompt's end
     num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache at admission
+    num_block_copies: int = 0  # blocks copied on write (a fork's first write into a shared block)
 
 
 class Scheduler:
@@ -88,6 +91,9 @@ class Scheduler:
         while queue and budget > 0:
             seq = queue.pop(0)
             num_new = min(seq.num_tokens - seq.num_computed_tokens + len(seq.draft_token_ids), budget)
+            if num_new == 0:  # a beam whose candidates wait for the rest of its group: nothing to run
+                running_next.append(seq)
+                continue
             # Drafts (speculative decoding) ride on a decode only and never cost a preemption: cut
             # to the budget, dropped when their slots do not fit. The sequence keeps exactly the
             # drafts its chunk verifies.
@@ -129,6 +135,8 @@ class Scheduler:
             running_next.append(seq)
             budget -= num_new
         self.running = running_next
+        out.blocks_to_copy = self.kv_cache_manager.take_copies()
+        self.stats.num_block_copies += len(out.blocks_to_copy)
         self._count(out)
         return out
 
@@ -173,6 +181,20 @@ class Scheduler:
 
     def finish(self, seq: Sequence) -> None:
         """Called by the engine when `seq` is done: its blocks go back (keeping their hashes)."""
+        if seq.status == SequenceStatus.WAITING:  # a beam or prompt-only part preempted before its end
+            self.waiting.remove(seq)
+        else:
+            self.running.remove(seq)
         seq.status = SequenceStatus.FINISHED
         self.kv_cache_manager.free(seq)
-        self.running.remove(seq)
+
+    def add_running(self, seq: Sequence) -> None:
+        """A fork that holds its parent's blocks (kv_cache_manager.fork) joins the running sequences;
+        one without blocks (its parent was preempted) waits, first in line, to be recomputed."""
+        if seq.block_ids:
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+        else:
+            seq.status = SequenceStatus.WAITING
+            seq.num_computed_tokens = 0
+            self.waiting.appendleft(seq)

@@ -59,6 +59,21 @@ class Sequence:
         self.grammar = None
         # Keys every random draw of this sample (with the output position): see keyed_random.py.
         self.random_key = sequence_key(params.seed or 0, self.sample_key, sample_index)
+        # Prompt log-probabilities (params.prompt_logprobs, or the continuation of a scored context): one
+        # entry per prompt token from token index `prompt_logprobs_start`, filled by the prefill chunks
+        # as they run (prompt_logprobs.py); None: not asked. The top N per position when N > 0.
+        self.num_prompt_top_logprobs: int | None = params.prompt_logprobs
+        self.prompt_logprobs_start = 1
+        self.prompt_token_logprobs: list[float] = []
+        self.prompt_token_ranks: list[int] = []
+        self.prompt_top_logprobs: list[list[tuple[int, float]]] = []
+        # A sequence that computes its prompt's KV (and prompt log-probabilities) and samples nothing: the
+        # parts of a scored context (score_group.py). The engine ends it when its prompt is computed.
+        self.is_prompt_only = False
+        # Beam search: the group this beam belongs to (beam_search.py) and, once this beam's next-token
+        # distribution is computed, its most likely continuations, waiting for the group's selection.
+        self.beam = None
+        self.beam_candidates: list[tuple[int, float]] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -73,8 +88,51 @@ class Sequence:
         return self.token_ids[self.num_prompt_tokens:]
 
     @property
+    def num_top_logprobs(self) -> int:
+        """Most likely tokens the sampler reports at this sequence's sampled positions: the request's
+        logprobs N, or a beam's candidates per step."""
+        return self.beam.num_candidates if self.beam is not None else self.params.num_top_logprobs
+
+    @property
+    def can_speculate(self) -> bool:
+        """Plain decoding only: a beam's next token is chosen by its group, a prompt-only part has none."""
+        return self.beam is None and not self.is_prompt_only
+
+    @property
+    def prompt_logprob_position(self) -> int:
+        """The first position whose logits still have to give a prompt log-probability (that of the token
+        after it); prompt_logprobs.py computes rows while it is below num_prompt_tokens - 1."""
+        return self.prompt_logprobs_start - 1 + len(self.prompt_token_logprobs)
+
+    @property
+    def num_prompt_logprob_rows(self) -> int:
+        """Prompt positions still to compute (0 when none are asked)."""
+        if self.num_prompt_top_logprobs is None:
+            return 0
+        return max(0, self.num_prompt_tokens - 1 - self.prompt_logprob_position)
+
+    @property
     def is_finished(self) -> bool:
         return self.status == SequenceStatus.FINISHED
+
+    def fork(self, sample_index: int, token_ids: list[int] | None = None) -> Sequence:
+        """A copy of this sequence's tokens and progress under another sample index (no blocks: the KV
+        cache manager's `fork` shares them): a beam's sibling, or (with `token_ids`, this sequence's
+        tokens followed by more, all prompt) the continuation of a scored context."""
+        if token_ids is None:
+            child = Sequence(self.request_id, sample_index, self.prompt_token_ids, self.params, self.arrival_time,
+                             self.max_total_tokens, self.sample_key)
+            child.token_ids = list(self.token_ids)
+            child.output_logprobs = list(self.output_logprobs)
+            child.cumulative_logprob = self.cumulative_logprob
+        else:
+            child = Sequence(self.request_id, sample_index, token_ids, self.params, self.arrival_time,
+                             self.max_total_tokens, self.sample_key)
+        child.num_cached_tokens = self.num_cached_tokens
+        child.first_scheduled_time = self.first_scheduled_time
+        child.first_token_time, child.last_token_time = self.first_token_time, self.last_token_time
+        child.beam = self.beam
+        return child
 
     def append_token(self, token_id: int, logprob: float | None,
                      top_logprobs: list[tuple[int, float]] | None = None) -> None:

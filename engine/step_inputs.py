@@ -121,6 +121,15 @@ class ModelSections:
 
 
 @dataclass
+class BlockCopySections:
+    """KV blocks copied before the step's forward (copy on write of a block shared with a fork), sent only
+    when there are any."""
+
+    copy_src: list[int] = int_section()  # (C,) source block ids
+    copy_dst: list[int] = int_section()  # (C,) destination block ids
+
+
+@dataclass
 class StepInputs:
     """A step's flat batch: host-side lengths (what the scheduler decided) and the device tensors.
 
@@ -180,12 +189,14 @@ def add_step_sections(packer: StepPacker, order: list[ScheduledSeq], num_decodes
     query_lens = [1] * num_decodes
     query_start = list(range(num_decodes + 1))
     tables = [seq.block_ids for seq in seqs]
-    # A decode samples unless it recomputes a token it already has (a preempted sequence's last one).
-    if all(n == len(seq.token_ids) for n, seq in zip(seq_lens, seqs)):
+    # A decode samples unless it recomputes a token it already has (a preempted sequence's last one) or
+    # its sequence samples nothing (the last prompt token of a prompt-only sequence).
+    if all(n == len(seq.token_ids) and not seq.is_prompt_only for n, seq in zip(seq_lens, seqs)):
         logits_indices = list(range(num_decodes))
         sampling = list(decodes)
     else:
-        logits_indices = [i for i, (n, seq) in enumerate(zip(seq_lens, seqs)) if n == len(seq.token_ids)]
+        logits_indices = [i for i, (n, seq) in enumerate(zip(seq_lens, seqs))
+                          if n == len(seq.token_ids) and not seq.is_prompt_only]
         sampling = [decodes[i] for i in logits_indices]
     for s in order[num_decodes:]:
         seq = s.seq

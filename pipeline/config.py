@@ -54,6 +54,7 @@ from batchgen.pipeline.openai.batch_file import (
 
 _PATH_KEYS = {("model", "path"), ("input", "path"), ("output", "path"), ("model", "generation_config"),
               ("input", "chat_template"), ("sampling", "structured", "json_file")}
+CONTINUATION_KEYS = ("continuations_column", "continuation_column")
 
 
 class _Section(BaseModel):
@@ -137,6 +138,9 @@ class InputSection(_Section):
     id_column: str = "id"
     prompt_column: str | None = "prompt"
     messages_column: str | None = None
+    # task: loglikelihood: the continuations to score after each row's prompt (the context)
+    continuations_column: str | None = None  # a list of strings per row
+    continuation_column: str | None = None  # or one string per row
     apply_chat_template: bool = True
     system_prompt: str | None = None
     on_overlong: Literal["error", "truncate_left"] = "error"
@@ -199,6 +203,11 @@ class InputSection(_Section):
         return self.format == BATCH_FORMAT
 
     @property
+    def scored_column(self) -> str | None:
+        """The column of continuations to score (task: loglikelihood), whichever kind it is."""
+        return self.continuations_column or self.continuation_column
+
+    @property
     def text_column(self) -> str:
         """The column holding the prompt, whichever kind it is (a batch file's whole line)."""
         if self.is_batch_file:
@@ -242,6 +251,9 @@ class JobConfig(_Section):
     """One job file, validated. Paths are resolved (relative to the job file's folder) by `load_job`."""
 
     name: str = Field(min_length=1)
+    # generate: each row's prompt is completed. loglikelihood (lm-evaluation-harness' name; vLLM's "score"
+    # is a cross-encoder's): each row's prompt is a context whose given continuations are scored.
+    task: Literal["generate", "loglikelihood"] = "generate"
     model: ModelSection
     engine: EngineSection = Field(default_factory=EngineSection)
     input: InputSection
@@ -270,6 +282,7 @@ class JobConfig(_Section):
         if self.input.is_batch_file and self.sampling_columns:
             errors.append(_key_error(("sampling_columns",), "does not apply to input.format openai_batch: "
                                      "each line's body sets its own sampling fields", self.sampling_columns))
+        errors += self._task_errors()
         if self.input.is_batch_file and self.output.keep_columns:
             errors.append(_key_error(("output", "keep_columns"), "does not apply to input.format "
                                      "openai_batch: a batch file has no columns besides custom_id (the output's id)",
@@ -280,6 +293,43 @@ class JobConfig(_Section):
         if errors:
             raise ValidationError.from_exception_data(type(self).__name__, errors)
         return self
+
+    def _task_errors(self) -> list[InitErrorDetails]:
+        """What a loglikelihood job needs (continuations to score) and what it cannot take."""
+        inp, sampling = self.input, self.sampling
+        given = [key for key in CONTINUATION_KEYS if getattr(inp, key) is not None]
+        if not self.is_scoring:
+            return [_key_error(("input", key), "applies to task: loglikelihood only", getattr(inp, key))
+                    for key in given]
+        errors = []
+        if len(given) != 1:
+            errors.append(_key_error(("input", "continuations_column"), "task: loglikelihood needs one of "
+                                     "input.continuations_column (a list of strings per row) or "
+                                     "input.continuation_column (one string)", None))
+        if inp.is_batch_file:
+            errors.append(_key_error(("input", "format"), "must be parquet with task: loglikelihood (an OpenAI "
+                                     "batch line is a generation request)", inp.format))
+        if self.output.format == BATCH_FORMAT:
+            errors.append(_key_error(("output", "format"), "must be parquet with task: loglikelihood",
+                                     self.output.format))
+        rule = "task: loglikelihood scores the given continuations: it samples nothing, leave it at its default"
+        for key in ("n", "beam_width"):
+            if getattr(sampling, key) != 1:
+                errors.append(_key_error(("sampling", key), f"must be 1 with task: loglikelihood ({rule})",
+                                         getattr(sampling, key)))
+        if sampling.logprobs not in (None, False, True, 0):
+            errors.append(_key_error(("sampling", "logprobs"), "must be false or true with task: loglikelihood "
+                                     "(true: each continuation token's log-probability; no top N)",
+                                     sampling.logprobs))
+        if self.sampling_columns:
+            errors.append(_key_error(("sampling_columns",), f"does not apply to task: loglikelihood ({rule})",
+                                     self.sampling_columns))
+        return errors
+
+    @property
+    def is_scoring(self) -> bool:
+        """task: loglikelihood: rows score given continuations instead of generating."""
+        return self.task == "loglikelihood"
 
     @property
     def writes_batch_output(self) -> bool:
@@ -303,7 +353,8 @@ class JobConfig(_Section):
         except StructuredOutputError as exc:
             errors.append(_structured_error(exc, self.sampling.structured))
         else:
-            if self.model.max_model_len is not None:  # null: checked against the model's own (preflight)
+            # null: checked against the model's own (preflight); a loglikelihood job generates nothing
+            if self.model.max_model_len is not None and not self.is_scoring:
                 rule = max_tokens_rule(params.max_tokens, self.model.max_model_len)
                 if rule:
                     errors.append(_key_error(("sampling", "max_tokens"), rule, params.max_tokens))
@@ -348,6 +399,8 @@ class JobConfig(_Section):
             "sampling": sampling,
             "sampling_columns": dict(sorted(self.sampling_columns.items())),
         }
+        if self.is_scoring:
+            payload["task"] = self.task
         kv_cache = {key: getattr(self.engine, key) for key in KV_CACHE_HASH_KEYS
                     if getattr(self.engine, key) != getattr(EngineConfig, key)}
         if kv_cache:

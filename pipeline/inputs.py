@@ -28,7 +28,7 @@ class JobInputs:
         # A batch file's lines each ask for logprobs or not: both columns are there, null where not asked.
         logprobs = 1 if job.input.is_batch_file else job.sampling.logprobs
         return output_schema(pa.field("id", self.column_types[job.input.id_column]), keep, logprobs,
-                             with_openai_line=job.writes_batch_output)
+                             with_openai_line=job.writes_batch_output, is_scoring=job.is_scoring)
 
 
 def read_inputs(job: JobConfig) -> JobInputs:

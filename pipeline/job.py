@@ -6,8 +6,6 @@ import dataclasses
 import logging
 from dataclasses import dataclass, field
 
-import pyarrow.parquet as pq
-
 from batchgen.engine import EngineConfig, LLMEngine
 from batchgen.pipeline.config import JobConfig
 from batchgen.pipeline.errors import JobError
@@ -23,8 +21,8 @@ from batchgen.pipeline.output import (
 )
 from batchgen.pipeline.structured_job import check_job_constraint
 from batchgen.pipeline.summary import (
-    SUMMARY_COLUMNS,
     Totals,
+    read_summary_table,
     speculative_summary,
     structured_summary,
     success_record,
@@ -121,7 +119,7 @@ def finish_job(job: JobConfig, run: OutputRun, this_run: Totals, generation_seco
     skipped = run.skipped_units
     for unit in skipped:  # counts cover the whole output, also what an earlier run wrote
         with run.storage.fs.open(run.storage.join(unit.output_name), "rb") as f:
-            whole.add_table(pq.read_table(f, columns=SUMMARY_COLUMNS))
+            whole.add_table(read_summary_table(f))
     record = success_record(job.name, run.identity.config_hash, whole, this_run, generation_seconds,
                             resumed=bool(skipped), kernels=kernels, kv_cache=kv_cache, weights=weights,
                             workers=workers, speculative=speculative, model=model, structured=structured,

@@ -168,6 +168,7 @@ def format_job_plan(plan: JobPlan, max_units_shown: int = 20) -> str:
         + (f" (--limit {plan.limit:,})" if plan.limit is not None else ""),
         (f"units    {len(plan.units)} of <= {job.input.rows_per_unit:,} rows; " + (
             "each line's n output rows (OpenAI batch file)" if job.input.is_batch_file
+            else f"{plan.num_rows:,} score rows (task: loglikelihood, {job.input.scored_column})" if job.is_scoring
             else f"{plan.num_rows * job.sampling.n:,} output rows (n={job.sampling.n})")),
     ]
     generation = job.generation_config_record

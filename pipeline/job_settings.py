@@ -24,8 +24,8 @@ KV_CACHE_HASH_KEYS = ("kv_cache_dtype", "calculate_kv_scales")
 # config hash (and resume).
 HASHED_WHEN_SET = {
     "model": ("revision", "generation_config"),
-    "input": ("chat_template", "chat_template_kwargs"),
-    "sampling": ("include_stop_str_in_output",),
+    "input": ("chat_template", "chat_template_kwargs", "continuations_column", "continuation_column"),
+    "sampling": ("include_stop_str_in_output", "beam_width", "length_penalty", "early_stopping"),
 }
 
 # EngineConfig fields that are not job keys, with the reason.
@@ -46,6 +46,9 @@ SAMPLING_ONLY = {
                            "token ids column keeps every token",
     "guided_decoding": "vLLM's older name of structured_outputs; a job sets the constraint as "
                        "sampling.structured",
+    "prompt_logprobs": "a job scores text with task: loglikelihood (each given continuation's "
+                       "log-probability after the prompt); the prompt's own log-probabilities are the "
+                       "Python API's and the server's (echo)",
 }
 
 # Job keys that set a SamplingParams field of another name, with why: job key -> (field, reason).

@@ -19,6 +19,7 @@ def decode_batch(batch: pa.RecordBatch, job: JobConfig) -> list[RowInput]:
     inp = job.input
     ids = _as_python(batch.column(inp.id_column))
     texts = _as_python(batch.column(inp.text_column))
+    scored = _as_python(batch.column(inp.scored_column)) if inp.scored_column is not None else None
     overrides = {key: batch.column(name).to_pylist() for key, name in job.sampling_columns.items()}
     schemas = _as_python(batch.column(inp.schema_column)) if inp.schema_column else [None] * batch.num_rows
     rows = []
@@ -37,8 +38,11 @@ def decode_batch(batch: pa.RecordBatch, job: JobConfig) -> list[RowInput]:
                 if inp.apply_chat_template:
                     prompt = _with_system([{"role": "user", "content": prompt}], inp.system_prompt)
             schema = None if raw_schema is None else _decode_text(raw_schema, f"the schema ({inp.schema_column})")
-            rows.append(RowInput(request_id, prompt, row_overrides, num_prompt_bytes=_num_bytes(raw_text),
-                                 schema=schema))
+            row = RowInput(request_id, prompt, row_overrides, num_prompt_bytes=_num_bytes(raw_text), schema=schema)
+            if scored is not None:
+                row.continuations = _decode_continuations(scored[i], inp.continuations_column is not None)
+                row.num_prompt_bytes += sum(len(c.encode()) for c in row.continuations)
+            rows.append(row)
         except RowError as exc:
             rows.append(RowInput(request_id, error=str(exc)))
     return rows
@@ -73,6 +77,22 @@ def _decode_text(value: bytes | None, what: str, allow_empty: bool = False) -> s
     if not allow_empty and not text.strip():
         raise RowError(f"{what} is empty")
     return text
+
+
+def _decode_continuations(value: list[bytes] | bytes | None, is_list: bool) -> list[str]:
+    """A row's continuations to score: every one a non-empty string (a list must hold at least one)."""
+    if not is_list:
+        return [_decode_text(value, "continuation", allow_empty=True) or _empty("continuation")]
+    if value is None:
+        raise RowError("continuations is null")
+    if not value:
+        raise RowError("continuations is empty: give at least one continuation to score")
+    return [_decode_text(c, f"continuations[{i}]", allow_empty=True) or _empty(f"continuations[{i}]")
+            for i, c in enumerate(value)]
+
+
+def _empty(what: str) -> str:
+    raise RowError(f"{what} is empty: there is nothing to score")
 
 
 def _decode_messages(value: list[dict] | None) -> list[dict]:

@@ -14,6 +14,7 @@ from batchgen.engine.chat_template import ChatTemplateOptions
 from batchgen.engine.structured import StructuredOutputError
 from batchgen.pipeline.config import JobConfig
 from batchgen.pipeline.openai.structured_fields import error_param
+from batchgen.pipeline.score_tokens import encode_scored
 from batchgen.pipeline.structured_job import row_constraint
 
 
@@ -54,6 +55,7 @@ class RowInput:
     sample_key: str | None = None  # the engine's sample key when not the request id (a seeded batch line)
     openai: OpenAIRequest | None = None
     chat: ChatTemplateOptions | None = None  # how its messages render, when not as the job says (a batch line)
+    continuations: list[str] | None = None  # task: loglikelihood: what to score after the prompt
 
 
 @dataclass
@@ -68,6 +70,11 @@ class RowTask:
     error: str | None = None
     sample_key: str | None = None  # None: samples are keyed by request_id (see LLMEngine.add_request)
     openai: OpenAIRequest | None = None
+    continuation_token_ids: list[list[int]] | None = None  # task: loglikelihood (token_ids: the context)
+
+    @property
+    def is_scoring(self) -> bool:
+        return self.continuation_token_ids is not None
 
     @property
     def is_error(self) -> bool:
@@ -109,6 +116,9 @@ class RequestBuilder:
                           f"({self.max_prompt_bytes}); not tokenized")
             return task
         try:
+            if self.job.is_scoring:
+                task.token_ids, task.continuation_token_ids = self._encode_scored(row)
+                return task
             task.params = self._params(row)
             self._compile(task.params, row)
             task.token_ids = self._encode(row)  # kept on an overlong error: its prompt_tokens tell by how much
@@ -118,6 +128,28 @@ class RequestBuilder:
             if exc.param is not None and task.openai is not None:  # the body field an error line names
                 task.openai = dataclasses.replace(task.openai, error_param=exc.param, error_code="invalid_value")
         return task
+
+    def _encode_scored(self, row: RowInput) -> tuple[list[int], list[list[int]]]:
+        """The context's and each continuation's token ids (score_tokens.py), fitted to max_model_len."""
+        try:
+            context, continuations = encode_scored(self.engine.tokenizer, row.prompt, row.continuations,
+                                                   self.job.input.allow_special_tokens)
+        except ValueError as exc:
+            raise RowError(str(exc)) from None
+        except Exception as exc:  # a template or tokenizer failure is this row's problem only
+            raise RowError(f"cannot tokenize the context and continuations: {exc}") from None
+        longest = max(len(c) for c in continuations)
+        max_model_len = self.engine.max_model_len
+        if len(context) + longest <= max_model_len:
+            return context, continuations
+        if self.job.input.on_overlong == "error":
+            raise RowError(f"overlong context: {len(context)} context tokens + {longest} continuation tokens > "
+                           f"max_model_len {max_model_len} (input.on_overlong: error)")
+        num_keep = max_model_len - longest
+        if num_keep < 1:
+            raise RowError(f"a continuation of {longest} tokens leaves no room for the context within "
+                           f"max_model_len {max_model_len}")
+        return context[-num_keep:], continuations  # truncate_left, as lm-evaluation-harness cuts a context
 
     def _params(self, row: RowInput) -> SamplingParams:
         if row.params is not None:

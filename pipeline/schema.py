@@ -35,7 +35,25 @@ GENERATED_FIELDS = [
     # parts alone, and a resumed job's lines are those its parts hold.
     pa.field("openai_line", pa.string()),
 ]
-RESERVED_NAMES = {"id"} | {f.name for f in GENERATED_FIELDS}
+# task: loglikelihood: one row per input row (its context), one list entry per continuation in the order
+# given; `continuation_token_logprobs` only when sampling.logprobs is true. A row that could not be
+# scored has finish_reason error, its message in `error` and null lists.
+SCORE_FIELDS = [
+    pa.field("sample_index", pa.int32()),  # always 0: a context is one request
+    pa.field("continuation_logprob", pa.list_(pa.float64())),  # each continuation's summed token logprobs
+    pa.field("continuation_num_tokens", pa.list_(pa.int32())),
+    pa.field("is_greedy", pa.list_(pa.bool_())),  # every token of the continuation was the most likely one
+    pa.field("continuation_token_ids", pa.list_(pa.list_(pa.int32()))),
+    pa.field("continuation_token_logprobs", pa.list_(pa.list_(pa.float32()))),
+    pa.field("finish_reason", pa.string()),  # stop | error
+    pa.field("prompt_tokens", pa.int64()),  # the context's
+    pa.field("cached_tokens", pa.int64()),  # context tokens from the prefix cache
+    pa.field("completion_tokens", pa.int64()),  # continuation tokens scored (over all continuations)
+    pa.field("queue_s", pa.float64()),
+    pa.field("e2e_s", pa.float64()),
+    pa.field("error", pa.string()),
+]
+RESERVED_NAMES = {"id"} | {f.name for f in GENERATED_FIELDS} | {f.name for f in SCORE_FIELDS}
 
 
 def generated_fields(logprobs: int | bool | None, with_openai_line: bool = False) -> list[pa.Field]:
@@ -50,11 +68,23 @@ def generated_fields(logprobs: int | bool | None, with_openai_line: bool = False
     return [f for f in GENERATED_FIELDS if f.name not in left_out]
 
 
+def score_fields(logprobs: int | bool | None) -> list[pa.Field]:
+    """The columns of a loglikelihood job's rows (`continuation_token_logprobs` with sampling.logprobs)."""
+    return [f for f in SCORE_FIELDS
+            if f.name != "continuation_token_logprobs" or as_num_logprobs(logprobs) is not None]
+
+
 def output_schema(id_field: pa.Field, keep_fields: list[pa.Field], with_logprobs: int | bool | None,
-                  with_openai_line: bool = False) -> pa.Schema:
-    """id (the input's type), the generated columns, then the kept input columns."""
-    return pa.schema([pa.field("id", id_field.type), *generated_fields(with_logprobs, with_openai_line),
-                      *keep_fields])
+                  with_openai_line: bool = False, is_scoring: bool = False) -> pa.Schema:
+    """id (the input's type), the generated (or, task: loglikelihood, the score) columns, then the kept
+    input columns."""
+    fields = score_fields(with_logprobs) if is_scoring else generated_fields(with_logprobs, with_openai_line)
+    return pa.schema([pa.field("id", id_field.type), *fields, *keep_fields])
+
+
+def is_text_list(t: pa.DataType) -> bool:
+    """list<string> (large_list and large_string as polars writes)."""
+    return (pa.types.is_list(t) or pa.types.is_large_list(t)) and is_text(t.value_type)
 
 
 def is_text(t: pa.DataType) -> bool:
@@ -111,6 +141,14 @@ def check_input_schema(file: InputFile, job: JobConfig) -> None:
         t = column(inp.schema_column, "input.schema_column")
         if not is_text(t):
             raise wrong(inp.schema_column, "input.schema_column", t, "a string type (a JSON schema per row)")
+    if inp.continuations_column is not None:
+        t = column(inp.continuations_column, "input.continuations_column")
+        if not is_text_list(t):
+            raise wrong(inp.continuations_column, "input.continuations_column", t, "a list of strings")
+    if inp.continuation_column is not None:
+        t = column(inp.continuation_column, "input.continuation_column")
+        if not is_text(t):
+            raise wrong(inp.continuation_column, "input.continuation_column", t, "a string type")
     for key, name in job.sampling_columns.items():
         t = column(name, f"sampling_columns.{key}")
         kind = OVERRIDABLE_SAMPLING_KEYS[key]

@@ -31,7 +31,7 @@ from batchgen.pipeline.output import (
     raise_if_locked,
     raise_if_refused,
 )
-from batchgen.pipeline.summary import SUMMARY_COLUMNS, Totals, speculative_summary, structured_summary
+from batchgen.pipeline.summary import Totals, read_summary_table, speculative_summary, structured_summary
 from batchgen.pipeline.unit_loop import UnitSource, run_units
 
 log = logging.getLogger("batchgen.pipeline")
@@ -145,7 +145,6 @@ def run_shard(job: JobConfig, shard: ShardSpec, *, engine=None, limit: int | Non
 def _shard_summary(plan: JobPlan, run: OutputRun, totals: Totals, seconds: float, reports: dict,
                    started: float) -> dict:
     """This shard's figures: its units (all of them, also those an earlier run wrote), what this run did."""
-    import pyarrow.parquet as pq
 
     from batchgen.pipeline.summary import percentiles
 
@@ -155,7 +154,7 @@ def _shard_summary(plan: JobPlan, run: OutputRun, totals: Totals, seconds: float
     storage, skipped = run.storage, run.skipped_units
     for unit in skipped:
         with storage.fs.open(storage.join(unit.output_name), "rb") as f:
-            whole.add_table(pq.read_table(f, columns=SUMMARY_COLUMNS))
+            whole.add_table(read_summary_table(f))
     return {
         "job": plan.job.name, "config_hash": plan.config_hash, "shard": run.shard.to_dict(),
         "host": socket.gethostname(), "pid": os.getpid(), "started": started, "finished": time.time(),

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 
 SUCCESS_KEYS = ("job", "config_hash", "model", "generation_config", "num_requests", "num_rows", "num_errors", "prompt_tokens",
                 "cached_tokens", "completion_tokens", "generation_seconds", "completion_tokens_per_s",
@@ -41,8 +42,16 @@ class Totals:
         self.prompt_tokens += _sum(first["prompt_tokens"])
         self.cached_tokens += _sum(first["cached_tokens"])
         self.completion_tokens += _sum(table["completion_tokens"])
-        for name in ("ttft_s", "tpot_s"):
-            getattr(self, name).append(table[name].drop_null().to_numpy())
+        for name in ("ttft_s", "tpot_s"):  # a loglikelihood job's rows have no token times
+            if name in table.column_names:
+                getattr(self, name).append(table[name].drop_null().to_numpy())
+
+
+def read_summary_table(f) -> pa.Table:
+    """The columns Totals counts, of an open part file (a loglikelihood job's parts have no token times)."""
+    names = pq.read_schema(f).names
+    f.seek(0)
+    return pq.read_table(f, columns=[c for c in SUMMARY_COLUMNS if c in names])
 
 
 def percentiles(chunks: list[np.ndarray]) -> dict[str, float | None]:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 
-from batchgen.engine import LLMEngine, RequestOutput
+from batchgen.engine import LLMEngine, RequestOutput, ScoreOutput
 from batchgen.pipeline.config import JobConfig
 from batchgen.pipeline.feeder import Feeder
 from batchgen.pipeline.id_scan import Position, repeat_key
@@ -56,10 +56,10 @@ def run_units(source: UnitSource, input_storage: Storage, output_storage: Storag
     n = 1 if job.input.is_batch_file else job.sampling.n
     writer = UnitWriter(output_storage, source.output_schema, [job.input.id_column, *job.output.keep_columns],
                         n, commit, on_rows=this_run.add_table, on_committed=on_committed,
-                        openai_lines=openai_lines)
+                        openai_lines=openai_lines, is_scoring=job.is_scoring)
     bar = Progress(engine, sum(u.num_rows for u in units), job.name, enabled=progress)
 
-    def on_output(task: RowTask, out: RequestOutput) -> None:
+    def on_output(task: RowTask, out: RequestOutput | ScoreOutput) -> None:
         writer.add_output(task, out)
         bar.advance(1)
 
@@ -87,7 +87,8 @@ def iter_tasks(source: UnitSource, input_storage: Storage, units: list[WorkUnit]
                writer: UnitWriter) -> Iterator[RowTask]:
     """Every row of `units` as a RowTask, in input order; each unit's id/kept columns go to the writer."""
     job = source.job
-    columns = list(dict.fromkeys([job.input.id_column, job.input.text_column, *job.sampling_columns.values(),
+    scored = [job.input.scored_column] if job.input.scored_column is not None else []
+    columns = list(dict.fromkeys([job.input.id_column, job.input.text_column, *scored, *job.sampling_columns.values(),
                                   *([job.input.schema_column] if job.input.schema_column else []),
                                   *job.output.keep_columns]))
     decode = decode_batch_lines if job.input.is_batch_file else decode_batch

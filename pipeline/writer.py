@@ -16,10 +16,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from batchgen.engine import RequestOutput
+from batchgen.engine import RequestOutput, ScoreOutput
 from batchgen.pipeline.output import CommitContext, IdChecksum, WorkUnit
 from batchgen.pipeline.request_builder import RowTask
-from batchgen.pipeline.schema import GENERATED_FIELDS, generated_fields
+from batchgen.pipeline.schema import GENERATED_FIELDS, SCORE_FIELDS, generated_fields
 from batchgen.pipeline.storage import PartFile, Storage
 
 # Output rows per write (one Parquet row group each): rows wait as Python objects (~10 KB for a row of
@@ -68,6 +68,35 @@ def error_rows(task: RowTask, n: int) -> list[dict]:
     return [{**row, "sample_index": i} for i in range(n)]
 
 
+def score_rows(out: ScoreOutput) -> list[dict]:
+    """The one row of a scored context (task: loglikelihood): per continuation, in the order given."""
+    arrival = out.metrics.arrival_time
+    scores = out.continuations
+    return [{
+        "sample_index": 0,
+        "continuation_logprob": [c.sum_logprob for c in scores],
+        "continuation_num_tokens": [c.num_tokens for c in scores],
+        "is_greedy": [c.is_greedy for c in scores],
+        "continuation_token_ids": [list(c.token_ids) for c in scores],
+        "continuation_token_logprobs": [list(c.logprobs) for c in scores],
+        "finish_reason": "stop",
+        "prompt_tokens": len(out.prompt_token_ids),
+        "cached_tokens": out.num_cached_tokens,
+        "completion_tokens": sum(c.num_tokens for c in scores),
+        "queue_s": None if out.metrics.first_scheduled_time is None else out.metrics.first_scheduled_time - arrival,
+        "e2e_s": out.metrics.last_token_time - arrival,
+        "error": None,
+    }]
+
+
+def score_error_rows(task: RowTask) -> list[dict]:
+    """The row of a context that could not be scored: finish_reason error, the message, null scores."""
+    row = {f.name: None for f in SCORE_FIELDS}
+    row.update(sample_index=0, finish_reason="error", error=task.error, prompt_tokens=task.num_prompt_tokens,
+               cached_tokens=0, completion_tokens=0)
+    return [row]
+
+
 def _set_line(rows: list[dict], line: str) -> None:
     """A request's output line goes on its sample 0 row (rows come sorted by sample index)."""
     for i, row in enumerate(rows):
@@ -81,7 +110,7 @@ class UnitPart:
         self.unit = unit
         self.file = file
         self.schema = schema
-        generated = {f.name for f in GENERATED_FIELDS}
+        generated = {f.name for f in GENERATED_FIELDS} | {f.name for f in SCORE_FIELDS}
         self.sources_schema = pa.schema([f for f in schema if f.name not in generated])  # id, then kept
         self.writer: pq.ParquetWriter | None = None
         self.sources: deque[pa.RecordBatch] = deque()  # id + kept columns of unwritten rows, input order
@@ -162,7 +191,8 @@ class UnitWriter:
 
     def __init__(self, storage: Storage, schema: pa.Schema, source_columns: list[str], n: int,
                  commit: CommitContext, on_rows: Callable[[pa.Table], None] = lambda table: None,
-                 on_committed: Callable[[WorkUnit], None] = lambda unit: None, openai_lines=None):
+                 on_committed: Callable[[WorkUnit], None] = lambda unit: None, openai_lines=None,
+                 is_scoring: bool = False):
         self.storage = storage
         self.schema = schema
         self.source_columns = source_columns
@@ -171,6 +201,7 @@ class UnitWriter:
         self.on_rows = on_rows
         self.on_committed = on_committed
         self.openai_lines = openai_lines  # batch_output.OpenAILines: fills openai_line (openai_batch output)
+        self.is_scoring = is_scoring  # task: loglikelihood: one score row per input row
         self.parts: dict[int, UnitPart] = {}
 
     def open_unit(self, unit: WorkUnit) -> None:
@@ -182,13 +213,19 @@ class UnitWriter:
         part.sources.append(pa.RecordBatch.from_arrays(
             [c.cast(f.type) for c, f in zip(columns, part.sources_schema)], schema=part.sources_schema))
 
-    def add_output(self, task: RowTask, out: RequestOutput) -> None:
+    def add_output(self, task: RowTask, out: RequestOutput | ScoreOutput) -> None:
+        if isinstance(out, ScoreOutput):
+            self._set(task, score_rows(out))
+            return
         rows = sample_rows(task, out)
         if self.openai_lines is not None:
             _set_line(rows, self.openai_lines.success(task, out))
         self._set(task, rows)
 
     def add_error(self, task: RowTask) -> None:
+        if self.is_scoring:
+            self._set(task, score_error_rows(task))
+            return
         rows = error_rows(task, self.n)
         if self.openai_lines is not None:
             _set_line(rows, self.openai_lines.error(task))

@@ -39,6 +39,7 @@ from batchgen.serve.cli import DEFAULT_MAX_REQUEST_BODY_BYTES
 from batchgen.serve.engine_loop import Admitted, EngineLoop, EventSink, Failed, Finished, Progress, Submission
 from batchgen.serve.metrics import Metrics
 from batchgen.serve.prompt_encoder import PromptEncoder, encode_prompt, is_large, is_token_ids
+from batchgen.serve.tokenizer_routes import add_tokenizer_routes
 
 log = logging.getLogger("batchgen.serve")
 
@@ -155,6 +156,7 @@ def create_app(state: ServerState) -> FastAPI:
         _check_model(body.model, names)
         return await _generate(state, request, body, body.prompts(), is_chat=False)
 
+    add_tokenizer_routes(app, state, lambda request: _check_key(request, state.settings.api_key))
     return app
 
 
@@ -255,7 +257,7 @@ async def _generate(state: ServerState, request: Request, body, prompts: list, i
                        if is_large(p) else p for p, name in zip(prompts, field_names)]
         for request_id, prompt, field_name in zip(request_ids, prompts, field_names):
             state.loop.submit(Submission(request_id, _prepare(body, prompt, field_name, state, chat), sample_key,
-                                         sink, body.stream))
+                                         sink, body.stream, echo=getattr(body, "echo", False)))
         tracker = _Tracker(state.loop, request_ids, sink)
         buffered = await tracker.admitted(request)
         model = body.model or state.settings.served_model_names[0]
@@ -272,8 +274,10 @@ async def _generate(state: ServerState, request: Request, body, prompts: list, i
     release()
     outputs_in_order = [outputs[r] for r in request_ids]
     build = responses.chat_completion if is_chat else responses.completion
+    echo = {} if is_chat else {"echo": body.echo, "is_echo_only": body.is_echo_only}
     return JSONResponse(build(response_id, int(time.time()), model, [o.output for o in outputs_in_order],
-                              [o.deltas for o in outputs_in_order], body.n))
+                              [o.deltas for o in outputs_in_order], body.n,
+                              prompts=[o.prompt for o in outputs_in_order], **echo))
 
 
 class _Tracker:

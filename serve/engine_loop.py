@@ -24,7 +24,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from batchgen.engine import LLMEngine, RequestOutput, SamplingParams, TopLogprob
+from batchgen.engine import CompletionOutput, LLMEngine, RequestOutput, SamplingParams, TopLogprob
+from batchgen.engine.outputs import PromptLogprobs
 from batchgen.engine.sequence import Sequence, SequenceStatus
 from batchgen.pipeline.openai.api_error import APIError
 from batchgen.serve.metrics import EngineGauges, Metrics
@@ -58,6 +59,43 @@ class SampleDelta:
 
 
 @dataclass
+class PromptEcho:
+    """A request's prompt as the response shows it (echo, prompt_logprobs), made on the engine thread."""
+
+    text: str  # the prompt as sent, or its tokens decoded (a token-id prompt)
+    token_ids: list[int]
+    tokens: list[str]  # each token's text decoded alone
+    logprobs: list[TokenLogprob | None] | None  # None for the first token; None when not asked
+    prompt_logprobs: PromptLogprobs | None  # vLLM's per-position {token id: Logprob}
+
+
+def completion_delta(c: CompletionOutput, token_texts) -> SampleDelta:
+    """A finished sample as a whole-sample delta: its logprob entries from the output itself (the tokens'
+    texts from `token_texts`, Tokenizer.token_texts)."""
+    logprobs = None
+    if c.logprobs is not None:
+        tops = c.top_logprobs or [[] for _ in c.token_ids]
+        logprobs = [TokenLogprob(t, text, lp, list(top))
+                    for t, text, lp, top in zip(c.token_ids, token_texts(list(c.token_ids)), c.logprobs, tops)]
+    return SampleDelta(c.index, c.text, list(c.token_ids), logprobs, c.finish_reason, c.stop_reason)
+
+
+def prompt_echo(out: RequestOutput, tokenizer) -> PromptEcho:
+    """The prompt of a finished request as text, tokens and (when asked) log-probabilities."""
+    ids = list(out.prompt_token_ids)
+    text = out.prompt if out.prompt is not None else tokenizer.decode(ids, skip_special_tokens=False)
+    tokens = tokenizer.token_texts(ids)
+    logprobs = None
+    if out.prompt_logprobs is not None:
+        logprobs = [None]
+        for token_id, token, position in zip(ids[1:], tokens[1:], out.prompt_logprobs[1:]):
+            chosen = position[token_id]
+            top = [TopLogprob(t, lp.decoded_token, lp.logprob) for t, lp in position.items() if t != token_id]
+            logprobs.append(TokenLogprob(token_id, token, chosen.logprob, top))
+    return PromptEcho(text, ids, tokens, logprobs, out.prompt_logprobs)
+
+
+@dataclass
 class Admitted:
     """The engine took the request (its prompt and settings passed every check)."""
 
@@ -75,6 +113,7 @@ class Finished:
     request_id: str
     output: RequestOutput
     deltas: list[SampleDelta]  # one per sample: the whole sample, or what a stream has not sent yet
+    prompt: PromptEcho | None = None  # when the request echoes its prompt or asked prompt_logprobs
 
 
 @dataclass
@@ -116,6 +155,7 @@ class Submission:
     sink: EventSink
     is_streaming: bool
     arrival_time: float = field(default_factory=time.monotonic)  # when the HTTP request arrived
+    echo: bool = False  # the response shows the prompt (completions' echo)
 
 
 @dataclass
@@ -158,6 +198,15 @@ class EngineLoop:
         """Drop a request (a client went away); nothing more is sent for it. Harmless once finished."""
         self._inbox.put(("abort", request_id))
         self._wake.set()
+
+    def call(self, fn: Callable[[LLMEngine], object]) -> asyncio.Future:
+        """Run `fn(engine)` on the engine thread between two steps (the tokenizer is used there only);
+        the future (of the calling event loop) gets its result or its exception."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._inbox.put(("call", (fn, future, loop)))
+        self._wake.set()
+        return future
 
     def fail_all_after(self, seconds: float) -> None:
         """Shutdown: requests still unfinished `seconds` from now end with an error. Signal-safe."""
@@ -203,6 +252,8 @@ class EngineLoop:
                 break
             if kind == "add":
                 self._add(item)
+            elif kind == "call":
+                self._call(*item)
             elif kind == "abort" and item in self._records:
                 record = self._records.pop(item)
                 self.engine.abort_request(item)
@@ -210,6 +261,20 @@ class EngineLoop:
                 num_aborted += 1
         if num_aborted:
             self._publish()  # the freed blocks show now, not after the next step
+
+    def _call(self, fn, future: asyncio.Future, loop: asyncio.AbstractEventLoop) -> None:
+        try:
+            result, error = fn(self.engine), None
+        except Exception as exc:  # the caller's to report
+            result, error = None, exc
+
+        def settle() -> None:
+            if not future.done():
+                future.set_exception(error) if error is not None else future.set_result(result)
+        try:
+            loop.call_soon_threadsafe(settle)
+        except RuntimeError:  # that event loop has closed: nobody waits
+            pass
 
     def _add(self, sub: Submission) -> None:
         if self._fail_at is not None and time.monotonic() >= self._fail_at:
@@ -247,8 +312,11 @@ class EngineLoop:
                 if out is not None:
                     del self._records[request_id]
                     deltas = [self._final_delta(record, c) for c in out.outputs]
+                    prompt = None
+                    if record.submission.echo or out.prompt_logprobs is not None:
+                        prompt = prompt_echo(out, self.engine.tokenizer)
                     self.metrics.record_finished(out, record.submission.arrival_time)
-                    record.submission.sink.put(Finished(request_id, out, deltas))
+                    record.submission.sink.put(Finished(request_id, out, deltas, prompt))
                 else:
                     deltas = [d for i in range(len(record.seqs)) if (d := self._progress_delta(record, i))]
                     if deltas:
@@ -274,13 +342,12 @@ class EngineLoop:
         return SampleDelta(index, text, seq.output_token_ids[start:end], self._logprobs(seq, start, end))
 
     def _final_delta(self, record: _Record, completion) -> SampleDelta:
+        if not record.streams:  # the whole sample (a beam search's beams are not its sequences)
+            return completion_delta(completion, self.engine.tokenizer.token_texts)
         seq = record.seqs[completion.index]
-        if record.streams:
-            stream = record.streams[completion.index]
-            text = stream.finish(completion.text)
-            start, end = stream.take_tokens(len(completion.token_ids))
-        else:
-            text, start, end = completion.text, 0, len(completion.token_ids)
+        stream = record.streams[completion.index]
+        text = stream.finish(completion.text)
+        start, end = stream.take_tokens(len(completion.token_ids))
         return SampleDelta(completion.index, text, completion.token_ids[start:end],
                            self._logprobs(seq, start, end), completion.finish_reason, completion.stop_reason)
 

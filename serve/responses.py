@@ -8,7 +8,7 @@ choices of a prompt list.
 from __future__ import annotations
 
 from batchgen.engine import RequestOutput
-from batchgen.serve.engine_loop import SampleDelta, TokenLogprob
+from batchgen.serve.engine_loop import PromptEcho, SampleDelta, TokenLogprob, completion_delta
 
 
 def sample_deltas(output: RequestOutput, token_texts) -> list[SampleDelta]:
@@ -18,15 +18,7 @@ def sample_deltas(output: RequestOutput, token_texts) -> list[SampleDelta]:
     tokens' logprob entries. For callers that hold a RequestOutput (an OpenAI Batch file's writer);
     the server's engine thread builds the same deltas itself.
     """
-    deltas = []
-    for c in output.outputs:
-        logprobs = None
-        if c.logprobs is not None:
-            tops = c.top_logprobs or [[] for _ in c.token_ids]
-            logprobs = [TokenLogprob(t, text, lp, list(top))
-                        for t, text, lp, top in zip(c.token_ids, token_texts(list(c.token_ids)), c.logprobs, tops)]
-        deltas.append(SampleDelta(c.index, c.text, list(c.token_ids), logprobs, c.finish_reason, c.stop_reason))
-    return deltas
+    return [completion_delta(c, token_texts) for c in output.outputs]
 
 
 def usage(outputs: list[RequestOutput]) -> dict:
@@ -58,39 +50,84 @@ def chat_logprobs(tokens: list[TokenLogprob] | None) -> dict | None:
         for t in tokens]}
 
 
-def completion_logprobs(tokens: list[TokenLogprob] | None, text_offset: int = 0) -> dict | None:
-    """{"tokens", "token_logprobs", "top_logprobs": [{token: logprob}] or null, "text_offset"} (legacy shape).
+def completion_logprobs(tokens: list[TokenLogprob] | None, text_offset: int = 0,
+                        prompt: PromptEcho | None = None) -> dict | None:
+    """{"tokens", "token_logprobs", "top_logprobs", "text_offset"} (the legacy shape, as vLLM fills it):
+    per token its text, its log-probability and {text: logprob} of the token itself and the top N.
 
     `text_offset` is where these tokens' text starts in the choice's text (streams send pieces).
+    `prompt` (echo): the prompt's tokens first, the first with null log-probability and top_logprobs.
     """
     if tokens is None:
         return None
-    offsets, position = [], text_offset
+    texts, values, tops = [], [], []
+    if prompt is not None:
+        for token, entry in zip(prompt.tokens, prompt.logprobs):
+            texts.append(token)
+            values.append(None if entry is None else _json_logprob(entry.logprob))
+            tops.append(None if entry is None else _top_dict(entry))
     for t in tokens:
+        texts.append(t.token)
+        values.append(_json_logprob(t.logprob))
+        tops.append(_top_dict(t))
+    offsets, position = [], text_offset
+    for token in texts:
         offsets.append(position)
-        position += len(t.token)
-    has_top = any(t.top for t in tokens)
-    return {"tokens": [t.token for t in tokens], "token_logprobs": [_json_logprob(t.logprob) for t in tokens],
-            "top_logprobs": [{top.token: _json_logprob(top.logprob) for top in t.top} for t in tokens]
-            if has_top else None,
-            "text_offset": offsets}
+        position += len(token)
+    return {"tokens": texts, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _top_dict(t: TokenLogprob) -> dict[str, float]:
+    """The token itself, then its position's top N (vLLM's and OpenAI's legacy `top_logprobs` entry)."""
+    top = {t.token: _json_logprob(t.logprob)}
+    for other in t.top:
+        top.setdefault(other.token, _json_logprob(other.logprob))
+    return top
+
+
+def prompt_logprobs_body(prompt: PromptEcho | None) -> list[dict | None] | None:
+    """vLLM's `prompt_logprobs` field: null for the first token, then {token id: {logprob, rank,
+    decoded_token}} per position (the prompt's token first, then the top N)."""
+    if prompt is None or prompt.prompt_logprobs is None:
+        return None
+    return [None if position is None else
+            {str(token_id): {"logprob": _json_logprob(lp.logprob), "rank": lp.rank, "decoded_token": lp.decoded_token}
+             for token_id, lp in position.items()}
+            for position in prompt.prompt_logprobs]
 
 
 def chat_completion(response_id: str, created: int, model: str, outputs: list[RequestOutput],
-                    deltas: list[list[SampleDelta]], n: int) -> dict:
+                    deltas: list[list[SampleDelta]], n: int, prompts: list[PromptEcho | None] | None = None) -> dict:
+    """`prompts`: the conversation's PromptEcho when prompt_logprobs was asked (vLLM's top-level field)."""
     choices = [{"index": p * n + d.index, "message": {"role": "assistant", "content": d.text},
                 "logprobs": chat_logprobs(d.logprobs), "finish_reason": d.finish_reason,
                 "stop_reason": d.stop_reason}
                for p, prompt_deltas in enumerate(deltas) for d in prompt_deltas]
-    return {"id": response_id, "object": "chat.completion", "created": created, "model": model,
+    body = {"id": response_id, "object": "chat.completion", "created": created, "model": model,
             "choices": sorted(choices, key=lambda c: c["index"]), "usage": usage(outputs)}
+    if prompts and prompts[0] is not None:
+        body["prompt_logprobs"] = prompt_logprobs_body(prompts[0])
+    return body
 
 
 def completion(response_id: str, created: int, model: str, outputs: list[RequestOutput],
-               deltas: list[list[SampleDelta]], n: int) -> dict:
-    choices = [{"index": p * n + d.index, "text": d.text, "logprobs": completion_logprobs(d.logprobs),
-                "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}
-               for p, prompt_deltas in enumerate(deltas) for d in prompt_deltas]
+               deltas: list[list[SampleDelta]], n: int, prompts: list[PromptEcho | None] | None = None,
+               echo: bool = False, is_echo_only: bool = False) -> dict:
+    """`prompts`: each prompt's PromptEcho (echo or prompt_logprobs). With `echo` each choice's text and
+    logprobs start with its prompt's; `is_echo_only` (max_tokens 0): they hold the prompt alone."""
+    prompts = prompts or [None] * len(deltas)
+    choices = []
+    for p, (prompt_deltas, prompt) in enumerate(zip(deltas, prompts)):
+        for d in prompt_deltas:
+            text, tokens = d.text, d.logprobs
+            if is_echo_only:
+                text, tokens = "", (None if d.logprobs is None else [])
+            logprobs = completion_logprobs(tokens, prompt=prompt if echo else None)
+            choice = {"index": p * n + d.index, "text": prompt.text + text if echo else text,
+                      "logprobs": logprobs, "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}
+            if prompt is not None and prompt.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = prompt_logprobs_body(prompt)
+            choices.append(choice)
     return {"id": response_id, "object": "text_completion", "created": created, "model": model,
             "choices": sorted(choices, key=lambda c: c["index"]), "usage": usage(outputs)}
 

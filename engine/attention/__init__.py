@@ -7,8 +7,8 @@ in place in the paged cache (CUDA). sdpa.py: torch's SDPA, the CPU's fallback fo
 """
 
 from batchgen.engine.attention.base import AttentionBackend, AttentionMetadata, AttentionMetadataBuilder
-from batchgen.engine.attention.kv_cache import LayerKVCache, allocate_kv_caches
+from batchgen.engine.attention.kv_cache import LayerKVCache, allocate_kv_caches, copy_blocks
 from batchgen.engine.attention.selector import ATTENTION_BACKENDS, select_attention_backend
 
 __all__ = ["ATTENTION_BACKENDS", "AttentionBackend", "AttentionMetadata", "AttentionMetadataBuilder",
-           "LayerKVCache", "allocate_kv_caches", "select_attention_backend"]
+           "LayerKVCache", "allocate_kv_caches", "copy_blocks", "select_attention_backend"]

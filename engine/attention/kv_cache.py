@@ -75,3 +75,15 @@ def allocate_kv_caches(num_layers: int, num_slots: int, num_kv_heads: int, head_
             cache.needs_scales = calculate_scales
         caches.append(cache)
     return caches
+
+
+def copy_blocks(caches: list[LayerKVCache], src: torch.Tensor, dst: torch.Tensor, block_size: int) -> None:
+    """Every layer's K and V of blocks `src` (C,) into blocks `dst` (C,) (int32 device tensors), bit for bit
+    (FP8 caches as bytes): a fork's copy on write, run before the step that writes into the copies."""
+    offsets = torch.arange(block_size, device=src.device)
+    src_slots = (src.long()[:, None] * block_size + offsets).reshape(-1)  # (C * block_size,)
+    dst_slots = (dst.long()[:, None] * block_size + offsets).reshape(-1)
+    for cache in caches:
+        for tensor in (cache.k, cache.v):
+            data = tensor.view(torch.uint8) if tensor.element_size() == 1 else tensor
+            data.index_copy_(0, dst_slots, data.index_select(0, src_slots))

@@ -112,8 +112,11 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple],
-                meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
-        """input_ids, positions: (T,); returns logits (N, V) for the N rows in logits_indices only."""
+                meta: AttentionMetadata, logits_indices: torch.Tensor,
+                hidden_indices: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """input_ids, positions: (T,); returns logits (N, V) for the N rows in logits_indices only, and
+        with `hidden_indices` (R,) also those rows' normed final hidden states (R, H), whose logits the
+        caller makes a slice at a time (prompt log-probabilities: `lm_head(rows).float()`)."""
         ops = self.ops
         hidden = self.embed_tokens(input_ids)  # (T, hidden)
         rope = self.rotary.lookup(positions, hidden.dtype)
@@ -129,8 +132,11 @@ class LlamaForCausalLM(nn.Module):
             norm = layer.post_attention_layernorm
             x, residual = ops.add_rms_norm(x, residual, norm.weight, norm.eps)
             hidden = layer.mlp(x, ops)
-        hidden = (hidden + residual).index_select(0, logits_indices)  # only rows that will be sampled
-        return self.lm_head(self.norm(hidden)).float()
+        hidden = hidden + residual
+        logits = self.lm_head(self.norm(hidden.index_select(0, logits_indices))).float()  # only sampled rows
+        if hidden_indices is None:
+            return logits
+        return logits, self.norm(hidden.index_select(0, hidden_indices))
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

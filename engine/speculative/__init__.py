@@ -71,8 +71,8 @@ class SpecDecoder:
             return
         seqs, budgets = [], []
         for seq in running:
-            if seq.num_tokens - seq.num_computed_tokens != 1:
-                continue  # still prefilling (or recomputing): no draft
+            if seq.num_tokens - seq.num_computed_tokens != 1 or not seq.can_speculate:
+                continue  # still prefilling (or recomputing), a beam or a prompt-only part: no draft
             # No draft past what can be emitted: the last token plain decoding would sample.
             k = min(self.spec.num_speculative_tokens, seq.params.max_tokens - seq.num_output_tokens - 1,
                     seq.max_total_tokens - seq.num_tokens - 1)

@@ -57,6 +57,10 @@ def decode_line(custom_id: str, line: bytes, job: JobConfig) -> RowInput:
         return RowInput(custom_id, error=exc.message, openai=OpenAIRequest(endpoint, exc.param, exc.code))
 
 
+# Request fields the server answers but a batch line's output has no place for.
+_SERVER_ONLY = ("echo", "prompt_logprobs", "use_beam_search", "length_penalty", "early_stopping")
+
+
 def _decode(custom_id: str, raw: dict, endpoint: str | None, job: JobConfig) -> RowInput:
     unknown = [key for key in raw if key not in _LINE_KEYS]
     if unknown:
@@ -75,6 +79,10 @@ def _decode(custom_id: str, raw: dict, endpoint: str | None, job: JobConfig) -> 
     for name in ("stream", "stream_options"):
         if body.get(name) not in (None, False):
             raise RowError(f"{name} is not supported in a batch file (there is no stream to send)", name)
+    for name in _SERVER_ONLY:
+        if body.get(name) not in (None, False):
+            raise RowError(f"{name} is not supported in a batch file (a job scores continuations with task: "
+                           "loglikelihood and runs beams with sampling.beam_width)", name)
     if request.skip_special_tokens is False:
         raise RowError("skip_special_tokens: false is not supported in a batch job (the completion "
                        "is always the text without special tokens)", "skip_special_tokens")

@@ -41,15 +41,12 @@ UNSUPPORTED = {
     "store": "stored completions are not implemented",
     "metadata": "stored completions are not implemented",
     "service_tier": "service tiers are not implemented",
-    "echo": "echo is not implemented",
     "suffix": "suffix (insertion) is not implemented",
     "best_of": "best_of is not implemented (use n)",
     "chat_template": "a request cannot bring its own chat template; the server's is set with --chat-template",
     "guided_decoding_backend": "the grammar library is fixed (llguidance)",
     "guided_whitespace_pattern": "a whitespace pattern is not implemented (structured_outputs."
                                  "disable_any_whitespace allows none)",
-    "prompt_logprobs": "prompt logprobs are not implemented",
-    "use_beam_search": "beam search is not implemented",
 }
 
 
@@ -146,6 +143,10 @@ class _SamplingRequest(BaseModel):
     stop_token_ids: list[Int] | None = None
     skip_special_tokens: Bool = True
     include_stop_str_in_output: Bool = False
+    prompt_logprobs: Int | None = None  # the prompt tokens' log-probabilities (and top N), as vLLM's
+    use_beam_search: Bool = False  # vLLM's: n beams (beam_width = n), ranked by length_penalty
+    length_penalty: Float = 1.0
+    early_stopping: Bool | Literal["never"] = False
     # structured output (structured_fields.py): OpenAI's response_format, vLLM's structured_outputs and
     # guided_* fields; checked there, naming the field
     response_format: Any = None
@@ -163,19 +164,35 @@ class _SamplingRequest(BaseModel):
         """(the output constraint, the field that set it), or (None, None); a 400 naming the field."""
         return structured_constraint({name: getattr(self, name) for name in STRUCTURED_FIELDS})
 
+    def num_prompt_logprobs(self) -> int | None:
+        return self.prompt_logprobs
+
+    def prompt_logprobs_field(self) -> str:
+        return "prompt_logprobs"
+
+    def check_combinations(self) -> None:
+        """What cannot go together, named by field (400): streams carry no prompt log-probabilities
+        and no beams (vLLM neither streams beam search)."""
+        if self.stream and self.use_beam_search:
+            raise bad_request("stream is not available with use_beam_search (the beams are ranked at the end)",
+                              "stream")
+        if self.stream and self.num_prompt_logprobs() is not None:
+            raise bad_request("stream is not available with prompt_logprobs (or echo with logprobs)", "stream")
 
     def sampling_params(self, max_tokens: int, logprobs: int | None, logprobs_field: str,
                         max_tokens_field: str, defaults: Mapping[str, Any] | None = None) -> SamplingParams:
         """SamplingParams with OpenAI's defaults for unset fields, or the model's generation_config.json
-        ones in `defaults` (engine/generation_config.py); a bad value is a 400 naming its field."""
-        defaults = defaults or {}
+        ones in `defaults` (engine/generation_config.py); a bad value is a 400 naming its field. Beam
+        search samples nothing: its unset fields stay at the greedy defaults."""
+        defaults = {} if self.use_beam_search else (defaults or {})
 
         def given_or_default(name: str, openai_default: float) -> float:
             value = getattr(self, name)
             return defaults.get(name, openai_default) if value is None else value
 
         values = dict(
-            n=self.n, temperature=given_or_default("temperature", 1.0), top_p=given_or_default("top_p", 1.0),
+            n=self.n, temperature=given_or_default("temperature", 0.0 if self.use_beam_search else 1.0),
+            top_p=given_or_default("top_p", 1.0),
             top_k=given_or_default("top_k", -1), min_p=given_or_default("min_p", 0.0),
             presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=given_or_default("repetition_penalty", 1.0),
@@ -184,11 +201,16 @@ class _SamplingRequest(BaseModel):
             stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
             logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
-            structured_outputs=self.structured()[0])
+            structured_outputs=self.structured()[0],
+            prompt_logprobs=self.num_prompt_logprobs(), beam_width=self.n if self.use_beam_search else 1,
+            length_penalty=self.length_penalty, early_stopping=self.early_stopping)
         try:
             return SamplingParams(**values)
         except SettingError as exc:
-            field = {"max_tokens": max_tokens_field, "logprobs": logprobs_field}.get(exc.name, exc.name)
+            field = {"max_tokens": max_tokens_field, "logprobs": logprobs_field, "beam_width": "n",
+                     "prompt_logprobs": self.prompt_logprobs_field()}.get(exc.name, exc.name)
+            if exc.name in ("length_penalty", "early_stopping") and not self.use_beam_search:
+                raise bad_request(f"{exc.name} applies to beam search only (use_beam_search: true)", exc.name) from None
             raise bad_request(f"{field} {exc.rule}; got {exc.value!r}", field) from None
 
 
@@ -238,13 +260,39 @@ class CompletionRequest(_SamplingRequest):
     prompt: Str | list[Str] | list[Int] | list[list[Int]]
     max_tokens: Int | None = 16  # OpenAI's (and vLLM's) default for completions
     logprobs: Int | None = None
+    echo: Bool = False  # the prompt before the completion, in the text and (with logprobs) the logprobs
+
+    def prompt_logprobs_field(self) -> str:
+        return "prompt_logprobs" if self.prompt_logprobs is not None else "logprobs"
+
+    @property
+    def is_echo_only(self) -> bool:
+        """echo with max_tokens 0: the prompt alone (one token is generated and left out, as vLLM does)."""
+        return self.echo and self.max_tokens == 0
 
     def requested_max_tokens(self) -> tuple[int | None, str]:
         """(the completion budget asked for or None, the field that asked)."""
+        if self.max_tokens == 0:
+            if not self.echo:
+                raise bad_request("max_tokens must be >= 1 (0 only with echo: true, the prompt alone)",
+                                  "max_tokens")
+            return 1, "max_tokens"
         return self.max_tokens, "max_tokens"
 
     def num_logprobs(self) -> int | None:
         return self.logprobs
+
+    def check_combinations(self) -> None:
+        super().check_combinations()
+        if self.stream and self.echo:
+            raise bad_request("stream is not available with echo (the prompt comes in the whole response)",
+                              "stream")
+
+    def num_prompt_logprobs(self) -> int | None:
+        """vLLM's: prompt_logprobs when given, else with echo the request's logprobs."""
+        if self.prompt_logprobs is None and self.echo:
+            return self.logprobs
+        return self.prompt_logprobs
 
     def prompts(self) -> list[str | list[int]]:
         """One entry per prompt: a string, or token ids."""
@@ -258,10 +306,9 @@ class CompletionRequest(_SamplingRequest):
         return list(prompt)
 
 
-def parse_request(body: bytes | str | dict, model: type[_SamplingRequest]) -> _SamplingRequest:
-    """The body (JSON text or an already parsed object) as `model`, or an APIError (400) naming the
-    first field at fault (`body` itself when it is not a JSON object, nests too deep or is not JSON;
-    a string's path, `messages[0].content`, when it holds a lone surrogate)."""
+def parse_json_object(body: bytes | str | dict) -> dict:
+    """The body as a JSON object, or an APIError (400) naming `body` (not a JSON object, nested too
+    deep, not JSON) or a string's path (`messages[0].content`) when it holds a lone surrogate."""
     if isinstance(body, dict):
         raw = body
         check_json_value(raw)
@@ -269,6 +316,14 @@ def parse_request(body: bytes | str | dict, model: type[_SamplingRequest]) -> _S
         raw = load_json_body(body)
     if not isinstance(raw, dict):
         raise bad_request("the request body must be a JSON object", "body", "invalid_json")
+    return raw
+
+
+def parse_request(body: bytes | str | dict, model: type[_SamplingRequest]) -> _SamplingRequest:
+    """The body (JSON text or an already parsed object) as `model`, or an APIError (400) naming the
+    first field at fault (`body` itself when it is not a JSON object, nests too deep or is not JSON;
+    a string's path, `messages[0].content`, when it holds a lone surrogate)."""
+    raw = parse_json_object(body)
     try:
         request = model.model_validate(raw)
     except ValidationError as exc:
@@ -296,6 +351,7 @@ def sampling_params_from_body(request: _SamplingRequest, default_max_tokens: int
     or none at all, is an APIError (400) naming the request's own field (`top_logprobs`,
     `max_completion_tokens`, ...).
     """
+    request.check_combinations()
     max_tokens, max_tokens_field = request.requested_max_tokens()
     if max_tokens is None:
         candidates = [v for v in (default_max_tokens, (defaults or {}).get("max_tokens")) if v is not None]

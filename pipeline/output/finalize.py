@@ -24,10 +24,10 @@ from batchgen.pipeline.output.units import WorkUnit, unit_file_name
 from batchgen.pipeline.reader import InputFile
 from batchgen.pipeline.storage import Storage
 from batchgen.pipeline.summary import (
-    SUMMARY_COLUMNS,
     Totals,
     merge_speculative,
     merge_structured,
+    read_summary_table,
     success_record,
 )
 
@@ -92,7 +92,7 @@ def merged_record(storage: Storage, manifest: dict, workers: dict, summaries: li
     whole = Totals()
     for index in range(manifest["units"]["count"]):
         with storage.fs.open(storage.join(unit_file_name(index)), "rb") as f:
-            whole.add_table(pq.read_table(f, columns=SUMMARY_COLUMNS))
+            whole.add_table(read_summary_table(f))
     generated = Totals(completion_tokens=sum(s.get("generated_completion_tokens", 0) for s in summaries),
                        ttft_s=whole.ttft_s, tpot_s=whole.tpot_s)
     starts = [s["started"] for s in summaries if s.get("started")]

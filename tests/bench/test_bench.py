@@ -234,3 +234,17 @@ def test_structured_schema_runs_constrained_against_unconstrained_interleaved(ll
     assert structured["ratio"] == pytest.approx(structured["median_completion_tokens_per_s"]["structured"]
                                                 / structured["median_completion_tokens_per_s"]["unconstrained"])
     assert structured["mask_ms_per_step"] > 0 and "median" in format_structured_report(result)
+def test_score_workload_agrees_with_hf_and_prints_its_figures(llm, hf_model):
+    # A small run of the score bench: the engine's scores against HF's over the same pairs, and the
+    # report's ratio; the speed itself is measured by hand (benchmarks/NOTES.md).
+    from batchgen.bench.score_bench import NUM_CONTINUATIONS, format_score_report
+
+    opts = BenchOptions(workload="score", num_requests=2, input_len_min=40, input_len_max=40, output_len=3)
+    result = run_bench(opts, engine=llm.engine, peer_model=hf_model, say=lambda _: None)
+    assert result["agreement"]["num_pairs"] == 2 * NUM_CONTINUATIONS
+    assert result["agreement"]["max_abs_sum_diff"] < 1e-3 and result["separate_agreement"]["max_abs_sum_diff"] < 1e-3
+    assert result["agreement"]["is_greedy_equal"] == 2 * NUM_CONTINUATIONS
+    engine = result["engine"]
+    # 40-token contexts: the continuations' forks copy the partial block (39 = 2 blocks + 7) but the last
+    assert engine["num_block_copies"] == 2 * (NUM_CONTINUATIONS - 1)
+    assert "x the contexts alone" in format_score_report(result)

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 import pytest
 import ray
+import yaml
 from typer.testing import CliRunner
 
 from batchgen.pipeline.cli import app
@@ -15,7 +17,7 @@ from batchgen.pipeline.config import load_job
 from batchgen.pipeline.errors import JobError
 from batchgen.pipeline.job import run_job
 from batchgen.pipeline.ray_driver import run_on_ray
-from tests.pipeline.conftest import read_output
+from tests.pipeline.conftest import read_output, write_parquet
 from tests.pipeline.ray_helpers import Killer, replica_pids
 from tests.pipeline.scale_helpers import (
     NGRAM,
@@ -121,3 +123,29 @@ def test_replicas_that_keep_dying_fail_naming_the_missing_units_and_a_rerun_resu
     rerun = run_job(load_job(job_file), progress=False)
     assert rerun.num_units_skipped == len(committed) and rerun.record["resumed"] is True
     assert_each_row_once(out)
+
+
+def test_a_loglikelihood_job_on_two_replicas_gives_the_local_scores(tmp_path, ray_cluster, tiny_model):
+    data = write_parquet(tmp_path / "score.parquet", {
+        "id": list(range(6)), "prompt": [f"Item {i} is" for i in range(6)],
+        "choices": [[" red", " a blue one", " green"]] * 6})
+
+    def score_job(name: str, **sections) -> Path:
+        job = {"name": name, "task": "loglikelihood",
+               "model": {"path": str(tiny_model), "dtype": "float32", "max_model_len": 128},
+               "engine": {"device": "cpu", "kv_cache_memory": "8MiB", "max_num_seqs": 2},
+               "input": {"path": str(data), "continuations_column": "choices", "apply_chat_template": False,
+                         "rows_per_unit": 2},
+               "output": {"path": str(tmp_path / name)}, **sections}
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(job))
+        return path
+
+    columns = ["id", "is_greedy", "continuation_token_ids", "prompt_tokens"]
+    run_job(load_job(score_job("local")), progress=False)
+    result = run_job(load_job(score_job("ray", cluster=RAY)), progress=False)
+    ray_rows, local_rows = read_output(tmp_path / "ray"), read_output(tmp_path / "local")
+    assert ray_rows.select(columns) == local_rows.select(columns)
+    for ours, theirs in zip(ray_rows["continuation_logprob"].to_pylist(), local_rows["continuation_logprob"].to_pylist()):
+        assert ours == pytest.approx(theirs, abs=1e-4)
+    assert result.record["num_requests"] == 6 and result.record["workers"]["backend"] == "ray"
