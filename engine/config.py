@@ -173,6 +173,9 @@ class EngineConfig:
     num_threads: int | None = None  # CPU threads for torch; None: leave torch's default
     compile: bool = False  # torch.compile the elementwise ops (measured: no gain on the 2-core CPU)
     speculative: SpeculativeConfig | None = None  # off; a mapping is read as SpeculativeConfig
+    # One model over N ranks (vLLM's name): this process is rank 0, N - 1 worker processes hold the
+    # other shards (engine/parallel/); NCCL between GPUs cuda:0..N-1, gloo between CPU processes.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "speculative", as_speculative_config(self.speculative))
@@ -196,6 +199,8 @@ class EngineConfig:
              "must be a fraction in (0, 1]"),
             ("num_kv_blocks", self.num_kv_blocks is None or self.num_kv_blocks >= 1, "must be >= 1 or None"),
             ("num_threads", self.num_threads is None or self.num_threads >= 1, "must be >= 1 or None"),
+            ("tensor_parallel_size", isinstance(self.tensor_parallel_size, int)
+             and not isinstance(self.tensor_parallel_size, bool) and self.tensor_parallel_size >= 1, "must be >= 1"),
         ])
 
     @property

@@ -1,0 +1,102 @@
+"""The collectives of one tensor-parallel group: gloo between CPU processes, NCCL between GPUs.
+
+The group is a process group of its own, built on a TCPStore that rank 0 (the engine's process) hosts
+on the loopback address: nothing is registered with torch.distributed's default group, so an engine
+with workers lives beside any other use of torch.distributed in the caller's process, and a second
+engine gets a group of its own.
+
+Every collective has a timeout (COLLECTIVE_TIMEOUT): a rank that stops answering ends the others'
+wait with an error instead of a hang. A rank that dies closes its connections, which ends the
+others' current collective at once (gloo: "Connection closed by peer"); the executor then names the
+rank (mp_executor.py). The only unbounded waits are outside the collectives: a worker waiting for
+the next command (it checks that rank 0 is alive every second) and the load barrier below, which
+checks every rank's process while it waits.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+# A collective waits this long for the other ranks. Ranks run the same layer at the same time, so a
+# healthy wait is one layer's imbalance; loading, which takes minutes, waits in `rendezvous` instead.
+COLLECTIVE_TIMEOUT = timedelta(seconds=120)
+STORE_TIMEOUT = timedelta(seconds=120)
+_RENDEZVOUS_POLL_S = 0.05
+
+
+class TensorParallelGroup:
+    """Rank `rank` of `world_size` processes running one model; `device` is this rank's."""
+
+    def __init__(self, store: dist.Store, rank: int, world_size: int, device: torch.device,
+                 timeout: timedelta = COLLECTIVE_TIMEOUT):
+        self.store = store
+        self.rank = rank
+        self.world_size = world_size
+        self.device = device
+        self.is_nccl = device.type == "cuda"
+        if self.is_nccl:
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timeout
+            self._group = dist.ProcessGroupNCCL(store, rank, world_size, options)
+        else:
+            self._group = dist.ProcessGroupGloo(store, rank, world_size, timeout)
+
+    @classmethod
+    def connect(cls, port: int, rank: int, world_size: int, device: torch.device) -> TensorParallelGroup:
+        """A worker's side: rank 0's store on the loopback port, then the group (waits for every rank)."""
+        store = dist.TCPStore("127.0.0.1", port, world_size, False, timeout=STORE_TIMEOUT)
+        return cls(store, rank, world_size, device)
+
+    @property
+    def is_first(self) -> bool:
+        return self.rank == 0
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum `x` over the ranks, in place; returns it."""
+        self._group.allreduce([x]).wait()
+        return x
+
+    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
+        """Rank 0's `x` into every rank's `x` (same shape and dtype), in place."""
+        self._group.broadcast([x], dist.BroadcastOptions()).wait()
+        return x
+
+    def gather_columns(self, local: torch.Tensor) -> torch.Tensor | None:
+        """Every rank's (N, C) `local`, side by side as (N, world_size x C) on rank 0 (in rank order).
+
+        gloo: a gather to rank 0, the others get None. NCCL: an all-gather (every rank gets the
+        whole; a gather is not a collective NCCL captures in a CUDA graph), reordered to columns.
+        """
+        local = local.contiguous()
+        if self.is_nccl:
+            rows = torch.empty((self.world_size * local.shape[0], local.shape[1]), dtype=local.dtype,
+                               device=local.device)  # (world x N, C): rank r's rows at r x N
+            self._group._allgather_base(rows, local).wait()
+            return rows.view(self.world_size, *local.shape).permute(1, 0, 2).reshape(local.shape[0], -1)
+        options = dist.GatherOptions()
+        options.rootRank = 0
+        parts = [torch.empty_like(local) for _ in range(self.world_size)] if self.is_first else []
+        self._group.gather([parts] if self.is_first else [], [local], options).wait()
+        return torch.cat(parts, dim=1) if self.is_first else None
+
+    def min_over_ranks(self, value: int) -> int:
+        """The smallest of every rank's `value` (e.g. the KV blocks each rank's memory holds)."""
+        t = torch.tensor([value], dtype=torch.int64, device=self.device)
+        options = dist.AllreduceOptions()
+        options.reduceOp = dist.ReduceOp.MIN
+        self._group.allreduce([t], options).wait()
+        return int(t.item())
+
+    def rendezvous(self, name: str, check_peers: Callable[[], None]) -> None:
+        """Wait until every rank has reached `name`, however long that takes (loading a shard may take
+        minutes), calling `check_peers` between looks: it raises when a rank this one watches died."""
+        key = f"rendezvous/{name}"
+        self.store.add(key, 1)
+        while self.store.add(key, 0) < self.world_size:
+            check_peers()
+            time.sleep(_RENDEZVOUS_POLL_S)
