@@ -86,9 +86,29 @@ def build_empty_model(model_cfg: ModelConfig, max_positions: int, backend, devic
             model = LlamaForCausalLM(model_cfg, max_positions, backend, parallel)
     finally:
         torch.set_default_dtype(previous)
-    model = model.to_empty(device=device)
+    _allocate(model, device)
     model.tie_weights()
     return model
+
+
+def _allocate(model: torch.nn.Module, device: torch.device) -> None:
+    """Give every meta parameter and buffer uninitialized storage on `device` (tied tensors stay tied).
+    What Module.to_empty does, through torch.empty: to_empty's empty_like on meta tensors goes through
+    torch._refs, whose first use imports torch._dynamo (seconds of every process's load)."""
+    made: dict[int, torch.Tensor] = {}
+
+    def empty(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in made:
+            made[id(t)] = torch.empty(t.shape, dtype=t.dtype, device=device)
+        return made[id(t)]
+
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is not None:
+                module._parameters[name] = torch.nn.Parameter(empty(param), requires_grad=param.requires_grad)
+        for name, buffer in module._buffers.items():
+            if buffer is not None:
+                module._buffers[name] = empty(buffer)
 
 
 def read_declared_quantization(source: ModelSource):

@@ -104,7 +104,10 @@ class LlamaForCausalLM(nn.Module):
         self.parallel = parallel
         # The logits' width: the whole vocabulary (a rank's lm_head holds a slice of it).
         self.vocab_size = cfg.vocab_size if parallel is None else parallel.layout.vocab_size
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # No random init (the loader fills every weight): nn.Embedding's normal_ on the meta device
+        # imports torch._dynamo, seconds of every process's load (each tensor-parallel rank's too).
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)

@@ -15,6 +15,7 @@ checks every rank's process while it waits.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -33,18 +34,46 @@ class TensorParallelGroup:
     """Rank `rank` of `world_size` processes running one model; `device` is this rank's."""
 
     def __init__(self, store: dist.Store, rank: int, world_size: int, device: torch.device,
-                 timeout: timedelta = COLLECTIVE_TIMEOUT):
+                 timeout: timedelta = COLLECTIVE_TIMEOUT, in_background: bool = False):
+        """`in_background`: connect on a thread (the constructor waits for every rank to join), so rank 0
+        loads its shard meanwhile; the first collective waits for it."""
         self.store = store
         self.rank = rank
         self.world_size = world_size
         self.device = device
         self.is_nccl = device.type == "cuda"
-        if self.is_nccl:
-            options = dist.ProcessGroupNCCL.Options()
-            options._timeout = timeout
-            self._group = dist.ProcessGroupNCCL(store, rank, world_size, options)
+        self._timeout = timeout
+        self._group: dist.ProcessGroup | None = None
+        self._error: BaseException | None = None
+        self._connecting = threading.Thread(target=self._connect, name="batchgen-tp-connect", daemon=True)
+        if in_background:
+            self._connecting.start()
         else:
-            self._group = dist.ProcessGroupGloo(store, rank, world_size, timeout)
+            self._connect()
+            self._raise_if_failed()
+
+    def _connect(self) -> None:
+        try:
+            if self.is_nccl:
+                options = dist.ProcessGroupNCCL.Options()
+                options._timeout = self._timeout
+                self._group = dist.ProcessGroupNCCL(self.store, self.rank, self.world_size, options)
+            else:
+                self._group = dist.ProcessGroupGloo(self.store, self.rank, self.world_size, self._timeout)
+        except Exception as exc:  # raised again by the first collective
+            self._error = exc
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"rank {self.rank} could not join the tensor-parallel group: {self._error}") \
+                from self._error
+
+    @property
+    def _pg(self) -> dist.ProcessGroup:
+        if self._group is None:
+            self._connecting.join()
+            self._raise_if_failed()
+        return self._group
 
     @classmethod
     def connect(cls, port: int, rank: int, world_size: int, device: torch.device) -> TensorParallelGroup:
@@ -58,12 +87,12 @@ class TensorParallelGroup:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum `x` over the ranks, in place; returns it."""
-        self._group.allreduce([x]).wait()
+        self._pg.allreduce([x]).wait()
         return x
 
     def broadcast(self, x: torch.Tensor) -> torch.Tensor:
         """Rank 0's `x` into every rank's `x` (same shape and dtype), in place."""
-        self._group.broadcast([x], dist.BroadcastOptions()).wait()
+        self._pg.broadcast([x], dist.BroadcastOptions()).wait()
         return x
 
     def gather_columns(self, local: torch.Tensor) -> torch.Tensor | None:
@@ -76,12 +105,12 @@ class TensorParallelGroup:
         if self.is_nccl:
             rows = torch.empty((self.world_size * local.shape[0], local.shape[1]), dtype=local.dtype,
                                device=local.device)  # (world x N, C): rank r's rows at r x N
-            self._group._allgather_base(rows, local).wait()
+            self._pg._allgather_base(rows, local).wait()
             return rows.view(self.world_size, *local.shape).permute(1, 0, 2).reshape(local.shape[0], -1)
         options = dist.GatherOptions()
         options.rootRank = 0
         parts = [torch.empty_like(local) for _ in range(self.world_size)] if self.is_first else []
-        self._group.gather([parts] if self.is_first else [], [local], options).wait()
+        self._pg.gather([parts] if self.is_first else [], [local], options).wait()
         return torch.cat(parts, dim=1) if self.is_first else None
 
     def min_over_ranks(self, value: int) -> int:
@@ -89,7 +118,7 @@ class TensorParallelGroup:
         t = torch.tensor([value], dtype=torch.int64, device=self.device)
         options = dist.AllreduceOptions()
         options.reduceOp = dist.ReduceOp.MIN
-        self._group.allreduce([t], options).wait()
+        self._pg.allreduce([t], options).wait()
         return int(t.item())
 
     def rendezvous(self, name: str, check_peers: Callable[[], None]) -> None:

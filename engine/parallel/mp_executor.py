@@ -122,14 +122,11 @@ class MultiprocExecutor:
                          daemon=True).start()
         log.info("tensor parallelism: %d ranks on %s; worker pids %s", world_size,
                  ", ".join(str(d) for d in devices), ", ".join(str(p.pid) for p in self.processes))
-        try:
-            self._receive_all("hello", before_start=True)
-            if device.type == "cuda":
-                torch.cuda.set_device(devices[0])
-            group = TensorParallelGroup(self.store, 0, world_size, devices[0])
-        except BaseException:
-            self.shutdown()
-            raise
+        self._said_hello = [False] * len(self.processes)  # a worker that dies before it did never ran our code
+        if device.type == "cuda":
+            torch.cuda.set_device(devices[0])
+        # Joined on a thread: rank 0 loads its shard while the workers start (load_model waits for them).
+        group = TensorParallelGroup(self.store, 0, world_size, devices[0], in_background=True)
         self.parallel = TensorParallel(self.layouts[0], group, check_peers=self.check_workers)
 
     # ---- the engine's calls (engine/executor.py) -----------------------------------------------------
@@ -236,6 +233,10 @@ class MultiprocExecutor:
         if dead:
             what = "; ".join(f"tensor-parallel worker rank {i + 1} (pid {self.processes[i].pid}) "
                              f"{_exit_description(self.processes[i])}" for i in dead)
+            if not all(self._said_hello[i] for i in dead):  # usually spawn re-running a script's top level
+                what += (" before it started (its stderr says why; a script that builds an engine with "
+                         "tensor_parallel_size > 1 keeps its top level under `if __name__ == \"__main__\":`, "
+                         "since spawn imports it again in each worker)")
         else:
             what = "a tensor-parallel step failed on rank 0 with every worker still running"
         if cause is not None:
@@ -260,7 +261,10 @@ class MultiprocExecutor:
                 kind, payload = conn.recv()
                 if kind == "error":
                     raise self._fail_reported(index, payload)
-                self._inbox[index].append((kind, payload))
+                if kind == "hello":
+                    self._said_hello[index] = True
+                else:
+                    self._inbox[index].append((kind, payload))
         except (EOFError, OSError):
             pass  # the process ended: check_workers names it
 
@@ -271,20 +275,12 @@ class MultiprocExecutor:
         self.shutdown()
         return self.failure
 
-    def _receive_all(self, kind: str, before_start: bool = False) -> list:
+    def _receive_all(self, kind: str) -> list:
         """Each worker's next `kind` message (rank order), waiting as long as it takes while they live."""
         answers = []
         for index in range(len(self.processes)):
             while True:
-                try:
-                    self.check_workers()
-                except WorkerDiedError as exc:
-                    if before_start:  # it never ran our code: the usual cause is spawn re-running a script
-                        raise WorkerDiedError(
-                            f"{exc} before it started (its stderr says why; a script that builds an engine "
-                            f"with tensor_parallel_size > 1 must keep its top level under "
-                            f"`if __name__ == \"__main__\":`, since spawn re-imports it)") from None
-                    raise
+                self.check_workers()
                 inbox = self._inbox[index]
                 if inbox:
                     got, payload = inbox.popleft()

@@ -190,6 +190,7 @@ def _configure_logging(spec: WorkerSpec) -> None:
     """The engine's log lines on stderr, marked with the rank, at rank 0's level."""
     logger = logging.getLogger("batchgen")
     logger.setLevel(spec.log_level)
+    logger.propagate = False  # one line per record, whatever the caller's module configured on import
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter(f"%(asctime)s %(levelname)s [rank {spec.rank}] %(name)s: %(message)s"))
     logger.addHandler(handler)
