@@ -141,3 +141,30 @@ def test_int8_ranks_hold_half_the_int8_weights(tp_llm):
         assert len(out.outputs[0].token_ids) == 8
     finally:
         int8.engine.shutdown()
+
+
+def test_speculative_decoding_runs_on_rank_0_and_gives_plain_decoding_tokens(llm, tmp_path):
+    """A draft model (the target itself, whole, in rank 0's process) over a tp=2 target: its drafts are
+    the target's greedy tokens (all accepted unless tp=2's and tp=1's logits disagree on a near-tie), and
+    the tokens are the one-process engine's without speculation. On a tiny random Llama folder
+    (head_dim 16) for a short load."""
+    from tests.pipeline.tiny_model import write_tiny_model
+
+    model = str(write_tiny_model(tmp_path / "tiny", llm.engine.tokenizer.hf, hidden=64, intermediate=128,
+                                 num_heads=4, num_kv_heads=2, weight_std=0.2))
+    settings = dict(dtype="float32", device="cpu", max_model_len=128, num_kv_blocks=64)
+    requests = {f"t{i}": ([7 + i, 300 + i, 41, 9000 + i], dataclasses.replace(GREEDY, max_tokens=16))
+                for i in range(4)}
+    plain = run_requests(LLM(model, **settings).engine, requests)
+    draft = {"method": "draft_model", "model": model, "num_speculative_tokens": 3, "disable_by_batch_size": 8}
+    threads = torch.get_num_threads()
+    speculating = LLM(model, tensor_parallel_size=2, speculative=draft, **settings)
+    try:
+        outputs = run_requests(speculating.engine, requests)
+        stats = speculating.engine.stats["speculative"]
+    finally:
+        speculating.engine.shutdown()
+        torch.set_num_threads(threads)
+    assert {k: v.outputs[0].token_ids for k, v in outputs.items()} == {k: v.outputs[0].token_ids
+                                                                        for k, v in plain.items()}
+    assert stats["num_draft_tokens"] > 0 and stats["acceptance_rate"] >= 0.9
