@@ -24,12 +24,12 @@ import sys
 import time
 
 MODEL = "smollm2-135m-instruct"
-ENGINE = dict(dtype="float32", device="cpu", kv_cache_memory="256MiB", max_model_len=512)
+ENGINE = {"dtype": "float32", "device": "cpu", "kv_cache_memory": "256MiB", "max_model_len": 512}
 
 
 def _run_child(code: str) -> dict:
     """`code` (which prints one JSON line last) in a fresh interpreter."""
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=1800)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=1800, check=False)
     if done.returncode:
         raise RuntimeError(f"child failed: {done.stderr[-2000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])

@@ -264,8 +264,8 @@ def plan_command(
     """
     try:
         target = read_target(model_or_job)
-        options = dict(max_model_len=max_model_len, concurrency=concurrency, dtype=dtype, quantization=quantization,
-                       memory=memory, kv_cache_dtype=kv_cache_dtype)
+        options = {"max_model_len": max_model_len, "concurrency": concurrency, "dtype": dtype,
+                   "quantization": quantization, "memory": memory, "kv_cache_dtype": kv_cache_dtype}
         plan = make_plan(target, tensor_parallel_size=tensor_parallel_size, **options)
         smallest = smallest_fitting_tensor_parallel_size(target, plan, **options) if memory is not None else None
     except JobError as exc:

@@ -113,14 +113,6 @@ class TensorParallelGroup:
         self._pg.gather([parts] if self.is_first else [], [local], options).wait()
         return torch.cat(parts, dim=1) if self.is_first else None
 
-    def min_over_ranks(self, value: int) -> int:
-        """The smallest of every rank's `value` (e.g. the KV blocks each rank's memory holds)."""
-        t = torch.tensor([value], dtype=torch.int64, device=self.device)
-        options = dist.AllreduceOptions()
-        options.reduceOp = dist.ReduceOp.MIN
-        self._pg.allreduce([t], options).wait()
-        return int(t.item())
-
     def rendezvous(self, name: str, check_peers: Callable[[], None]) -> None:
         """Wait until every rank has reached `name`, however long that takes (loading a shard may take
         minutes), calling `check_peers` between looks: it raises when a rank this one watches died."""

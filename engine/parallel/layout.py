@@ -55,11 +55,6 @@ class Shard(NamedTuple):
     end: int
     size: int
 
-    def take(self, tensor: torch.Tensor) -> torch.Tensor:
-        """This rank's part of the whole tensor (a copy; zero-padded to `size`)."""
-        part = tensor.narrow(self.dim, self.start, self.end - self.start)
-        return pad_rows(part, self.size) if self.dim == 0 else part.contiguous()
-
 
 def pad_rows(part: torch.Tensor, size: int) -> torch.Tensor:
     """`part` with zero rows appended up to `size` rows (the vocabulary's tail on the last rank)."""

@@ -105,6 +105,9 @@ class MultiprocExecutor:
         self.processes: list[multiprocessing.Process] = []
         self.conns = []
         self._inbox: list[deque] = []
+        stopping = threading.Event()  # set once the workers are asked to leave: their exits are expected
+        # Registered before the first start: the lists fill as the workers start.
+        self._finalizer = weakref.finalize(self, _stop_workers, self.processes, self.conns, stopping)
         for rank in range(1, world_size):
             spec = WorkerSpec(config.replace(device=str(devices[rank])), rank, world_size, self.store.port,
                               os.getpid(), num_threads, logging.getLogger("batchgen").getEffectiveLevel())
@@ -116,8 +119,6 @@ class MultiprocExecutor:
             self.processes.append(process)
             self.conns.append(ours)
             self._inbox.append(deque())
-        stopping = threading.Event()  # set once the workers are asked to leave: their exits are expected
-        self._finalizer = weakref.finalize(self, _stop_workers, list(self.processes), list(self.conns), stopping)
         threading.Thread(target=_watch, args=(list(self.processes), stopping), name="batchgen-tp-watch",
                          daemon=True).start()
         log.info("tensor parallelism: %d ranks on %s; worker pids %s", world_size,

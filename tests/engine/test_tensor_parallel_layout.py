@@ -19,7 +19,13 @@ from safetensors.torch import save_file
 
 from batchgen.engine.config import EngineConfig, SettingError
 from batchgen.engine.models.config import ModelConfig
-from batchgen.engine.parallel.layout import Shard, TensorParallelLayout, all_layouts, check_can_split
+from batchgen.engine.parallel.layout import (
+    Shard,
+    TensorParallelLayout,
+    all_layouts,
+    check_can_split,
+    pad_rows,
+)
 from batchgen.engine.parallel.shards import gguf_shard_array, read_safetensors, shard_int_weight
 from batchgen.engine.quant.int_formats import quantize_int4_groups, quantize_int8_per_channel
 
@@ -84,8 +90,7 @@ def test_checkpoint_tensors_split_along_their_layers_axes():
     assert rank1.shard("model.layers.0.input_layernorm.weight", (576,)) is None
     last = TensorParallelLayout.plan(LLAMA_70B, 2, 3)  # the vocabulary's last slice, zero-padded
     assert last.shard("lm_head.weight", (128256, 8192)) == Shard(0, 85504, 128256, 42752)
-    padded = Shard(0, 3, 5, 4).take(torch.arange(10.0).reshape(5, 2))
-    assert padded.tolist() == [[6, 7], [8, 9], [0, 0], [0, 0]]
+    assert pad_rows(torch.arange(4.0).reshape(2, 2), 4).tolist() == [[0, 1], [2, 3], [0, 0], [0, 0]]
 
 
 def test_gguf_slices_equal_the_whole_tensor_dequantized_and_cut(smollm_path):
