@@ -143,3 +143,24 @@ def test_serve_and_llm_take_the_setting():
         from batchgen.engine import LLMEngine
 
         LLMEngine(EngineConfig(model="m", tensor_parallel_size=2), loaded=object())
+
+
+def test_gguf_kept_blocks_split_like_the_whole_file(smollm_path):
+    """quantization: gguf over 2 ranks: rank 1's q rows (llama.cpp's q/k row order undone over its own
+    6 heads) and its o_proj and ffn_down columns (whole blocks of 32) equal the whole file's, cut."""
+    from batchgen.engine.loader.gguf_blocks import read_gguf_int_weights
+    from batchgen.engine.loader.gguf_loader import hf_tensor_name, read_gguf_config, row_permutation
+
+    cfg = read_gguf_config(smollm_path)
+    layout = TensorParallelLayout.plan(cfg, 1, 2)
+    rank_cfg = layout.rank_config(cfg)
+    whole = read_gguf_int_weights(smollm_path, hf_tensor_name, lambda base, rows: row_permutation(cfg, base, rows))
+    mine = read_gguf_int_weights(smollm_path, hf_tensor_name,
+                                 lambda base, rows: row_permutation(rank_cfg, base, rows), layout.shard)
+    assert mine.keys() == whole.keys()
+    for name, rows, columns in (("model.layers.3.self_attn.q_proj", slice(192, 576), slice(None)),
+                                ("model.layers.3.self_attn.k_proj", slice(64, 192), slice(None)),
+                                ("model.layers.3.self_attn.o_proj", slice(None), slice(192, 576)),
+                                ("model.layers.3.mlp.down_proj", slice(None), slice(768, 1536))):
+        assert torch.equal(mine[name].dequantize(), whole[name].dequantize()[rows, columns]), name
+
