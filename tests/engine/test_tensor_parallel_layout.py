@@ -163,4 +163,3 @@ def test_gguf_kept_blocks_split_like_the_whole_file(smollm_path):
                                 ("model.layers.3.self_attn.o_proj", slice(None), slice(192, 576)),
                                 ("model.layers.3.mlp.down_proj", slice(None), slice(768, 1536))):
         assert torch.equal(mine[name].dequantize(), whole[name].dequantize()[rows, columns]), name
-
