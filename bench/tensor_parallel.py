@@ -4,7 +4,7 @@
 
 1. memory: the bundled model at tp=1 and tp=2, float32 and int8 (round to nearest), each engine in a
    fresh process: per rank, its weights' bytes (tensor storage) and its process's peak resident
-   memory once loaded (ru_maxrss: the GGUF pages it read, the dequantized tensors, torch itself).
+   memory once loaded (VmHWM: the GGUF pages it read, the dequantized tensors, torch itself).
 2. speed: 16 prompts x 32 greedy tokens, and 1 prompt x 64, at tp=1 (all cores) and tp=2 (the
    cores split between the ranks): completion tokens/s and milliseconds per step.
 3. vocab: the embedding and lm_head vocabulary-parallel (what the engine runs) against replicated on
@@ -36,14 +36,15 @@ def _run_child(code: str) -> dict:
 
 
 _MEMORY_CHILD = """
-import json, resource
+import json
 from batchgen.engine import LLM
+from batchgen.engine.parallel.worker import peak_resident_bytes
 if __name__ == "__main__":
     llm = LLM({model!r}, tensor_parallel_size={tp}, **{settings!r})
     report = llm.engine.stats["tensor_parallel"]
     if report is None:
         report = {{"ranks": [{{"rank": 0, "weight_bytes": llm.engine.weight_bytes,
-                              "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}}]}}
+                              "max_rss_bytes": peak_resident_bytes()}}]}}
     llm.engine.shutdown()
     print(json.dumps([{{k: r[k] for k in ("rank", "weight_bytes", "max_rss_bytes")}} for r in report["ranks"]]))
 """

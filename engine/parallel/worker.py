@@ -55,7 +55,20 @@ def rank_report(rank: int, loaded, kv_bytes_per_token: int) -> dict:
     """One rank's figures: its weights' bytes (tensor storage) and its process's peak resident memory."""
     return {"rank": rank, "pid": os.getpid(), "device": str(loaded.model.embed_tokens.weight.device),
             "weight_bytes": loaded.weight_bytes, "kv_bytes_per_token": kv_bytes_per_token,
-            "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+            "max_rss_bytes": peak_resident_bytes()}
+
+
+def peak_resident_bytes() -> int:
+    """This process's peak resident memory: VmHWM (Linux; getrusage's ru_maxrss carries a parent's peak
+    across the fork and exec that start a worker), else ru_maxrss."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def run_worker(spec: WorkerSpec, conn) -> None:
