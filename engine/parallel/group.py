@@ -34,15 +34,19 @@ class TensorParallelGroup:
     """Rank `rank` of `world_size` processes running one model; `device` is this rank's."""
 
     def __init__(self, store: dist.Store, rank: int, world_size: int, device: torch.device,
-                 timeout: timedelta = COLLECTIVE_TIMEOUT, in_background: bool = False):
-        """`in_background`: connect on a thread (the constructor waits for every rank to join), so rank 0
-        loads its shard meanwhile; the first collective waits for it."""
+                 timeout: timedelta = COLLECTIVE_TIMEOUT, check_peers: Callable[[], None] | None = None,
+                 in_background: bool = False):
+        """Join the group: first a rendezvous of every rank on the store (as long as the slowest takes to
+        start, `check_peers` raising when a rank this one watches died), then the process group itself,
+        which then connects within its timeout. `in_background`: on a thread, so rank 0 loads its shard
+        meanwhile; the first collective waits for it."""
         self.store = store
         self.rank = rank
         self.world_size = world_size
         self.device = device
         self.is_nccl = device.type == "cuda"
         self._timeout = timeout
+        self._check_peers = check_peers or (lambda: None)
         self._group: dist.ProcessGroup | None = None
         self._error: BaseException | None = None
         self._connecting = threading.Thread(target=self._connect, name="batchgen-tp-connect", daemon=True)
@@ -54,13 +58,14 @@ class TensorParallelGroup:
 
     def _connect(self) -> None:
         try:
+            self.rendezvous("join", self._check_peers)
             if self.is_nccl:
                 options = dist.ProcessGroupNCCL.Options()
                 options._timeout = self._timeout
                 self._group = dist.ProcessGroupNCCL(self.store, self.rank, self.world_size, options)
             else:
                 self._group = dist.ProcessGroupGloo(self.store, self.rank, self.world_size, self._timeout)
-        except Exception as exc:  # raised again by the first collective
+        except Exception as exc:  # raised again by the first collective (and by rank 0's load barrier)
             self._error = exc
 
     def _raise_if_failed(self) -> None:
@@ -76,10 +81,11 @@ class TensorParallelGroup:
         return self._group
 
     @classmethod
-    def connect(cls, port: int, rank: int, world_size: int, device: torch.device) -> TensorParallelGroup:
+    def connect(cls, port: int, rank: int, world_size: int, device: torch.device,
+                check_peers: Callable[[], None] | None = None) -> TensorParallelGroup:
         """A worker's side: rank 0's store on the loopback port, then the group (waits for every rank)."""
         store = dist.TCPStore("127.0.0.1", port, world_size, False, timeout=STORE_TIMEOUT)
-        return cls(store, rank, world_size, device)
+        return cls(store, rank, world_size, device, check_peers=check_peers)
 
     @property
     def is_first(self) -> bool:
@@ -120,4 +126,6 @@ class TensorParallelGroup:
         self.store.add(key, 1)
         while self.store.add(key, 0) < self.world_size:
             check_peers()
+            if self._error is not None:  # this rank's own join failed (on its thread)
+                self._raise_if_failed()
             time.sleep(_RENDEZVOUS_POLL_S)

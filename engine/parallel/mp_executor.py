@@ -127,7 +127,8 @@ class MultiprocExecutor:
         if device.type == "cuda":
             torch.cuda.set_device(devices[0])
         # Joined on a thread: rank 0 loads its shard while the workers start (load_model waits for them).
-        group = TensorParallelGroup(self.store, 0, world_size, devices[0], in_background=True)
+        group = TensorParallelGroup(self.store, 0, world_size, devices[0], check_peers=self._check_alive,
+                                    in_background=True)
         self.parallel = TensorParallel(self.layouts[0], group, check_peers=self.check_workers)
 
     # ---- the engine's calls (engine/executor.py) -----------------------------------------------------
@@ -215,6 +216,11 @@ class MultiprocExecutor:
         dead = [i for i, p in enumerate(self.processes) if p.exitcode is not None]
         if dead:
             raise self._fail(dead, None)
+
+    def _check_alive(self) -> None:
+        """The joining thread's look at the workers: a process that ended (named by check_workers)."""
+        if any(p.exitcode is not None for p in self.processes):
+            raise RuntimeError("a tensor-parallel worker ended before the group was joined")
 
     def _guard(self, run):
         """Run rank 0's part of a collective phase; a failed collective or pipe becomes WorkerDiedError."""

@@ -107,7 +107,8 @@ class Worker:
             keep_freed_memory()
         if spec.num_threads:
             torch.set_num_threads(spec.num_threads)
-        group = TensorParallelGroup.connect(spec.store_port, spec.rank, spec.world_size, device)
+        group = TensorParallelGroup.connect(spec.store_port, spec.rank, spec.world_size, device,
+                                            check_peers=self.check_parent)
         model_cfg = read_model_config(resolve_model(spec.config.model))
         layout = TensorParallelLayout.plan(model_cfg, spec.rank, spec.world_size)
         self.parallel = TensorParallel(layout, group, check_peers=self.check_parent)
