@@ -378,8 +378,7 @@ def check_tensor_parallel(args: argparse.Namespace, device: torch.device, record
     result: dict = {"tensor_parallel_size": size, "num_prompts": len(prompts), "num_tokens": num_tokens}
     with tempfile.TemporaryDirectory() as tmp:
         folder = save_hf_folder(hf_llama(cfg, torch.float32, torch.device("cpu"), seed=0), Path(tmp) / "small")
-        # On the CPU only float32 runs tensor-parallel (its C attention kernels; bfloat16 attends through SDPA).
-        for dtype in (torch.float32, torch.bfloat16) if device.type == "cuda" else (torch.float32,):
+        for dtype in (torch.float32, torch.bfloat16):
             tokens = {}
             for tp in (1, size):
                 config = engine_config(device, dtype, 256, attention_backend=args.attention_backend,
@@ -444,7 +443,7 @@ def format_table(result: dict) -> str:
                 lines.append(f"{row['name']:<32} {row['completion_tokens_per_s']:>10.1f} "
                              f"{row['decode_tokens_per_s']:>13.1f} {row['decode_fraction_of_roofline']:>9.1%}  "
                              f"per GPU's shard")
-        for name in ("float32", "bfloat16") if "bfloat16" in t else ("float32",):
+        for name in ("float32", "bfloat16"):
             lines.append(f"tensor parallel {name}: {t[name]['identical_requests']}/{t['num_prompts']} requests "
                          f"identical at tp={t['tensor_parallel_size']} and tp=1, {t[name]['matching_tokens']}/"
                          f"{t[name]['num_tokens']} tokens")

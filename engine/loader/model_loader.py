@@ -223,7 +223,7 @@ def check_can_run_parallel(capabilities: Capabilities, parallel: TensorParallel)
             f"tensor_parallel_size {parallel.world_size} needs attention_backend "
             f"{' or '.join(PARALLEL_ATTENTION_BACKENDS)}; this model would attend through "
             f"{capabilities.attention_backend} (its decode staging follows sequences that only rank 0 sees). "
-            f"On the CPU that means dtype float32 and the C kernels")
+            f"On the CPU that means the C kernels (float32 or bfloat16, head_dim a multiple of 16)")
 
 
 def _prepare_for_inference(model: LlamaForCausalLM, model_cfg: ModelConfig, max_model_len: int,
