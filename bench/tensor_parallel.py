@@ -5,11 +5,12 @@
 1. memory: the bundled model at tp=1 and tp=2, float32 and int8 (round to nearest), each engine in a
    fresh process: per rank, its weights' bytes (tensor storage) and its process's peak resident
    memory once loaded (VmHWM: the GGUF pages it read, the dequantized tensors, torch itself).
-2. speed: 16 prompts x 32 greedy tokens, and 1 prompt x 64, at tp=1 (all cores) and tp=2 (the
-   cores split between the ranks): completion tokens/s and milliseconds per step.
+2. speed: 16 prompts x 32 greedy tokens, and 1 prompt x 64, at tp=1 (all cores, then one rank's
+   share) and tp=2 (the cores split between the ranks): completion tokens/s and milliseconds per step.
 3. vocab: the embedding and lm_head vocabulary-parallel (what the engine runs) against replicated on
    every rank (rank 0 alone computing the logits), at tp=2 on the model itself in two processes:
-   each rank's weights and the decode step at batch 1 and 16.
+   each rank's weights and the median decode step at batch 1 and 16 (after a 32-token prefill), the
+   two layouts' steps alternated.
 
 Every figure is this machine's at the time it ran; on a shared 2-core machine they are contended.
 """
@@ -28,8 +29,11 @@ ENGINE = {"dtype": "float32", "device": "cpu", "kv_cache_memory": "256MiB", "max
 
 
 def _run_child(code: str) -> dict:
-    """`code` (which prints one JSON line last) in a fresh interpreter."""
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=1800, check=False)
+    """`code` (which prints one JSON line last) in a fresh interpreter. OpenMP's threads sleep between
+    parallel regions (as in the test suite): on a shared machine spinning ones wait on descheduled peers."""
+    env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=1800, check=False,
+                          env=env)
     if done.returncode:
         raise RuntimeError(f"child failed: {done.stderr[-2000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -85,19 +89,22 @@ if __name__ == "__main__":
 
 
 def measure_speed() -> list[dict]:
+    """tp=1 on every core and on one (a rank's share), tp=2 with the cores split between the ranks."""
     cores = os.cpu_count() or 2
     rows = []
-    for tp in (1, 2):
-        result = _run_child(_SPEED_CHILD.format(model=MODEL, tp=tp, threads=max(1, cores // tp), settings=ENGINE))
+    for tp, threads in ((1, cores), (1, max(1, cores // 2)), (2, max(1, cores // 2))):
+        result = _run_child(_SPEED_CHILD.format(model=MODEL, tp=tp, threads=threads, settings=ENGINE))
         for row in result:
-            rows.append({"tensor_parallel_size": tp, "threads_per_rank": max(1, cores // tp), **row})
+            rows.append({"tensor_parallel_size": tp, "threads_per_rank": threads, **row})
             print(json.dumps(rows[-1]), flush=True)
     return rows
 
 
 def _vocab_rank(rank: int, port: int, results) -> None:
-    """One rank of the vocab measurement (a spawned process): both layouts, one after the other."""
+    """One rank of the vocab measurement (a spawned process): both layouts loaded side by side, their
+    decode steps alternated (A, B, then B, A, ...) so a load that drifts meanwhile weighs on both."""
     import torch
+    import torch.distributed as dist
 
     from batchgen.engine.config import EngineConfig
     from batchgen.engine.loader.model_loader import load_model, read_model_config
@@ -108,31 +115,32 @@ def _vocab_rank(rank: int, port: int, results) -> None:
     torch.set_num_threads(1)
     config = EngineConfig(model=MODEL, **ENGINE)
     cfg = read_model_config(resolve_model(MODEL))
-    group = TensorParallelGroup.connect(port, rank, 2, torch.device("cpu")) if rank else None
     if rank == 0:
-        import torch.distributed as dist
-
-        store = dist.TCPStore("127.0.0.1", port, 2, True, wait_for_workers=False)
-        group = TensorParallelGroup(store, 0, 2, torch.device("cpu"))
-    out = {}
-    for is_vocab_parallel in (True, False):
-        layout = TensorParallelLayout.plan(cfg, rank, 2, is_vocab_parallel)
-        loaded = load_model(config, TensorParallel(layout, group))
-        model = loaded.model
-        figures = {"weight_bytes": loaded.weight_bytes}
-        for batch in (1, 16):
-            runner = SequenceRunner(model, batch, 256)
-            prompts = [[(7 * i + j) % 1000 + 10 for j in range(32)] for i in range(batch)]
+        group = TensorParallelGroup(dist.TCPStore("127.0.0.1", port, 2, True, wait_for_workers=False), 0, 2,
+                                    torch.device("cpu"))
+    else:
+        group = TensorParallelGroup.connect(port, rank, 2, torch.device("cpu"))
+    names = {True: "vocab_parallel", False: "replicated"}
+    models, figures = {}, {}
+    for is_vocab_parallel, name in names.items():
+        loaded = load_model(config, TensorParallel(TensorParallelLayout.plan(cfg, rank, 2, is_vocab_parallel), group))
+        models[name] = loaded.model
+        figures[name] = {"weight_bytes": loaded.weight_bytes}
+    for batch in (1, 16):
+        runners = {name: SequenceRunner(model, batch, 256) for name, model in models.items()}
+        prompts = [[(7 * i + j) % 1000 + 10 for j in range(32)] for i in range(batch)]
+        times: dict[str, list[float]] = {name: [] for name in runners}
+        for runner in runners.values():
             runner.forward(prompts, [0] * batch)
-            times = []
-            for step in range(32):
+        for step in range(48):
+            order = list(runners) if step % 2 == 0 else list(reversed(runners))
+            for name in order:
                 start = time.perf_counter()
-                runner.forward([[100 + step]] * batch, [32 + step] * batch)
-                times.append(time.perf_counter() - start)
-            figures[f"decode_ms_batch_{batch}"] = 1000 * sorted(times)[len(times) // 2]  # median
-        out["vocab_parallel" if is_vocab_parallel else "replicated"] = figures
-        del model, loaded
-    results.put((rank, out))
+                runners[name].forward([[100 + step]] * batch, [32 + step] * batch)
+                times[name].append(time.perf_counter() - start)
+        for name, values in times.items():
+            figures[name][f"decode_ms_batch_{batch}"] = 1000 * sorted(values)[len(values) // 2]  # median
+    results.put((rank, figures))
 
 
 def measure_vocab() -> dict:
