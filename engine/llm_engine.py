@@ -335,8 +335,10 @@ class LLMEngine:
     @property
     def stats(self) -> dict:
         """Counters since the engine started, `kernels`: the implementations that run (Capabilities),
-        `weights`: the weight format and the decoder's linear bytes (quant/weight_report.py), and
-        `speculative`: draft and accepted tokens (speculative/__init__.py SpecStats; None when off)."""
+        `weights`: the weight format and the decoder's linear bytes (quant/weight_report.py; rank 0's
+        shard with tensor parallelism), `speculative`: draft and accepted tokens (speculative/__init__.py
+        SpecStats; None when off), and `tensor_parallel`: each rank's weight bytes, KV bytes per token and
+        peak resident memory (parallel/mp_executor.py; None in one process)."""
         s = self.scheduler.stats
         pool = self.kv_cache_manager.pool
         return {

@@ -223,12 +223,13 @@ class MultiprocExecutor:
             raise RuntimeError("a tensor-parallel worker ended before the group was joined")
 
     def _guard(self, run):
-        """Run rank 0's part of a collective phase; a failed collective or pipe becomes WorkerDiedError."""
+        """Run rank 0's part of a collective phase; any failure (a collective, a pipe, a worker gone, or
+        rank 0's own) leaves the ranks out of step: it becomes WorkerDiedError and the engine stays failed."""
         if self.failure is not None:
             raise self.failure
         try:
             return run()
-        except (RuntimeError, OSError, EOFError) as exc:
+        except Exception as exc:  # the ranks are out of step from here on, whatever failed
             if isinstance(exc, WorkerDiedError):
                 raise
             deadline = time.monotonic() + _DEATH_GRACE_S
@@ -237,6 +238,8 @@ class MultiprocExecutor:
             raise self._fail([i for i, p in enumerate(self.processes) if p.exitcode is not None], exc) from exc
 
     def _fail(self, dead: list[int], cause: BaseException | None) -> WorkerDiedError:
+        for index in dead:  # what a dead worker said before it went: its own error report raises here
+            self._pump(index)
         if dead:
             what = "; ".join(f"tensor-parallel worker rank {i + 1} (pid {self.processes[i].pid}) "
                              f"{_exit_description(self.processes[i])}" for i in dead)
