@@ -152,7 +152,7 @@ def test_speculative_decoding_runs_on_rank_0_and_gives_plain_decoding_tokens(llm
 
     model = str(write_tiny_model(tmp_path / "tiny", llm.engine.tokenizer.hf, hidden=64, intermediate=128,
                                  num_heads=4, num_kv_heads=2, weight_std=0.2))
-    settings = dict(dtype="float32", device="cpu", max_model_len=128, num_kv_blocks=64)
+    settings = {"dtype": "float32", "device": "cpu", "max_model_len": 128, "num_kv_blocks": 64}
     requests = {f"t{i}": ([7 + i, 300 + i, 41, 9000 + i], dataclasses.replace(GREEDY, max_tokens=16))
                 for i in range(4)}
     plain = run_requests(LLM(model, **settings).engine, requests)
