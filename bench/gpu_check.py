@@ -15,6 +15,10 @@ so a run cut short keeps what it measured; a table is printed at the end.
    decode-only steps, and the decode steps' fraction of the HBM bandwidth roofline: (weights + KV
    bytes read) per step / 4.8 TB/s (H200).
 3. Peer: HF transformers `generate` in bfloat16 on the same shape at batch 64.
+4. `--tensor-parallel-size N` (N GPUs): the correctness model and the speed model saved as HF
+   folders (seeded random weights, a word-level tokenizer), each loaded at tp=1 and at tp=N (every
+   rank reading its shard, NCCL between the GPUs, a decode graph per rank): float32 greedy tokens
+   identical to tp=1, bfloat16 agreement reported; bf16 decode at 64 sequences at tp=1 and tp=N.
 
 `--tiny` runs the same flow at toy sizes on any device (the test suite runs it on the CPU).
 """
@@ -28,6 +32,7 @@ import json
 import platform
 import random
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -349,6 +354,75 @@ def run_peer(args: argparse.Namespace, device: torch.device, clock=time.perf_cou
             "seconds": seconds, "completion_tokens_per_s": completion / seconds if seconds else 0.0}
 
 
+# ---- 4. tensor parallelism -------------------------------------------------------------------------
+def save_hf_folder(hf_model, folder: Path) -> Path:
+    """The HF model as an HF folder (config.json, safetensors) with a word-level tokenizer of its
+    vocabulary ("t0", "t1", ...): what every tensor-parallel rank loads its shard from."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    hf_model.save_pretrained(folder, safe_serialization=True)
+    vocab = {f"t{i}": i for i in range(hf_model.config.vocab_size)}
+    words = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    PreTrainedTokenizerFast(tokenizer_object=words, unk_token="t0", eos_token="t1").save_pretrained(folder)
+    return folder
+
+
+def check_tensor_parallel(args: argparse.Namespace, device: torch.device, record) -> dict:
+    """tp=N against tp=1 on the same folder: greedy tokens (float32 identical, bfloat16 agreement), then
+    the speed model's bf16 decode at 64 sequences (completion tok/s) at both sizes."""
+    size = args.tensor_parallel_size
+    cfg = tiny_config() if args.tiny else small_config()
+    num_tokens = 4 if args.tiny else 32
+    prompts = random_prompts(2 if args.tiny else 8, (5, 40), cfg.vocab_size, seed=3)
+    result: dict = {"tensor_parallel_size": size, "num_prompts": len(prompts), "num_tokens": num_tokens}
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = save_hf_folder(hf_llama(cfg, torch.float32, torch.device("cpu"), seed=0), Path(tmp) / "small")
+        for dtype in (torch.float32, torch.bfloat16):
+            tokens = {}
+            for tp in (1, size):
+                config = engine_config(device, dtype, 256, attention_backend=args.attention_backend,
+                                       max_num_seqs=len(prompts), tensor_parallel_size=tp,
+                                       kv_cache_memory="1GiB" if device.type == "cuda" else "auto",
+                                       num_kv_blocks=None if device.type == "cuda" else 64).replace(model=str(folder))
+                engine = LLMEngine(config)
+                tokens[tp] = engine_greedy(engine, prompts, num_tokens)
+                engine.shutdown()
+                release(engine)
+            pairs = list(zip(tokens[1], tokens[size]))
+            result[str(dtype).removeprefix("torch.")] = {
+                "identical_requests": sum(a == b for a, b in pairs),
+                "matching_tokens": sum(x == y for a, b in pairs for x, y in zip(a, b)),
+                "num_tokens": len(prompts) * num_tokens}
+            record()
+        result["ok"] = result["float32"]["identical_requests"] == len(prompts)
+        speed_cfg = tiny_config() if args.tiny else llama3_8b_config(args.layers)
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        folder = save_hf_folder(hf_llama(speed_cfg, dtype, device, seed=0), Path(tmp) / "speed")
+        release()
+        sc = SpeedConfig("decode x64", 64, 64, (128, 128), 128) if not args.tiny else \
+            SpeedConfig("decode x4", 4, 4, (8, 8), 8)
+        max_model_len = 64 if args.tiny else 4096
+        result["speed"] = []
+        for tp in (1, size):
+            config = engine_config(device, dtype, max_model_len, attention_backend=args.attention_backend,
+                                   max_num_seqs=sc.max_num_seqs, tensor_parallel_size=tp,
+                                   num_kv_blocks=None if device.type == "cuda"
+                                   else sc.max_num_seqs * (-(-max_model_len // 16)) + 1).replace(model=str(folder))
+            try:
+                engine = LLMEngine(config)
+            except ValueError as exc:  # tp=1 of a model that needs more than one GPU
+                result["speed"].append({"tensor_parallel_size": tp, "skipped": str(exc)})
+                continue
+            row = run_speed_config(engine, dataclasses.replace(sc, name=f"{sc.name} tp={tp}"), seed=1,
+                                   clock=args.clock)
+            result["speed"].append({"tensor_parallel_size": tp, **row})
+            engine.shutdown()
+            release(engine)
+            record()
+    return result
+
+
 # ---- the run ---------------------------------------------------------------------------------------
 def format_table(result: dict) -> str:
     lines = [f"{'configuration':<32} {'tok/s':>10} {'decode tok/s':>13} {'roofline':>9}  notes"]
@@ -362,6 +436,17 @@ def format_table(result: dict) -> str:
     peer = result.get("peer")
     if peer:
         lines.append(f"{peer['name']:<32} {peer['completion_tokens_per_s']:>10.1f} {'':>13} {'':>9}  peer")
+    t = result.get("tensor_parallel")
+    if t:
+        for row in t["speed"]:
+            if "skipped" not in row:
+                lines.append(f"{row['name']:<32} {row['completion_tokens_per_s']:>10.1f} "
+                             f"{row['decode_tokens_per_s']:>13.1f} {row['decode_fraction_of_roofline']:>9.1%}  "
+                             f"per GPU's shard")
+        for name in ("float32", "bfloat16"):
+            lines.append(f"tensor parallel {name}: {t[name]['identical_requests']}/{t['num_prompts']} requests "
+                         f"identical at tp={t['tensor_parallel_size']} and tp=1, {t[name]['matching_tokens']}/"
+                         f"{t[name]['num_tokens']} tokens")
     c = result.get("correctness")
     if c:
         for name in ("float32", "bfloat16"):
@@ -409,7 +494,11 @@ def run(args: argparse.Namespace) -> dict:
     if args.peer:
         result["peer"] = run_peer(args, device, clock=args.clock)
         say(json.dumps(result["peer"]))
-    result["ok"] = result["correctness"]["ok"] and all(r["ok"] for r in result["fp8_matmuls"])
+    if args.tensor_parallel_size > 1:
+        result["tensor_parallel"] = check_tensor_parallel(args, device, record)
+        say(json.dumps(result["tensor_parallel"]))
+    result["ok"] = (result["correctness"]["ok"] and all(r["ok"] for r in result["fp8_matmuls"])
+                    and result.get("tensor_parallel", {}).get("ok", True))
     record()
     say(format_table(result))
     return result
@@ -425,6 +514,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-configs", type=int, default=8, help="run only the first N speed configurations")
     parser.add_argument("--no-peer", dest="peer", action="store_false", help="skip HF generate")
     parser.add_argument("--out", default="gpu_check.json", help="the JSON file, rewritten after each configuration")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="N > 1: also run the model over N GPUs (NCCL) against one (section 4)")
     parser.add_argument("--quiet", action="store_true")
     args = parser.parse_args(argv)
     args.clock = time.perf_counter

@@ -159,6 +159,9 @@ class CapacityPlan:
     logits_bytes_per_seq: int
     memory_bytes: int | None = None  # the device memory to fit into, when given
     kv_dtype: torch.dtype | None = None  # what the KV cache stores (engine.kv_cache_dtype); None: dtype
+    # Tensor parallelism: every size above is one GPU's, that of the rank holding the most (its
+    # weights, its KV heads' bytes per token, its activations; rank 0 gathers the whole logits).
+    tensor_parallel_size: int = 1
 
     @property
     def kv_tokens_per_request(self) -> int:
@@ -194,6 +197,11 @@ class CapacityPlan:
         return self.total_bytes_before_margin + self.margin_bytes
 
     @property
+    def fits(self) -> bool | None:
+        """`concurrency` requests of max_model_len fit memory_bytes (None: no memory given)."""
+        return None if self.memory_bytes is None else self.max_concurrency >= self.concurrency
+
+    @property
     def max_concurrency(self) -> int | None:
         """The most requests of max_model_len whose total with margin fits memory_bytes."""
         if self.memory_bytes is None:
@@ -203,10 +211,11 @@ class CapacityPlan:
         return max(0, int(room // per_request))
 
     def to_dict(self) -> dict:
-        names = ("max_model_len", "concurrency", "block_size", "max_num_batched_tokens", "weight_bytes",
+        names = ("tensor_parallel_size", "max_model_len", "concurrency", "block_size", "max_num_batched_tokens",
+                 "weight_bytes",
                  "kv_bytes_per_token", "kv_tokens_per_request", "kv_bytes_per_request", "kv_bytes",
                  "total_bytes_before_margin", "fragmentation_bytes", "activation_bytes", "margin_bytes",
-                 "total_bytes", "memory_bytes", "max_concurrency")
+                 "total_bytes", "memory_bytes", "max_concurrency", "fits")
         return {"dtype": str(self.dtype).removeprefix("torch."), "quantization": self.quantization,
                 "kv_cache_dtype": str(self.kv_dtype or self.dtype).removeprefix("torch."),
                 **{name: getattr(self, name) for name in names}}
@@ -216,14 +225,22 @@ def plan_capacity(cfg: ModelConfig, dtype: torch.dtype, max_model_len: int, conc
                   quantization: str = "none", memory_bytes: int | None = None, block_size: int = 16,
                   max_num_batched_tokens: int = 4096, quantize_lm_head: bool = False,
                   declared=None, kv_dtype: torch.dtype | None = None,
-                  int_calibration: str = EngineConfig.int_calibration) -> CapacityPlan:
+                  int_calibration: str = EngineConfig.int_calibration, tensor_parallel_size: int = 1) -> CapacityPlan:
     """The capacity arithmetic `batchgen plan` prints; KV per token is the pool's own kv_bytes_per_token
     (kv_dtype: the KV cache's dtype, e.g. FP8; None: the model dtype); `declared`: a folder's declared
-    quantization_config (its integer layout decides the weight bytes)."""
+    quantization_config (its integer layout decides the weight bytes). With `tensor_parallel_size` N,
+    one GPU's share: the same arithmetic on each rank's shapes (engine/parallel/layout.py), the
+    largest rank's figures (ValueError when the model cannot split over N)."""
+    from batchgen.engine.parallel.layout import all_layouts
+
+    ranks = [layout.rank_config(cfg) for layout in all_layouts(cfg, tensor_parallel_size)]
     return CapacityPlan(
         dtype=dtype, quantization=quantization, max_model_len=max_model_len, concurrency=concurrency,
         block_size=block_size, max_num_batched_tokens=max_num_batched_tokens,
-        weight_bytes=weight_bytes(cfg, dtype, quantization, quantize_lm_head, declared, int_calibration),
-        kv_bytes_per_token=kv_bytes_per_token(cfg, kv_dtype or dtype),
-        step_activation_bytes=activation_workspace_bytes(cfg, dtype, max_num_batched_tokens, 0),
-        logits_bytes_per_seq=logits_bytes_per_seq(cfg), memory_bytes=memory_bytes, kv_dtype=kv_dtype)
+        weight_bytes=max(weight_bytes(rank, dtype, quantization, quantize_lm_head, declared, int_calibration)
+                         for rank in ranks),
+        kv_bytes_per_token=max(kv_bytes_per_token(rank, kv_dtype or dtype) for rank in ranks),
+        step_activation_bytes=max(activation_workspace_bytes(rank, dtype, max_num_batched_tokens, 0)
+                                  for rank in ranks),
+        logits_bytes_per_seq=logits_bytes_per_seq(cfg), memory_bytes=memory_bytes, kv_dtype=kv_dtype,
+        tensor_parallel_size=tensor_parallel_size)

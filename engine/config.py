@@ -182,6 +182,9 @@ class EngineConfig:
     # server's requests are then reproducible across restarts. None: LLM keys them by its request
     # counter, the server by a random key per request.
     seed: int | None = None
+    # One model over N ranks (vLLM's name): this process is rank 0, N - 1 worker processes hold the
+    # other shards (engine/parallel/); NCCL between GPUs cuda:0..N-1, gloo between CPU processes.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "speculative", as_speculative_config(self.speculative))
@@ -211,6 +214,8 @@ class EngineConfig:
             ("num_threads", self.num_threads is None or self.num_threads >= 1, "must be >= 1 or None"),
             ("seed", self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool)),
              "must be an integer or null"),
+            ("tensor_parallel_size", isinstance(self.tensor_parallel_size, int)
+             and not isinstance(self.tensor_parallel_size, bool) and self.tensor_parallel_size >= 1, "must be >= 1"),
         ])
 
     @property

@@ -108,7 +108,7 @@ class DecodeGraphs:
         self.block_tables = zeros(b, width)
         # One logits buffer for every graph (each writes its first `size` rows), not one per size:
         # 35 sizes x 128k-wide float32 rows would hold ~2 GB for Llama-3's vocabulary.
-        self.logits = torch.empty((b, model.cfg.vocab_size), dtype=torch.float32, device=device)
+        self.logits = torch.empty((b, model.vocab_size), dtype=torch.float32, device=device)
         self.graphs: dict[int, tuple] = {}  # size -> (replay, logits (size, V))
 
     def fits(self, num_seqs: int) -> bool:

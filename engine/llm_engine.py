@@ -11,14 +11,15 @@ from dataclasses import dataclass
 import torch
 
 from batchgen.engine.beam_search import BeamGroup
-from batchgen.engine.capacity import kv_bytes_per_token, kv_cache_budget_bytes, num_kv_blocks
+from batchgen.engine.capacity import kv_cache_budget_bytes
 from batchgen.engine.chat_template import DEFAULT_CHAT, ChatTemplateOptions
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.cpu_allocator import keep_freed_memory
+from batchgen.engine.executor import UniprocExecutor, make_executor
 from batchgen.engine.generation_config import read_generation_defaults
-from batchgen.engine.gpu_memory import GpuMemoryPlan, plan_gpu_kv_cache
+from batchgen.engine.gpu_memory import GpuMemoryPlan
 from batchgen.engine.kv_cache_manager import KVCacheManager
-from batchgen.engine.loader.model_loader import LoadedModel, load_model
+from batchgen.engine.loader.model_loader import LoadedModel
 from batchgen.engine.model_runner import ModelRunner
 from batchgen.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, ScoreOutput, TopLogprob
 from batchgen.engine.prompt_logprobs import prompt_logprobs_output
@@ -69,10 +70,23 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         if config.torch_device.type == "cpu":
             keep_freed_memory()
+        if config.tensor_parallel_size > 1 and (loaded is not None or weights_from is not None):
+            raise ValueError("an engine with tensor_parallel_size > 1 loads its own shards in its worker "
+                             "processes: it cannot take a built model (loaded) or share weights (weights_from)")
+        # Where the model runs: this process, or tensor-parallel ranks (started now, loading with rank 0).
+        self.executor = make_executor(config) if loaded is None and weights_from is None else UniprocExecutor(config)
+        try:
+            self._start(loaded, weights_from)
+        except BaseException:
+            self.executor.shutdown()
+            raise
+
+    def _start(self, loaded: LoadedModel | None, weights_from: LLMEngine | None) -> None:
+        config = self.config
         if loaded is not None:
             tokenizer = Tokenizer(loaded.source) if loaded.source is not None else None
         elif weights_from is None:
-            loaded = load_model(config)
+            loaded = self.executor.load_model()
             tokenizer = loaded.tokenizer or Tokenizer(loaded.source)
         else:
             _check_shares_weights(weights_from, config)
@@ -97,15 +111,16 @@ class LLMEngine:
             self.eos_token_ids, shared=weights_from.structured if weights_from is not None else None)
 
         device = config.torch_device
-        self.kv_bytes_per_token = kv_bytes_per_token(self.model_cfg, config.kv_torch_dtype)
+        # Per token, in the largest pool (tensor-parallel: each rank's pool holds its KV heads).
+        self.kv_bytes_per_token = self.executor.kv_bytes_per_token(loaded)
         self.gpu_memory: GpuMemoryPlan | None = None  # CUDA: how the KV pool was sized
         if config.num_kv_blocks:
             num_blocks = config.num_kv_blocks
         elif device.type == "cuda":
-            num_blocks = self._size_kv_pool_on_gpu()
+            num_blocks, self.gpu_memory = self.executor.size_kv_pool_on_gpu(loaded, self.eos_token_ids,
+                                                                            self.max_model_len)
         else:
-            num_blocks = num_kv_blocks(kv_cache_budget_bytes(config, device), self.model_cfg, config.kv_torch_dtype,
-                                       config.block_size)
+            num_blocks = kv_cache_budget_bytes(config, device) // (self.kv_bytes_per_token * config.block_size)
         if num_blocks * config.block_size < self.max_model_len:
             raise ValueError(
                 f"the KV cache holds {num_blocks * config.block_size} tokens, fewer than max_model_len "
@@ -116,31 +131,22 @@ class LLMEngine:
                  num_blocks, config.block_size, self.kv_bytes_per_token * num_blocks * config.block_size / 1e6)
         self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv_cache_manager)
-        self.runner = ModelRunner(config, self.model_cfg, loaded.model, num_blocks, self.eos_token_ids,
-                                  loaded.capabilities)
-        if device.type == "cuda" and not config.enforce_eager:
-            self.runner.capture_decode_graphs(self.max_model_len)
+        self.executor.start(loaded, num_blocks, self.eos_token_ids, self.max_model_len)
         self.timings = self.runner.timings  # host time per step, by part (bench --workload overhead)
         self.requests: dict[str, _RequestState] = {}
         self.num_generated_tokens = 0  # tokens appended to sequences since start (progress rates)
         # Speculative decoding (off: None). A draft model loads here, after the target's KV pool.
         self.spec = SpecDecoder(config.speculative, self) if config.speculative is not None else None
 
-    def _size_kv_pool_on_gpu(self) -> int:
-        """KV blocks from a profiling step (engine/gpu_memory.py), run by a runner with a one-block pool."""
-        config = self.config
+    @property
+    def runner(self) -> ModelRunner:
+        """This process's model runner (tensor-parallel: rank 0's)."""
+        return self.executor.runner
 
-        def profile() -> None:
-            runner = ModelRunner(config, self.model_cfg, self.loaded.model, 1, self.eos_token_ids,
-                                 self.loaded.capabilities)
-            runner.profile_run(config.max_num_batched_tokens, config.max_num_seqs, self.max_model_len)
-            torch.cuda.synchronize(config.torch_device)
-
-        block_bytes = self.kv_bytes_per_token * config.block_size
-        min_blocks = -(-self.max_model_len // config.block_size)
-        self.gpu_memory = plan_gpu_kv_cache(config, config.torch_device, self.weight_bytes, profile,
-                                            min_blocks * block_bytes)
-        return self.gpu_memory.kv_cache // block_bytes
+    def shutdown(self) -> None:
+        """Stop the engine's worker processes (tensor parallelism); the engine cannot step afterwards.
+        They also stop when the engine is garbage collected and when the process exits."""
+        self.executor.shutdown()
 
     # ---- requests -------------------------------------------------------------------------------
     def encode(self, prompt: PromptInput, allow_special_tokens: bool = True,
@@ -177,6 +183,7 @@ class LLMEngine:
         if any(t >= self.model_cfg.vocab_size for t in params.stop_token_ids):  # an index past the logits
             raise ValueError(f"stop_token_ids {params.stop_token_ids} reach past the vocabulary "
                              f"({self.model_cfg.vocab_size} tokens)")
+        self.check_tensor_parallel_support(params)
         grammars = self.structured.new_states(params.structured_outputs, params.n) \
             if params.structured_outputs is not None else None
         now = time.monotonic()
@@ -196,6 +203,18 @@ class LLMEngine:
         for seq in seqs:
             self.scheduler.add(seq)
 
+    def check_tensor_parallel_support(self, params: SamplingParams | None) -> None:
+        """ValueError for what tensor parallelism does not run yet: scoring continuations (`params`
+        None), beam search (both fork sequences, whose copy on write the worker ranks do not receive)
+        and prompt log-probabilities (the vocabulary-parallel head is gathered for sampled rows only)."""
+        if self.config.tensor_parallel_size == 1:
+            return
+        if params is None or params.is_beam_search:
+            what = "scoring continuations" if params is None else "beam search (beam_width > 1)"
+            raise ValueError(f"{what} is not implemented with tensor_parallel_size > 1")
+        if params.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs is not implemented with tensor_parallel_size > 1")
+
     def compile_grammar(self, constraint):
         """Compile a structured-output constraint (StructuredOutputsParams) now, as add_request would:
         StructuredOutputError naming its field when it cannot be used. The compiled grammar is cached,
@@ -208,6 +227,7 @@ class LLMEngine:
         ScoreOutput. Raises ValueError for an empty context or continuation, or one past max_model_len."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in the engine")
+        self.check_tensor_parallel_support(None)
         if not context_token_ids:
             raise ValueError("the context is empty")
         if not continuation_token_ids:
@@ -279,7 +299,7 @@ class LLMEngine:
             return []
         # Sequences that may decode soon: the runner sizes its decode staging for them at once.
         num_live = min(len(self.scheduler.running) + len(self.scheduler.waiting), self.config.max_num_seqs)
-        results = self.runner.execute(out.scheduled, num_live, out.blocks_to_copy)
+        results = self.executor.execute(out.scheduled, num_live, out.blocks_to_copy)
         executed = time.perf_counter()
         for s in out.scheduled:
             s.seq.num_computed_tokens += s.num_new_tokens
@@ -388,7 +408,7 @@ class LLMEngine:
 
     def _release(self, seq: Sequence) -> None:
         """What the runner and the draft proposer keep for a finished or aborted sequence goes back."""
-        self.runner.release(seq)
+        self.executor.release(seq)
         if self.spec is not None:
             self.spec.release(seq)
 
@@ -491,10 +511,11 @@ class LLMEngine:
     @property
     def stats(self) -> dict:
         """Counters since the engine started, `kernels`: the implementations that run (Capabilities),
-        `weights`: the weight format and the decoder's linear bytes (quant/weight_report.py), and
-        `speculative`: draft and accepted tokens (speculative/__init__.py SpecStats; None when off),
-        `structured`: constrained requests, grammar compiles and the per-step mask's counters and host
-        time (structured/manager.py)."""
+        `weights`: the weight format and the decoder's linear bytes (quant/weight_report.py; rank 0's
+        shard with tensor parallelism), `speculative`: draft and accepted tokens (speculative/__init__.py
+        SpecStats; None when off), `structured`: constrained requests, grammar compiles and the per-step
+        mask's counters and host time (structured/manager.py), and `tensor_parallel`: each rank's weight
+        bytes, KV bytes per token and peak resident memory (parallel/mp_executor.py; None in one process)."""
         s = self.scheduler.stats
         pool = self.kv_cache_manager.pool
         return {
@@ -511,6 +532,7 @@ class LLMEngine:
             "weights": dict(self.loaded.weights),
             "speculative": self.spec.stats.as_dict() if self.spec is not None else None,
             "structured": self.structured.stats(self.runner.step_bitmask.stats),
+            "tensor_parallel": self.executor.report(),
         }
 
 

@@ -59,12 +59,13 @@ class ModelRunner:
         self.sampler = Sampler(eos_token_ids, is_c_sampling=capabilities.is_c_sampling)
         num_slots = num_blocks * config.block_size
         # Per layer: K and V caches as (num_slots, kv_heads, head_dim); slot = block * block_size + offset.
-        # In engine.kv_cache_dtype (FP8: with per-layer scales, from the checkpoint or calibrated).
+        # In engine.kv_cache_dtype (FP8: with per-layer scales, from the checkpoint or calibrated). The
+        # KV heads are the attention backend's: a tensor-parallel rank's pool holds its heads only.
         if config.kv_torch_dtype != config.torch_dtype and not model.backend.supports_fp8_kv:
             raise ValueError(f"engine.kv_cache_dtype {config.kv_cache_dtype} needs attention_backend cpu or triton; "
                              f"this model attends through {model.backend.name}")
         self.kv_caches = allocate_kv_caches(
-            model_cfg.num_layers, num_slots, model_cfg.num_kv_heads, model_cfg.head_dim, config.kv_torch_dtype,
+            model_cfg.num_layers, num_slots, model.backend.num_kv_heads, model_cfg.head_dim, config.kv_torch_dtype,
             self.device, checkpoint_scales=getattr(model, "kv_cache_scales", None),
             calculate_scales=config.calculate_kv_scales)
         # This engine's half of the model's attention backend (its per-step metadata, any state it
@@ -76,6 +77,9 @@ class ModelRunner:
         self.step_bitmask = StepBitmask(model_cfg.vocab_size, self.device)
         self.graphs: DecodeGraphs | None = None  # set by capture_decode_graphs (CUDA, not enforce_eager)
         self.timings = StepTimings()
+        # Tensor parallelism: rank 0's executor sends each packed step to the workers here, before
+        # the forward (engine/parallel/mp_executor.py); None: one process.
+        self.step_sink = None
 
     def release(self, seq: Sequence) -> None:
         """`seq` finished or was aborted: give back what the runner keeps for it (its penalty row)."""
@@ -119,6 +123,8 @@ class ModelRunner:
         tensors = packer.send()  # the one host-to-device copy
         step = make_step_inputs(tensors, query_lens, context_lens, tables, len(decodes), max_seq_len, self.block_size)
         attach_sampling_tensors(batch, tensors)
+        if self.step_sink is not None:
+            self.step_sink(step, packer.sent)
         meta = self.attention.build_packed(step)
         return step, meta, sampling, batch, prompt_plan
 

@@ -67,6 +67,7 @@ class StepPacker:
         self.buffer = buffer if buffer is not None else HostBuffer(should_pin(device))
         self._sections: list[tuple[str, object, bool, tuple[int, ...] | None]] = []
         self._size = 0
+        self.sent: torch.Tensor | None = None  # the last step's whole buffer, as sent (device, or host on the CPU)
 
     def add_sections(self, sections, prefix: str = "", shapes: dict[str, tuple[int, ...]] | None = None) -> None:
         """Every field of the dataclass `sections` (a list or numpy array of values) as the section
@@ -93,6 +94,7 @@ class StepPacker:
             device_buffer = host
         else:  # the step's one host-to-device copy
             device_buffer = host.to(self.device, non_blocking=buffer.pin)
+        self.sent = device_buffer
         tensors = {}
         for (name, values, is_float, shape), start in zip(self._sections, offsets):
             t = device_buffer[start:start + len(values)]
@@ -118,6 +120,28 @@ class ModelSections:
     context_lens: list[int] = int_section()  # (S,)
     query_lens: list[int] = int_section()  # (S,)
     block_tables: list[int] = int_section()  # (S * W,) flat, padded with block 0
+
+
+def model_section_sizes(num_tokens: int, num_logits: int, num_seqs: int, table_width: int) -> dict[str, int]:
+    """The length of each ModelSections field in a step of T tokens, N logits rows and S sequences whose
+    block tables are W wide: what a tensor-parallel worker needs to unpack rank 0's copy of them."""
+    return {"input_ids": num_tokens, "positions": num_tokens, "slot_mapping": num_tokens, "logits_indices": num_logits,
+            "query_start_loc": num_seqs + 1, "seq_lens": num_seqs, "context_lens": num_seqs, "query_lens": num_seqs,
+            "block_tables": num_seqs * table_width}
+
+
+def unpack_model_sections(buffer: torch.Tensor, num_tokens: int, num_logits: int, num_seqs: int,
+                          table_width: int) -> dict[str, torch.Tensor]:
+    """Views of a step's ModelSections in `buffer` (int32, a copy of the start of the step's buffer:
+    add_step_sections packs them first), by name and shaped as StepPacker.send gives them."""
+    sizes = model_section_sizes(num_tokens, num_logits, num_seqs, table_width)
+    tensors, offset = {}, 0
+    for f in dataclasses.fields(ModelSections):
+        t = buffer[offset:offset + sizes[f.name]]
+        tensors[f.name] = t.view(torch.float32) if f.metadata.get("is_float", False) else t
+        offset += sizes[f.name]
+    tensors["block_tables"] = tensors["block_tables"].view(num_seqs, table_width)
+    return tensors
 
 
 @dataclass

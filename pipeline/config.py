@@ -298,10 +298,15 @@ class JobConfig(_Section):
         """What a loglikelihood job needs (continuations to score) and what it cannot take."""
         inp, sampling = self.input, self.sampling
         given = [key for key in CONTINUATION_KEYS if getattr(inp, key) is not None]
+        # Scoring and beam search fork sequences, whose copy on write tensor parallelism does not run yet.
+        forks = ("task: loglikelihood" if self.is_scoring
+                 else "sampling.beam_width > 1" if sampling.beam_width > 1 else None)
+        errors = [] if forks is None or self.engine.tensor_parallel_size == 1 else [
+            _key_error(("engine", "tensor_parallel_size"), f"must be 1 with {forks} (not implemented with "
+                       "tensor parallelism)", self.engine.tensor_parallel_size)]
         if not self.is_scoring:
-            return [_key_error(("input", key), "applies to task: loglikelihood only", getattr(inp, key))
-                    for key in given]
-        errors = []
+            return errors + [_key_error(("input", key), "applies to task: loglikelihood only", getattr(inp, key))
+                             for key in given]
         if len(given) != 1:
             errors.append(_key_error(("input", "continuations_column"), "task: loglikelihood needs one of "
                                      "input.continuations_column (a list of strings per row) or "

@@ -68,14 +68,34 @@ def connect(ray, cluster: ClusterSection) -> bool:
     return True
 
 
-def replica_count(ray, cluster: ClusterSection) -> tuple[int, float]:
-    """(replicas, GPUs per replica): auto is one per GPU in the cluster, one on a CPU-only cluster."""
+def replica_count(ray, cluster: ClusterSection, tensor_parallel_size: int = 1) -> tuple[int, float]:
+    """(replicas, GPUs per replica): auto is one per GPU in the cluster (one per tensor_parallel_size
+    GPUs), one on a CPU-only cluster."""
     num_gpus = int(ray.cluster_resources().get("GPU", 0))
-    gpus = cluster.gpus_per_replica if num_gpus else 0.0
+    per_replica = cluster.gpus_per_replica
+    if tensor_parallel_size > 1 and num_gpus:
+        per_replica = tensor_parallel_gpus(ray, cluster, tensor_parallel_size)
+    gpus = per_replica if num_gpus else 0.0
     if cluster.replicas == "auto":
-        return (max(1, int(num_gpus // cluster.gpus_per_replica)) if num_gpus and cluster.gpus_per_replica
-                else 1), gpus
+        return (max(1, int(num_gpus // per_replica)) if num_gpus and per_replica else 1), gpus
     return cluster.replicas, gpus
+
+
+def tensor_parallel_gpus(ray, cluster: ClusterSection, tensor_parallel_size: int) -> int:
+    """A tensor-parallel replica's GPUs, all on one node: its ranks are the actor's process and the
+    worker processes the engine starts beside it (engine/parallel/), one GPU each, so the actor holds
+    every GPU of its replica (Ray places an actor's resources on one node: a one-bundle, strictly
+    packed placement). JobError when gpus_per_replica says otherwise or no node has that many GPUs."""
+    size = tensor_parallel_size
+    if "gpus_per_replica" in cluster.model_fields_set and cluster.gpus_per_replica != size:
+        raise JobError(f"cluster.gpus_per_replica {cluster.gpus_per_replica:g} with engine.tensor_parallel_size "
+                       f"{size}: a replica holds one GPU per rank; set gpus_per_replica: {size} or leave it out")
+    largest = max((node.get("Resources", {}).get("GPU", 0) for node in ray.nodes() if node.get("Alive")), default=0)
+    if largest < size:
+        raise JobError(f"engine.tensor_parallel_size {size}: no node of the Ray cluster has {size} GPUs (the "
+                       f"most on one node: {largest:g}); a replica's ranks run on one node (its actor and the "
+                       f"processes it starts), so tensor parallelism across nodes is not supported")
+    return size
 
 
 @dataclass
@@ -138,11 +158,14 @@ class _Driver:
         self.ray = ray
         self.plan = plan
         self.job = plan.job
-        self.num_replicas, self.gpus = replica_count(ray, self.job.cluster)
+        tensor_parallel_size = self.job.engine.tensor_parallel_size
+        self.num_replicas, self.gpus = replica_count(ray, self.job.cluster, tensor_parallel_size)
         self.restarts_left = max(MIN_RESTARTS, self.num_replicas)
         options = {"num_gpus": self.gpus, "max_restarts": 0, "max_task_retries": 0}
         if self.job.cluster.cpus_per_replica is not None:
             options["num_cpus"] = self.job.cluster.cpus_per_replica
+        elif tensor_parallel_size > 1 and not self.gpus:  # CPU ranks: one core each, on the actor's node
+            options["num_cpus"] = tensor_parallel_size
         self.actor_class = ray.remote(replica_class).options(**options)
         self.init_args = (self.job, plan.inputs.output_schema(self.job), commit)
         self.replicas: list[Replica] = []

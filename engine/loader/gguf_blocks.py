@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from batchgen.engine.parallel.shards import ShardFn, gguf_block_bytes
 from batchgen.engine.quant.int_formats import IntWeight
 from batchgen.engine.quant.int_formats.int_weight import select_rows
 
@@ -50,13 +51,15 @@ def decode_blocks(raw: np.ndarray, type_name: str, out_features: int, in_feature
                      group_size=BLOCK, bits=4, offsets=torch.from_numpy(m))
 
 
-def read_gguf_int_weights(path: Path, hf_name, row_permutation) -> dict[str, IntWeight]:
+def read_gguf_int_weights(path: Path, hf_name, row_permutation, shard: ShardFn | None = None) -> dict[str, IntWeight]:
     """{HF layer name (no ".weight"): IntWeight} for the decoder linear layers stored in KEPT_TYPES.
 
     hf_name(tensor name) -> HF name; row_permutation(base, num_rows) -> index array or None (llama.cpp's
     q/k row order, undone as for float weights). Other types are left for the float path, noted once,
     and so are the kept-type parts of a fused layer whose other parts are not kept (llama.cpp mixes
-    types within a layer, e.g. a K-quant attn_k beside a Q4_0 attn_q).
+    types within a layer, e.g. a K-quant attn_k beside a Q4_0 attn_q). `shard` (tensor parallelism):
+    only this rank's rows, or its whole blocks of columns, are decoded (row_permutation then counts
+    the rank's heads).
     """
     from batchgen.engine.loader.gguf_loader import _reader
 
@@ -75,7 +78,15 @@ def read_gguf_int_weights(path: Path, hf_name, row_permutation) -> dict[str, Int
             dequantized[type_name] = dequantized.get(type_name, 0) + 1
             continue
         in_features, out_features = (int(d) for d in tensor.shape)
-        w = decode_blocks(tensor.data, type_name, out_features, in_features)
+        raw = tensor.data  # (out_features, bytes per row)
+        if shard is not None:
+            spec = shard(hf_name(tensor.name), (out_features, in_features))
+            raw = gguf_block_bytes(raw, spec, BLOCK, raw.shape[1] // (in_features // BLOCK), in_features,
+                                   f"{path}: {tensor.name}")
+            if spec is not None:
+                out_features, in_features = (spec.end - spec.start, in_features) if spec.dim == 0 else \
+                    (out_features, spec.end - spec.start)
+        w = decode_blocks(raw, type_name, out_features, in_features)
         perm = row_permutation(parts[2], out_features)
         if perm is not None:
             w = select_rows(w, torch.from_numpy(perm))

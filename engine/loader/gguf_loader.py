@@ -11,6 +11,8 @@ import torch
 
 from batchgen.engine.loader.gguf_layout import GGUFArray, GGUFHeader, check_gguf_layout, read_gguf_header
 from batchgen.engine.models.config import ModelConfig
+from batchgen.engine.parallel.layout import pad_rows
+from batchgen.engine.parallel.shards import ShardFn, gguf_shard_array
 
 _ARCH_TO_MODEL_TYPE = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
 _TENSOR_NAMES = {
@@ -123,11 +125,12 @@ def row_permutation(cfg: ModelConfig, base: str, num_rows: int) -> np.ndarray | 
     return _reverse_permute(np.arange(num_rows), heads)
 
 
-def iter_gguf_weights(path: Path, cfg: ModelConfig, skip: frozenset[str] = frozenset()
-                      ) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, float32 tensor) for every tensor in the file but the HF names in `skip`."""
-    from gguf.quants import dequantize
+def iter_gguf_weights(path: Path, cfg: ModelConfig, skip: frozenset[str] = frozenset(),
+                      shard: ShardFn | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, float32 tensor) for every tensor in the file but the HF names in `skip`.
 
+    `shard` (tensor parallelism): only this rank's slice of each tensor is dequantized, and `cfg` is
+    the rank's (its head counts undo llama.cpp's q/k row order, which stays within each head)."""
     reader = _reader(path)
     for tensor in reader.tensors:
         parts = tensor.name.split(".")
@@ -135,8 +138,10 @@ def iter_gguf_weights(path: Path, cfg: ModelConfig, skip: frozenset[str] = froze
         if name is None or name in skip:
             continue
         base = parts[2] if parts[0] == "blk" else parts[0]
-        array = dequantize(tensor.data, tensor.tensor_type)
-        array = np.asarray(array, dtype=np.float32).reshape(list(reversed([int(d) for d in tensor.shape])))
+        spec = None if shard is None else shard(name, tuple(int(d) for d in reversed(tensor.shape)))
+        array = gguf_shard_array(tensor, spec)
+        if spec is not None and spec.dim == 0 and spec.size != array.shape[0]:  # the vocabulary's padded tail
+            array = pad_rows(torch.from_numpy(array), spec.size).numpy()
         if parts[0] == "blk" and _is_rope_permuted(cfg, base):
             array = _reverse_permute(array, cfg.num_heads if base == "attn_q" else cfg.num_kv_heads)
         if not array.flags.writeable or not array.flags.c_contiguous:  # F32 tensors are views of the mmap

@@ -10,6 +10,7 @@ import torch
 
 from batchgen.engine.loader.safetensors_header import check_safetensors_header
 from batchgen.engine.models.config import ModelConfig
+from batchgen.engine.parallel.shards import ShardFn, read_safetensors
 
 
 def read_hf_config_dict(folder: Path) -> dict:
@@ -45,10 +46,12 @@ def safetensors_files(folder: Path) -> list[Path]:
     return files
 
 
-def iter_hf_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_hf_weights(folder: Path, shard: ShardFn | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every tensor of the folder; `shard` (tensor parallelism): only this rank's
+    slice of each tensor is read (engine/parallel/layout.py says which)."""
     from safetensors import safe_open
 
     for file in safetensors_files(folder):
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                yield name, read_safetensors(f, name, shard)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -24,7 +25,13 @@ from batchgen.engine.models.cpu_linear import pack_linears
 from batchgen.engine.models.llama import LlamaForCausalLM
 from batchgen.engine.models.rotary import RotaryEmbedding
 
+if TYPE_CHECKING:
+    from batchgen.engine.parallel import TensorParallel
+
 log = logging.getLogger("batchgen.engine")
+
+# Attention backends whose per-step metadata come from the packed step alone (what a worker receives).
+PARALLEL_ATTENTION_BACKENDS = ("cpu", "triton")
 
 
 @dataclass
@@ -64,23 +71,44 @@ def model_weight_bytes(model: torch.nn.Module) -> int:
 
 
 def build_empty_model(model_cfg: ModelConfig, max_positions: int, backend, device: torch.device,
-                      dtype: torch.dtype) -> LlamaForCausalLM:
+                      dtype: torch.dtype, parallel: TensorParallel | None = None) -> LlamaForCausalLM:
     """The model's modules with uninitialized parameters allocated once, directly in `dtype` on `device`.
 
     Built on the meta device with `dtype` as the default, then given storage: no float32 copy of the
     weights ever exists (an 8B model would need 32 GB for one). The rotary tables are left empty here;
-    the caller computes them (they are float32 buffers, not weights).
+    the caller computes them (they are float32 buffers, not weights). With `parallel`, `model_cfg` is
+    the rank's (layout.rank_config): only the rank's shard is allocated.
     """
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device("meta"):
-            model = LlamaForCausalLM(model_cfg, max_positions, backend)
+            model = LlamaForCausalLM(model_cfg, max_positions, backend, parallel)
     finally:
         torch.set_default_dtype(previous)
-    model = model.to_empty(device=device)
+    _allocate(model, device)
     model.tie_weights()
     return model
+
+
+def _allocate(model: torch.nn.Module, device: torch.device) -> None:
+    """Give every meta parameter and buffer uninitialized storage on `device` (tied tensors stay tied).
+    What Module.to_empty does, through torch.empty: to_empty's empty_like on meta tensors goes through
+    torch._refs, whose first use imports torch._dynamo (seconds of every process's load)."""
+    made: dict[int, torch.Tensor] = {}
+
+    def empty(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in made:
+            made[id(t)] = torch.empty(t.shape, dtype=t.dtype, device=device)
+        return made[id(t)]
+
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is not None:
+                module._parameters[name] = torch.nn.Parameter(empty(param), requires_grad=param.requires_grad)
+        for name, buffer in module._buffers.items():
+            if buffer is not None:
+                module._buffers[name] = empty(buffer)
 
 
 def read_declared_quantization(source: ModelSource):
@@ -102,7 +130,10 @@ def resolve_weight_format(config: EngineConfig, source: ModelSource):
     return name, declared
 
 
-def load_model(config: EngineConfig) -> LoadedModel:
+def load_model(config: EngineConfig, parallel: TensorParallel | None = None) -> LoadedModel:
+    """The model `config` names, loaded and quantized as it says. `parallel` (tensor parallelism):
+    this rank's shard only (every rank calls this at once; quantizing at load then runs on each
+    rank's shard, the calibration forward passes in step across the ranks)."""
     from batchgen.engine.quant.methods import INT_CHECKPOINTS
 
     source = resolve_model(config.model, config.revision)
@@ -112,9 +143,14 @@ def load_model(config: EngineConfig) -> LoadedModel:
     weight_format, declared = resolve_weight_format(config, source)
     capabilities = detect_capabilities(config, model_cfg, has_fp8_layers=weight_format == "fp8",
                                        has_float_weights=weight_format == "none")
-    backend = ATTENTION_BACKENDS[capabilities.attention_backend](model_cfg.num_heads, model_cfg.num_kv_heads,
-                                                                 model_cfg.head_dim)
-    model = build_empty_model(model_cfg, max_model_len, backend, device, dtype)
+    shard = None
+    rank_cfg = model_cfg  # the shapes this process's modules have
+    if parallel is not None:
+        check_can_run_parallel(capabilities, parallel)
+        rank_cfg, shard = parallel.layout.rank_config(model_cfg), parallel.layout.shard
+    backend = ATTENTION_BACKENDS[capabilities.attention_backend](rank_cfg.num_heads, rank_cfg.num_kv_heads,
+                                                                 rank_cfg.head_dim)
+    model = build_empty_model(rank_cfg, max_model_len, backend, device, dtype, parallel)
     origin = "float"
     tokenizer = None
     if source.is_gguf:
@@ -125,25 +161,28 @@ def load_model(config: EngineConfig) -> LoadedModel:
             from batchgen.engine.loader.gguf_loader import hf_tensor_name, row_permutation
             from batchgen.engine.quant.int_checkpoint import install_int_layers
 
-            kept = read_gguf_int_weights(path, hf_tensor_name, lambda base, rows: row_permutation(model_cfg, base, rows))
+            kept = read_gguf_int_weights(path, hf_tensor_name, lambda base, rows: row_permutation(rank_cfg, base, rows),
+                                         shard)
             install_int_layers(model, {k.removeprefix("model."): w for k, w in kept.items()}, device, str(path))
             origin = "GGUF blocks"
-        weights = iter_gguf_weights(path, model_cfg, skip=frozenset(f"{k}.weight" for k in kept))
+        weights = iter_gguf_weights(path, rank_cfg, skip=frozenset(f"{k}.weight" for k in kept), shard=shard)
     elif weight_format in INT_CHECKPOINTS:
         from batchgen.engine.quant.int_checkpoint import install_int_layers, read_int_checkpoint, without
 
-        int_weights, consumed = read_int_checkpoint(source.folder, declared)
+        int_weights, consumed = read_int_checkpoint(source.folder, declared, shard)
         install_int_layers(model, int_weights, device, source.display_name)
-        weights = without(iter_hf_weights(source.folder), consumed, model)
+        weights = without(iter_hf_weights(source.folder, shard), consumed, model)
         origin = "checkpoint"
     else:
         if weight_format == "fp8" and declared is not None:
             from batchgen.engine.quant.fp8_checkpoint import prepare_fp8_checkpoint
 
             prepare_fp8_checkpoint(model, source.folder)  # FP8 checkpoints load as stored, never re-quantized
-        weights = iter_hf_weights(source.folder)
+        weights = iter_hf_weights(source.folder, shard)
     model.load_weights(weights)
-    _prepare_for_inference(model, model_cfg, max_model_len, capabilities, device)
+    if parallel is not None:  # every rank's weights are in before any collective (calibration) runs
+        parallel.group.rendezvous("weights", parallel.check_peers)
+    _prepare_for_inference(model, rank_cfg, max_model_len, capabilities, device)
     if capabilities.fp8_mode is not None:
         from batchgen.engine.quant.fp8 import quantize_model_fp8
 
@@ -169,10 +208,22 @@ def load_model(config: EngineConfig) -> LoadedModel:
     from batchgen.engine.quant.weight_report import weight_report
 
     weights_info = weight_report(model, weight_format, origin)
-    log.info("loaded %s (%s, %d layers) as %s on %s; weights %s (%s), linear layers %.1f MB (%.1f%% of float32)",
-             source.display_name, model_cfg.model_type, model_cfg.num_layers, dtype, device, weight_format, origin,
-             weights_info["linear_bytes"] / 1e6, 100 * weights_info["linear_bytes_vs_float32"])
+    where = "" if parallel is None else f" (rank {parallel.rank} of {parallel.world_size})"
+    log.info("loaded %s (%s, %d layers) as %s on %s%s; weights %s (%s), linear layers %.1f MB (%.1f%% of float32)",
+             source.display_name, model_cfg.model_type, model_cfg.num_layers, dtype, device, where, weight_format,
+             origin, weights_info["linear_bytes"] / 1e6, 100 * weights_info["linear_bytes_vs_float32"])
     return LoadedModel(source, model_cfg, model, max_model_len, weight_bytes, capabilities, weights_info, tokenizer)
+
+
+def check_can_run_parallel(capabilities: Capabilities, parallel: TensorParallel) -> None:
+    """Tensor parallelism needs an attention backend that keeps no per-sequence state (the workers
+    see steps, not sequences): cpu or triton, not sdpa."""
+    if capabilities.attention_backend not in PARALLEL_ATTENTION_BACKENDS:
+        raise ValueError(
+            f"tensor_parallel_size {parallel.world_size} needs attention_backend "
+            f"{' or '.join(PARALLEL_ATTENTION_BACKENDS)}; this model would attend through "
+            f"{capabilities.attention_backend} (its decode staging follows sequences that only rank 0 sees). "
+            f"On the CPU that means the C kernels (float32 or bfloat16, head_dim a multiple of 16)")
 
 
 def _prepare_for_inference(model: LlamaForCausalLM, model_cfg: ModelConfig, max_model_len: int,

@@ -3,11 +3,18 @@
 A step's tokens from all sequences are one flat (T,) batch: no padding in the dense layers.
 q/k/v and gate/up are fused into one matmul each; attention goes through the backend the loader
 chose (engine/attention/), which writes and reads the paged KV cache.
+
+Tensor parallelism (engine/parallel/): a rank's model is built from its own ModelConfig (its query
+and KV heads, MLP channels and vocabulary rows: the layers are plain linear layers of those shapes,
+whatever the loader swaps them for), and `forward` adds the collectives: the embedding's sum over the
+ranks' vocabulary slices, one all-reduce after o_proj and one after down_proj (the row-parallel
+layers' partial sums), and the logits' column slices gathered on rank 0.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -17,6 +24,9 @@ from batchgen.engine.models import ops as eager
 from batchgen.engine.models.config import ModelConfig
 from batchgen.engine.models.ops import compiled_ops, cpu_kernel_ops, eager_ops
 from batchgen.engine.models.rotary import RotaryEmbedding
+
+if TYPE_CHECKING:
+    from batchgen.engine.parallel import TensorParallel
 
 # FP8 checkpoints' per-layer scales; quant/fp8_checkpoint.py places (or, for KV-cache scales, skips) them.
 _FP8_SCALE_SUFFIXES = (".weight_scale", ".input_scale", ".output_scale", ".k_scale", ".v_scale")
@@ -86,10 +96,18 @@ class LlamaForCausalLM(nn.Module):
     _FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
               "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
-    def __init__(self, cfg: ModelConfig, max_positions: int, attention_backend: AttentionBackend):
+    def __init__(self, cfg: ModelConfig, max_positions: int, attention_backend: AttentionBackend,
+                 parallel: TensorParallel | None = None):
+        """`cfg`: the shapes of this model's modules; with `parallel`, the rank's (layout.rank_config)."""
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.parallel = parallel
+        # The logits' width: the whole vocabulary (a rank's lm_head holds a slice of it).
+        self.vocab_size = cfg.vocab_size if parallel is None else parallel.layout.vocab_size
+        # No random init (the loader fills every weight): nn.Embedding's normal_ on the meta device
+        # imports torch._dynamo, seconds of every process's load (each tensor-parallel rank's too).
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -113,12 +131,14 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple],
                 meta: AttentionMetadata, logits_indices: torch.Tensor,
-                hidden_indices: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """input_ids, positions: (T,); returns logits (N, V) for the N rows in logits_indices only, and
-        with `hidden_indices` (R,) also those rows' normed final hidden states (R, H), whose logits the
-        caller makes a slice at a time (prompt log-probabilities: `lm_head(rows).float()`)."""
+                hidden_indices: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
+        """input_ids, positions: (T,); returns logits (N, V) for the N rows in logits_indices only
+        (tensor-parallel: see `logits` for what a worker gets), and with `hidden_indices` (R,) also those
+        rows' normed final hidden states (R, H), whose logits the caller makes a slice at a time (prompt
+        log-probabilities: `lm_head(rows).float()`; one process only)."""
         ops = self.ops
-        hidden = self.embed_tokens(input_ids)  # (T, hidden)
+        group = self.parallel.group if self.parallel is not None else None
+        hidden = self.embed(input_ids)  # (T, hidden)
         rope = self.rotary.lookup(positions, hidden.dtype)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
@@ -129,14 +149,47 @@ class LlamaForCausalLM(nn.Module):
             else:
                 x, residual = ops.add_rms_norm(hidden, residual, norm.weight, norm.eps)
             x = layer.self_attn(x, rope, self.backend, kv_cache, meta, ops)
+            if group is not None:
+                group.all_reduce(x)  # o_proj's partial sums over the ranks' heads
             norm = layer.post_attention_layernorm
             x, residual = ops.add_rms_norm(x, residual, norm.weight, norm.eps)
             hidden = layer.mlp(x, ops)
+            if group is not None:
+                group.all_reduce(hidden)  # down_proj's partial sums over the ranks' MLP channels
         hidden = hidden + residual
-        logits = self.lm_head(self.norm(hidden.index_select(0, logits_indices))).float()  # only sampled rows
+        logits = self.logits(self.norm(hidden.index_select(0, logits_indices)))  # only rows that will be sampled
         if hidden_indices is None:
             return logits
         return logits, self.norm(hidden.index_select(0, hidden_indices))
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """(T,) token ids -> (T, hidden). Vocabulary-parallel: each rank looks up the ids in its slice
+        and writes zeros for the others; the sum over the ranks is then every token's own row, exactly."""
+        parallel = self.parallel
+        if parallel is None or not parallel.layout.is_vocab_parallel:
+            return self.embed_tokens(input_ids)
+        start, end = parallel.layout.vocab
+        local = input_ids - start
+        is_here = (local >= 0) & (local < end - start)  # (T,)
+        hidden = self.embed_tokens(torch.where(is_here, local, 0))
+        hidden.masked_fill_(~is_here.unsqueeze(1), 0)
+        return parallel.group.all_reduce(hidden)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """(N, hidden) normed -> (N, V) float32 logits. Tensor-parallel: rank 0 gets them (the ranks'
+        vocabulary slices side by side, the padding rows' columns dropped); a worker gets None on the
+        CPU (it samples nothing) and the whole logits on CUDA (an all-gather, see group.py)."""
+        parallel = self.parallel
+        if parallel is None:
+            return self.lm_head(hidden).float()
+        if not parallel.layout.is_vocab_parallel:  # replicated: rank 0 alone computes them
+            return self.lm_head(hidden).float() if parallel.group.is_first else None
+        logits = parallel.group.gather_columns(self.lm_head(hidden))  # (N, world x vocab rows) or None
+        if logits is None:
+            return None
+        if logits.shape[1] != self.vocab_size:
+            logits = logits[:, :self.vocab_size].contiguous()
+        return logits.float()
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -38,6 +38,11 @@ class RotaryEmbedding(torch.nn.Module):
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None):
         super().__init__()
+        if torch.empty(0).device.type == "meta":  # a model built on the meta device: shapes only (the
+            # loader computes the tables on the real device; meta arithmetic would import torch._dynamo)
+            self.register_buffer("cos", torch.empty(max_positions, head_dim), persistent=False)
+            self.register_buffer("sin", torch.empty(max_positions, head_dim), persistent=False)
+            return
         inv_freq = rope_inv_freq(head_dim, theta, scaling)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)  # (P, D/2)
         emb = torch.cat([freqs, freqs], dim=-1)  # (P, D)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -29,31 +30,48 @@ from batchgen.engine.quant.int_linear import IntLinear
 from batchgen.engine.quant.methods import DeclaredQuantization
 from batchgen.engine.quant.weight_report import checkpoint_linear
 
+if TYPE_CHECKING:
+    from batchgen.engine.parallel.shards import ShardFn
+
 log = logging.getLogger("batchgen.engine")
 
 GPTQ_AWQ_TENSORS = ("qweight", "qzeros", "scales", "g_idx")
 CT_PACKED_TENSORS = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point", "weight_g_idx")
 
 
-def read_int_checkpoint(folder: Path, declared: DeclaredQuantization) -> tuple[dict[str, IntWeight], set[str]]:
-    """({HF layer name without "model.": IntWeight}, the tensor names consumed) for every quantized layer."""
+def read_int_checkpoint(folder: Path, declared: DeclaredQuantization,
+                        shard: ShardFn | None = None) -> tuple[dict[str, IntWeight], set[str]]:
+    """({HF layer name without "model.": IntWeight}, the tensor names consumed) for every quantized layer.
+
+    Layers are read one at a time (their tensors, then the IntWeight). `shard` (tensor parallelism):
+    each layer's IntWeight is cut to this rank's rows or group-aligned columns before the next is read.
+    """
+    from contextlib import ExitStack
+
     from safetensors import safe_open
 
     from batchgen.engine.loader.hf_loader import safetensors_files
+    from batchgen.engine.parallel.shards import shard_int_weight
 
-    layers: dict[str, dict[str, torch.Tensor]] = {}
+    layers: dict[str, dict[str, tuple[object, str]]] = {}  # prefix -> kind -> (open file, tensor name)
     consumed: set[str] = set()
-    for file in safetensors_files(folder):
-        with safe_open(str(file), framework="pt") as f:
+    weights: dict[str, IntWeight] = {}
+    with ExitStack() as files:
+        for file in safetensors_files(folder):
+            f = files.enter_context(safe_open(str(file), framework="pt"))
             names = list(f.keys())
             for name in names:
                 prefix, _, kind = name.rpartition(".")
-                if not _is_quant_tensor(declared.method, kind, name, names, f):
-                    continue
-                layers.setdefault(prefix, {})[kind] = f.get_tensor(name)
-                consumed.add(name)
-    weights = {prefix.removeprefix("model."): _to_int_weight(declared, prefix, tensors, folder)
-               for prefix, tensors in layers.items()}
+                if _is_quant_tensor(declared.method, kind, name, names, f):
+                    layers.setdefault(prefix, {})[kind] = (f, name)
+                    consumed.add(name)
+        for prefix, where in layers.items():
+            w = _to_int_weight(declared, prefix, {kind: f.get_tensor(name) for kind, (f, name) in where.items()},
+                               folder)
+            if shard is not None:
+                w = shard_int_weight(w, shard(f"{prefix}.weight", (w.out_features, w.in_features)),
+                                     f"{folder}: layer {prefix}")
+            weights[prefix.removeprefix("model.")] = w
     return weights, consumed
 
 

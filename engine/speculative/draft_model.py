@@ -34,9 +34,12 @@ class DraftModelProposer:
             revision=config.revision if spec.model == config.model else None,  # the target's revision is its own
             speculative=None, enable_prefix_caching=False, max_model_len=target.max_model_len,
             # As many tokens as the target's pool: a running target sequence always fits.
-            num_kv_blocks=target.num_kv_blocks)
+            num_kv_blocks=target.num_kv_blocks,
+            # Speculation runs on rank 0's view: a tensor-parallel target's draft is whole, in rank 0's process.
+            tensor_parallel_size=1)
+        # A tensor-parallel target's weights are shards: the draft loads its own copy.
         is_same_model = (draft_config.model == config.model and draft_config.quantization == config.quantization
-                         and not config.quantize_lm_head)
+                         and not config.quantize_lm_head and config.tensor_parallel_size == 1)
         self.engine = LLMEngine(draft_config, weights_from=target if is_same_model else None)
         check_same_vocabulary(target, self.engine)
         self.mirrors: dict[int, Sequence] = {}  # id(target sequence) -> its mirror

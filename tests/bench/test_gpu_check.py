@@ -52,6 +52,7 @@ def test_it_imports_without_pydantic_polars_or_gguf():
             "for name in ('pydantic', 'polars', 'gguf', 'pyarrow', 'yaml', 'typer', 'fsspec'):\n"
             "    sys.modules[name] = None\n"
             "import batchgen.bench.gpu_check as g\n"
-            "g.parse_args(['--tiny'])\n")
+            "g.parse_args(['--tiny'])\n"
+            "assert g.parse_args(['--tensor-parallel-size', '2']).tensor_parallel_size == 2\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr

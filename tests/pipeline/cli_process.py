@@ -32,3 +32,32 @@ def sigkill_after_first_part(command: list[str], out: Path, timeout_s: float = 2
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     return part_files(out)
+
+
+def child_pids(pid: int) -> dict[int, str]:
+    """{pid: command line} of the live processes whose parent is `pid` (Linux /proc)."""
+    children = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[1]) == pid:
+                children[int(stat.parent.name)] = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile
+    return children
+
+
+def sigkill_worker_after_first_part(command: list[str], out: Path, stderr, timeout_s: float = 240) -> subprocess.Popen:
+    """Start `command` (a run with tensor_parallel_size > 1; stderr to the open file `stderr`) and, as
+    soon as `out` holds a committed unit file, SIGKILL its tensor-parallel worker process (a spawned
+    child, not multiprocessing's resource tracker). Returns the still-running run; fails if it ended first."""
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=stderr)
+    deadline = time.monotonic() + timeout_s
+    while not part_files(out) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    workers = [pid for pid, cmd in child_pids(proc.pid).items()
+               if "multiprocessing.spawn" in cmd and "resource_tracker" not in cmd]
+    assert proc.poll() is None, "the run ended before its worker could be killed mid-job"
+    assert len(workers) == 1, f"expected one worker process, found {child_pids(proc.pid)}"
+    os.kill(workers[0], signal.SIGKILL)
+    return proc

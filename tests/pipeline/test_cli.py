@@ -23,12 +23,12 @@ def job_file(tmp_path):
 @pytest.fixture
 def no_engine(monkeypatch):
     """validate (and a run of a bad job) must never load weights."""
-    from batchgen.engine import llm_engine
+    from batchgen.engine import executor
 
     def refuse(*args, **kwargs):
         raise AssertionError("weights were loaded")
 
-    monkeypatch.setattr(llm_engine, "load_model", refuse)
+    monkeypatch.setattr(executor, "load_model", refuse)
 
 
 def invoke(*args: str):

@@ -247,12 +247,12 @@ VOCAB, CONTEXT = 1000, 512
 @pytest.fixture
 def model_job(tmp_path, monkeypatch):
     """job_file(**sampling) on a model folder holding only the tiny model's config.json (no weights)."""
-    from batchgen.engine import llm_engine
+    from batchgen.engine import executor
 
     def refuse(*args, **kwargs):
         raise AssertionError("weights were loaded")
 
-    monkeypatch.setattr(llm_engine, "load_model", refuse)
+    monkeypatch.setattr(executor, "load_model", refuse)
     model = tmp_path / "tiny"
     model.mkdir()
     config = tiny_config(VOCAB, eos_token_id=2, max_position_embeddings=CONTEXT)

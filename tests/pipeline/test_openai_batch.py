@@ -121,9 +121,9 @@ def test_what_is_wrong_inside_a_line_is_its_error_naming_the_field(tmp_path, raw
      ["line 1 is not a JSON object", "line 4 is not valid JSON", "line 5 repeats custom_id 'a' of line 2"]),
 ])
 def test_a_bad_batch_file_is_a_bad_job_naming_every_bad_line(tmp_path, lines, expected, monkeypatch):
-    from batchgen.engine import llm_engine
+    from batchgen.engine import executor
 
-    monkeypatch.setattr(llm_engine, "load_model", lambda *a, **k: pytest.fail("weights were loaded"))
+    monkeypatch.setattr(executor, "load_model", lambda *a, **k: pytest.fail("weights were loaded"))
     write_lines(tmp_path / "in.jsonl", lines)
     raw = {"name": "bad", **engine_sections(), "input": {"path": "in.jsonl"}, "sampling": {"max_tokens": 4}}
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(raw))
