@@ -106,6 +106,18 @@ def test_seeded_samples_equal_one_process(reference, tp_llm, tp_greedy):
     assert len({tuple(t) for t in sampled.values()}) > 1
 
 
+def test_what_forks_sequences_or_gathers_prompt_rows_is_refused_not_run_wrong(tp_llm):
+    # The workers receive no block copies and the vocabulary-parallel head gathers sampled rows only.
+    engine = tp_llm.engine
+    with pytest.raises(ValueError, match="beam search .* not implemented with tensor_parallel_size > 1"):
+        engine.add_request("beam", [1, 2, 3], SamplingParams(beam_width=2, temperature=0, max_tokens=2))
+    with pytest.raises(ValueError, match="prompt_logprobs is not implemented with tensor_parallel_size > 1"):
+        engine.add_request("plp", [1, 2, 3], SamplingParams(prompt_logprobs=0, max_tokens=2))
+    with pytest.raises(ValueError, match="scoring continuations is not implemented"):
+        engine.add_score_request("score", [1, 2, 3], [[4], [5]])
+    assert not engine.has_unfinished()
+
+
 def test_each_rank_holds_its_shard_and_its_kv_heads(llm, tp_llm):
     """Measured tensor storage per rank against the capacity arithmetic on each rank's shapes, and
     against one process: the bundled model's 3 KV heads split 1 + 2 (whole KV groups), so rank 0 holds

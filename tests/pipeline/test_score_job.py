@@ -144,6 +144,7 @@ BASE = {"name": "t", "model": {"path": "smollm2-135m-instruct"}, "task": "loglik
     ({"sampling_columns": {"temperature": "t"}}, "sampling_columns: does not apply to task: loglikelihood"),
     ({"task": "generate"}, "input.continuations_column: applies to task: loglikelihood only"),
     ({"task": "score"}, "task: Input should be 'generate' or 'loglikelihood'"),
+    ({"engine": {"tensor_parallel_size": 2}}, "engine.tensor_parallel_size: must be 1 with task: loglikelihood"),
 ])
 def test_impossible_combinations_are_refused_naming_the_key(changes, expected):
     raw = {**BASE, **changes}
@@ -163,3 +164,10 @@ def test_beam_settings_are_checked_naming_the_key(sampling, expected):
     with pytest.raises(JobError) as info:
         validate_job(raw, Path("."))
     assert expected in str(info.value)
+
+
+def test_beam_search_is_refused_with_tensor_parallelism_naming_the_key():
+    raw = {"name": "t", "model": {"path": "smollm2-135m-instruct"}, "input": {"path": "in.parquet"},
+           "sampling": {"beam_width": 2}, "engine": {"tensor_parallel_size": 2}}
+    with pytest.raises(JobError, match=r"engine.tensor_parallel_size: must be 1 with sampling.beam_width > 1"):
+        validate_job(raw, Path("."))
