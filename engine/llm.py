@@ -145,8 +145,7 @@ class LLM:
         ids = []
         seed = self.engine.config.seed
         for prompt, params in zip(prompts, sampling_params):
-            request_id = str(self._next_id)
-            self._next_id += 1
+            request_id = self._new_request_id()
             # A seeded request's samples depend on (seed, sample index) alone, as the server's do:
             # the same prompt and seed give the same samples in any call. Unseeded ones are keyed by
             # this LLM's request counter (reproducible from a fresh LLM), and by the engine's seed if set.
@@ -182,12 +181,16 @@ class LLM:
         ids = []
         encode = self.engine.tokenizer.encode
         for context, conts in zip(contexts, continuations):
-            request_id = str(self._next_id)
-            self._next_id += 1
+            request_id = self._new_request_id()
             context_ids, cont_ids = encode_continuations(encode, context, list(conts))
             self.engine.add_score_request(request_id, context_ids, cont_ids)
             ids.append(request_id)
         return self._collect(ids, use_tqdm)
+
+    def _new_request_id(self) -> str:
+        request_id = str(self._next_id)
+        self._next_id += 1
+        return request_id
 
     def _collect(self, ids: list[str], use_tqdm: bool) -> list:
         """Step the engine until it is idle; the outputs of `ids` in their order."""

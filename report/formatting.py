@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+from batchgen.pipeline.summary import describe_workers
+
 NONE = "-"
 
 
@@ -61,19 +63,7 @@ def speculative(spec: dict | None) -> str:
 
 
 def workers(w: dict | None) -> str:
-    if not w:
-        return NONE
-    backend = w.get("backend")
-    if backend == "shards":
-        text = f"{w.get('num_shards')} static shards"
-    elif backend == "ray":
-        text = f"ray, {w.get('num_workers')} replica(s)"
-    else:
-        text = "local"
-    failures, retried = w.get("replica_failures", 0), w.get("units_retried", [])
-    if failures or retried:
-        text += f"; {failures} replica failure(s), {len(retried)} unit(s) retried"
-    return text
+    return describe_workers(w) if w else NONE
 
 
 def delta(new: float | None, old: float | None, unit: str = "", scale: float = 1.0, digits: int = 1) -> str:
