@@ -111,7 +111,7 @@ def apply_generation_config(job: JobConfig, source: ModelSource | None) -> Gener
     applied = {key: value for key, value in defaults.values.items() if key not in given}
     if applied:
         try:
-            SamplingParams(**{**job.sampling.model_dump(), **applied})
+            job.sampling_params(**applied)
         except SettingError as exc:
             raise JobError(f"model.generation_config: {defaults.file} gives sampling.{exc.name} "
                            f"{exc.value!r}, which {exc.rule}; set sampling.{exc.name} in the job") from None

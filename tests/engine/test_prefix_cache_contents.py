@@ -64,13 +64,13 @@ def _simulate(seed: int, num_blocks: int, enable_caching: bool) -> tuple[int, in
             for pos in range(seq.num_computed_tokens + s.num_new_tokens):
                 slot = seq.block_ids[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE
                 assert slots.get(slot) == tuple(seq.token_ids[:pos + 1]), f"seed {seed}: stale KV at {pos}"
+        sampled = [s for s in out.scheduled if s.is_sampling]  # read before the positions advance
         for s in out.scheduled:
             s.seq.num_computed_tokens += s.num_new_tokens
-        for s in out.scheduled:
-            if s.is_sampling:
-                s.seq.append_token(rng.randrange(5), None)
-                if s.seq.num_output_tokens >= s.seq.params.max_tokens:
-                    scheduler.finish(s.seq)
+        for s in sampled:
+            s.seq.append_token(rng.randrange(5), None)
+            if s.seq.num_output_tokens >= s.seq.params.max_tokens:
+                scheduler.finish(s.seq)
     assert not scheduler.has_unfinished()
     assert kv.pool.num_free_blocks == num_blocks and not any(kv.pool.ref_counts), "leaked blocks"
     return kv.pool.num_evictions, scheduler.stats.num_preemptions, scheduler.stats.num_cached_tokens

@@ -16,11 +16,11 @@ import torch
 from setuptools.config.pyprojecttoml import read_configuration
 
 import batchgen.kernels
-from batchgen.kernels import cpu_elementwise, cpu_kv_store, cpu_paged_attention, cpu_sampling
+from batchgen.kernels import cpu_elementwise, cpu_kv_store, cpu_paged_attention, cpu_sampling, cpu_token_bitmask
 from batchgen.kernels.c_library import kernel_cache_dir, read_source
 from tests.kernels.helpers import fresh_library, plant_library
 
-MODULES = (cpu_paged_attention, cpu_kv_store, cpu_elementwise, cpu_sampling)
+MODULES = (cpu_paged_attention, cpu_kv_store, cpu_elementwise, cpu_sampling, cpu_token_bitmask)
 SAMPLING = cpu_sampling._LIBRARY  # the smallest library: the loader's tests build it
 PYPROJECT = Path(__file__).resolve().parents[2] / "pyproject.toml"
 

@@ -102,7 +102,9 @@ def test_a_10_mb_prompt_is_refused_without_tokenizing_it(tmp_path, hf_tokenizer)
     [row] = report["rows"]
     assert row["finish_reason"] == "error"
     assert f"the prompt is {len(big)} bytes, over input.max_prompt_bytes ({MIB})" in row["error"]
-    assert report["growth"] < 100e6, report
+    # Reading, decoding and measuring the 10 MB cell keeps a few copies of it (68 MB above a short
+    # prompt's run, measured); tokenizing it would take ~1.5 GB more (2.2M tokens, measured alone).
+    assert report["growth"] < 150e6, report
 
 
 @pytest.mark.parametrize("value", [0, -1])
