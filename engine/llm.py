@@ -142,10 +142,10 @@ class LLM:
             sampling_params = [sampling_params] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(sampling_params)} SamplingParams")
-        ids = []
         seed = self.engine.config.seed
-        for prompt, params in zip(prompts, sampling_params):
-            request_id = self._new_request_id()
+
+        def add(request_id: str, item: tuple[_Prompt, SamplingParams]) -> None:
+            prompt, params = item
             # A seeded request's samples depend on (seed, sample index) alone, as the server's do:
             # the same prompt and seed give the same samples in any call. Unseeded ones are keyed by
             # this LLM's request counter (reproducible from a fresh LLM), and by the engine's seed if set.
@@ -155,8 +155,7 @@ class LLM:
                 sample_key = None if seed is None else f"engine-seed-{seed}/{request_id}"
             self.engine.add_request(request_id, prompt.prompt, params, prompt_token_ids=prompt.token_ids,
                                     sample_key=sample_key)
-            ids.append(request_id)
-        return self._collect(ids, use_tqdm)
+        return self._collect(self._add_all(zip(prompts, sampling_params), add), use_tqdm)
 
     def beam_search(self, prompts: Any, params: BeamSearchParams, use_tqdm: bool = False) -> list[BeamSearchOutput]:
         """vLLM's `LLM.beam_search`: the `params.beam_width` best beams of each prompt, best first (HF's
@@ -178,14 +177,27 @@ class LLM:
             contexts, continuations = [contexts], [continuations]
         if len(contexts) != len(continuations):
             raise ValueError(f"{len(contexts)} contexts but {len(continuations)} continuation lists")
-        ids = []
         encode = self.engine.tokenizer.encode
-        for context, conts in zip(contexts, continuations):
-            request_id = self._new_request_id()
-            context_ids, cont_ids = encode_continuations(encode, context, list(conts))
+
+        def add(request_id: str, item: tuple[str, Seq[str]]) -> None:
+            context_ids, cont_ids = encode_continuations(encode, item[0], list(item[1]))
             self.engine.add_score_request(request_id, context_ids, cont_ids)
-            ids.append(request_id)
-        return self._collect(ids, use_tqdm)
+        return self._collect(self._add_all(zip(contexts, continuations), add), use_tqdm)
+
+    def _add_all(self, items, add) -> list[str]:
+        """`add(request_id, item)` for each item; the ids in order. When one cannot be added, those
+        already queued are aborted before the error is raised: nothing of a failed call stays queued."""
+        ids = []
+        try:
+            for item in items:
+                request_id = self._new_request_id()
+                add(request_id, item)
+                ids.append(request_id)
+        except BaseException:
+            for request_id in ids:
+                self.engine.abort_request(request_id)
+            raise
+        return ids
 
     def _new_request_id(self) -> str:
         request_id = str(self._next_id)

@@ -304,6 +304,9 @@ class JobConfig(_Section):
         errors = [] if forks is None or self.engine.tensor_parallel_size == 1 else [
             _key_error(("engine", "tensor_parallel_size"), f"must be 1 with {forks} (not implemented with "
                        "tensor parallelism)", self.engine.tensor_parallel_size)]
+        if sampling.beam_width > 1 and inp.schema_column is not None:
+            errors.append(_key_error(("input", "schema_column"), "must be null with sampling.beam_width > 1 (beams "
+                                     "are not constrained)", inp.schema_column))
         if not self.is_scoring:
             return errors + [_key_error(("input", key), "applies to task: loglikelihood only", getattr(inp, key))
                              for key in given]
@@ -329,6 +332,12 @@ class JobConfig(_Section):
         if self.sampling_columns:
             errors.append(_key_error(("sampling_columns",), f"does not apply to task: loglikelihood ({rule})",
                                      self.sampling_columns))
+        if sampling.structured is not None:
+            errors.append(_key_error(("sampling", "structured"), f"does not apply to task: loglikelihood ({rule})",
+                                     sampling.structured))
+        if inp.schema_column is not None:
+            errors.append(_key_error(("input", "schema_column"), f"does not apply to task: loglikelihood ({rule})",
+                                     inp.schema_column))
         return errors
 
     @property
@@ -394,10 +403,9 @@ class JobConfig(_Section):
         if self.input.schema_column is None:  # keys added later enter the hash only when set
             excluded.add("schema_column")
         sampling = _without_unset_new_keys(self.sampling, "sampling", {"structured"})
-        if self.sampling.structured is not None:  # a schema file's content, not its path
-            sampling["structured"] = {**self.sampling.structured, **({"json_file": self.sampling._schema_file}
-                                                                     if "json_file" in self.sampling.structured
-                                                                     else {})}
+        constraint = self.sampling.constraint()
+        if constraint is not None:  # its canonical key: a schema file's content (not its path) and its
+            sampling["structured"] = constraint.key  # property order, which shapes the grammar
         payload = {
             "model": _without_unset_new_keys(self.model, "model"),
             "input": _without_unset_new_keys(self.input, "input", excluded),

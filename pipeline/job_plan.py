@@ -98,7 +98,8 @@ def check_model(path: str, revision: str | None = None) -> ModelSource | None:
 def apply_generation_config(job: JobConfig, source: ModelSource | None) -> GenerationDefaults:
     """model.generation_config: the file's sampling defaults fill the sampling keys the job file does
     not set (they then enter the config hash like any sampling value); what was filled is recorded on
-    the job for _SUCCESS. A remote (URI) model's file is read where it lies."""
+    the job for _SUCCESS. A remote (URI) model's file is read where it lies. Scoring jobs take none of
+    them and beam search only max_new_tokens."""
     setting = job.model.generation_config
     try:
         if source is None and setting == "auto":
@@ -108,7 +109,11 @@ def apply_generation_config(job: JobConfig, source: ModelSource | None) -> Gener
     except ValueError as exc:
         raise JobError(f"model.generation_config: {exc}") from None
     given = job.sampling.model_fields_set
-    applied = {key: value for key, value in defaults.values.items() if key not in given}
+    # A scoring job samples nothing, and beam search keeps greedy settings (as the server's
+    # use_beam_search): the file's sampling values apply to neither, its max_new_tokens to beams only.
+    usable = () if job.is_scoring else ("max_tokens",) if job.sampling.beam_width > 1 else None
+    applied = {key: value for key, value in defaults.values.items()
+               if key not in given and (usable is None or key in usable)}
     if applied:
         try:
             job.sampling_params(**applied)

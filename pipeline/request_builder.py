@@ -133,7 +133,7 @@ class RequestBuilder:
         """The context's and each continuation's token ids (score_tokens.py), fitted to max_model_len."""
         try:
             context, continuations = encode_scored(self.engine.tokenizer, row.prompt, row.continuations,
-                                                   self.job.input.allow_special_tokens)
+                                                   self.job.input.allow_special_tokens, row.chat or self.chat)
         except ValueError as exc:
             raise RowError(str(exc)) from None
         except Exception as exc:  # a template or tokenizer failure is this row's problem only

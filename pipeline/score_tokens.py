@@ -8,12 +8,14 @@ of its messages (which ends where the assistant's answer starts). The continuati
 
 from __future__ import annotations
 
+from batchgen.engine.chat_template import DEFAULT_CHAT, ChatTemplateOptions
 from batchgen.engine.score_group import encode_continuations
 
 
-def encode_scored(tokenizer, prompt: str | list[dict], continuations: list[str],
-                  allow_special_tokens: bool) -> tuple[list[int], list[list[int]]]:
-    """(context token ids, each continuation's token ids). ValueError (the row's error) for a continuation
+def encode_scored(tokenizer, prompt: str | list[dict], continuations: list[str], allow_special_tokens: bool,
+                  chat: ChatTemplateOptions = DEFAULT_CHAT) -> tuple[list[int], list[list[int]]]:
+    """(context token ids, each continuation's token ids); messages rendered as `chat` says (the job's
+    input.chat_template and chat_template_kwargs). ValueError (the row's error) for a continuation
     that tokenizes to nothing after its context, or that holds control-token text when special tokens
     are not allowed (input.allow_special_tokens: false)."""
     if not allow_special_tokens:
@@ -21,9 +23,9 @@ def encode_scored(tokenizer, prompt: str | list[dict], continuations: list[str],
             if tokenizer.control_tokens.holds_control_text(text):
                 raise ValueError(f"continuations[{i}] holds control-token text (input.allow_special_tokens: false)")
     if isinstance(prompt, list):  # chat messages: the rendered template, its control tokens as such
-        context_text = tokenizer.render_chat(prompt)
+        context_text = tokenizer.render_chat(prompt, chat)
         if not allow_special_tokens:  # the messages' own control-token text stays text, as in generation
-            context_ids = tokenizer.encode_messages(prompt, allow_special_tokens=False)
+            context_ids = tokenizer.encode_messages(prompt, allow_special_tokens=False, options=chat)
             plain_ids = tokenizer.encode(context_text, add_special_tokens=False)
             if context_ids != plain_ids:
                 raise ValueError("the messages hold control-token text (input.allow_special_tokens: false); "

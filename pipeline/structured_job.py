@@ -68,6 +68,8 @@ def read_schema_file(path: str) -> dict:
         schema = json.loads(text)
     except json.JSONDecodeError as exc:
         raise JobError(f"sampling.structured.json_file: {path} is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise JobError(f"sampling.structured.json_file: {path} nests too deep to be a schema") from None
     if not isinstance(schema, dict):
         raise JobError(f"sampling.structured.json_file: {path} must hold a JSON schema object; got "
                        f"{type(schema).__name__}")
@@ -105,10 +107,10 @@ def check_job_constraint_before_load(job) -> None:
     path = job.model.path
     if job.sampling.constraint() is None or ("://" in path and not path.startswith("file://")):
         return
-    check_job_constraint(job, tokenizer_compiler(path).compile)
+    check_job_constraint(job, tokenizer_compiler(path, job.model.revision).compile)
 
 
-def tokenizer_compiler(model_path: str):
+def tokenizer_compiler(model_path: str, revision: str | None = None):
     """A grammar compiler over the model's tokenizer and vocabulary, without its weights (`batchgen
     validate`): the tokenizer and the config's EOS ids, as the engine builds them."""
     from batchgen.engine.loader.source import resolve_model
@@ -116,7 +118,7 @@ def tokenizer_compiler(model_path: str):
     from batchgen.engine.tokenizer import Tokenizer
     from batchgen.pipeline.capacity_plan import read_model
 
-    model_cfg, _, _ = read_model(model_path)
-    tokenizer = Tokenizer(resolve_model(model_path))
+    model_cfg, _, _ = read_model(model_path, revision)
+    tokenizer = Tokenizer(resolve_model(model_path, revision))
     eos = set(model_cfg.eos_token_ids) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
     return GrammarCompiler(tokenizer.hf, model_cfg.vocab_size, sorted(eos))

@@ -39,6 +39,7 @@ from batchgen.serve.cli import DEFAULT_MAX_REQUEST_BODY_BYTES
 from batchgen.serve.engine_loop import Admitted, EngineLoop, EventSink, Failed, Finished, Progress, Submission
 from batchgen.serve.metrics import Metrics
 from batchgen.serve.prompt_encoder import PromptEncoder, encode_prompt, is_large, is_token_ids
+from batchgen.serve.request_body import read_body
 from batchgen.serve.tokenizer_routes import add_tokenizer_routes
 
 log = logging.getLogger("batchgen.serve")
@@ -169,29 +170,6 @@ def _check_key(request: Request, api_key: str | None) -> None:
     is_key = hmac.compare_digest(given.strip().encode(), api_key.encode())
     if scheme.lower() != "bearer" or not is_key:
         raise APIError(401, "invalid or missing API key (send Authorization: Bearer KEY)", code="invalid_api_key")
-
-
-async def read_body(request: Request, max_bytes: int) -> bytes:
-    """The request's body, or 413 as soon as it is known to be longer than `max_bytes`: from its
-    Content-Length before reading any of it, else (chunked) once the bytes read pass the bound."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.strip().isdigit() and int(declared) > max_bytes:
-        raise _too_large(int(declared), max_bytes)
-    chunks, num_bytes = [], 0
-    async for chunk in request.stream():
-        num_bytes += len(chunk)
-        if num_bytes > max_bytes:
-            raise _too_large(None, max_bytes)
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-def _too_large(num_bytes: int | None, max_bytes: int) -> APIError:
-    size = f"{num_bytes} bytes" if num_bytes is not None else "more"
-    # The rest of the body is never read: the connection closes after the answer.
-    return APIError(413, f"the request body is {size}, over this server's limit of {max_bytes} bytes "
-                         "(--max-request-body-bytes)", "body", "request_too_large",
-                    headers={"Connection": "close"})
 
 
 def _check_model(model: str | None, names: list[str]) -> None:

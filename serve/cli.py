@@ -107,7 +107,12 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     if Path(target).suffix in (".yaml", ".yml") and Path(target).is_file():
         from batchgen.pipeline.config import load_job
 
-        base = load_job(target).engine_config()
+        job = load_job(target)
+        base = job.engine_config()
+        if "generation_config" not in job.model.model_fields_set:
+            # A job's default (vllm: its sampling section is its defaults) is not a server's: unset
+            # request fields take the model's generation_config.json, as vLLM's server does.
+            values.setdefault("generation_config", EngineConfig.generation_config)
         try:
             return base.replace(**values)
         except SettingError as exc:

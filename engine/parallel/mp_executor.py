@@ -90,7 +90,7 @@ class MultiprocExecutor:
         self.config = config
         self.world_size = world_size = config.tensor_parallel_size
         device = config.torch_device
-        self.model_cfg = read_model_config(resolve_model(config.model))
+        self.model_cfg = read_model_config(resolve_model(config.model, config.revision))
         self.layouts = all_layouts(self.model_cfg, world_size)  # refuses a model that cannot split
         devices = _rank_devices(device, world_size)
         num_threads = config.num_threads

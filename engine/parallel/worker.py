@@ -109,7 +109,7 @@ class Worker:
             torch.set_num_threads(spec.num_threads)
         group = TensorParallelGroup.connect(spec.store_port, spec.rank, spec.world_size, device,
                                             check_peers=self.check_parent)
-        model_cfg = read_model_config(resolve_model(spec.config.model))
+        model_cfg = read_model_config(resolve_model(spec.config.model, spec.config.revision))
         layout = TensorParallelLayout.plan(model_cfg, spec.rank, spec.world_size)
         self.parallel = TensorParallel(layout, group, check_peers=self.check_parent)
         self.loaded = load_model(spec.config, self.parallel)

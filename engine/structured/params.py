@@ -80,6 +80,8 @@ class StructuredOutputsParams:
                 schema = json_module.loads(schema)
             except json_module.JSONDecodeError as exc:
                 raise StructuredOutputError("json", f"is not valid JSON: {exc}") from None
+            except RecursionError:  # nested past the parser's recursion limit: no schema needs that
+                raise StructuredOutputError("json", "nests too deep to be a schema") from None
         if not isinstance(schema, dict):
             raise StructuredOutputError("json", f"must be a JSON schema object; got {type(schema).__name__}")
         self.json = schema

@@ -58,7 +58,9 @@ def decode_line(custom_id: str, line: bytes, job: JobConfig) -> RowInput:
 
 
 # Request fields the server answers but a batch line's output has no place for.
-_SERVER_ONLY = ("echo", "prompt_logprobs", "use_beam_search", "length_penalty", "early_stopping")
+# Server fields a batch line may not set, with the value that asks for nothing (a line may send it).
+_SERVER_ONLY = {"echo": False, "prompt_logprobs": None, "use_beam_search": False, "length_penalty": 1.0,
+                "early_stopping": False}
 
 
 def _decode(custom_id: str, raw: dict, endpoint: str | None, job: JobConfig) -> RowInput:
@@ -79,8 +81,11 @@ def _decode(custom_id: str, raw: dict, endpoint: str | None, job: JobConfig) -> 
     for name in ("stream", "stream_options"):
         if body.get(name) not in (None, False):
             raise RowError(f"{name} is not supported in a batch file (there is no stream to send)", name)
-    for name in _SERVER_ONLY:
-        if body.get(name) not in (None, False):
+    for name, unset in _SERVER_ONLY.items():
+        value = body.get(name)
+        # `is`: 0 == False, and prompt_logprobs 0 asks for something
+        if not (value is None or value is unset or (isinstance(unset, float) and value == unset
+                                                    and not isinstance(value, bool))):
             raise RowError(f"{name} is not supported in a batch file (a job scores continuations with task: "
                            "loglikelihood and runs beams with sampling.beam_width)", name)
     if request.skip_special_tokens is False:

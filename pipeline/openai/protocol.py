@@ -208,7 +208,8 @@ class _SamplingRequest(BaseModel):
             return SamplingParams(**values)
         except SettingError as exc:
             field = {"max_tokens": max_tokens_field, "logprobs": logprobs_field, "beam_width": "n",
-                     "prompt_logprobs": self.prompt_logprobs_field()}.get(exc.name, exc.name)
+                     "prompt_logprobs": self.prompt_logprobs_field(),
+                     "structured_outputs": self.structured()[1]}.get(exc.name, exc.name)
             if exc.name in ("length_penalty", "early_stopping") and not self.use_beam_search:
                 raise bad_request(f"{exc.name} applies to beam search only (use_beam_search: true)", exc.name) from None
             raise bad_request(f"{field} {exc.rule}; got {exc.value!r}", field) from None

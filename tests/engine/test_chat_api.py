@@ -124,3 +124,15 @@ def test_an_engine_seed_keys_unseeded_requests(llm):
     tokens = [[o.outputs[0].token_ids for o in run] for run in runs]
     assert tokens[0] == tokens[1]  # the same seed from a fresh LLM: the same samples
     assert tokens[0] != tokens[2]  # another seed: other draws
+
+
+def test_a_call_that_fails_midway_leaves_nothing_queued(llm):
+    # The third prompt is too long: the two before it are aborted, not left for the next call to run.
+    too_long = [1] * (llm.engine.max_model_len + 1)
+    free_before = llm.engine.kv_cache_manager.pool.num_free_blocks
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.generate([QUESTIONS[0], QUESTIONS[1], too_long], SamplingParams(temperature=0, max_tokens=4))
+    assert not llm.engine.has_unfinished()
+    assert llm.engine.kv_cache_manager.pool.num_free_blocks == free_before
+    [out] = llm.generate(QUESTIONS[2], SamplingParams(temperature=0, max_tokens=4))
+    assert len(out.outputs[0].token_ids) == 4

@@ -102,11 +102,18 @@ def test_a_completions_body_takes_a_string_or_token_ids_and_logprobs_as_a_number
     ({**line("x"), "method": "GET"}, "method", "POST"),
     ({**line("x"), "body": "text"}, "body", "JSON object"),
     ({**line("x"), "extra": 1}, "extra", "unknown key"),
+    (line("x", COMPLETIONS, prompt="a", prompt_logprobs=0), "prompt_logprobs", "not supported"),  # 0 asks
+    (line("x", guided_json="[" * 5000), "guided_json", "nests too deep"),  # a schema as JSON text
 ])
 def test_what_is_wrong_inside_a_line_is_its_error_naming_the_field(tmp_path, raw, param, words):
     row = decode_line("x", json.dumps(raw).encode(), batch_job(tmp_path, "x.jsonl"))
     assert row.error is not None and words in row.error
     assert row.openai.error_param == param
+
+
+def test_a_server_field_at_its_do_nothing_value_is_accepted(tmp_path):
+    raw = line("x", COMPLETIONS, prompt="a", echo=False, length_penalty=1.0, use_beam_search=False)
+    assert decode_line("x", json.dumps(raw).encode(), batch_job(tmp_path, "x.jsonl")).error is None
 
 
 # ---- bad files: exit 2 before anything runs, naming the lines ------------------------------------

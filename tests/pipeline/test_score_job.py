@@ -145,6 +145,9 @@ BASE = {"name": "t", "model": {"path": "smollm2-135m-instruct"}, "task": "loglik
     ({"task": "generate"}, "input.continuations_column: applies to task: loglikelihood only"),
     ({"task": "score"}, "task: Input should be 'generate' or 'loglikelihood'"),
     ({"engine": {"tensor_parallel_size": 2}}, "engine.tensor_parallel_size: must be 1 with task: loglikelihood"),
+    ({"sampling": {"structured": {"regex": "[ab]"}}}, "sampling.structured: does not apply to task: loglikelihood"),
+    ({"input": {"path": "in.parquet", "continuations_column": "choices", "schema_column": "s"}},
+     "input.schema_column: does not apply to task: loglikelihood"),
 ])
 def test_impossible_combinations_are_refused_naming_the_key(changes, expected):
     raw = {**BASE, **changes}
@@ -171,3 +174,18 @@ def test_beam_search_is_refused_with_tensor_parallelism_naming_the_key():
            "sampling": {"beam_width": 2}, "engine": {"tensor_parallel_size": 2}}
     with pytest.raises(JobError, match=r"engine.tensor_parallel_size: must be 1 with sampling.beam_width > 1"):
         validate_job(raw, Path("."))
+
+
+def test_a_scored_chat_context_renders_with_the_jobs_chat_template(tmp_path, engine):
+    from batchgen.pipeline.parquet_rows import decode_batch
+    from batchgen.pipeline.request_builder import RequestBuilder
+
+    template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}{{ greeting }}assistant:"
+    table = pa.table({"id": [0], "prompt": ["The cat sat on the"], "choices": [ENDINGS]})
+    job = score_job(tmp_path, write_parquet(tmp_path / "in.parquet", table),
+                    input={"apply_chat_template": True, "chat_template": template,
+                           "chat_template_kwargs": {"greeting": "Ahoy "}})
+    [row] = decode_batch(table.to_batches()[0], job)
+    task = RequestBuilder(job, engine).build(row, 0, 0)
+    expected = engine.tokenizer.hf.encode("user: The cat sat on the\nAhoy assistant:", add_special_tokens=False)
+    assert task.error is None and task.token_ids == expected

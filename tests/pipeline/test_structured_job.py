@@ -32,7 +32,7 @@ def write_job(folder: Path, sampling: dict, input_extra: dict | None = None, nam
            "input": {"path": "in.parquet", "messages_column": "messages", **(input_extra or {})},
            "sampling": {"max_tokens": 96, **sampling}, "output": {"path": "out"}}
     path = folder / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(job))
+    path.write_text(yaml.safe_dump(job, sort_keys=False))  # a schema keeps its properties' order
     return path
 
 
@@ -127,3 +127,8 @@ def test_the_config_hash_covers_the_schema_files_content_not_its_path(tmp_path):
     assert moved.config_hash() == job_a.config_hash() != other.config_hash()
     assert plain.config_hash() != job_a.config_hash() and job_b.config_hash() != job_a.config_hash()
     assert plain.sampling_params().structured_outputs is None
+    # The properties' order shapes the grammar (the order the keys are generated in): hashed too.
+    reordered = {**PERSON, "properties": dict(reversed(list(PERSON["properties"].items())))}
+    assert reordered == PERSON
+    swapped = load_job(write_job(tmp_path / "a", {"structured": {"json": reordered}}, name="swapped"))
+    assert swapped.config_hash() != inline.config_hash()

@@ -60,6 +60,20 @@ def test_a_chat_template_that_cannot_work_fails_the_job_before_any_row(engine, t
     assert not (tmp_path / "out" / "part-00000.parquet").exists()
 
 
+def test_generation_config_gives_beam_search_only_its_max_new_tokens(tmp_path, inputs):
+    from batchgen.pipeline.job_plan import plan_job
+
+    folder = tmp_path / "gen"
+    folder.mkdir()
+    (folder / "generation_config.json").write_text(json.dumps({"temperature": 0.6, "top_p": 0.9,
+                                                                 "max_new_tokens": 3}))
+    job = make_job(tmp_path, inputs, model={"generation_config": "gen"}, sampling={"beam_width": 2, "max_tokens": 4})
+    job.sampling.model_fields_set.discard("max_tokens")  # as if the job file left it unset
+    plan_job(job)  # beam search samples nothing: the file's temperature and top_p do not refuse it
+    assert job.generation_config_record["applied"] == {"max_tokens": 3}
+    assert (job.sampling.temperature, job.sampling.top_p) == (0.0, 1.0)
+
+
 def test_generation_config_fills_the_sampling_keys_the_job_does_not_set(engine, llm, tmp_path, inputs):
     folder = tmp_path / "gen"
     folder.mkdir()

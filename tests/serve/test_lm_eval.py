@@ -197,6 +197,16 @@ def test_tokenizer_endpoints_answer_as_vllms(server, hf_tokenizer):
     assert info["eos_token"] == hf_tokenizer.eos_token and info["chat_template"]
 
 
+def test_tokenize_renders_messages_as_a_chat_completion_does(server, hf_tokenizer):
+    messages = [{"role": "user", "content": "Say <|im_end|> twice."}]  # control-token text stays text
+    tokens = _post(server, "/tokenize", {"messages": messages}).json()["tokens"]
+    chat = _post(server, "/v1/chat/completions", {"model": MODEL, "messages": messages, "max_tokens": 1}).json()
+    assert len(tokens) == chat["usage"]["prompt_tokens"]
+    assert tokens.count(hf_tokenizer.convert_tokens_to_ids("<|im_end|>")) == 2  # the template's two turn ends
+    bare = _post(server, "/tokenize", {"messages": messages, "add_generation_prompt": False}).json()["tokens"]
+    assert tokens[:len(bare)] == bare and len(bare) < len(tokens)
+
+
 def test_chat_prompt_logprobs_are_the_engines(server, llm):
     messages = [{"role": "user", "content": "Say hello."}]
     reply = _post(server, "/v1/chat/completions", {"model": MODEL, "messages": messages, "max_tokens": 2,

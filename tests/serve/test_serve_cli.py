@@ -49,6 +49,9 @@ def test_a_job_file_gives_its_model_and_engine_sections_and_flags_override_them(
     assert config.max_model_len == 2048 and config.kv_cache_memory == "128MiB"
     assert config.model == "smollm2-135m-instruct"
     assert _config(str(JOBS / "quickstart.yaml"), "--max-model-len", "512").max_model_len == 512
+    # A job's generation_config default (vllm) is a job's: served, unset request fields take the model's.
+    assert config.generation_config == "auto"
+    assert _config(str(JOBS / "quickstart.yaml"), "--generation-config", "vllm").generation_config == "vllm"
 
 
 @pytest.mark.parametrize("argv, message", [
