@@ -17,7 +17,6 @@ from batchgen.engine.generation_config import (
     read_generation_defaults,
 )
 from batchgen.engine.loader.source import BUNDLED_ALIASES, ModelSource, bundled_model_path, resolve_model
-from batchgen.engine.sampling_params import SamplingParams
 from batchgen.pipeline.config import JobConfig, max_tokens_rule
 from batchgen.pipeline.errors import JobError
 from batchgen.pipeline.id_scan import Position, scan_ids

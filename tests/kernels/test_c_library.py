@@ -16,7 +16,13 @@ import torch
 from setuptools.config.pyprojecttoml import read_configuration
 
 import batchgen.kernels
-from batchgen.kernels import cpu_elementwise, cpu_kv_store, cpu_paged_attention, cpu_sampling, cpu_token_bitmask
+from batchgen.kernels import (
+    cpu_elementwise,
+    cpu_kv_store,
+    cpu_paged_attention,
+    cpu_sampling,
+    cpu_token_bitmask,
+)
 from batchgen.kernels.c_library import kernel_cache_dir, read_source
 from tests.kernels.helpers import fresh_library, plant_library
 
