@@ -34,6 +34,7 @@ import random
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -143,11 +144,13 @@ def supported_overrides(overrides: dict) -> tuple[dict, list[str]]:
     return {k: v for k, v in overrides.items() if k in fields}, [k for k in overrides if k not in fields]
 
 
-def release(*objects) -> None:
-    """Drop the references and, on CUDA, give the memory back before the next engine sizes its pool."""
-    del objects
+def free_device_memory() -> None:
+    """Collect what the callers' dropped references left (an engine holds reference cycles, so its KV
+    pool outlives its last name until the collector runs) and hand torch's cached blocks back, so the
+    next engine's pool sizing sees the memory free. Callers drop every reference first: a name still
+    bound to the previous engine (a loop variable, a frame kept by a traceback) keeps its pool."""
+    gc.collect()
     if torch.cuda.is_available():
-        gc.collect()
         torch.cuda.empty_cache()
 
 
@@ -189,33 +192,36 @@ def check_correctness(args: argparse.Namespace, device: torch.device) -> dict:
     prompts = random_prompts(2 if args.tiny else 8, (5, 40), cfg.vocab_size, seed=3)
     result = {"model": args.model or "random small llama", "num_prompts": len(prompts), "num_tokens": num_tokens}
     for dtype in (torch.float32, torch.bfloat16):
-        name = str(dtype).removeprefix("torch.")
-        config = engine_config(device, dtype, 256, attention_backend=args.attention_backend,
-                               max_num_seqs=len(prompts), kv_cache_memory="1GiB" if device.type == "cuda" else "auto",
-                               num_kv_blocks=None if device.type == "cuda" else 64)
-        if args.model:
-            from transformers import AutoModelForCausalLM
-
-            from batchgen.engine.loader.model_loader import load_model
-
-            config = config.replace(model=args.model)
-            loaded = load_model(config)
-            hf = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(device).eval()
-        else:
-            hf = hf_llama(cfg, dtype, device, seed=0)
-            state = hf.state_dict()
-            loaded = build_loaded_model(config, cfg, 256, lambda model: model.load_weights(state.items()))
-        engine = LLMEngine(config, loaded=loaded)
-        ours = engine_greedy(engine, prompts, num_tokens)
-        reference = hf_greedy_each(hf, prompts, num_tokens, device)
-        same = sum(a == b for a, b in zip(ours, reference))
-        matching = sum(x == y for a, b in zip(ours, reference) for x, y in zip(a, b))
-        result[name] = {"attention_backend": engine.capabilities.attention_backend,
-                        "identical_requests": same, "matching_tokens": matching,
-                        "num_tokens": len(prompts) * num_tokens}
-        release(engine, loaded, hf)
+        result[str(dtype).removeprefix("torch.")] = _compare_with_hf(args, cfg, dtype, device, prompts, num_tokens)
+        free_device_memory()  # the engine, its model and HF's died with the call's frame
     result["ok"] = result["float32"]["identical_requests"] == len(prompts)
     return result
+
+
+def _compare_with_hf(args: argparse.Namespace, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
+                     prompts: list[list[int]], num_tokens: int) -> dict:
+    config = engine_config(device, dtype, 256, attention_backend=args.attention_backend,
+                           max_num_seqs=len(prompts), kv_cache_memory="1GiB" if device.type == "cuda" else "auto",
+                           num_kv_blocks=None if device.type == "cuda" else 64)
+    if args.model:
+        from transformers import AutoModelForCausalLM
+
+        from batchgen.engine.loader.model_loader import load_model
+
+        config = config.replace(model=args.model)
+        loaded = load_model(config)
+        hf = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(device).eval()
+    else:
+        hf = hf_llama(cfg, dtype, device, seed=0)
+        state = hf.state_dict()
+        loaded = build_loaded_model(config, cfg, 256, lambda model: model.load_weights(state.items()))
+    engine = LLMEngine(config, loaded=loaded)
+    ours = engine_greedy(engine, prompts, num_tokens)
+    reference = hf_greedy_each(hf, prompts, num_tokens, device)
+    same = sum(a == b for a, b in zip(ours, reference))
+    matching = sum(x == y for a, b in zip(ours, reference) for x, y in zip(a, b))
+    return {"attention_backend": engine.capabilities.attention_backend, "identical_requests": same,
+            "matching_tokens": matching, "num_tokens": len(prompts) * num_tokens}
 
 
 @torch.inference_mode()
@@ -236,7 +242,6 @@ def check_fp8_matmuls(cfg: ModelConfig, device: torch.device, dtype: torch.dtype
             row[mode] = rel_error(fp8(x.to(dtype)), ref)
         row["ok"] = row["w8a8"] < W8A8_REL_BOUND and row["w8a16"] < W8A16_REL_BOUND * 1.1  # dtype rounding on top
         rows.append(row)
-        release(linear, fp8)
     return rows
 
 
@@ -250,8 +255,11 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run_speed_config(engine: LLMEngine, sc: SpeedConfig, seed: int, clock=time.perf_counter) -> dict:
-    """Time the workload; decode-only steps are timed apart, with the KV tokens they read."""
+def run_speed_config(engine: LLMEngine, sc: SpeedConfig, seed: int, clock=time.perf_counter,
+                     time_limit: float = float("inf")) -> dict:
+    """Time the workload; decode-only steps are timed apart, with the KV tokens they read. Past
+    `time_limit` seconds the unfinished requests are aborted and the row says so (its rates are over
+    the tokens made until then)."""
     device = engine.config.torch_device
     vocab = engine.model_cfg.vocab_size
     warm = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
@@ -267,11 +275,18 @@ def run_speed_config(engine: LLMEngine, sc: SpeedConfig, seed: int, clock=time.p
     decode_kv_tokens = 0
     decode_steps = 0
     completion = 0
+    is_cut_short = False
     sync(device)
     start = clock()
     for i, prompt in enumerate(prompts):
         engine.add_request(f"s{i}", None, params, prompt_token_ids=prompt)
     while engine.has_unfinished():
+        if clock() - start > time_limit:
+            is_cut_short = True
+            for request_id in list(engine.requests):
+                completion += sum(seq.num_output_tokens for seq in engine.sequences(request_id))
+                engine.abort_request(request_id)
+            break
         prefill_before, decode_before = stats.num_prefill_tokens, stats.num_decode_tokens
         kv_tokens = sum(s.num_tokens for s in engine.scheduler.running)
         t0 = clock()
@@ -287,7 +302,7 @@ def run_speed_config(engine: LLMEngine, sc: SpeedConfig, seed: int, clock=time.p
     seconds = clock() - start
     kv_bytes_per_token = engine.kv_bytes_per_token
     roofline_seconds = (decode_steps * engine.weight_bytes + decode_kv_tokens * kv_bytes_per_token) / HBM_BYTES_PER_S
-    return {
+    row = {
         "name": sc.name, "num_requests": sc.num_requests, "max_num_seqs": sc.max_num_seqs,
         "prompt_len": list(sc.prompt_len), "output_len": sc.output_len, "completion_tokens": completion,
         "seconds": seconds, "completion_tokens_per_s": completion / seconds if seconds else 0.0,
@@ -297,37 +312,66 @@ def run_speed_config(engine: LLMEngine, sc: SpeedConfig, seed: int, clock=time.p
         "attention_backend": engine.capabilities.attention_backend,
         "cuda_graphs": engine.runner.graphs is not None,
     }
+    if is_cut_short:
+        row["stopped_at_time_limit"] = time_limit
+    return row
+
+
+def speed_engine_config(sc: SpeedConfig, args: argparse.Namespace, device: torch.device, dtype: torch.dtype,
+                        max_model_len: int) -> EngineConfig:
+    base = {"attention_backend": args.attention_backend, "max_num_seqs": sc.max_num_seqs,
+            "max_num_batched_tokens": max(4096, sc.max_num_seqs * 8),
+            "quantization": "fp8" if sc.fp8_weights else "none"}
+    base.update(supported_overrides(sc.engine)[0])
+    if device.type != "cuda":
+        base["num_kv_blocks"] = sc.max_num_seqs * (-(-max_model_len // 16)) + 1
+    return engine_config(device, dtype, max_model_len, **base)
 
 
 def run_speed(args: argparse.Namespace, device: torch.device, record) -> list[dict]:
+    """Every speed configuration in turn, each on an engine of its own that is gone (with its KV pool)
+    before the next one sizes its pool. A configuration that fails is recorded with its error and the
+    next one runs; one that runs past args.config_time_limit is cut short and says so."""
     cfg = tiny_config() if args.tiny else llama3_8b_config(args.layers)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    rows = []
-    loaded: LoadedModel | None = None
     max_model_len = 64 if args.tiny else 4096
+    rows: list[dict] = []
+    models: dict[bool, LoadedModel] = {}  # fp8_weights -> the model; at most one held at a time
     for sc in speed_configs(args.tiny)[:args.max_configs]:
-        overrides, missing = supported_overrides(sc.engine)
+        missing = supported_overrides(sc.engine)[1]
         if missing:
-            row = {"name": sc.name, "skipped": f"this build's EngineConfig has no {', '.join(missing)}"}
-            rows.append(row)
+            rows.append({"name": sc.name, "skipped": f"this build's EngineConfig has no {', '.join(missing)}"})
             record(rows)
             continue
-        base = dict(attention_backend=args.attention_backend, max_num_seqs=sc.max_num_seqs,
-                    max_num_batched_tokens=max(4096, sc.max_num_seqs * 8), quantization="fp8" if sc.fp8_weights else "none")
-        base.update(overrides)
-        if device.type != "cuda":
-            base["num_kv_blocks"] = sc.max_num_seqs * (-(-max_model_len // 16)) + 1
-        config = engine_config(device, dtype, max_model_len, **base)
-        if loaded is None or sc.fp8_weights:
-            release(loaded)
-            loaded = None
-            loaded = build_loaded_model(config, cfg, max_model_len, seeded_init(0, device))
-        engine = LLMEngine(config, loaded=loaded)
-        rows.append(run_speed_config(engine, sc, seed=1, clock=args.clock))
-        release(engine)
+        started = args.clock()
+        try:
+            config = speed_engine_config(sc, args, device, dtype, max_model_len)
+            if sc.fp8_weights not in models:
+                models.clear()  # the other model goes before this one is built
+                free_device_memory()
+                models[sc.fp8_weights] = build_loaded_model(config, cfg, max_model_len, seeded_init(0, device))
+            row = _run_on_fresh_engine(config, models[sc.fp8_weights], sc, args)
+        except Exception as exc:  # noqa: BLE001 - recorded, and the next configuration still runs
+            row = {"name": sc.name, "error": f"{type(exc).__name__}: {exc}",
+                   "traceback": traceback.format_exc(limit=-4)}
+        # The traceback (and with it the failed engine's frame) is gone once the handler ends.
+        free_device_memory()
+        row["wall_seconds"] = args.clock() - started
+        rows.append(row)
         record(rows)
-    release(loaded)
+    models.clear()
+    free_device_memory()
     return rows
+
+
+def _run_on_fresh_engine(config: EngineConfig, loaded: LoadedModel, sc: SpeedConfig, args) -> dict:
+    """One configuration on an engine that lives only in this frame."""
+    engine = LLMEngine(config, loaded=loaded)
+    row = run_speed_config(engine, sc, seed=1, clock=args.clock, time_limit=args.config_time_limit)
+    if engine.gpu_memory is not None:
+        row["kv_plan"] = engine.gpu_memory.describe()
+    row["num_kv_blocks"] = engine.num_kv_blocks
+    return row
 
 
 # ---- 3. peer ---------------------------------------------------------------------------------------
@@ -340,7 +384,7 @@ def run_peer(args: argparse.Namespace, device: torch.device, clock=time.perf_cou
     model = hf_llama(cfg, dtype, device, seed=0)
     model.generation_config.eos_token_id = None  # fixed length, like the engine's ignore_eos
     ids = torch.tensor(random_prompts(batch, (prompt_len, prompt_len), cfg.vocab_size, seed=1), device=device)
-    kwargs = dict(attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0)
+    kwargs = {"attention_mask": torch.ones_like(ids), "do_sample": False, "pad_token_id": 0}
     model.generate(input_ids=ids[:, :8], max_new_tokens=2, **{**kwargs, "attention_mask": torch.ones_like(ids[:, :8])})
     sync(device)
     start = clock()
@@ -348,7 +392,8 @@ def run_peer(args: argparse.Namespace, device: torch.device, clock=time.perf_cou
     sync(device)
     seconds = clock() - start
     completion = (out.shape[1] - prompt_len) * batch
-    release(model)
+    del model, out
+    free_device_memory()
     return {"name": f"HF generate bf16 x{batch}" if device.type == "cuda" else f"HF generate x{batch}",
             "batch_size": batch, "prompt_len": prompt_len, "output_len": output_len, "completion_tokens": completion,
             "seconds": seconds, "completion_tokens_per_s": completion / seconds if seconds else 0.0}
@@ -429,6 +474,9 @@ def format_table(result: dict) -> str:
     for row in result.get("speed", []):
         if "skipped" in row:
             lines.append(f"{row['name']:<32} {'-':>10} {'-':>13} {'-':>9}  skipped: {row['skipped']}")
+            continue
+        if "error" in row:
+            lines.append(f"{row['name']:<32} {'-':>10} {'-':>13} {'-':>9}  FAILED: {row['error'][:200]}")
             continue
         lines.append(f"{row['name']:<32} {row['completion_tokens_per_s']:>10.1f} {row['decode_tokens_per_s']:>13.1f} "
                      f"{row['decode_fraction_of_roofline']:>9.1%}  {row['attention_backend']}, "
@@ -512,6 +560,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--device", default=None)
     parser.add_argument("--attention-backend", default="auto", help="engine.attention_backend (auto: triton on CUDA)")
     parser.add_argument("--max-configs", type=int, default=8, help="run only the first N speed configurations")
+    parser.add_argument("--config-time-limit", type=float, default=60.0,
+                        help="seconds a speed configuration may run its workload before it is cut short")
     parser.add_argument("--no-peer", dest="peer", action="store_false", help="skip HF generate")
     parser.add_argument("--out", default="gpu_check.json", help="the JSON file, rewritten after each configuration")
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
