@@ -103,3 +103,11 @@ def keyed_exponential_at(keys: torch.Tensor, positions: torch.Tensor, token_ids:
     A filtered distribution (top-k, top-p, min-p) needs the noise of its support alone.
     """
     return -torch.log(_uniform_from(row_states(keys, positions), token_ids))
+
+
+def keyed_exponential_rows(keys: torch.Tensor, positions: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """(R, K) float32: the Exp(1) draws of `keyed_exponential` at each row's own K tokens (same values).
+
+    keys, positions: (R,) int64; token_ids: (R, K) int64 (a row's candidates, e.g. its top-k).
+    """
+    return -torch.log(_uniform_from(row_states(keys, positions)[:, None], token_ids))

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from batchgen.engine.keyed_random import keyed_exponential, keyed_exponential_at
+from batchgen.engine.keyed_random import keyed_exponential, keyed_exponential_at, keyed_exponential_rows
 from batchgen.engine.sampling_batch import PenaltyState, SamplingBatch, sampling_batch_for
 from batchgen.engine.sequence import Sequence
 from batchgen.kernels import cpu_sampling
@@ -65,13 +65,22 @@ def apply_min_tokens(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: 
 
 
 def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor, *,
-                  has_top_k_or_p: bool | None = None, has_min_p: bool | None = None) -> torch.Tensor:
+                  has_top_k_or_p: bool | None = None, has_min_p: bool | None = None,
+                  is_sorted: bool = False, log_z: torch.Tensor | None = None) -> torch.Tensor:
     """Set every token outside the top-k / nucleus / min-p set to -inf.
 
     logits: (N, V) already divided by temperature; top_k: (N,) int (V = off); top_p, min_p: (N,).
     `has_top_k_or_p` / `has_min_p`: whether any row filters so (the sampler knows it on the host);
     None asks the device, which waits for it.
+
+    `is_sorted`: `logits` are instead each row's K largest tempered logits in descending order (the
+    sampler's candidates, (N, K)), and no sort runs. A row's top-p mass is taken within its top-k set
+    when top_k <= K, else against its whole distribution, whose log-normalizer `log_z` (N,) the caller
+    passes (None: every top-p row has top_k <= K). Rows whose kept set reaches past the K candidates
+    are the caller's to redo (`candidates_cover`).
     """
+    if is_sorted:
+        return _filter_sorted(logits, top_k, top_p, min_p, log_z, bool(has_top_k_or_p), bool(has_min_p))
     vocab = logits.shape[-1]
     if has_top_k_or_p is None:
         has_top_k_or_p = bool((top_k < vocab).any()) or bool((top_p < 1).any())
@@ -94,13 +103,64 @@ def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
     return logits
 
 
-def race(probs: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """(R,) long: one draw from each row of `probs` (R, V), argmax(p / E) with E ~ Exp(1) keyed by
-    (keys[r], positions[r]) (the exponential race, exact for any p).
+def _filter_sorted(candidates: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
+                   log_z: torch.Tensor | None, has_top_k_or_p: bool, has_min_p: bool) -> torch.Tensor:
+    """filter_logits over sorted candidates (N, K). Masses are unnormalized weights relative to the top
+    candidate and prefix sums, so a row's decisions do not depend on K (on what its batch mates ask)."""
+    k = candidates.shape[1]
+    weights = (candidates - candidates[:, :1]).exp()  # (N, K): p_i / p_top
+    ranks = torch.arange(k, device=candidates.device)[None, :]
+    remove = ranks >= top_k[:, None]
+    if has_top_k_or_p:
+        within = weights.masked_fill(remove, 0.0)
+        mass = within.cumsum(dim=-1)  # (N, K) inclusive
+        last = (top_k.clamp(max=k) - 1).long()[:, None]
+        total = mass.gather(-1, last).squeeze(-1)  # (N,) the top-k set's mass
+        if log_z is not None:  # rows past the candidates: the whole row's mass, exp(log Z - top logit)
+            total = torch.where(top_k <= k, total, (log_z - candidates[:, 0]).exp())
+        # Drop a token when the mass before it already reaches top_p (the top token always stays).
+        remove |= (mass - within) >= top_p[:, None] * total[:, None]
+        remove[:, 0] = False
+    if has_min_p:
+        remove |= weights < min_p[:, None]
+    return candidates.masked_fill(remove, float("-inf"))
 
-    Where the filters left a small support, the noise is computed at the support's entries only:
-    the same values as the dense draw, so the token is the same either way.
+
+def candidates_cover(candidates: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
+                     log_z: torch.Tensor | None, vocab: int) -> torch.Tensor:
+    """(N,) bool: whether each row's kept set lies within its K sorted candidates (N, K): a top-k <= K;
+    or no top-k, and the candidates hold top_p of the whole row's mass (log_z) or end below min-p.
+    (A top-k between K and the vocabulary renormalizes over more than the candidates: never covered.)"""
+    k = candidates.shape[1]
+    weights = (candidates - candidates[:, :1]).exp()  # (N, K): p_i / p_top
+    is_unbounded = top_k >= vocab
+    covered = (top_k <= k) | (is_unbounded & (min_p > 0) & (weights[:, -1] < min_p))
+    if log_z is not None:
+        holds_top_p = weights.sum(dim=-1) >= top_p * (log_z - candidates[:, 0]).exp()
+        covered |= is_unbounded & (top_p < 1) & holds_top_p
+    return covered
+
+
+@dataclass
+class Candidates:
+    """Each row's candidate tokens and their weights (proportional to probability; 0: filtered out)."""
+
+    token_ids: torch.Tensor  # (R, K) int64
+    weights: torch.Tensor  # (R, K) float32
+
+
+def race(probs: torch.Tensor | Candidates, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """(R,) long: one draw from each row of `probs` (R, V), argmax(p / E) with E ~ Exp(1) keyed by
+    (keys[r], positions[r]) (the exponential race, exact for any p; p may be unnormalized).
+
+    `probs` as Candidates: each row's draw among its K candidate tokens alone, with their noise
+    (keyed by token id, so the same values as in the dense draw: the same token either way).
+    Where the filters left a small support, the noise is computed at the support's entries only.
     """
+    if isinstance(probs, Candidates):
+        noise = keyed_exponential_rows(keys, positions, probs.token_ids)  # (R, K)
+        best = (probs.weights / noise).argmax(dim=-1, keepdim=True)
+        return probs.token_ids.gather(-1, best).squeeze(-1)
     if probs.device.type != "cpu":  # one dense draw: counting the support would read the device
         return (probs / keyed_exponential(keys, positions, probs.shape[-1])).argmax(dim=-1)
     support = probs > 0
@@ -174,17 +234,53 @@ class Sampler:
             logits.index_put_((batch.ban_index.long(), batch.ban_tokens.long()),
                               logits.new_full((), float("-inf")))
             tokens = None
-        if tokens is None:  # greedy rows keep these
+        is_all_random = len(batch.random_rows) == num_rows
+        if tokens is None and not is_all_random:  # greedy rows keep these
             tokens = cpu_sampling.argmax(logits) if self.is_c_sampling else logits.argmax(dim=-1)
         if batch.random_rows:
-            rows = batch.random_index.long()
-            scaled = logits.index_select(0, rows) / batch.temperature[:, None]
-            probs = filter_logits(scaled, batch.top_k, batch.top_p, batch.min_p,
-                                  has_top_k_or_p=batch.has_top_k_or_p, has_min_p=batch.has_min_p).softmax(dim=-1)
-            # Exponential race, E ~ Exp(1) keyed by (sample key, output position): see keyed_random.py.
-            tokens = tokens.index_copy(0, rows, race(probs, batch.random_keys(), batch.random_position.long()))
+            if is_all_random:  # no copy of the logits
+                tokens = self.draw(logits, batch)
+            else:
+                rows = batch.random_index.long()
+                tokens = tokens.index_copy(0, rows, self.draw(logits[rows], batch))
         result.tokens = tokens
         result.logprobs = raw.gather(-1, tokens[:, None]).squeeze(-1) - log_z
         if batch.has_penalties:
             penalties.record(tokens, batch)
         return result
+
+    def draw(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """(R,) int64: one token per random row of `logits` (R, V) (raw, penalties and bans applied),
+        tempered and filtered, by the keyed exponential race (keyed_random.py).
+
+        Filtered rows draw among their K largest logits (torch.topk, K from the host: the batch's
+        largest bounded top-k, or MAX_CANDIDATES for rows filtered by top-p / min-p alone) instead of
+        sorting the vocabulary; a row whose kept set reaches past its candidates (known on the host,
+        or found on the device: a read, so a sync on CUDA) is drawn from its whole row instead.
+        Either way its token is the one the dense race over the filtered distribution picks: the
+        noise is keyed by token id and the kept set is the same."""
+        temperature = batch.temperature[:, None]
+        keys, positions = batch.random_keys(), batch.random_position.long()
+        k = batch.num_candidates
+        if k == 0:  # no row filters
+            return race((logits / temperature).softmax(dim=-1), keys, positions)
+        values, ids = logits.topk(k, dim=-1)  # (R, K) descending
+        candidates = values / temperature
+        log_z = None
+        if batch.needs_full_mass:  # top-p against a whole row: its normalizer (one pass over it)
+            tempered = logits / temperature
+            log_z = (cpu_sampling.argmax_log_z(tempered)[1] if self.is_c_sampling
+                     else torch.logsumexp(tempered, dim=-1))
+        kept = filter_logits(candidates, batch.top_k, batch.top_p, batch.min_p, has_top_k_or_p=batch.has_top_k_or_p,
+                             has_min_p=batch.has_min_p, is_sorted=True, log_z=log_z)
+        tokens = race(Candidates(ids, (kept - kept[:, :1]).exp()), keys, positions)
+        if batch.is_candidate_set_exact:
+            return tokens
+        covered = candidates_cover(candidates, batch.top_k, batch.top_p, batch.min_p, log_z, logits.shape[-1])
+        redo = (~covered).nonzero().flatten()  # (M,): read on the host
+        if redo.numel():
+            scaled = logits[redo] / temperature[redo]
+            probs = filter_logits(scaled, batch.top_k[redo], batch.top_p[redo], batch.min_p[redo],
+                                  has_top_k_or_p=batch.has_top_k_or_p, has_min_p=batch.has_min_p).softmax(dim=-1)
+            tokens[redo] = race(probs, keys[redo], positions[redo])
+        return tokens

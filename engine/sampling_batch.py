@@ -28,6 +28,11 @@ from batchgen.engine.sequence import Sequence
 from batchgen.engine.step_inputs import StepPacker, float_section, int_section
 from batchgen.engine.structured.step_bitmask import GrammarFill
 
+# The widest candidate set the sampler takes per random row: a bounded top-k up to this is drawn from
+# its k largest logits; rows filtered by top-p / min-p alone take this many and fall back to the whole
+# row only when their kept set reaches past it (a nucleus of > 1024 tokens: near-flat distributions).
+MAX_CANDIDATES = 1024
+
 
 @dataclass
 class SamplingBatch:
@@ -47,6 +52,13 @@ class SamplingBatch:
     # verify chunk's row j: the sequence's output length + j)
     has_top_k_or_p: bool = False
     has_min_p: bool = False
+    # The sampler's candidates (sampler.py): K, the width of each random row's largest-K set it draws
+    # from (0: no row filters, every draw is dense); whether every row's kept set is known to lie in
+    # it (all bounded by a top-k <= K, or K the whole vocabulary); whether a row's top-p is measured
+    # against its whole distribution (no bounded top-k), which needs each row's full normalizer.
+    num_candidates: int = 0
+    is_candidate_set_exact: bool = False
+    needs_full_mass: bool = False
     # Rows with penalties: their PenaltyState rows and values.
     penalty_index: torch.Tensor | None = None  # (P,) int32 into the N rows
     penalty_rows: torch.Tensor | None = None  # (P,) int32 into PenaltyState
@@ -296,6 +308,7 @@ def add_sampling_sections(packer: StepPacker, seqs: list[Sequence], eos_token_id
     new, prompt, output = NewPenaltyRowSections(), PromptTokenSections(), OutputTokenSections()
     ban, top, grammar = BanSections(), TopLogprobSections(), GrammarSections()
     top_counts = [0] * len(seqs)
+    num_candidates, is_exact = 0, True
     for i, (seq, offset) in enumerate(zip(seqs, offsets)):
         p = seq.params
         position = seq.num_output_tokens + offset  # the output position this row samples
@@ -321,6 +334,13 @@ def add_sampling_sections(packer: StepPacker, seqs: list[Sequence], eos_token_id
             rnd.random_position.append(position)
             batch.has_top_k_or_p |= k < vocab_size or p.top_p < 1
             batch.has_min_p |= p.min_p > 0
+            if k <= MAX_CANDIDATES:
+                num_candidates = max(num_candidates, k)
+            elif k == vocab_size and (p.top_p < 1 or p.min_p > 0):
+                num_candidates, is_exact = MAX_CANDIDATES, False
+                batch.needs_full_mass |= p.top_p < 1
+            else:  # unfiltered, or a top-k past MAX_CANDIDATES: drawn from the whole row
+                is_exact = False
         if p.has_penalties:
             row, is_new = penalties.row_for(seq)
             # A verify chunk's rows: the drafts before this one count, and the row's token is kept
@@ -353,6 +373,9 @@ def add_sampling_sections(packer: StepPacker, seqs: list[Sequence], eos_token_id
             top.top_index.append(i)
             top_counts[i] = num_top
     batch.random_rows, batch.top_counts = rnd.random_index, top_counts
+    if batch.has_top_k_or_p or batch.has_min_p:
+        batch.num_candidates = min(num_candidates, vocab_size)
+        batch.is_candidate_set_exact = is_exact or batch.num_candidates == vocab_size
     is_verify_with_penalties = any(d >= 0 for d in verify.penalty_draft)
     for group in (rnd, pen, drafted, new, prompt, output, ban, top, grammar):
         if _has_rows(group):
