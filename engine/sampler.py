@@ -253,7 +253,8 @@ class Sampler:
         """(R,) int64: one token per random row of `logits` (R, V) (raw, penalties and bans applied),
         tempered and filtered, by the keyed exponential race (keyed_random.py).
 
-        Filtered rows draw among their K largest logits (torch.topk, K from the host: the batch's
+        Filtered rows draw among their K largest logits (torch.topk or, on the CPU, the C kernel's
+        one pass; K from the host: the batch's
         largest bounded top-k, or MAX_CANDIDATES for rows filtered by top-p / min-p alone) instead of
         sorting the vocabulary; a row whose kept set reaches past its candidates (known on the host,
         or found on the device: a read, so a sync on CUDA) is drawn from its whole row instead.
@@ -264,13 +265,14 @@ class Sampler:
         k = batch.num_candidates
         if k == 0:  # no row filters
             return race((logits / temperature).softmax(dim=-1), keys, positions)
-        values, ids = logits.topk(k, dim=-1)  # (R, K) descending
+        # (R, K) descending; with top-p against a whole row, that row's normalizer (a pass over it)
+        if self.is_c_sampling:
+            inv_temperature = (1.0 / batch.temperature) if batch.needs_full_mass else None
+            values, ids, log_z = cpu_sampling.top_k_log_z(logits, k, inv_temperature)
+        else:
+            values, ids = logits.topk(k, dim=-1)
+            log_z = torch.logsumexp(logits / temperature, dim=-1) if batch.needs_full_mass else None
         candidates = values / temperature
-        log_z = None
-        if batch.needs_full_mass:  # top-p against a whole row: its normalizer (one pass over it)
-            tempered = logits / temperature
-            log_z = (cpu_sampling.argmax_log_z(tempered)[1] if self.is_c_sampling
-                     else torch.logsumexp(tempered, dim=-1))
         kept = filter_logits(candidates, batch.top_k, batch.top_p, batch.min_p, has_top_k_or_p=batch.has_top_k_or_p,
                              has_min_p=batch.has_min_p, is_sorted=True, log_z=log_z)
         tokens = race(Candidates(ids, (kept - kept[:, :1]).exp()), keys, positions)

@@ -18,6 +18,7 @@ from batchgen.engine.keyed_random import keyed_exponential
 from batchgen.engine.sampler import Sampler, candidates_cover, filter_logits
 from batchgen.engine.sampling_batch import PenaltyState, sampling_batch_for
 from batchgen.engine.sampling_params import SamplingParams
+from batchgen.kernels import cpu_sampling
 from tests.engine.test_sampler import EOS, make_seq
 
 VOCAB = 400
@@ -55,8 +56,8 @@ def dense_reference(logits: torch.Tensor, seqs, temperature: float) -> list[int]
     return tokens
 
 
-def sample(logits: torch.Tensor, seqs) -> tuple[list[int], sampling_batch.SamplingBatch]:
-    sampler = Sampler(eos_token_ids=(EOS,))
+def sample(logits: torch.Tensor, seqs, is_c_sampling: bool = False) -> tuple[list[int], sampling_batch.SamplingBatch]:
+    sampler = Sampler(eos_token_ids=(EOS,), is_c_sampling=is_c_sampling)
     penalties = PenaltyState(VOCAB, logits.device)
     batch = sampling_batch_for(seqs, sampler.eos_token_ids, VOCAB, penalties, logits.device)
     return sampler.sample(logits.clone(), batch, seqs, penalties).tokens.tolist(), batch
@@ -96,12 +97,18 @@ def test_sorted_candidates_keep_exactly_the_dense_filters_set():
     assert 30 < num_covered < 64
 
 
-def test_candidate_draws_are_the_dense_races_tokens_over_many_positions():
+C_SAMPLING = [pytest.param(False, id="torch"),
+              pytest.param(True, id="c", marks=pytest.mark.skipif(not cpu_sampling.is_available(),
+                                                                 reason="no C compiler: the torch path runs"))]
+
+
+@pytest.mark.parametrize("is_c_sampling", C_SAMPLING)
+def test_candidate_draws_are_the_dense_races_tokens_over_many_positions(is_c_sampling):
     logits = mixed_logits(48, seed=2)
     seqs = kind_seqs(48)
     num_differing_from_greedy = 0
     for _ in range(6):  # six output positions: fresh noise each
-        tokens, batch = sample(logits, seqs)
+        tokens, batch = sample(logits, seqs, is_c_sampling)
         assert batch.num_candidates == MAX_CANDIDATES and not batch.is_candidate_set_exact
         assert tokens == dense_reference(logits, seqs, 0.9)
         num_differing_from_greedy += sum(t != g for t, g in zip(tokens, logits.argmax(-1).tolist()))
@@ -119,10 +126,11 @@ def test_bounded_top_k_batches_take_only_their_largest_k():
     assert tokens == dense_reference(logits, seqs, 0.7)
 
 
-def test_a_rows_token_does_not_depend_on_its_batch_mates_settings():
+@pytest.mark.parametrize("is_c_sampling", C_SAMPLING)
+def test_a_rows_token_does_not_depend_on_its_batch_mates_settings(is_c_sampling):
     logits = mixed_logits(16, seed=5)
     seqs = kind_seqs(16)
-    together, _ = sample(logits, seqs)
+    together, _ = sample(logits, seqs, is_c_sampling)
     for row in range(16):  # alone, K is only its own need
-        alone, _ = sample(logits[row:row + 1], [kind_seqs(16)[row]])
+        alone, _ = sample(logits[row:row + 1], [kind_seqs(16)[row]], is_c_sampling)
         assert alone == [together[row]], f"row {row}"
