@@ -174,6 +174,10 @@ class EngineConfig:
     # KV (vLLM's name); the KV pool gets what the profiled step leaves. kv_cache_memory, when set, wins.
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False  # CUDA: true runs decode steps eagerly (no CUDA graphs), as vLLM
+    # CUDA: decode batches of up to this many sequences replay a captured graph (None: max_num_seqs);
+    # larger ones run eagerly. Fewer graphs start faster and hold less memory (vLLM's
+    # max_cudagraph_capture_size).
+    max_cuda_graph_size: int | None = None
     num_kv_blocks: int | None = None  # override the pool size (tests, capacity experiments)
     num_threads: int | None = None  # CPU threads for torch; None: leave torch's default
     compile: bool = False  # torch.compile the elementwise ops (measured: no gain on the 2-core CPU)
@@ -210,6 +214,8 @@ class EngineConfig:
             ("gpu_memory_utilization", isinstance(self.gpu_memory_utilization, (int, float))
              and not isinstance(self.gpu_memory_utilization, bool) and 0 < self.gpu_memory_utilization <= 1,
              "must be a fraction in (0, 1]"),
+            ("max_cuda_graph_size", self.max_cuda_graph_size is None or self.max_cuda_graph_size >= 1,
+             "must be >= 1 or null"),
             ("num_kv_blocks", self.num_kv_blocks is None or self.num_kv_blocks >= 1, "must be >= 1 or None"),
             ("num_threads", self.num_threads is None or self.num_threads >= 1, "must be >= 1 or None"),
             ("seed", self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool)),
@@ -239,6 +245,11 @@ class EngineConfig:
     def kv_torch_dtype(self) -> torch.dtype:
         """What the KV cache stores: the model dtype, or an FP8 format (one fp32 scale per layer for K and V)."""
         return self.torch_dtype if self.kv_cache_dtype == "auto" else KV_CACHE_DTYPES[self.kv_cache_dtype]
+
+    @property
+    def num_cuda_graph_seqs(self) -> int:
+        """The largest decode batch captured as a CUDA graph."""
+        return min(self.max_cuda_graph_size or self.max_num_seqs, self.max_num_seqs)
 
     def replace(self, **changes) -> EngineConfig:
         return dataclasses.replace(self, **changes)

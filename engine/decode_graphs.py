@@ -9,8 +9,12 @@ blocks). Their logits are computed and dropped. Decode-only steps have fixed que
 Prefill and mixed steps, and batches above the largest size, run eagerly. The LM head runs in the
 graph; the sampler runs outside it.
 
-Sizes: 1, 2, 4, 8, then every multiple of 8 from 16 up to max_num_seqs, and max_num_seqs itself.
-They are captured largest first, so the smaller graphs reuse the first one's pool.
+Sizes: 1, 2, 4, 8, then every multiple of 16 up to the largest (engine.max_cuda_graph_size, else
+max_num_seqs), and the largest itself: 20 graphs at 256 (a padded decode step computes at most 15
+spare rows, whose cost beside the weights every step streams is small), each captured in ~0.3-0.5 s.
+They are captured largest first, so the smaller graphs reuse the first one's pool; that pool holds
+about one eager decode step's activations at the largest size, which the KV plan reserves before
+sizing the pool (engine/gpu_memory.py, `DecodeGraphs.static_bytes` for the buffers outside it).
 
 The capture itself goes through a `capturer` (CudaGraphCapturer on CUDA) so the padding and the
 size selection run on the CPU in tests with an eager stand-in.
@@ -22,13 +26,15 @@ import torch
 
 from batchgen.engine.step_inputs import StepInputs, make_step_inputs
 
+GRAPH_SIZE_STEP = 16  # past 8: one graph per 16 sequences
 
-def graph_batch_sizes(max_num_seqs: int) -> list[int]:
-    """Batch sizes to capture, ascending: 1, 2, 4, 8, 16, 24, ... (multiples of 8), and max_num_seqs."""
-    sizes = [s for s in (1, 2, 4, 8) if s <= max_num_seqs]
-    sizes += list(range(16, max_num_seqs + 1, 8))
-    if sizes[-1] != max_num_seqs:
-        sizes.append(max_num_seqs)
+
+def graph_batch_sizes(max_size: int) -> list[int]:
+    """Batch sizes to capture, ascending: 1, 2, 4, 8, 16, 32, ... (multiples of 16), and max_size."""
+    sizes = [s for s in (1, 2, 4, 8) if s <= max_size]
+    sizes += list(range(GRAPH_SIZE_STEP, max_size + 1, GRAPH_SIZE_STEP))
+    if sizes[-1] != max_size:
+        sizes.append(max_size)
     return sizes
 
 
@@ -80,14 +86,14 @@ class EagerCapturer:
 class DecodeGraphs:
     """The captured decode graphs of one model runner and the static buffers they read."""
 
-    def __init__(self, model, kv_caches: list, attention, max_num_seqs: int, max_model_len: int,
+    def __init__(self, model, kv_caches: list, attention, max_size: int, max_model_len: int,
                  block_size: int, device: torch.device, capturer=None):
         self.model = model
         self.kv_caches = kv_caches
         self.attention = attention
         self.block_size = block_size
         self.max_model_len = max_model_len
-        self.sizes = graph_batch_sizes(max_num_seqs)
+        self.sizes = graph_batch_sizes(max_size)
         self.capturer = capturer if capturer is not None else CudaGraphCapturer(device)
         b = self.sizes[-1]
         # One column more than max_model_len needs: a sequence at the length limit still fits
@@ -107,9 +113,18 @@ class DecodeGraphs:
         self.logits_indices = torch.arange(b, dtype=torch.int32, device=device)
         self.block_tables = zeros(b, width)
         # One logits buffer for every graph (each writes its first `size` rows), not one per size:
-        # 35 sizes x 128k-wide float32 rows would hold ~2 GB for Llama-3's vocabulary.
+        # 20 sizes x 128k-wide float32 rows would hold ~1 GB for Llama-3's vocabulary.
         self.logits = torch.empty((b, model.vocab_size), dtype=torch.float32, device=device)
         self.graphs: dict[int, tuple] = {}  # size -> (replay, logits (size, V))
+        self.capture_seconds = 0.0  # set by the runner once captured
+        self.memory_bytes = 0  # CUDA: device memory the capture took (its pool and these buffers)
+
+    @staticmethod
+    def static_bytes(max_size: int, max_model_len: int, block_size: int, vocab_size: int) -> int:
+        """Bytes of the buffers the graphs read and write outside their pool: the float32 logits and
+        the int32 step buffers (DecodeGraphs.__init__)."""
+        width = -(-max_model_len // block_size) + 1
+        return 4 * max_size * vocab_size + 4 * (max_size * (8 + width) + 1)
 
     def fits(self, num_seqs: int) -> bool:
         return padded_batch_size(num_seqs, self.sizes) is not None

@@ -14,6 +14,7 @@ import torch
 
 from batchgen.engine.capacity import kv_bytes_per_token
 from batchgen.engine.config import EngineConfig
+from batchgen.engine.decode_graphs import DecodeGraphs
 from batchgen.engine.gpu_memory import GpuMemoryPlan, plan_gpu_kv_cache
 from batchgen.engine.loader.model_loader import LoadedModel, load_model
 from batchgen.engine.model_runner import ModelRunner, StepResult
@@ -46,9 +47,17 @@ class UniprocExecutor:
             runner.profile_run(config.max_num_batched_tokens, config.max_num_seqs, max_model_len)
             torch.cuda.synchronize(config.torch_device)
 
+        def profile_graphs() -> int:
+            runner = ModelRunner(config, loaded.model_cfg, loaded.model, 1, eos_token_ids, loaded.capabilities)
+            runner.profile_decode_graph(config.num_cuda_graph_seqs)
+            torch.cuda.synchronize(config.torch_device)
+            return DecodeGraphs.static_bytes(config.num_cuda_graph_seqs, max_model_len, config.block_size,
+                                             loaded.model_cfg.vocab_size)
+
         block_bytes = self.kv_bytes_per_token(loaded) * config.block_size
         min_blocks = -(-max_model_len // config.block_size)
-        plan = plan_gpu_kv_cache(config, config.torch_device, loaded.weight_bytes, profile, min_blocks * block_bytes)
+        plan = plan_gpu_kv_cache(config, config.torch_device, loaded.weight_bytes, profile, min_blocks * block_bytes,
+                                 profile_graphs=None if config.enforce_eager else profile_graphs)
         return plan.kv_cache // block_bytes, plan
 
     def start(self, loaded: LoadedModel, num_blocks: int, eos_token_ids: tuple[int, ...], max_model_len: int) -> None:

@@ -76,6 +76,7 @@ class ModelRunner:
         self.penalties = PenaltyState(model_cfg.vocab_size, self.device)
         self.step_bitmask = StepBitmask(model_cfg.vocab_size, self.device)
         self.graphs: DecodeGraphs | None = None  # set by capture_decode_graphs (CUDA, not enforce_eager)
+        self._pending_capture: tuple | None = None  # a capture waiting for the FP8 KV scales' calibration
         self.timings = StepTimings()
         # Tensor parallelism: rank 0's executor sends each packed step to the workers here, before
         # the forward (engine/parallel/mp_executor.py); None: one process.
@@ -86,10 +87,25 @@ class ModelRunner:
         self.penalties.release(seq)
 
     def capture_decode_graphs(self, max_model_len: int, capturer=None) -> None:
-        """Capture the decode forward at every graph batch size (decode_graphs.py)."""
-        self.graphs = DecodeGraphs(self.model, self.kv_caches, self.attention, self.config.max_num_seqs,
+        """Capture the decode forward at every graph batch size (decode_graphs.py). With FP8 KV scales
+        still to calibrate (calculate_kv_scales), the capture waits for the first real step: its warm-up
+        runs padding rows (token 0 at position 0), whose keys and values would set the scales."""
+        self._pending_capture = (max_model_len, capturer)
+        if not any(cache.needs_scales for cache in self.kv_caches):
+            self._capture_pending()
+
+    def _capture_pending(self) -> None:
+        max_model_len, capturer = self._pending_capture
+        self._pending_capture = None
+        is_cuda = self.device.type == "cuda"
+        reserved = torch.cuda.memory_reserved(self.device) if is_cuda else 0
+        start = time.perf_counter()
+        self.graphs = DecodeGraphs(self.model, self.kv_caches, self.attention, self.config.num_cuda_graph_seqs,
                                    max_model_len, self.block_size, self.device, capturer)
         self.graphs.capture()
+        self.graphs.capture_seconds = time.perf_counter() - start
+        # What the graphs hold: their pool and the buffers they read (CUDA; 0 for a stand-in capture).
+        self.graphs.memory_bytes = torch.cuda.memory_reserved(self.device) - reserved if is_cuda else 0
 
     def prepare(self, scheduled: list[ScheduledSeq], num_live_seqs: int = 0,
                 blocks_to_copy: list[tuple[int, int]] | None = None):
@@ -162,6 +178,8 @@ class ModelRunner:
                                                     prompt_plan.num_top)
         if not sampling and prompt_plan is None:
             timings.add(prepare=prepared - start, forward=time.perf_counter() - prepared)
+            if self._pending_capture is not None:
+                self._capture_pending()
             return []
         seqs, _ = sampling_rows(sampling)
         if sampling and batch.grammar_fills:  # constrained rows: masked before penalties, temperature, top-k/p
@@ -173,6 +191,8 @@ class ModelRunner:
             record_prompt_logprobs(prompt_host, prompt_plan)
         results = unpack_results(host, sampling, batch.top_counts) if sampling else []
         timings.add(prepare=prepared - start, forward=done - prepared, process=time.perf_counter() - done)
+        if self._pending_capture is not None:  # this step calibrated the FP8 KV scales: capture now
+            self._capture_pending()
         return results
 
     @torch.inference_mode()
@@ -196,6 +216,22 @@ class ModelRunner:
         step, meta, sampling, batch, _ = self.prepare(scheduled)
         logits = self.model(step.input_ids, step.positions, self.kv_caches, meta, step.logits_indices)
         read_back(self.sampler.sample(logits, batch, [s.seq for s in sampling], self.penalties))
+
+    @torch.inference_mode()
+    def profile_decode_graph(self, num_seqs: int) -> None:
+        """The largest decode graph's forward, run eagerly (its allocations are what the graphs' pool
+        will hold): `num_seqs` sequences of one new token over one cached token, KV in block 0."""
+        from batchgen.engine.sampling_params import SamplingParams
+
+        params = SamplingParams(temperature=0.0, max_tokens=1)
+        scheduled = []
+        for i in range(num_seqs):
+            seq = Sequence(f"profile-graph-{i}", 0, [0, 0], params, 0.0, 3)
+            seq.num_computed_tokens = 1
+            seq.block_ids = [0]
+            scheduled.append(ScheduledSeq(seq, 1))
+        step, meta, _, _ = self.prepare(scheduled)
+        self.model(step.input_ids, step.positions, self.kv_caches, meta, step.logits_indices)
 
 
 def sampling_rows(sampling: list[ScheduledSeq]) -> tuple[list[Sequence], list[int] | None]:

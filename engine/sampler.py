@@ -275,7 +275,13 @@ class Sampler:
         candidates = values / temperature
         kept = filter_logits(candidates, batch.top_k, batch.top_p, batch.min_p, has_top_k_or_p=batch.has_top_k_or_p,
                              has_min_p=batch.has_min_p, is_sorted=True, log_z=log_z)
-        tokens = race(Candidates(ids, (kept - kept[:, :1]).exp()), keys, positions)
+        weights = (kept - kept[:, :1]).exp()  # (R, K): 0 past each row's kept set
+        if not logits.is_cuda:
+            # Every filter keeps a prefix of the sorted candidates: draw over the longest one alone
+            # (the noise costs most; a read of the device would stall a GPU step, so only here).
+            width = int((weights > 0).sum(dim=-1).max())
+            ids, weights = ids[:, :width], weights[:, :width]
+        tokens = race(Candidates(ids, weights), keys, positions)
         if batch.is_candidate_set_exact:
             return tokens
         covered = candidates_cover(candidates, batch.top_k, batch.top_p, batch.min_p, log_z, logits.shape[-1])

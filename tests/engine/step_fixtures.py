@@ -84,9 +84,9 @@ class TorchStepAttention(AttentionBackend):
 
 
 def tiny_runner(device: torch.device, num_blocks: int = 32, max_num_seqs: int = 16, seed: int = 0,
-                monkeypatch=None, backend_class: type[AttentionBackend] | None = None) -> ModelRunner:
+                monkeypatch=None, backend_class: type[AttentionBackend] | None = None, **settings) -> ModelRunner:
     """A ModelRunner over the tiny model on `device` (meta or cpu), with the torch-step backend
-    unless `backend_class` names another."""
+    unless `backend_class` names another; `settings`: more EngineConfig fields."""
     backend = (backend_class or TorchStepAttention)(TINY.num_heads, TINY.num_kv_heads, TINY.head_dim)
     model = build_empty_model(TINY, 256, backend, device, torch.float32)
     if device.type != "meta":
@@ -96,7 +96,8 @@ def tiny_runner(device: torch.device, num_blocks: int = 32, max_num_seqs: int = 
                 p.copy_(torch.ones_like(p) if name.endswith("norm.weight") else torch.randn(p.shape, generator=gen) * 0.3)
     model.rotary = RotaryEmbedding(TINY.head_dim, 256, TINY.rope_theta, None).to(device)
     model.eval()
-    config = EngineConfig(model="tiny", dtype="float32", device="cpu", block_size=BLOCK, max_num_seqs=max_num_seqs)
+    config = EngineConfig(model="tiny", dtype="float32", device="cpu", block_size=BLOCK, max_num_seqs=max_num_seqs,
+                          **settings)
     if monkeypatch is not None and device.type != "cpu":
         monkeypatch.setattr(EngineConfig, "torch_device", property(lambda self: device))
     capabilities = Capabilities(device=device.type, attention_backend=backend.name, elementwise_ops="eager",

@@ -11,16 +11,60 @@ from tests.engine.step_fixtures import advance, decode, make_seq, prefill, tiny_
 CPU = torch.device("cpu")
 
 
-def test_batch_sizes_are_powers_of_two_then_multiples_of_eight_up_to_max_num_seqs():
+def test_batch_sizes_are_powers_of_two_then_multiples_of_sixteen_up_to_the_largest():
     assert graph_batch_sizes(1) == [1]
     assert graph_batch_sizes(5) == [1, 2, 4, 5]
     assert graph_batch_sizes(8) == [1, 2, 4, 8]
-    assert graph_batch_sizes(40) == [1, 2, 4, 8, 16, 24, 32, 40]
-    assert graph_batch_sizes(37) == [1, 2, 4, 8, 16, 24, 32, 37]
+    assert graph_batch_sizes(40) == [1, 2, 4, 8, 16, 32, 40]
+    assert graph_batch_sizes(48) == [1, 2, 4, 8, 16, 32, 48]
     sizes = graph_batch_sizes(256)
-    assert sizes[:6] == [1, 2, 4, 8, 16, 24] and sizes[-1] == 256 and len(sizes) == 4 + 31
-    assert [padded_batch_size(n, sizes) for n in (1, 3, 5, 9, 17, 25, 255, 256)] == [1, 4, 8, 16, 24, 32, 256, 256]
+    assert sizes[:6] == [1, 2, 4, 8, 16, 32] and sizes[-1] == 256 and len(sizes) == 4 + 16
+    assert [padded_batch_size(n, sizes) for n in (1, 3, 5, 9, 17, 33, 255, 256)] == [1, 4, 8, 16, 32, 48, 256, 256]
     assert padded_batch_size(257, sizes) is None
+    # At most 15 padding rows per replay (at most 7 below 16).
+    assert max(padded_batch_size(n, sizes) - n for n in range(1, 257)) == 15
+
+
+def test_max_cuda_graph_size_caps_the_captured_sizes():
+    runner = tiny_runner(CPU, max_num_seqs=16, max_cuda_graph_size=4)
+    capturer = EagerCapturer()
+    runner.capture_decode_graphs(max_model_len=64, capturer=capturer)
+    assert sorted(runner.graphs.graphs) == [1, 2, 4] and capturer.num_captures == 3
+    seqs = _three_sequences() + [make_seq("r3", [1, 2, 3], SamplingParams(temperature=0, max_tokens=16),
+                                          first_block=13), make_seq("r4", [4, 5], SamplingParams(temperature=0,
+                                                                                                  max_tokens=16),
+                                                                    first_block=17)]
+    advance(runner.execute(prefill(seqs)))
+    advance(runner.execute(decode(seqs)))  # 5 rows: past the largest graph, eager
+    assert capturer.num_replays == 0
+    advance(runner.execute(decode(seqs[:4])))
+    assert capturer.num_replays == 1
+
+
+def test_fp8_kv_scales_come_from_the_first_real_prefill_not_the_capture():
+    """calculate_kv_scales: the capture's warm-up runs padding rows (token 0 at position 0), so a runner
+    that captured at start would take its scales from them. The capture waits for the first real step:
+    the scales equal an eager runner's, taken from the same prefill, and decodes then replay."""
+    from batchgen.engine.attention.triton import TritonAttention
+
+    settings = dict(backend_class=TritonAttention, kv_cache_dtype="fp8", calculate_kv_scales=True)
+    eager, graphed = tiny_runner(CPU, max_num_seqs=4, **settings), tiny_runner(CPU, max_num_seqs=4, **settings)
+    capturer = EagerCapturer()
+    graphed.capture_decode_graphs(max_model_len=64, capturer=capturer)
+    assert graphed.graphs is None and capturer.num_captures == 0  # waiting for the scales
+    seqs = {id(runner): _three_sequences() for runner in (eager, graphed)}
+    for runner in (eager, graphed):
+        advance(runner.execute(prefill(seqs[id(runner)])))
+    assert capturer.num_captures == 3 and sorted(graphed.graphs.graphs) == [1, 2, 4]
+    for ours, reference in zip(graphed.kv_caches, eager.kv_caches):
+        assert not ours.needs_scales
+        assert torch.equal(ours.k_scale, reference.k_scale) and torch.equal(ours.v_scale, reference.v_scale)
+        assert ours.k_scale.item() != 1.0  # calibrated, not the default
+    for runner in (eager, graphed):
+        for _ in range(2):
+            advance(runner.execute(decode(seqs[id(runner)])))
+    assert capturer.num_replays == 2
+    assert [s.token_ids for s in seqs[id(eager)]] == [s.token_ids for s in seqs[id(graphed)]]
 
 
 def _three_sequences():

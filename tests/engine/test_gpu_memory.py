@@ -110,3 +110,39 @@ def test_the_profiling_step_runs_at_full_size_on_a_one_block_pool():
     assert seen == [((8, 96), 8)]  # every row samples, through the random (top-k/top-p) path
     runner.profile_run(num_tokens=600, num_seqs=1, max_model_len=256)  # longer than one sequence may be
     assert seen[-1][0] == (3, 96)
+
+
+def test_the_cuda_graphs_pool_is_reserved_before_the_kv_pool(monkeypatch):
+    """With graphs (not enforce_eager), the largest graph's eager decode step peaks 1.5 GiB above what was
+    allocated and its buffers take 0.5 GiB more: the KV pool gives up those 2 GiB."""
+    gpu = FakeGpu(monkeypatch, total=100, free=80, allocated=16, activations=3)
+
+    def profile_graphs() -> int:
+        gpu.calls.append("profile_graphs")
+        gpu.peak = gpu.allocated + int(1.5 * GiB)
+        return GiB // 2
+
+    config = EngineConfig(model="m")
+    result = plan_gpu_kv_cache(config, DEVICE, 16 * GiB, gpu.profile, GiB // 1000, profile_graphs=profile_graphs)
+    assert result.cuda_graphs == 2 * GiB and result.peak_activations == 3 * GiB
+    assert result.kv_cache == int(0.9 * 100 * GiB) - 20 * GiB - 3 * GiB - 2 * GiB
+    assert gpu.calls.index("profile_graphs") > gpu.calls.index("profile")
+    assert "CUDA graphs 2.00 GiB -> KV 65.00 GiB" in result.describe()
+    gpu = FakeGpu(monkeypatch, total=100, free=80, allocated=16, activations=3)
+    with pytest.raises(ValueError, match=r"only 75.00 GiB is free .* CUDA graphs \(2.00 GiB\)"):
+        plan_gpu_kv_cache(EngineConfig(model="m", kv_cache_memory="76GiB"), DEVICE, 16 * GiB, gpu.profile, 1,
+                          profile_graphs=profile_graphs)
+
+
+def test_the_graph_profiling_step_is_the_largest_decode_graph():
+    """ModelRunner.profile_decode_graph: num_seqs one-token decodes over block 0, the model alone (no sampler)."""
+    from tests.engine.step_fixtures import tiny_runner
+
+    runner = tiny_runner(torch.device("cpu"), num_blocks=1)
+    shapes = []
+    forward = runner.model.forward
+    runner.model.forward = lambda ids, positions, *rest: shapes.append((ids.shape, positions.tolist())) or forward(
+        ids, positions, *rest)
+    runner.sampler = None  # never called
+    runner.profile_decode_graph(8)
+    assert shapes == [((8,), [1] * 8)]
