@@ -144,6 +144,7 @@ class DecodeGraphs:
     @torch.inference_mode()
     def capture(self) -> None:
         for size in reversed(self.sizes):  # largest first: the pool is sized once
+            self.attention.prepare_graph(size, self.max_model_len)  # outside the capture
             step = self.static_step(size)
 
             def forward(step=step):

@@ -14,7 +14,7 @@ import torch
 
 from batchgen.engine.capacity import kv_bytes_per_token
 from batchgen.engine.config import EngineConfig
-from batchgen.engine.decode_graphs import DecodeGraphs
+from batchgen.engine.decode_graphs import DecodeGraphs, graph_batch_sizes
 from batchgen.engine.gpu_memory import GpuMemoryPlan, plan_gpu_kv_cache
 from batchgen.engine.loader.model_loader import LoadedModel, load_model
 from batchgen.engine.model_runner import ModelRunner, StepResult
@@ -51,8 +51,10 @@ class UniprocExecutor:
             runner = ModelRunner(config, loaded.model_cfg, loaded.model, 1, eos_token_ids, loaded.capabilities)
             runner.profile_decode_graph(config.num_cuda_graph_seqs)
             torch.cuda.synchronize(config.torch_device)
-            return DecodeGraphs.static_bytes(config.num_cuda_graph_seqs, max_model_len, config.block_size,
-                                             loaded.model_cfg.vocab_size)
+            return (DecodeGraphs.static_bytes(config.num_cuda_graph_seqs, max_model_len, config.block_size,
+                                              loaded.model_cfg.vocab_size)
+                    + runner.attention.graph_workspace_bytes(graph_batch_sizes(config.num_cuda_graph_seqs),
+                                                             max_model_len))
 
         block_bytes = self.kv_bytes_per_token(loaded) * config.block_size
         min_blocks = -(-max_model_len // config.block_size)

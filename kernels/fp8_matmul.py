@@ -2,8 +2,9 @@
 
 The torch w8a16 path materializes the whole widened weight in memory on every call; this kernel
 reads the 1-byte weight once per output tile instead, so a decode step moves half the bytes of bf16.
-The per-output-channel scale is applied once to the accumulator (it is constant along K). Tiles are
-chosen by M (kernels/matmul_tiles.py, shared with the integer GEMM).
+The per-output-channel scale is applied once to the accumulator (it is constant along K). The tile
+walk, the activation loads and the store are shared with the integer GEMM (kernels/matmul_tiles.py);
+tiles by M and K, BLOCK_K >= 64 where K allows (kernels/triton_tuning.py).
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from batchgen.kernels.matmul_tiles import check_tiles, tiles_for
+from batchgen.kernels.matmul_tiles import dot_tile, grid_size, load_x_tile, store_tile, tile_offsets
+from batchgen.kernels.triton_tuning import GemmTiles, choose, gemm_candidates
 
 FP8_DTYPE = torch.float8_e4m3fn
 
@@ -23,38 +25,31 @@ def _fp8_w8a16_matmul_kernel(
     M, N, K,
     stride_xm, stride_xk, stride_wn, stride_wk, stride_om, stride_on,
     IS_PER_CHANNEL: tl.constexpr, IS_FP32: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m, offs_n = tile_offsets(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + offs_k
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :] * stride_xk,
-                    mask=(offs_m[:, None] < M) & (k[None, :] < K), other=0.0)  # (BLOCK_M, BLOCK_K)
+        x = load_x_tile(x_ptr, offs_m, k, M, K, stride_xm, stride_xk)  # (BLOCK_M, BLOCK_K)
         # The weight tile is read transposed, (BLOCK_K, BLOCK_N); masked lanes must be 0, not garbage
         # that could decode as NaN and poison the dot product.
         w = tl.load(w_ptr + offs_n[None, :] * stride_wn + k[:, None] * stride_wk,
                     mask=(offs_n[None, :] < N) & (k[:, None] < K), other=0.0)
-        if IS_FP32:
-            acc += tl.dot(x, w.to(tl.float32), input_precision="ieee")  # no silent TF32 for float32 models
-        else:
-            acc += tl.dot(x, w.to(x.dtype))
+        acc = dot_tile(acc, x, w, IS_FP32)
     if IS_PER_CHANNEL:
         scale = tl.load(scale_ptr + offs_n, mask=offs_n < N, other=0.0)  # (BLOCK_N,)
         acc = acc * scale[None, :]
     else:
         acc = acc * tl.load(scale_ptr)
-    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on,
-             acc.to(out_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+    store_tile(out_ptr, acc, offs_m, offs_n, M, N, stride_om, stride_on)
 
 
 def fp8_w8a16_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-                     tiles: tuple[int, int, int] | None = None) -> torch.Tensor:
-    """x (M, K) float16/bfloat16/float32, weight (N, K) float8_e4m3fn, scale (N,) or (1,) float32 -> (M, N) in x's dtype."""
+                     tiles: GemmTiles | None = None) -> torch.Tensor:
+    """x (M, K) float16/bfloat16/float32, weight (N, K) float8_e4m3fn, scale (N,) or (1,) float32 -> (M, N)
+    in x's dtype. `tiles`: kernels/triton_tuning.py's choice for this M and K when None."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"expected x (M, K) and weight (N, K); got {tuple(x.shape)} and {tuple(weight.shape)}")
     if weight.dtype != FP8_DTYPE:
@@ -68,14 +63,20 @@ def fp8_w8a16_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     if x.device != weight.device or x.device != scale.device:
         raise ValueError("x, weight and scale must be on the same device")
     m = x.shape[0]
-    block_m, block_n, block_k = tiles = tiles or tiles_for(m)  # by M (kernels/matmul_tiles.py)
-    check_tiles(tiles)
     out = torch.empty(m, num_rows, dtype=x.dtype, device=x.device)
-    grid = (triton.cdiv(m, block_m), triton.cdiv(num_rows, block_n))
-    _fp8_w8a16_matmul_kernel[grid](
-        x, weight, scale, out, m, num_rows, num_cols,
-        x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), out.stride(0), out.stride(1),
-        IS_PER_CHANNEL=scale.numel() == num_rows and num_rows > 1, IS_FP32=x.dtype == torch.float32,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-    )
+
+    def launch(t: GemmTiles) -> None:
+        _fp8_w8a16_matmul_kernel[grid_size(m, num_rows, t.block_m, t.block_n)](
+            x, weight, scale, out, m, num_rows, num_cols,
+            x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), out.stride(0), out.stride(1),
+            IS_PER_CHANNEL=scale.numel() == num_rows and num_rows > 1, IS_FP32=x.dtype == torch.float32,
+            BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=t.group_m,
+            num_warps=t.num_warps, num_stages=t.num_stages,
+        )
+
+    if tiles is None:
+        candidates = gemm_candidates(m, num_cols, "fp8", x.dtype)
+        tiles = choose(("fp8_w8a16", candidates[0].block_m, num_rows, num_cols, x.dtype), candidates, launch,
+                       is_capturing=x.is_cuda and torch.cuda.is_current_stream_capturing())
+    launch(tiles)
     return out

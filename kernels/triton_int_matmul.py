@@ -7,8 +7,9 @@ Weight layout (prepared once by the engine, see pack_codes):
   whose zero is 2**(bits-1)): 16-bit tables halve the side bytes, and the kernel widens them to float32;
 - g_idx: (K,) int32 group of each input column for act-order weights, else groups are k // group_size.
 Every K tile reads its codes once, looks up each column's scale and zero, and accumulates in float32;
-K, N and M need not be multiples of anything (masked). Tiles are chosen by M: decode-sized M uses a
-short M tile and a long N tile, prefill-sized M square ones.
+K, N and M need not be multiples of anything (masked). The tile walk, activation loads and store are
+shared with the FP8 GEMM (kernels/matmul_tiles.py); tiles by M (kernels/triton_tuning.py):
+decode-sized M a short M tile and a long N tile, prefill-sized M square ones.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-from batchgen.kernels.matmul_tiles import check_tiles, tiles_for
+from batchgen.kernels.matmul_tiles import dot_tile, grid_size, load_x_tile, store_tile, tile_offsets
+from batchgen.kernels.triton_tuning import GemmTiles, choose, gemm_candidates
 
 
 @triton.jit
@@ -26,20 +28,16 @@ def _int_matmul_kernel(
     M, N, K, G, GROUP_SIZE,
     stride_xm, stride_xk, stride_cn, stride_om, stride_on,
     BITS: tl.constexpr, HAS_G_IDX: tl.constexpr, HAS_ZEROS: tl.constexpr, IS_FP32: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m, offs_n = tile_offsets(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_k = tl.arange(0, BLOCK_K)
     is_n = offs_n < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + offs_k  # (BLOCK_K,)
         is_k = k < K
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :] * stride_xk,
-                    mask=(offs_m[:, None] < M) & is_k[None, :], other=0.0)  # (BLOCK_M, BLOCK_K)
+        x = load_x_tile(x_ptr, offs_m, k, M, K, stride_xm, stride_xk)  # (BLOCK_M, BLOCK_K)
         mask_kn = is_k[:, None] & is_n[None, :]
         if BITS == 4:
             byte = tl.load(codes_ptr + offs_n[None, :] * stride_cn + (k // 2)[:, None], mask=mask_kn, other=0)
@@ -57,12 +55,8 @@ def _int_matmul_kernel(
         else:
             z = (1 << (BITS - 1)) * 1.0
         w = (q.to(tl.float32) - z) * s  # masked lanes: scale 0, so w = 0, never garbage
-        if IS_FP32:
-            acc += tl.dot(x, w, input_precision="ieee")  # no silent TF32 for float32 models
-        else:
-            acc += tl.dot(x, w.to(x.dtype))
-    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on,
-             acc.to(out_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & is_n[None, :])
+        acc = dot_tile(acc, x, w, IS_FP32)
+    store_tile(out_ptr, acc, offs_m, offs_n, M, N, stride_om, stride_on)
 
 
 SIDE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # scales and zeros tables
@@ -78,7 +72,7 @@ def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
 
 def int_weight_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
                       bits: int, group_size: int, g_idx: torch.Tensor | None = None,
-                      tiles: tuple[int, int, int] | None = None) -> torch.Tensor:
+                      tiles: GemmTiles | None = None) -> torch.Tensor:
     """x (M, K) float16/bfloat16/float32, codes from pack_codes, scales/zeros (N, G) float32/16/bf16
     (zeros None: symmetric) -> (M, N) in x's dtype."""
     if bits not in (4, 8):
@@ -96,15 +90,22 @@ def int_weight_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor
                              f"got {t.dtype} {tuple(t.shape)}")
     if g_idx is not None and (g_idx.dtype != torch.int32 or g_idx.shape != (in_features,)):
         raise ValueError(f"g_idx must be int32 (K={in_features},), got {g_idx.dtype} {tuple(g_idx.shape)}")
-    block_m, block_n, block_k = tiles = tiles or tiles_for(num_rows)
-    check_tiles(tiles)
     out = torch.empty(num_rows, n, dtype=x.dtype, device=x.device)
-    grid = (triton.cdiv(num_rows, block_m), triton.cdiv(n, block_n))
-    _int_matmul_kernel[grid](
-        x, codes, scales, scales if zeros is None else zeros, scales if g_idx is None else g_idx, out,
-        num_rows, n, in_features, num_groups, group_size,
-        x.stride(0), x.stride(1), codes.stride(0), out.stride(0), out.stride(1),
-        BITS=bits, HAS_G_IDX=g_idx is not None, HAS_ZEROS=zeros is not None, IS_FP32=x.dtype == torch.float32,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-    )
+
+    def launch(t: GemmTiles) -> None:
+        _int_matmul_kernel[grid_size(num_rows, n, t.block_m, t.block_n)](
+            x, codes, scales, scales if zeros is None else zeros, scales if g_idx is None else g_idx, out,
+            num_rows, n, in_features, num_groups, group_size,
+            x.stride(0), x.stride(1), codes.stride(0), out.stride(0), out.stride(1),
+            BITS=bits, HAS_G_IDX=g_idx is not None, HAS_ZEROS=zeros is not None, IS_FP32=x.dtype == torch.float32,
+            BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=t.group_m,
+            num_warps=t.num_warps, num_stages=t.num_stages,
+        )
+
+    if tiles is None:
+        kind = f"int{bits}"
+        candidates = gemm_candidates(num_rows, in_features, kind, x.dtype)
+        tiles = choose((kind, candidates[0].block_m, n, in_features, x.dtype), candidates, launch,
+                       is_capturing=x.is_cuda and torch.cuda.is_current_stream_capturing())
+    launch(tiles)
     return out

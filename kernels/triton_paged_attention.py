@@ -19,17 +19,18 @@ KV loop walks tiles of TILE_N keys from position 0 in order, so a row's arithmet
 its batch mates. A query tile stops at the last key its last query sees; for its earlier queries the
 extra keys are masked, which leaves their running max, sum and accumulator bitwise unchanged (scale
 1, additions of exact zeros): a token gives the same bits as a decode or inside a prefill chunk.
-Keep block_m and tile_n fixed for an engine's lifetime.
+Keep the tiles (AttentionTiles) and split_size fixed for an engine's lifetime.
 
-Split-KV. Optionally (split_size), the KV loop is cut into splits of a fixed number of keys, one
-program per split, with float32 partial results merged in split order by a second kernel. The split
-size is a constant, never derived from the batch, so the result is still a function of the
-sequence alone; a sequence with seq_len <= split_size has one split and gives bitwise the unsplit
-result. It pays off for long contexts at small batch (few programs otherwise). Prefill and decode
-of one sequence agree bitwise only when both run in the same mode.
+KV chunks and split-KV. The KV loop runs in chunks of split_size keys (a multiple of TILE_N): each
+chunk's online softmax starts afresh and is merged into the running result (`_merge`) in chunk
+order. Split-KV (a `workspace` given) runs one program per chunk instead, writing its float32 partial
+result, and a second kernel merges them with the same `_merge` in the same order: the two modes give
+bitwise the same output (when the workspace's splits cover the sequence; past them the last split
+takes every remaining chunk), so a backend may choose per step, by how many programs the batch
+fills, without changing any token. It pays off for long contexts at small batch.
 
-FP8 caches (float8_e4m3fn / float8_e5m2) are loaded, widened to float32 and multiplied by the
-layer's fp32 k_scale / v_scale, then cast to q's dtype for the dot products.
+Tiles and warps (AttentionTiles) come from kernels/triton_tuning.py: a fixed choice per head size,
+query-head group and dtype (the first of its candidates, unless BATCHGEN_TRITON_AUTOTUNE=1 times them).
 """
 
 from __future__ import annotations
@@ -39,11 +40,21 @@ import triton
 import triton.language as tl
 
 from batchgen.kernels.triton_kv_store import check_kv_scales, is_fp8_kv
+from batchgen.kernels.triton_tuning import AttentionTiles, attention_candidates, choose
 
 _LOG2E = 1.4426950408889634
-# Default tile sizes; see the module docstring on keeping them fixed.
-DEFAULT_BLOCK_M = 16
-DEFAULT_TILE_N = 32
+DEFAULT_SPLIT_SIZE = 512  # keys per KV chunk: a multiple of every candidate TILE_N
+
+
+@triton.jit
+def _merge(total_max, total_sum, total_acc, part_max, part_sum, part_acc):
+    # One chunk's (max, sum, acc) into the running ones (rows: query heads). An empty chunk (max -inf,
+    # sum 0, acc 0) leaves them bitwise unchanged; the first non-empty one becomes them exactly.
+    new_max = tl.maximum(total_max, part_max)
+    safe_max = tl.where(new_max > float("-inf"), new_max, 0.0)
+    alpha = tl.exp2(total_max - safe_max)
+    beta = tl.exp2(part_max - safe_max)
+    return new_max, total_sum * alpha + part_sum * beta, total_acc * alpha[:, None] + part_acc * beta[:, None]
 
 
 @triton.jit
@@ -78,7 +89,7 @@ def _paged_attention_kernel(
     HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr,
     IS_FP8: tl.constexpr, IS_FP32: tl.constexpr,
-    IS_SPLIT: tl.constexpr, TILES_PER_SPLIT: tl.constexpr, MAX_SPLITS: tl.constexpr,
+    IS_SPLIT: tl.constexpr, TILES_PER_CHUNK: tl.constexpr, MAX_SPLITS: tl.constexpr,
 ):
     q_tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -105,70 +116,76 @@ def _paged_attention_kernel(
     # Keys this tile's last query sees; tiles past them are skipped, not masked.
     num_keys = tl.minimum(context_len + (local_tile + 1) * BLOCK_Q, seq_len)
     num_tiles = tl.cdiv(num_keys, TILE_N)
+    num_chunks = tl.cdiv(num_tiles, TILES_PER_CHUNK)
     if IS_SPLIT:
         split = tl.program_id(2)
-        tile_lo = split * TILES_PER_SPLIT
-        # The last split takes every remaining tile, so no key is lost past max_num_splits splits.
+        chunk_lo = split
+        # The last split takes every remaining chunk, so no key is lost past max_num_splits splits.
         if split == MAX_SPLITS - 1:
-            tile_hi = num_tiles
+            chunk_hi = num_chunks
         else:
-            tile_hi = tl.minimum(tile_lo + TILES_PER_SPLIT, num_tiles)
+            chunk_hi = tl.minimum(split + 1, num_chunks)
     else:
-        tile_lo = 0
-        tile_hi = num_tiles
+        chunk_lo = 0
+        chunk_hi = num_chunks
     if IS_FP8:
         k_scale = tl.load(k_scale_ptr)
         v_scale = tl.load(v_scale_ptr)
 
-    row_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    row_sum = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
-    acc = tl.full([BLOCK_M, HEAD_PAD], 0.0, dtype=tl.float32)
+    total_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    total_sum = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
+    total_acc = tl.full([BLOCK_M, HEAD_PAD], 0.0, dtype=tl.float32)
     offs_n = tl.arange(0, TILE_N)
     block_table = block_tables_ptr + seq.to(tl.int64) * stride_bt_s
     k_head = k_cache_ptr + kv_head * stride_k_h
     v_head = v_cache_ptr + kv_head * stride_v_h
-    for tile in range(tile_lo, tile_hi):
-        pos = tile * TILE_N + offs_n  # (TILE_N,) key positions
-        is_key = pos < seq_len
-        block = tl.load(block_table + pos // BLOCK_SIZE, mask=is_key, other=0).to(tl.int64)
-        slot = block * BLOCK_SIZE + pos % BLOCK_SIZE  # (TILE_N,) int64
-        k = tl.load(k_head + slot[None, :] * stride_k_s + dims[:, None],
-                    mask=is_key[None, :] & is_dim[:, None], other=0.0)  # (HEAD_PAD, TILE_N)
-        v = tl.load(v_head + slot[:, None] * stride_v_s + dims[None, :],
-                    mask=is_key[:, None] & is_dim[None, :], other=0.0)  # (TILE_N, HEAD_PAD)
-        if IS_FP8:
-            k = (k.to(tl.float32) * k_scale).to(q.dtype)
-            v = (v.to(tl.float32) * v_scale).to(q.dtype)
-        if IS_FP32:
-            scores = tl.dot(q, k, input_precision="ieee")  # no silent TF32 for float32 models
-        else:
-            scores = tl.dot(q, k)
-        scores = scores * qk_scale  # (BLOCK_M, TILE_N)
-        is_seen = (pos[None, :] <= last_key[:, None]) & is_key[None, :]
-        scores = tl.where(is_seen, scores, float("-inf"))
-        new_max = tl.maximum(row_max, tl.max(scores, 1))
-        # A row with no key yet (split-KV, or a spare row) keeps max -inf: exponents against 0 then
-        # give 0 instead of NaN.
-        safe_max = tl.where(new_max > float("-inf"), new_max, 0.0)
-        p = tl.exp2(scores - safe_max[:, None])
-        alpha = tl.exp2(row_max - safe_max)
-        row_sum = row_sum * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        if IS_FP32:
-            acc += tl.dot(p, v, input_precision="ieee")
-        else:
-            acc += tl.dot(p.to(v.dtype), v)
-        row_max = new_max
+    for chunk in range(chunk_lo, chunk_hi):
+        row_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        row_sum = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
+        acc = tl.full([BLOCK_M, HEAD_PAD], 0.0, dtype=tl.float32)
+        for tile in range(chunk * TILES_PER_CHUNK, tl.minimum((chunk + 1) * TILES_PER_CHUNK, num_tiles)):
+            pos = tile * TILE_N + offs_n  # (TILE_N,) key positions
+            is_key = pos < seq_len
+            block = tl.load(block_table + pos // BLOCK_SIZE, mask=is_key, other=0).to(tl.int64)
+            slot = block * BLOCK_SIZE + pos % BLOCK_SIZE  # (TILE_N,) int64
+            k = tl.load(k_head + slot[None, :] * stride_k_s + dims[:, None],
+                        mask=is_key[None, :] & is_dim[:, None], other=0.0)  # (HEAD_PAD, TILE_N)
+            v = tl.load(v_head + slot[:, None] * stride_v_s + dims[None, :],
+                        mask=is_key[:, None] & is_dim[None, :], other=0.0)  # (TILE_N, HEAD_PAD)
+            if IS_FP8:
+                k = (k.to(tl.float32) * k_scale).to(q.dtype)
+                v = (v.to(tl.float32) * v_scale).to(q.dtype)
+            if IS_FP32:
+                scores = tl.dot(q, k, input_precision="ieee")  # no silent TF32 for float32 models
+            else:
+                scores = tl.dot(q, k)
+            scores = scores * qk_scale  # (BLOCK_M, TILE_N)
+            is_seen = (pos[None, :] <= last_key[:, None]) & is_key[None, :]
+            scores = tl.where(is_seen, scores, float("-inf"))
+            new_max = tl.maximum(row_max, tl.max(scores, 1))
+            # A row with no key yet (a later chunk of a prefill row, or a spare row) keeps max -inf:
+            # exponents against 0 then give 0 instead of NaN.
+            safe_max = tl.where(new_max > float("-inf"), new_max, 0.0)
+            p = tl.exp2(scores - safe_max[:, None])
+            alpha = tl.exp2(row_max - safe_max)
+            row_sum = row_sum * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None]
+            if IS_FP32:
+                acc += tl.dot(p, v, input_precision="ieee")
+            else:
+                acc += tl.dot(p.to(v.dtype), v)
+            row_max = new_max
+        total_max, total_sum, total_acc = _merge(total_max, total_sum, total_acc, row_max, row_sum, acc)
 
     if IS_SPLIT:
         split = tl.program_id(2)
         part = tokens * stride_pm_t + heads * stride_pm_h + split  # (BLOCK_M,)
-        tl.store(part_max_ptr + part, row_max, mask=is_row)
-        tl.store(part_sum_ptr + part, row_sum, mask=is_row)
+        tl.store(part_max_ptr + part, total_max, mask=is_row)
+        tl.store(part_sum_ptr + part, total_sum, mask=is_row)
         tl.store(part_acc_ptr + tokens[:, None] * stride_pa_t + heads[:, None] * stride_pa_h
-                 + split * stride_pa_s + dims[None, :], acc, mask=is_row[:, None])
+                 + split * stride_pa_s + dims[None, :], total_acc, mask=is_row[:, None])
     else:
-        out = acc / row_sum[:, None]
+        out = total_acc / total_sum[:, None]
         tl.store(out_ptr + tokens[:, None] * stride_o_t + heads[:, None] * stride_o_h + dims[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=is_row[:, None] & is_dim[None, :])
 
@@ -178,7 +195,7 @@ def _combine_splits_kernel(
     part_acc_ptr, part_max_ptr, part_sum_ptr, out_ptr,
     stride_pa_t, stride_pa_h, stride_pa_s, stride_pm_t, stride_pm_h, stride_o_t, stride_o_h,
     NUM_QUERIES_PER_KV: tl.constexpr, GROUP_PAD: tl.constexpr,
-    HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, MAX_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, MAX_SPLITS: tl.constexpr,
 ):
     # One program per (token, kv head): the group's query heads as rows.
     token = tl.program_id(0).to(tl.int64)
@@ -186,60 +203,40 @@ def _combine_splits_kernel(
     rows = tl.arange(0, GROUP_PAD)
     heads = kv_head * NUM_QUERIES_PER_KV + rows  # (GROUP_PAD,)
     is_row = rows < NUM_QUERIES_PER_KV
-    splits = tl.arange(0, SPLITS_PAD)
     dims = tl.arange(0, HEAD_PAD)
     part_row = token * stride_pm_t + heads * stride_pm_h  # (GROUP_PAD,)
     acc_row = token * stride_pa_t + heads[:, None] * stride_pa_h + dims[None, :]  # (GROUP_PAD, HEAD_PAD)
-    maxima = tl.load(part_max_ptr + part_row[:, None] + splits[None, :],
-                     mask=is_row[:, None] & (splits[None, :] < MAX_SPLITS), other=float("-inf"))
-    total_max = tl.max(maxima, 1)  # (GROUP_PAD,)
-    total_max = tl.where(total_max > float("-inf"), total_max, 0.0)
-    # Sequential merge in split order: empty splits (max -inf, sum 0, acc 0) add exact zeros, so the
-    # result does not depend on max_num_splits, and one split gives bitwise the unsplit acc / sum.
-    num = tl.full([GROUP_PAD, HEAD_PAD], 0.0, dtype=tl.float32)
-    den = tl.full([GROUP_PAD], 0.0, dtype=tl.float32)
+    # In split order, with the attention kernel's own merge: the unsplit kernel's result bit for bit.
+    total_max = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
+    total_sum = tl.full([GROUP_PAD], 0.0, dtype=tl.float32)
+    total_acc = tl.full([GROUP_PAD, HEAD_PAD], 0.0, dtype=tl.float32)
     for split in range(MAX_SPLITS):
-        weight = tl.exp2(tl.load(part_max_ptr + part_row + split, mask=is_row, other=0.0) - total_max)
-        num += weight[:, None] * tl.load(part_acc_ptr + acc_row + split * stride_pa_s,
-                                         mask=is_row[:, None], other=0.0)
-        den += weight * tl.load(part_sum_ptr + part_row + split, mask=is_row, other=0.0)
-    out = num / tl.where(is_row, den, 1.0)[:, None]  # padding rows of the group: no 0 / 0
+        part_max = tl.load(part_max_ptr + part_row + split, mask=is_row, other=float("-inf"))
+        part_sum = tl.load(part_sum_ptr + part_row + split, mask=is_row, other=0.0)
+        part_acc = tl.load(part_acc_ptr + acc_row + split * stride_pa_s, mask=is_row[:, None], other=0.0)
+        total_max, total_sum, total_acc = _merge(total_max, total_sum, total_acc, part_max, part_sum, part_acc)
+    out = total_acc / tl.where(is_row, total_sum, 1.0)[:, None]  # padding rows of the group: no 0 / 0
     tl.store(out_ptr + token * stride_o_t + heads[:, None] * stride_o_h + dims[None, :],
              out.to(out_ptr.dtype.element_ty), mask=is_row[:, None] & (dims[None, :] < HEAD_SIZE))
 
 
-def split_kv_workspace(num_tokens: int, num_q_heads: int, head_size: int, max_num_splits: int,
-                       device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """float32 scratch for split-KV: partial acc (T, Hq, splits, head_pad), max and sum (T, Hq, splits).
-
-    Preallocate it (e.g. once per CUDA-graph batch size) and pass it as `workspace` to avoid an
-    allocation per call; its size is 4 * T * Hq * splits * (head_pad + 2) bytes.
-    """
-    head_pad = triton.next_power_of_2(head_size)
-    acc = torch.empty(num_tokens, num_q_heads, max_num_splits, head_pad, dtype=torch.float32, device=device)
-    row_max = torch.empty(num_tokens, num_q_heads, max_num_splits, dtype=torch.float32, device=device)
-    row_sum = torch.empty_like(row_max)
-    return acc, row_max, row_sum
+def workspace_shape(num_tokens: int, num_q_heads: int, head_size: int, max_num_splits: int) -> tuple[int, ...]:
+    """Split-KV's float32 partial acc (T, Hq, splits, head_pad); max and sum are its first three dims."""
+    return num_tokens, num_q_heads, max_num_splits, triton.next_power_of_2(head_size)
 
 
-def num_query_tiles(num_tokens: int, num_seqs: int, num_queries_per_kv: int,
-                    block_m: int = DEFAULT_BLOCK_M) -> int:
+def num_query_tiles(num_tokens: int, num_seqs: int, num_queries_per_kv: int, block_m: int) -> int:
     """The grid's first dimension: an upper bound on the query tiles of any step of this size."""
-    return num_tokens // _block_q(num_queries_per_kv, block_m) + num_seqs
-
-
-def _block_q(num_queries_per_kv: int, block_m: int) -> int:
-    return max(block_m // num_queries_per_kv, 1)
+    return num_tokens // max(block_m // num_queries_per_kv, 1) + num_seqs
 
 
 def paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     cu_query_lens: torch.Tensor, seq_lens: torch.Tensor, sm_scale: float, block_size: int, *,
-    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-    out: torch.Tensor | None = None,
-    split_size: int | None = None, max_num_splits: int | None = None,
+    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None, out: torch.Tensor | None = None,
+    split_size: int = DEFAULT_SPLIT_SIZE,
     workspace: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-    block_m: int = DEFAULT_BLOCK_M, tile_n: int = DEFAULT_TILE_N,
+    tiles: AttentionTiles | None = None,
 ) -> torch.Tensor:
     """Causal paged attention of one engine step -> (T, Hq, D) in q's dtype (written into `out` if given).
 
@@ -253,35 +250,108 @@ def paged_attention(
     CUDA-graph batch: one query token, seq_len 1, a block table whose first entry is a valid block
     (slot -1 in the KV store): their output is the value at that slot, finite, and ignored.
 
-    Values are not checked (that would need a device sync); only shapes, dtypes and strides are.
-
-    Split-KV: with split_size (a multiple of tile_n) the KV loop is cut into max_num_splits programs of
-    split_size keys each (the last takes any remainder) and merged by a second launch; size
-    max_num_splits from the longest possible sequence (max_model_len), not from the batch.
-    `workspace` is split_kv_workspace(T, Hq, D, max_num_splits, device) to reuse.
+    split_size: keys per KV chunk (a multiple of tiles.tile_n), the same in both modes. `workspace`:
+    split-KV, one program per chunk, into float32 tensors of `workspace_shape(T, Hq, D, splits)`
+    (acc) and its first three dims (max, sum); splits sized from the longest possible sequence.
+    `tiles`: kernels/triton_tuning.py's choice for this shape when None. Values are not checked (that
+    would need a device sync); only shapes, dtypes and strides are.
     """
+    _check_inputs(q, k_cache, v_cache, block_tables, cu_query_lens, seq_lens, block_size, k_scale, v_scale)
+    num_tokens, num_q_heads, head_size = q.shape
+    group = num_q_heads // k_cache.shape[1]
+    is_fp8 = is_fp8_kv(k_cache.dtype)
+    if out is None:
+        out = torch.empty_like(q)
+    elif out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1 or out.device != q.device:
+        raise ValueError(f"out must be {tuple(q.shape)} {q.dtype}, contiguous in head_size, on q's device")
+    if workspace is not None:
+        part_acc, part_max, part_sum = workspace
+        max_num_splits = part_acc.shape[2] if part_acc.dim() == 4 else 0
+        if (max_num_splits < 1 or part_acc.shape != workspace_shape(num_tokens, num_q_heads, head_size, max_num_splits)
+                or part_max.shape != part_acc.shape[:3] or part_sum.shape != part_acc.shape[:3]
+                or any(t.dtype != torch.float32 or not t.is_contiguous() or t.device != q.device for t in workspace)):
+            raise ValueError(f"workspace must be contiguous float32 tensors on q's device: acc "
+                             f"{workspace_shape(num_tokens, num_q_heads, head_size, 1)[:2]} + (splits, head_pad), "
+                             f"max and sum its first three dims")
+    if num_tokens == 0:
+        return out
+
+    def launch(config: AttentionTiles) -> None:
+        if split_size <= 0 or split_size % config.tile_n:
+            raise ValueError(f"split_size must be a positive multiple of tile_n={config.tile_n}, got {split_size}")
+        _launch(q, k_cache, v_cache, out, block_tables, cu_query_lens, seq_lens, k_scale, v_scale, workspace,
+                sm_scale, block_size, split_size, group, is_fp8, config)
+
+    if tiles is None:
+        candidates = attention_candidates(head_size, group, q.dtype, is_fp8)
+        tiles = choose(("paged_attention", head_size, group, q.dtype, k_cache.dtype), candidates, launch,
+                       is_capturing=q.is_cuda and torch.cuda.is_current_stream_capturing())
+    launch(tiles)
+    return out
+
+
+def _launch(q, k_cache, v_cache, out, block_tables, cu_query_lens, seq_lens, k_scale, v_scale, workspace,
+            sm_scale: float, block_size: int, split_size: int, group: int, is_fp8: bool,
+            tiles: AttentionTiles) -> None:
+    num_tokens, _, head_size = q.shape
+    num_seqs, num_kv_heads = seq_lens.shape[0], k_cache.shape[1]
+    block_m = max(tiles.block_m, triton.next_power_of_2(group))  # one query per tile, all its heads
+    is_split = workspace is not None
+    part_acc, part_max, part_sum = workspace if is_split else (out, out, out)  # unsplit: never dereferenced
+    max_num_splits = part_acc.shape[2] if is_split else 1
+    head_pad = triton.next_power_of_2(head_size)
+    grid = (num_query_tiles(num_tokens, num_seqs, group, block_m), num_kv_heads, max_num_splits)
+    _paged_attention_kernel[grid](
+        q, k_cache, v_cache, out, block_tables, cu_query_lens, seq_lens,
+        k_scale if is_fp8 else q, v_scale if is_fp8 else q,
+        part_acc, part_max, part_sum,
+        sm_scale * _LOG2E, num_seqs,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        out.stride(0), out.stride(1),
+        block_tables.stride(0),
+        part_acc.stride(0) if is_split else 0, part_acc.stride(1) if is_split else 0,
+        part_acc.stride(2) if is_split else 0,
+        part_max.stride(0) if is_split else 0, part_max.stride(1) if is_split else 0,
+        NUM_QUERIES_PER_KV=group, HEAD_SIZE=head_size, HEAD_PAD=head_pad,
+        BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=max(block_m // group, 1), TILE_N=tiles.tile_n,
+        IS_FP8=is_fp8, IS_FP32=q.dtype == torch.float32,
+        IS_SPLIT=is_split, TILES_PER_CHUNK=split_size // tiles.tile_n, MAX_SPLITS=max_num_splits,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+    )
+    if is_split:
+        _combine_splits_kernel[(num_tokens, num_kv_heads)](
+            part_acc, part_max, part_sum, out,
+            part_acc.stride(0), part_acc.stride(1), part_acc.stride(2),
+            part_max.stride(0), part_max.stride(1), out.stride(0), out.stride(1),
+            NUM_QUERIES_PER_KV=group, GROUP_PAD=triton.next_power_of_2(group),
+            HEAD_SIZE=head_size, HEAD_PAD=head_pad, MAX_SPLITS=max_num_splits,
+        )
+
+
+def _check_inputs(q, k_cache, v_cache, block_tables, cu_query_lens, seq_lens, block_size: int,
+                  k_scale, v_scale) -> None:
+    """Shapes, dtypes, strides and devices (no values: that would need a device sync)."""
     if q.dim() != 3 or k_cache.dim() != 3:
         raise ValueError(f"expected q (T, Hq, D) and k_cache (num_slots, Hkv, D); "
                          f"got {tuple(q.shape)} and {tuple(k_cache.shape)}")
-    num_tokens, num_q_heads, head_size = q.shape
-    num_kv_heads = k_cache.shape[1]
+    num_q_heads, head_size = q.shape[1:]
     if v_cache.shape != k_cache.shape or k_cache.shape[2] != head_size:
         raise ValueError(f"k_cache and v_cache must both be (num_slots, Hkv, {head_size}), "
                          f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
-    if num_q_heads % num_kv_heads:
-        raise ValueError(f"{num_q_heads} query heads are not a multiple of {num_kv_heads} kv heads")
+    if num_q_heads % k_cache.shape[1]:
+        raise ValueError(f"{num_q_heads} query heads are not a multiple of {k_cache.shape[1]} kv heads")
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"q must be float16, bfloat16 or float32, got {q.dtype}")
     if v_cache.dtype != k_cache.dtype:
         raise ValueError(f"k_cache and v_cache dtypes differ: {k_cache.dtype}, {v_cache.dtype}")
-    is_fp8 = is_fp8_kv(k_cache.dtype)
-    if not is_fp8 and k_cache.dtype != q.dtype:
-        raise ValueError(f"the cache must be in q's dtype {q.dtype} or FP8, got {k_cache.dtype}")
-    if is_fp8:
+    if is_fp8_kv(k_cache.dtype):
         check_kv_scales(k_scale, v_scale, q.device)
-    num_seqs = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
+    elif k_cache.dtype != q.dtype:
+        raise ValueError(f"the cache must be in q's dtype {q.dtype} or FP8, got {k_cache.dtype}")
     if seq_lens.dim() != 1 or seq_lens.dtype != torch.int32:
         raise ValueError(f"seq_lens must be (S,) int32, got {tuple(seq_lens.shape)} {seq_lens.dtype}")
+    num_seqs = seq_lens.shape[0]
     if cu_query_lens.shape != (num_seqs + 1,) or cu_query_lens.dtype != torch.int32:
         raise ValueError(f"cu_query_lens must be ({num_seqs + 1},) int32, "
                          f"got {tuple(cu_query_lens.shape)} {cu_query_lens.dtype}")
@@ -299,63 +369,3 @@ def paged_attention(
             raise ValueError(f"{name} is on {t.device}, q on {q.device}")
     if block_size <= 0 or block_size % 16:
         raise ValueError(f"block_size must be a positive multiple of 16, got {block_size}")
-    for name, size in (("block_m", block_m), ("tile_n", tile_n)):
-        if size < 16 or size & (size - 1):
-            raise ValueError(f"{name} must be a power of two >= 16 (tl.dot), got {size}")
-    num_queries_per_kv = num_q_heads // num_kv_heads
-    if num_queries_per_kv > block_m:
-        block_m = triton.next_power_of_2(num_queries_per_kv)  # one query per tile, all its heads
-    block_q = _block_q(num_queries_per_kv, block_m)
-    if out is None:
-        out = torch.empty_like(q)
-    elif out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1 or out.device != q.device:
-        raise ValueError(f"out must be {tuple(q.shape)} {q.dtype}, contiguous in head_size, on q's device")
-    is_split = split_size is not None
-    if is_split:
-        if split_size <= 0 or split_size % tile_n:
-            raise ValueError(f"split_size must be a positive multiple of tile_n={tile_n}, got {split_size}")
-        if max_num_splits is None or max_num_splits < 1:
-            raise ValueError("split-KV needs max_num_splits >= 1 (e.g. cdiv(max_model_len, split_size))")
-        if workspace is None:
-            workspace = split_kv_workspace(num_tokens, num_q_heads, head_size, max_num_splits, q.device)
-        part_acc, part_max, part_sum = workspace
-        head_pad = triton.next_power_of_2(head_size)
-        if (part_acc.shape != (num_tokens, num_q_heads, max_num_splits, head_pad)
-                or part_max.shape != part_acc.shape[:3] or part_sum.shape != part_acc.shape[:3]
-                or any(t.dtype != torch.float32 or not t.is_contiguous() for t in workspace)):
-            raise ValueError("workspace must be split_kv_workspace(T, Hq, D, max_num_splits, device)")
-    else:
-        max_num_splits = 1
-        part_acc = part_max = part_sum = out  # never dereferenced
-    if num_tokens == 0:
-        return out
-    head_pad = triton.next_power_of_2(head_size)
-    grid = (num_query_tiles(num_tokens, num_seqs, num_queries_per_kv, block_m), num_kv_heads, max_num_splits)
-    _paged_attention_kernel[grid](
-        q, k_cache, v_cache, out, block_tables, cu_query_lens, seq_lens,
-        k_scale if is_fp8 else q, v_scale if is_fp8 else q,
-        part_acc, part_max, part_sum,
-        sm_scale * _LOG2E, num_seqs,
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        out.stride(0), out.stride(1),
-        block_tables.stride(0),
-        part_acc.stride(0) if is_split else 0, part_acc.stride(1) if is_split else 0,
-        part_acc.stride(2) if is_split else 0,
-        part_max.stride(0) if is_split else 0, part_max.stride(1) if is_split else 0,
-        NUM_QUERIES_PER_KV=num_queries_per_kv, HEAD_SIZE=head_size, HEAD_PAD=head_pad,
-        BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=tile_n,
-        IS_FP8=is_fp8, IS_FP32=q.dtype == torch.float32,
-        IS_SPLIT=is_split, TILES_PER_SPLIT=(split_size // tile_n) if is_split else 1,
-        MAX_SPLITS=max_num_splits,
-    )
-    if is_split:
-        _combine_splits_kernel[(num_tokens, num_kv_heads)](
-            part_acc, part_max, part_sum, out,
-            part_acc.stride(0), part_acc.stride(1), part_acc.stride(2),
-            part_max.stride(0), part_max.stride(1), out.stride(0), out.stride(1),
-            NUM_QUERIES_PER_KV=num_queries_per_kv, GROUP_PAD=triton.next_power_of_2(num_queries_per_kv),
-            HEAD_SIZE=head_size, HEAD_PAD=head_pad, MAX_SPLITS=max_num_splits,
-            SPLITS_PAD=triton.next_power_of_2(max_num_splits),
-        )
-    return out

@@ -71,6 +71,15 @@ class AttentionMetadataBuilder(ABC):
         """
         return self.build(step.query_lens, step.context_lens, step.block_tables, step.num_decodes)
 
+    def prepare_graph(self, num_seqs: int, max_model_len: int) -> None:
+        """Called before the CUDA graph of `num_seqs` decodes is captured (decode_graphs.py), outside
+        the capture: allocate whatever that graph's steps will use, so it is not allocated from the
+        graph's pool nor per replay. The default keeps nothing."""
+
+    def graph_workspace_bytes(self, sizes: list[int], max_model_len: int) -> int:
+        """Bytes `prepare_graph` will hold for these graph sizes (reserved in the KV plan)."""
+        return 0
+
 
 class AttentionBackend(ABC):
     """Attention over the paged KV cache for one model's head layout; shared by all its layers.

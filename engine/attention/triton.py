@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from math import ceil
 
 import torch
 
@@ -31,6 +32,12 @@ from batchgen.engine.attention.base import (
 from batchgen.engine.attention.kv_cache import LayerKVCache
 from batchgen.engine.step_inputs import StepInputs
 
+# Keys per KV chunk: the unit the kernel merges its online softmax in, split or not (a multiple of
+# every candidate tile width). Longer chunks write fewer partials; shorter ones split short contexts.
+SPLIT_SIZE = 512
+# The interpreter's stand-in for a GPU's SM count (tests of the split choice on the CPU).
+INTERPRETER_SM_COUNT = 16
+
 
 @dataclass
 class TritonAttentionMetadata(AttentionMetadata):
@@ -38,14 +45,61 @@ class TritonAttentionMetadata(AttentionMetadata):
     cu_query_lens: torch.Tensor | None = None  # (S + 1,) int32 first flat token of each sequence, then T
     seq_lens: torch.Tensor | None = None  # (S,) int32 keys per sequence, this step's included
     block_size: int = 16
+    split_size: int = SPLIT_SIZE
+    # Split-KV's float32 scratch (acc (T, Hq, splits, head_pad), max, sum), or None: unsplit.
+    workspace: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+
+def device_sm_count(device: torch.device) -> int:
+    """The device's streaming multiprocessors (INTERPRETER_SM_COUNT on the CPU)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return INTERPRETER_SM_COUNT
 
 
 class TritonMetadataBuilder(AttentionMetadataBuilder):
-    """Stateless: the kernels need only this step's block tables, query offsets and lengths."""
+    """Views of the step's packed tensors, and the split-KV choice with its workspace."""
 
-    def __init__(self, block_size: int, device: torch.device):
+    def __init__(self, block_size: int, device: torch.device, num_q_heads: int = 1, num_kv_heads: int = 1,
+                 head_size: int = 64, num_sms: int | None = None):
         self.block_size = block_size
         self.device = device
+        self.num_q_heads, self.num_kv_heads, self.head_size = num_q_heads, num_kv_heads, head_size
+        self.num_sms = num_sms if num_sms is not None else device_sm_count(device)
+        self.split_size = SPLIT_SIZE
+        self.graph_workspaces: dict[tuple[int, int], tuple] = {}  # (tokens, splits) -> prepare_graph's
+
+    def num_splits(self, num_seqs: int, max_seq_len: int, is_decode_only: bool) -> int:
+        """Splits for a step (0: unsplit): decode-only, its sequences x KV heads fewer than the SMs,
+        and a sequence that may span more than one chunk; enough splits for the longest."""
+        if not is_decode_only or num_seqs * self.num_kv_heads >= self.num_sms:
+            return 0
+        splits = ceil(max_seq_len / self.split_size)
+        return splits if splits > 1 else 0
+
+    def _workspace(self, num_tokens: int, num_splits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        from batchgen.kernels.triton_paged_attention import workspace_shape
+
+        acc = torch.empty(workspace_shape(num_tokens, self.num_q_heads, self.head_size, num_splits),
+                          dtype=torch.float32, device=self.device)
+        return (acc, torch.empty(acc.shape[:3], dtype=torch.float32, device=self.device),
+                torch.empty(acc.shape[:3], dtype=torch.float32, device=self.device))
+
+    def prepare_graph(self, num_seqs: int, max_model_len: int) -> None:
+        splits = self.num_splits(num_seqs, max_model_len, True)
+        if splits:
+            self.graph_workspaces[(num_seqs, splits)] = self._workspace(num_seqs, splits)
+
+    def graph_workspace_bytes(self, sizes: list[int], max_model_len: int) -> int:
+        from batchgen.kernels.triton_paged_attention import workspace_shape
+
+        total = 0
+        for size in sizes:
+            splits = self.num_splits(size, max_model_len, True)
+            if splits:
+                tokens, heads, splits, head_pad = workspace_shape(size, self.num_q_heads, self.head_size, splits)
+                total += 4 * tokens * heads * splits * (head_pad + 2)
+        return total
 
     def build(self, query_lens: list[int], context_lens: list[int], block_tables: list[list[int]],
               num_decodes: int) -> TritonAttentionMetadata:
@@ -55,14 +109,21 @@ class TritonMetadataBuilder(AttentionMetadataBuilder):
             build_slot_mapping(query_lens, context_lens, block_tables, self.block_size, device), num_decodes,
             block_tables=padded_block_tables(block_tables, seq_lens, self.block_size, device),
             cu_query_lens=torch.tensor(token_starts(query_lens), dtype=torch.int32, device=device),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device), block_size=self.block_size)
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device), block_size=self.block_size,
+            split_size=self.split_size)
 
     def build_packed(self, step: StepInputs) -> TritonAttentionMetadata:
         """The step's packed tensors as they are: the kernels take int32 offsets, lengths and tables,
-        so nothing is built here and a decode graph's capture records reads of its static buffers."""
+        so nothing is built here and a decode graph's capture records reads of its static buffers.
+        A split step takes a graph size's prepared workspace when there is one, else a new one."""
+        workspace = None
+        splits = self.num_splits(step.num_seqs, step.max_seq_len, step.is_decode_only)
+        if splits:
+            workspace = self.graph_workspaces.get((step.num_tokens, splits)) or self._workspace(step.num_tokens,
+                                                                                                  splits)
         return TritonAttentionMetadata(step.slot_mapping, step.num_decodes, block_tables=step.block_tables_t,
                                        cu_query_lens=step.query_start_loc, seq_lens=step.seq_lens,
-                                       block_size=self.block_size)
+                                       block_size=self.block_size, split_size=self.split_size, workspace=workspace)
 
 
 def _triton_reason() -> str | None:
@@ -98,7 +159,7 @@ class TritonAttention(AttentionBackend):
                               dtype: torch.dtype, device: torch.device) -> TritonMetadataBuilder:
         if block_size % 16:
             raise ValueError(f"attention_backend triton needs engine.block_size a multiple of 16, got {block_size}")
-        return TritonMetadataBuilder(block_size, device)
+        return TritonMetadataBuilder(block_size, device, self.num_heads, self.num_kv_heads, self.head_dim)
 
     def forward(self, layer_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: LayerKVCache, meta: TritonAttentionMetadata) -> torch.Tensor:
@@ -110,4 +171,5 @@ class TritonAttention(AttentionBackend):
         scales = dict(k_scale=kv_cache.k_scale, v_scale=kv_cache.v_scale) if kv_cache.is_fp8 else {}
         store_kv(k, v, kv_cache.k, kv_cache.v, meta.slot_mapping, **scales)
         return paged_attention(q, kv_cache.k, kv_cache.v, meta.block_tables, meta.cu_query_lens, meta.seq_lens,
-                               self.scale, meta.block_size, **scales)  # (T, H, D)
+                               self.scale, meta.block_size, split_size=meta.split_size, workspace=meta.workspace,
+                               **scales)  # (T, H, D)

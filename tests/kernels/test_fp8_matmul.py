@@ -15,6 +15,7 @@ import torch
 
 from batchgen.kernels.fp8_matmul import fp8_w8a16_matmul
 from batchgen.kernels.reference import fp8_w8a16_matmul_ref
+from batchgen.kernels.triton_tuning import GemmTiles
 
 
 def quantized(n: int, k: int, per_channel: bool, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -27,7 +28,7 @@ def quantized(n: int, k: int, per_channel: bool, seed: int) -> tuple[torch.Tenso
 
 
 # Odd sizes straddle the block edges: masks on M, N and K all matter. M picks the tiles
-# (kernels/matmul_tiles.py): 1 and 5 the decode tiles, 17 the middle ones, 70 the prefill ones.
+# (kernels/triton_tuning.py): 1 and 5 the decode tiles, 17 the middle ones, 70 the prefill ones.
 @pytest.mark.parametrize("m, n, k", [(1, 64, 64), (5, 70, 96), (17, 33, 130), (70, 40, 48)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("per_channel", [True, False])
@@ -58,4 +59,4 @@ def test_bad_arguments_are_refused():
     with pytest.raises(ValueError, match="scale"):
         fp8_w8a16_matmul(x, q, scale[:5])
     with pytest.raises(ValueError, match="block sizes"):
-        fp8_w8a16_matmul(x, q, scale, tiles=(8, 64, 64))
+        fp8_w8a16_matmul(x, q, scale, tiles=GemmTiles(8, 64, 64))

@@ -13,9 +13,9 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernel module is im
 import pytest
 import torch
 
-from batchgen.kernels.matmul_tiles import tiles_for
 from batchgen.kernels.reference import int_weight_matmul_ref
 from batchgen.kernels.triton_int_matmul import int_weight_matmul, pack_codes
+from batchgen.kernels.triton_tuning import gemm_candidates
 
 
 def weight(n: int, k: int, bits: int, group_size: int, seed: int, act_order: bool = False,
@@ -61,9 +61,9 @@ def test_act_order_and_symmetric(bits):
 
 
 def test_prefill_tiles():
-    assert tiles_for(1) != tiles_for(2048)
+    assert gemm_candidates(1, 96, "int4", torch.float32)[0] != gemm_candidates(70, 96, "int4", torch.float32)[0]
     codes, scales, zeros, _ = weight(48, 96, 4, 32, seed=9)
-    x = torch.randn(70, 96, generator=torch.Generator().manual_seed(1))  # M > 64: the 64 x 128 x 32 tiles
+    x = torch.randn(70, 96, generator=torch.Generator().manual_seed(1))  # M > 64: the prefill tiles
     out = int_weight_matmul(x, pack_codes(codes, 4), scales, zeros, 4, 32)
     ref = int_weight_matmul_ref(x, codes, scales, zeros, 32)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())

@@ -16,7 +16,8 @@ import torch
 
 from batchgen.kernels.reference import kv_store_reference, paged_attention_reference, quantize_kv_reference
 from batchgen.kernels.triton_kv_store import store_kv
-from batchgen.kernels.triton_paged_attention import paged_attention, split_kv_workspace
+from batchgen.kernels.triton_paged_attention import paged_attention, workspace_shape
+from batchgen.kernels.triton_tuning import AttentionTiles
 
 
 @dataclass
@@ -40,7 +41,14 @@ class Step:
         return dict(k_scale=self.k_scale, v_scale=self.v_scale)
 
     def run(self, **kwargs) -> torch.Tensor:
+        if "split_size" in kwargs:  # chunks of 32 keys: tiles of 32
+            kwargs.setdefault("tiles", AttentionTiles(16, 32))
         return paged_attention(*self.args(), **self.scales(), **kwargs)
+
+    def run_split(self, split_size: int, num_splits: int, **kwargs) -> torch.Tensor:
+        """Split-KV: one program per chunk of split_size keys, up to num_splits of them."""
+        return self.run(split_size=split_size, workspace=workspace(self.q.shape[0], *self.q.shape[1:], num_splits),
+                        **kwargs)
 
     def reference(self) -> torch.Tensor:
         return paged_attention_reference(*self.args(), **self.scales())
@@ -51,6 +59,11 @@ class Step:
         return Step(self.q[lo:hi].clone(), self.k_cache, self.v_cache, self.block_tables[s:s + 1].clone(),
                     torch.tensor([0, hi - lo], dtype=torch.int32), self.seq_lens[s:s + 1].clone(),
                     self.sm_scale, self.block_size, self.k_scale, self.v_scale), slice(lo, hi)
+
+
+def workspace(num_tokens: int, num_q_heads: int, head_size: int, num_splits: int):
+    acc = torch.empty(workspace_shape(num_tokens, num_q_heads, head_size, num_splits))
+    return acc, torch.empty(acc.shape[:3]), torch.empty(acc.shape[:3])
 
 
 def make_step(query_lens: list[int], seq_lens: list[int], num_q_heads: int, num_kv_heads: int, head_size: int,
@@ -182,36 +195,43 @@ def test_padded_rows_write_only_their_own_rows():
     torch.testing.assert_close(out[-2], expected)
 
 
-def test_split_kv_decode_matches_reference_and_unsplit_below_one_split():
-    # split_size 32: 1 and 17 tokens fit one split, 33 takes two, 100 more than max_num_splits * 32
-    # (the last split takes the rest).
+def test_split_kv_decode_matches_reference_and_is_bitwise_the_unsplit_result():
+    # Chunks of 32 keys: 1 and 17 tokens fit one, 33 takes two, 100 four, past 2 splits (the last split
+    # takes the rest). The unsplit kernel merges the same chunks in the same order: bitwise the same
+    # result whenever the splits cover the sequence.
     step = make_step([1] * 4, [1, 17, 33, 100], 8, 2, 64, dtype=torch.float32)
-    split = step.run(split_size=32, max_num_splits=2)
-    assert_close_to_reference(step, split)
-    unsplit = step.run()
-    # Within one split the merge is exact: bitwise the unsplit result.
-    assert torch.equal(split[:2], unsplit[:2])
-    assert not torch.equal(split[2:], unsplit[2:])  # two splits: a different (still close) sum
+    unsplit = step.run(split_size=32)
+    assert_close_to_reference(step, unsplit)
+    two = step.run_split(32, 2)
+    assert_close_to_reference(step, two)
+    assert torch.equal(two[:3], unsplit[:3])
+    assert torch.equal(step.run_split(32, 4), unsplit)  # four splits cover 100 keys
+    # The chunking is part of the arithmetic: another chunk size gives another (close) sum.
+    assert not torch.equal(step.run(split_size=64)[2:], unsplit[2:])
 
 
 def test_split_kv_with_prefill_chunks_and_reused_workspace():
     step = make_step([1, 7, 1], [40, 39, 15], 5, 1, 80, dtype=torch.float16)
-    workspace = split_kv_workspace(step.q.shape[0], 5, 80, 3, "cpu")
+    scratch = workspace(step.q.shape[0], 5, 80, 3)
     out = torch.empty_like(step.q)
-    result = step.run(split_size=16 * 2, max_num_splits=3, workspace=workspace, out=out)
+    result = step.run(split_size=16 * 2, workspace=scratch, out=out)
     assert result.data_ptr() == out.data_ptr()
     assert_close_to_reference(step, out)
+    assert torch.equal(out, step.run(split_size=32))  # prefill rows too: the unsplit result
 
 
-@pytest.mark.parametrize("split_size", [None, 32], ids=["unsplit", "split"])
-def test_batch_invariance_alone_vs_in_batch_bitwise(split_size):
+@pytest.mark.parametrize("num_splits", [None, 2], ids=["unsplit", "split"])
+def test_batch_invariance_alone_vs_in_batch_bitwise(num_splits):
     """A sequence's rows are bitwise the same alone and among other sequences (decodes and chunks)."""
     step = make_step([1, 9, 1, 5], [34, 20, 7, 5], 4, 1, 64, dtype=torch.float16, seed=3)
-    kwargs = dict(split_size=split_size, max_num_splits=2) if split_size else {}
-    batch = step.run(**kwargs)
+
+    def run(s: Step) -> torch.Tensor:
+        return s.run_split(32, num_splits) if num_splits else s.run(split_size=32)
+
+    batch = run(step)
     for s in range(4):
         alone, rows = step.alone(s)
-        assert torch.equal(alone.run(**kwargs), batch[rows]), f"sequence {s} differs alone"
+        assert torch.equal(run(alone), batch[rows]), f"sequence {s} differs alone"
 
 
 def test_decode_tokens_equal_their_rows_in_a_prefill_chunk():
@@ -256,9 +276,9 @@ def test_wrapper_rejects_bad_inputs():
     with pytest.raises(ValueError, match="k_scale"):
         call(dict(k_cache=fp8, v_cache=fp8), v_scale=torch.tensor([1.0]))
     with pytest.raises(ValueError, match="multiple of tile_n"):
-        call(split_size=48, max_num_splits=2)
-    with pytest.raises(ValueError, match="max_num_splits"):
-        call(split_size=64)
+        call(split_size=48, tiles=AttentionTiles(16, 32))
+    with pytest.raises(ValueError, match="workspace must be"):
+        call(workspace=workspace(2, 4, 64, 2))  # sized for 2 tokens, the step has 1
     with pytest.raises(ValueError, match="query heads"):
         call(dict(q=torch.randn(1, 3, 64)))
     with pytest.raises(ValueError, match="head_size"):
