@@ -90,7 +90,7 @@ def run_engine(args: argparse.Namespace) -> dict:
     from batchgen.engine import EngineConfig, LLMEngine
 
     engine = LLMEngine(EngineConfig(model=args.model or DEFAULT_MODEL, dtype="float32", device="cpu",
-                                    max_num_seqs=args.requests, enable_prefix_caching=False,
+                                    max_num_seqs=args.requests, enable_prefix_caching=False, kv_cache_memory="1GiB",
                                     num_threads=args.threads))
     work = random_workload(args.requests, 100, 200, args.output_len, 0, engine.model_cfg.vocab_size,
                            special_token_ids(engine.tokenizer.hf))
