@@ -1,24 +1,49 @@
 """The GPU check, one command: python -m batchgen.bench.gpu_check [--out gpu_check.json] [--model PATH]
 
 Needs torch, triton and transformers only (runs after `pip install --no-deps -e .`: no pydantic,
-polars or gguf); about 5 minutes on one H200. The JSON file is rewritten after every configuration,
-so a run cut short keeps what it measured; a table is printed at the end.
+polars or gguf). The JSON file is rewritten after every part and every speed configuration, so a run
+cut short keeps what it measured; a table is printed at the end. Each part and each configuration
+that fails is recorded with its error and traceback, and the next one still runs; every engine is
+gone (with its KV pool) before the next sizes its own.
 
 1. Correctness: a small Llama-shaped model with seeded random weights (or `--model PATH`, an HF
    folder) through the engine (attention_backend auto: the Triton kernels on CUDA) against HF
    transformers' own LlamaForCausalLM with the same weights (the torch reference): float32 greedy
    tokens must be identical; bfloat16 agreement is reported. FP8 matmul errors at the speed
    model's layer shapes ride along.
-2. Speed: a Llama-3-8B-shaped model with seeded random weights (no download), 7 configurations:
+2. Kernels (bench/gpu_kernels.py): decode paged attention alone at the 8B shape (S = 256 at 4k
+   context, S = 1 at 32k), split-KV off and on, in GB/s against the device's bandwidth, whether the
+   two modes gave the same bits, and each tile candidate's rate (kernels/triton_tuning.py); one
+   sampler step (N = 256, V = 128256) with top-k 50 + top-p 0.9 and top-p alone against greedy.
+3. Speed: a Llama-3-8B-shaped model with seeded random weights (no download), 7 configurations:
    bf16 decode at 1, 64 and 256 sequences; CUDA graphs off at 64; FP8 KV at 256; a mixed
    prefill+decode workload; FP8 weights at 256. Completion tokens/s over the whole run and over
-   decode-only steps, and the decode steps' fraction of the HBM bandwidth roofline: (weights + KV
-   bytes read) per step / 4.8 TB/s (H200).
-3. Peer: HF transformers `generate` in bfloat16 on the same shape at batch 64.
-4. `--tensor-parallel-size N` (N GPUs): the correctness model and the speed model saved as HF
+   decode-only steps, the decode steps' fraction of the HBM bandwidth roofline ((weights + KV bytes
+   read) per step / 4.8 TB/s, H200), the KV plan (GpuMemoryPlan.describe: what the CUDA graphs
+   were given) and the graphs' capture time and measured memory.
+4. Peer: HF transformers `generate` in bfloat16 on the same shape at batch 64.
+5. `--tensor-parallel-size N` (N GPUs): the correctness model and the speed model saved as HF
    folders (seeded random weights, a word-level tokenizer), each loaded at tp=1 and at tp=N (every
    rank reading its shard, NCCL between the GPUs, a decode graph per rank): float32 greedy tokens
    identical to tp=1, bfloat16 agreement reported; bf16 decode at 64 sequences at tp=1 and tp=N.
+
+Time on one H200 (estimates: no GPU has run this yet), bounded by --config-time-limit per speed
+configuration's workload and --time-budget for the whole run (speed configurations and the peer
+past it are skipped and say so):
+
+    part                                                     estimate
+    imports, CUDA context                                        10 s
+    correctness: 2 small engines + HF generate, Triton JIT       40 s
+    fp8 matmul errors (7 shapes)                                  5 s
+    kernels: 4 attention launches + 6 tile candidates (JIT
+      ~3 s each), 3 sampler settings                             40 s
+    speed: 8B init 5 s, FP8 quantization 10 s; per engine
+      a profiling step, graph profiling, capture of at most
+      20 sizes (1, 2, 4, 8, 16, 32, ... 256) ~10 s, then the
+      workload (x1 ~5 s, x64 ~5 s, x256 ~15 s, graphs off
+      ~10 s, FP8 KV ~15 s, mixed ~30 s, FP8 weights ~15 s)      ~190 s
+    peer: HF generate x64, 512 + 128 tokens                     20 s
+    total                                                      ~305 s (budget 330 s, < 6 min)
 
 `--tiny` runs the same flow at toy sizes on any device (the test suite runs it on the CPU).
 """
@@ -93,7 +118,7 @@ def speed_configs(tiny: bool) -> list[SpeedConfig]:
         SpeedConfig(f"bf16 decode x{b256}", b256, b256, p, o),
         SpeedConfig(f"bf16 graphs off x{b64}", b64, b64, p, o, {"enforce_eager": True}),
         SpeedConfig(f"fp8 KV x{b256}", b256, b256, p, o, {"kv_cache_dtype": "fp8"}),
-        SpeedConfig(f"mixed prefill+decode x{2 * b256}", 2 * b256, b256, (16, 48) if tiny else (256, 2048),
+        SpeedConfig(f"mixed prefill+decode x{2 * b256}", 2 * b256, b256, (16, 48) if tiny else (256, 1024),
                     o * 2, {"max_num_batched_tokens": 128 if tiny else 4096}),
         SpeedConfig(f"fp8 weights x{b256}", b256, b256, p, o, fp8_weights=True),
     ]
@@ -339,6 +364,10 @@ def run_speed(args: argparse.Namespace, device: torch.device, record) -> list[di
     models: dict[bool, LoadedModel] = {}  # fp8_weights -> the model; at most one held at a time
     for sc in speed_configs(args.tiny)[:args.max_configs]:
         missing = supported_overrides(sc.engine)[1]
+        if args.clock() - args.started > args.time_budget:
+            rows.append({"name": sc.name, "skipped": f"past the run's time budget of {args.time_budget:.0f} s"})
+            record(rows)
+            continue
         if missing:
             rows.append({"name": sc.name, "skipped": f"this build's EngineConfig has no {', '.join(missing)}"})
             record(rows)
@@ -370,8 +399,33 @@ def _run_on_fresh_engine(config: EngineConfig, loaded: LoadedModel, sc: SpeedCon
     row = run_speed_config(engine, sc, seed=1, clock=args.clock, time_limit=args.config_time_limit)
     if engine.gpu_memory is not None:
         row["kv_plan"] = engine.gpu_memory.describe()
+        row["cuda_graphs_reserved_bytes"] = engine.gpu_memory.cuda_graphs
+    graphs = engine.runner.graphs
+    if graphs is not None:
+        row["cuda_graphs_sizes"] = len(graphs.sizes)
+        row["cuda_graphs_capture_seconds"] = graphs.capture_seconds
+        row["cuda_graphs_memory_bytes"] = graphs.memory_bytes
     row["num_kv_blocks"] = engine.num_kv_blocks
     return row
+
+
+# ---- kernels -------------------------------------------------------------------------------------
+def check_kernels(args: argparse.Namespace, device: torch.device, cfg: ModelConfig, dtype: torch.dtype) -> dict:
+    """Decode attention alone and one sampler step (bench/gpu_kernels.py), where the Triton kernels run."""
+    from batchgen.bench.gpu_kernels import decode_attention_figures, sampler_step_figures
+    from batchgen.engine.attention.triton import TritonAttention
+
+    result: dict = {}
+    reason = TritonAttention.unavailable_reason(device, dtype, cfg.head_dim)
+    if reason is None:
+        result["decode_attention"] = decode_attention_figures(device, dtype, cfg.num_heads, cfg.num_kv_heads,
+                                                              cfg.head_dim, HBM_BYTES_PER_S, args.tiny,
+                                                              reps=1 if args.tiny else 10, warmups=0 if args.tiny else 2)
+    else:
+        result["decode_attention"] = {"skipped": f"the Triton backend cannot run here: {reason}"}
+    result["sampler"] = sampler_step_figures(device, cfg.vocab_size, 8 if args.tiny else 256,
+                                             reps=1 if args.tiny else 10, warmups=0 if args.tiny else 2)
+    return result
 
 
 # ---- 3. peer ---------------------------------------------------------------------------------------
@@ -471,21 +525,32 @@ def check_tensor_parallel(args: argparse.Namespace, device: torch.device, record
 # ---- the run ---------------------------------------------------------------------------------------
 def format_table(result: dict) -> str:
     lines = [f"{'configuration':<32} {'tok/s':>10} {'decode tok/s':>13} {'roofline':>9}  notes"]
-    for row in result.get("speed", []):
+    speed = result.get("speed", [])
+    for row in speed if isinstance(speed, list) else []:
         if "skipped" in row:
             lines.append(f"{row['name']:<32} {'-':>10} {'-':>13} {'-':>9}  skipped: {row['skipped']}")
             continue
         if "error" in row:
             lines.append(f"{row['name']:<32} {'-':>10} {'-':>13} {'-':>9}  FAILED: {row['error'][:200]}")
             continue
+        notes = f"{row['attention_backend']}, graphs {'on' if row['cuda_graphs'] else 'off'}"
+        if row.get("cuda_graphs_sizes"):
+            notes += (f" ({row['cuda_graphs_sizes']} captured in {row['cuda_graphs_capture_seconds']:.1f} s, "
+                      f"{row['cuda_graphs_memory_bytes'] / 2**30:.2f} GiB; reserved "
+                      f"{row.get('cuda_graphs_reserved_bytes', 0) / 2**30:.2f} GiB)")
+        if "stopped_at_time_limit" in row:
+            notes += f", cut short at {row['stopped_at_time_limit']:.0f} s"
         lines.append(f"{row['name']:<32} {row['completion_tokens_per_s']:>10.1f} {row['decode_tokens_per_s']:>13.1f} "
-                     f"{row['decode_fraction_of_roofline']:>9.1%}  {row['attention_backend']}, "
-                     f"graphs {'on' if row['cuda_graphs'] else 'off'}")
+                     f"{row['decode_fraction_of_roofline']:>9.1%}  {notes}")
+        if row.get("kv_plan"):
+            lines.append(f"{'':<32} KV plan: {row['kv_plan']}")
+    if isinstance(speed, dict) and "error" in speed:
+        lines.append(f"speed FAILED: {speed['error'][:300]}")
     peer = result.get("peer")
-    if peer:
+    if peer and "completion_tokens_per_s" in peer:
         lines.append(f"{peer['name']:<32} {peer['completion_tokens_per_s']:>10.1f} {'':>13} {'':>9}  peer")
     t = result.get("tensor_parallel")
-    if t:
+    if t and "speed" in t:  # not an error or a skip (those are listed below)
         for row in t["speed"]:
             if "skipped" not in row:
                 lines.append(f"{row['name']:<32} {row['completion_tokens_per_s']:>10.1f} "
@@ -495,16 +560,37 @@ def format_table(result: dict) -> str:
             lines.append(f"tensor parallel {name}: {t[name]['identical_requests']}/{t['num_prompts']} requests "
                          f"identical at tp={t['tensor_parallel_size']} and tp=1, {t[name]['matching_tokens']}/"
                          f"{t[name]['num_tokens']} tokens")
+    kernels = result.get("kernels") or {}
+    attention = kernels.get("decode_attention")
+    for row in attention if isinstance(attention, list) else []:
+        lines.append(f"decode attention {row['case']}: unsplit {row['unsplit_gb_per_s']:.0f} GB/s "
+                     f"({row['unsplit_fraction_of_hbm']:.0%} of HBM), split {row['split_gb_per_s']:.0f} GB/s "
+                     f"({row['split_fraction_of_hbm']:.0%}, {row['num_splits']} splits), same bits: "
+                     f"{row['split_equals_unsplit_bitwise']}; {row['tiles']}")
+        for tiles, rate in row.get("candidates", {}).items():
+            lines.append(f"    candidate {tiles}: {rate} GB/s")
+    sampler = kernels.get("sampler")
+    if sampler:
+        ms = sampler["ms"]
+        lines.append(f"sampler N={sampler['num_rows']} V={sampler['vocab']}: " + ", ".join(
+            f"{name} {value:.2f} ms" + (f" ({sampler['over_greedy'][name]:.2f}x greedy)" if name != "greedy" else "")
+            for name, value in ms.items()))
+    for name in ("correctness", "fp8_matmuls", "kernels", "peer", "tensor_parallel"):
+        part = result.get(name)
+        if isinstance(part, dict) and "error" in part:
+            lines.append(f"{name} FAILED: {part['error'][:300]}")
     c = result.get("correctness")
-    if c:
+    if c and "float32" in c:
         for name in ("float32", "bfloat16"):
             r = c[name]
             lines.append(f"correctness {name}: {r['identical_requests']}/{c['num_prompts']} requests identical to HF, "
                          f"{r['matching_tokens']}/{r['num_tokens']} tokens ({r['attention_backend']})")
     m = result.get("fp8_matmuls")
-    if m:
+    if isinstance(m, list):
         lines.append("fp8 matmuls: " + ", ".join(f"{r['layer']} w8a8 {r['w8a8']:.4f} w8a16 {r['w8a16']:.4f}"
                                                  for r in m))
+    if result.get("part_seconds"):
+        lines.append("seconds: " + ", ".join(f"{k} {v:.0f}" for k, v in result["part_seconds"].items()))
     return "\n".join(lines)
 
 
@@ -530,23 +616,40 @@ def run(args: argparse.Namespace) -> dict:
         if args.out:
             Path(args.out).write_text(json.dumps(result, indent=2))
 
+    args.started = args.clock()
     record()
-    result["correctness"] = check_correctness(args, device)
-    say(json.dumps(result["correctness"]))
     speed_cfg = tiny_config() if args.tiny else llama3_8b_config(args.layers)
-    result["fp8_matmuls"] = check_fp8_matmuls(speed_cfg, device, torch.bfloat16 if device.type == "cuda"
-                                              else torch.float32)
-    record()
-    result["speed"] = []
-    run_speed(args, device, record)
+    model_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    result["part_seconds"] = {}
+    parts = [
+        ("correctness", lambda: check_correctness(args, device)),
+        ("fp8_matmuls", lambda: check_fp8_matmuls(speed_cfg, device, model_dtype)),
+        ("kernels", lambda: check_kernels(args, device, speed_cfg, model_dtype)),
+        ("speed", lambda: run_speed(args, device, record)),
+    ]
     if args.peer:
-        result["peer"] = run_peer(args, device, clock=args.clock)
-        say(json.dumps(result["peer"]))
+        parts.append(("peer", lambda: run_peer(args, device, clock=args.clock)))
     if args.tensor_parallel_size > 1:
-        result["tensor_parallel"] = check_tensor_parallel(args, device, record)
-        say(json.dumps(result["tensor_parallel"]))
-    result["ok"] = (result["correctness"]["ok"] and all(r["ok"] for r in result["fp8_matmuls"])
-                    and result.get("tensor_parallel", {}).get("ok", True))
+        parts.append(("tensor_parallel", lambda: check_tensor_parallel(args, device, record)))
+    for name, part in parts:
+        started = args.clock()
+        if name in ("peer", "tensor_parallel") and started - args.started > args.time_budget:
+            result[name] = {"skipped": f"past the run's time budget of {args.time_budget:.0f} s"}
+            continue
+        try:
+            result[name] = part()
+        except Exception as exc:  # noqa: BLE001 - recorded; the next part still runs
+            result[name] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc(limit=-4)}
+        free_device_memory()
+        result["part_seconds"][name] = args.clock() - started
+        if name != "speed":
+            say(json.dumps({name: result[name]})[:2000])
+        record()
+    correctness, matmuls = result["correctness"], result["fp8_matmuls"]
+    parallel = result.get("tensor_parallel", {})
+    result["ok"] = (isinstance(correctness, dict) and bool(correctness.get("ok"))
+                    and isinstance(matmuls, list) and all(r["ok"] for r in matmuls)
+                    and isinstance(parallel, dict) and parallel.get("ok", True) is True)
     record()
     say(format_table(result))
     return result
@@ -560,8 +663,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--device", default=None)
     parser.add_argument("--attention-backend", default="auto", help="engine.attention_backend (auto: triton on CUDA)")
     parser.add_argument("--max-configs", type=int, default=8, help="run only the first N speed configurations")
-    parser.add_argument("--config-time-limit", type=float, default=60.0,
+    parser.add_argument("--config-time-limit", type=float, default=40.0,
                         help="seconds a speed configuration may run its workload before it is cut short")
+    parser.add_argument("--time-budget", type=float, default=330.0,
+                        help="seconds after which no further speed configuration (nor the peer) starts")
     parser.add_argument("--no-peer", dest="peer", action="store_false", help="skip HF generate")
     parser.add_argument("--out", default="gpu_check.json", help="the JSON file, rewritten after each configuration")
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
@@ -569,6 +674,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--quiet", action="store_true")
     args = parser.parse_args(argv)
     args.clock = time.perf_counter
+    args.started = args.clock()
     return args
 
 

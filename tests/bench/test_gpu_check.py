@@ -27,7 +27,8 @@ class TickClock:
 
 def test_tiny_run_on_cpu(tmp_path):
     out = tmp_path / "gpu_check.json"
-    args = gpu_check.parse_args(["--tiny", "--quiet", "--device", "cpu", "--out", str(out)])
+    args = gpu_check.parse_args(["--tiny", "--quiet", "--device", "cpu", "--out", str(out),
+                                 "--config-time-limit", "1e9", "--time-budget", "1e9"])
     args.clock = TickClock()
     result = gpu_check.run(args)
     assert json.loads(out.read_text()) == json.loads(json.dumps(result))  # the file holds the last record
@@ -47,8 +48,16 @@ def test_tiny_run_on_cpu(tmp_path):
         assert row["decode_steps"] >= 1 and row["decode_tokens_per_s"] > 0
         assert row["decode_fraction_of_roofline"] > 0
     assert result["peer"]["completion_tokens"] == result["peer"]["batch_size"] * result["peer"]["output_len"]
+    # Kernels: attention runs here under the interpreter (tests set TRITON_INTERPRET=1), split and
+    # unsplit giving the same bits; the sampler's settings over greedy.
+    attention = result["kernels"]["decode_attention"]
+    assert [r["num_splits"] for r in attention] == [2, 3]
+    assert all(r["split_equals_unsplit_bitwise"] and r["unsplit_gb_per_s"] > 0 for r in attention)
+    assert set(result["kernels"]["sampler"]["over_greedy"]) == {"top-k 50 + top-p 0.9", "top-p 0.9"}
+    assert set(result["part_seconds"]) == {"correctness", "fp8_matmuls", "kernels", "speed", "peer"}
     table = gpu_check.format_table(result)
     assert all(row["name"] in table for row in speed) and "HF generate" in table
+    assert "decode attention S=2 at 64" in table and "sampler N=8" in table
 
 
 def test_it_imports_without_pydantic_polars_or_gguf():
