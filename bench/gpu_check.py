@@ -487,7 +487,8 @@ def check_tensor_parallel(args: argparse.Namespace, device: torch.device, record
                 engine = LLMEngine(config)
                 tokens[tp] = engine_greedy(engine, prompts, num_tokens)
                 engine.shutdown()
-                release(engine)
+                del engine  # no name keeps its pool (free_device_memory's rule)
+                free_device_memory()
             pairs = list(zip(tokens[1], tokens[size]))
             result[str(dtype).removeprefix("torch.")] = {
                 "identical_requests": sum(a == b for a, b in pairs),
@@ -498,7 +499,7 @@ def check_tensor_parallel(args: argparse.Namespace, device: torch.device, record
         speed_cfg = tiny_config() if args.tiny else llama3_8b_config(args.layers)
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         folder = save_hf_folder(hf_llama(speed_cfg, dtype, device, seed=0), Path(tmp) / "speed")
-        release()
+        free_device_memory()
         sc = SpeedConfig("decode x64", 64, 64, (128, 128), 128) if not args.tiny else \
             SpeedConfig("decode x4", 4, 4, (8, 8), 8)
         max_model_len = 64 if args.tiny else 4096
@@ -517,7 +518,8 @@ def check_tensor_parallel(args: argparse.Namespace, device: torch.device, record
                                    clock=args.clock)
             result["speed"].append({"tensor_parallel_size": tp, **row})
             engine.shutdown()
-            release(engine)
+            del engine
+            free_device_memory()
             record()
     return result
 
