@@ -230,7 +230,7 @@ class ModelRunner:
             seq.num_computed_tokens = 1
             seq.block_ids = [0]
             scheduled.append(ScheduledSeq(seq, 1))
-        step, meta, _, _ = self.prepare(scheduled)
+        step, meta, _, _, _ = self.prepare(scheduled)
         self.model(step.input_ids, step.positions, self.kv_caches, meta, step.logits_indices)
 
 

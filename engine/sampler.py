@@ -276,7 +276,7 @@ class Sampler:
         kept = filter_logits(candidates, batch.top_k, batch.top_p, batch.min_p, has_top_k_or_p=batch.has_top_k_or_p,
                              has_min_p=batch.has_min_p, is_sorted=True, log_z=log_z)
         weights = (kept - kept[:, :1]).exp()  # (R, K): 0 past each row's kept set
-        if not logits.is_cuda:
+        if logits.device.type == "cpu":
             # Every filter keeps a prefix of the sorted candidates: draw over the longest one alone
             # (the noise costs most; a read of the device would stall a GPU step, so only here).
             width = int((weights > 0).sum(dim=-1).max())
