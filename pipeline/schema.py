@@ -137,18 +137,14 @@ def check_input_schema(file: InputFile, job: JobConfig) -> None:
         t = column(inp.prompt_column, "input.prompt_column")
         if not is_text(t):
             raise wrong(inp.prompt_column, "input.prompt_column", t, "a string type")
-    if inp.schema_column is not None:
-        t = column(inp.schema_column, "input.schema_column")
-        if not is_text(t):
-            raise wrong(inp.schema_column, "input.schema_column", t, "a string type (a JSON schema per row)")
-    if inp.continuations_column is not None:
-        t = column(inp.continuations_column, "input.continuations_column")
-        if not is_text_list(t):
-            raise wrong(inp.continuations_column, "input.continuations_column", t, "a list of strings")
-    if inp.continuation_column is not None:
-        t = column(inp.continuation_column, "input.continuation_column")
-        if not is_text(t):
-            raise wrong(inp.continuation_column, "input.continuation_column", t, "a string type")
+    for key, is_right, expected in (("schema_column", is_text, "a string type (a JSON schema per row)"),
+                                    ("continuations_column", is_text_list, "a list of strings"),
+                                    ("continuation_column", is_text, "a string type")):
+        name = getattr(inp, key)
+        if name is not None:
+            t = column(name, f"input.{key}")
+            if not is_right(t):
+                raise wrong(name, f"input.{key}", t, expected)
     for key, name in job.sampling_columns.items():
         t = column(name, f"sampling_columns.{key}")
         kind = OVERRIDABLE_SAMPLING_KEYS[key]

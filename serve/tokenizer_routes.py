@@ -15,7 +15,7 @@ from fastapi import FastAPI, Request
 from pydantic import ValidationError
 
 from batchgen.engine import LLMEngine
-from batchgen.engine.chat_template import ChatTemplateOptions
+from batchgen.engine.chat_template import DEFAULT_CHAT, ChatTemplateOptions
 from batchgen.pipeline.openai.api_error import bad_request
 from batchgen.pipeline.openai.protocol import ChatMessage, parse_json_object
 from batchgen.serve.prompt_encoder import encode_prompt, is_large
@@ -35,17 +35,15 @@ def add_tokenizer_routes(app: FastAPI, state, check_key) -> None:
         if "messages" in body:
             prompt, field, chat = _messages(body["messages"]), "messages", _chat_options(body, state.settings)
         elif isinstance(body.get("prompt"), str):
-            prompt, field, chat = body["prompt"], "prompt", None
+            prompt, field, chat = body["prompt"], "prompt", DEFAULT_CHAT
         else:
             raise bad_request("prompt (a string) or messages is required", "prompt", "missing_required_parameter")
-        if chat is not None or add_special_tokens:
-            if is_large(prompt) and state.encoder is not None:  # off the engine thread, as a completion's
-                tokens = await state.encoder.encode(prompt, field, chat or ChatTemplateOptions())
-            else:
-                tokens = await _on_engine(state, lambda engine: encode_prompt(engine.tokenizer, prompt, field,
-                                                                              chat or ChatTemplateOptions()))
-        else:
+        if field == "prompt" and not add_special_tokens:
             tokens = await _on_engine(state, lambda engine: engine.tokenizer.encode(prompt, add_special_tokens=False))
+        elif is_large(prompt) and state.encoder is not None:  # off the engine thread, as a completion's
+            tokens = await state.encoder.encode(prompt, field, chat)
+        else:
+            tokens = await _on_engine(state, lambda engine: encode_prompt(engine.tokenizer, prompt, field, chat))
         return {"count": len(tokens), "max_model_len": state.max_model_len, "tokens": tokens, "token_strs": None}
 
     @app.post("/detokenize")

@@ -91,6 +91,17 @@ BAD_JOBS = {
                                                                               "temp": ["hot"]}),
                                    {"sampling_columns": {"temperature": "temp"}},
                                    ["'temp'", "sampling_columns.temperature", "numeric"]),
+    "schema column of numbers": (lambda t: write_parquet(t / "in.parquet", {"id": [1], "prompt": ["a"], "s": [5]}),
+                                 {"input": {"schema_column": "s"}},
+                                 ["'s'", "input.schema_column", "a JSON schema per row"]),
+    "continuations column of strings": (
+        lambda t: write_parquet(t / "in.parquet", {"id": [1], "prompt": ["a"], "c": ["x"]}),
+        {"task": "loglikelihood", "input": {"continuations_column": "c"}},
+        ["'c'", "input.continuations_column", "a list of strings"]),
+    "continuation column of numbers": (
+        lambda t: write_parquet(t / "in.parquet", {"id": [1], "prompt": ["a"], "c": [5]}),
+        {"task": "loglikelihood", "input": {"continuation_column": "c"}},
+        ["'c'", "input.continuation_column", "a string type"]),
     "missing kept column": (lambda t: write_parquet(t / "in.parquet", {"id": [1], "prompt": ["a"]}),
                             {"output": {"keep_columns": ["label"]}}, ["'label'", "output.keep_columns"]),
     "corrupt file": (corrupt, {}, ["in.parquet", "unreadable or not a Parquet file"]),
