@@ -76,6 +76,9 @@ class Feeder:
             if task.request_id in self.in_flight or (not was_waiting and task.request_id in self.deferred):
                 self.deferred.setdefault(task.request_id, deque()).append(task)
                 continue
+            # Read before the engine stamps the request's arrival, so every row's e2e_s fits inside
+            # generation_seconds.
+            handed_at = time.monotonic()
             try:
                 # sample_key only when set: fakes and older engines take no such argument
                 keys = {} if task.sample_key is None else {"sample_key": task.sample_key}
@@ -90,7 +93,7 @@ class Feeder:
                 self._release_twin(task.request_id)
                 continue
             if self.first_add_time is None:
-                self.first_add_time = time.monotonic()
+                self.first_add_time = handed_at
             self.in_flight[task.request_id] = task
 
     def _release_twin(self, request_id: str) -> None:
