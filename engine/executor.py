@@ -10,6 +10,8 @@ model runs is the executor's business.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from batchgen.engine.capacity import kv_bytes_per_token
@@ -47,19 +49,14 @@ class UniprocExecutor:
             runner.profile_run(config.max_num_batched_tokens, config.max_num_seqs, max_model_len)
             torch.cuda.synchronize(config.torch_device)
 
-        def profile_graphs() -> int:
-            runner = ModelRunner(config, loaded.model_cfg, loaded.model, 1, eos_token_ids, loaded.capabilities)
-            runner.profile_decode_graph(config.num_cuda_graph_seqs)
-            torch.cuda.synchronize(config.torch_device)
-            return (DecodeGraphs.static_bytes(config.num_cuda_graph_seqs, max_model_len, config.block_size,
-                                              loaded.model_cfg.vocab_size)
-                    + runner.attention.graph_workspace_bytes(graph_batch_sizes(config.num_cuda_graph_seqs),
-                                                             max_model_len))
+        def make_runner() -> ModelRunner:
+            return ModelRunner(config, loaded.model_cfg, loaded.model, 1, eos_token_ids, loaded.capabilities)
 
         block_bytes = self.kv_bytes_per_token(loaded) * config.block_size
         min_blocks = -(-max_model_len // config.block_size)
         plan = plan_gpu_kv_cache(config, config.torch_device, loaded.weight_bytes, profile, min_blocks * block_bytes,
-                                 profile_graphs=None if config.enforce_eager else profile_graphs)
+                                 profile_graphs=decode_graph_profiler(config, loaded.model_cfg.vocab_size,
+                                                                      max_model_len, make_runner))
         return plan.kv_cache // block_bytes, plan
 
     def start(self, loaded: LoadedModel, num_blocks: int, eos_token_ids: tuple[int, ...], max_model_len: int) -> None:
@@ -83,6 +80,30 @@ class UniprocExecutor:
 
     def shutdown(self) -> None:
         """Nothing to stop in one process."""
+
+
+def decode_graph_profiler(config: EngineConfig, vocab_size: int, max_model_len: int,
+                          make_runner: Callable[[], ModelRunner],
+                          run_step: Callable[[ModelRunner], None] | None = None) -> Callable[[], int] | None:
+    """plan_gpu_kv_cache's `profile_graphs` (None under enforce_eager: no graphs): the largest decode
+    graph's step run eagerly on a one-block runner from `make_runner` (`run_step(runner)` says how: by
+    default the runner builds it; a tensor-parallel worker receives it from rank 0, which builds it),
+    then the bytes of the graphs' buffers outside their pool."""
+    if config.enforce_eager:
+        return None
+    num_seqs = config.num_cuda_graph_seqs
+
+    def profile_graphs() -> int:
+        runner = make_runner()
+        if run_step is None:
+            runner.profile_decode_graph(num_seqs)
+        else:
+            run_step(runner)
+        torch.cuda.synchronize(config.torch_device)
+        return (DecodeGraphs.static_bytes(num_seqs, max_model_len, config.block_size, vocab_size)
+                + runner.attention.graph_workspace_bytes(graph_batch_sizes(num_seqs), max_model_len))
+
+    return profile_graphs
 
 
 def make_executor(config: EngineConfig) -> UniprocExecutor:

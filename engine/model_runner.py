@@ -94,6 +94,13 @@ class ModelRunner:
         if not any(cache.needs_scales for cache in self.kv_caches):
             self._capture_pending()
 
+    def capture_if_pending(self) -> None:
+        """After a step: the capture that waited for the FP8 KV scales runs now (the step calibrated
+        them). Every tensor-parallel rank calls this after the same step, so their captures, which run
+        the collectives, stay in lockstep."""
+        if self._pending_capture is not None:
+            self._capture_pending()
+
     def _capture_pending(self) -> None:
         max_model_len, capturer = self._pending_capture
         self._pending_capture = None
@@ -178,8 +185,7 @@ class ModelRunner:
                                                     prompt_plan.num_top)
         if not sampling and prompt_plan is None:
             timings.add(prepare=prepared - start, forward=time.perf_counter() - prepared)
-            if self._pending_capture is not None:
-                self._capture_pending()
+            self.capture_if_pending()
             return []
         seqs, _ = sampling_rows(sampling)
         if sampling and batch.grammar_fills:  # constrained rows: masked before penalties, temperature, top-k/p
@@ -191,8 +197,7 @@ class ModelRunner:
             record_prompt_logprobs(prompt_host, prompt_plan)
         results = unpack_results(host, sampling, batch.top_counts) if sampling else []
         timings.add(prepare=prepared - start, forward=done - prepared, process=time.perf_counter() - done)
-        if self._pending_capture is not None:  # this step calibrated the FP8 KV scales: capture now
-            self._capture_pending()
+        self.capture_if_pending()  # after the step that calibrated the FP8 KV scales
         return results
 
     @torch.inference_mode()

@@ -39,6 +39,7 @@ import torch.distributed as dist
 
 from batchgen.engine.capacity import kv_bytes_per_token
 from batchgen.engine.config import EngineConfig
+from batchgen.engine.executor import decode_graph_profiler
 from batchgen.engine.gpu_memory import GpuMemoryPlan, plan_gpu_kv_cache
 from batchgen.engine.loader.model_loader import LoadedModel, load_model, read_model_config
 from batchgen.engine.loader.source import resolve_model
@@ -156,8 +157,11 @@ class MultiprocExecutor:
 
         block_bytes = self._rank_kv_bytes(0) * config.block_size
         min_blocks = -(-max_model_len // config.block_size)
+        # The graph profile's step goes to the workers too (the runner's step sink), as the step above.
+        profile_graphs = decode_graph_profiler(config, loaded.model_cfg.vocab_size, max_model_len,
+                                               lambda: self._make_runner(loaded, 1, eos_token_ids))
         plan = self._guard(lambda: plan_gpu_kv_cache(config, config.torch_device, loaded.weight_bytes, profile,
-                                                     min_blocks * block_bytes))
+                                                     min_blocks * block_bytes, profile_graphs=profile_graphs))
         counts = [plan.kv_cache // block_bytes]
         for answer in self._receive_all("profiled"):
             if "error" in answer:  # that rank's memory cannot hold max_model_len tokens

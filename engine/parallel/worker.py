@@ -157,23 +157,30 @@ class Worker:
     def profile(self, max_model_len: int) -> None:
         """This rank's side of the GPU pool sizing: the profiling step rank 0 sends next, on a
         one-block runner, measured here; the blocks this rank's memory holds go back to rank 0."""
+        from batchgen.engine.executor import decode_graph_profiler
         from batchgen.engine.gpu_memory import plan_gpu_kv_cache
 
         config = self.config
         runner = self.make_runner(1)
 
-        def profile_step() -> None:
+        def run_profiling_step(on_runner) -> None:
             header = self.next_header()
             if int(header[0]) != STEP:
-                raise RuntimeError(f"expected the profiling step from rank 0, got command {int(header[0])}")
-            self.run_step(header, runner)
+                raise RuntimeError(f"expected a profiling step from rank 0, got command {int(header[0])}")
+            self.run_step(header, on_runner)
+
+        def profile_step() -> None:
+            run_profiling_step(runner)
             torch.cuda.synchronize(config.torch_device)
 
+        # Rank 0 sends the largest decode graph's step next (unless enforce_eager): sized the same way here.
+        profile_graphs = decode_graph_profiler(config, self.loaded.model_cfg.vocab_size, max_model_len,
+                                               lambda: self.make_runner(1), run_profiling_step)
         block_bytes = self.kv_bytes_per_token * config.block_size
         min_blocks = -(-max_model_len // config.block_size)
         try:
             plan = plan_gpu_kv_cache(config, config.torch_device, self.loaded.weight_bytes, profile_step,
-                                     min_blocks * block_bytes)
+                                     min_blocks * block_bytes, profile_graphs=profile_graphs)
         except ValueError as exc:  # this rank's memory cannot hold max_model_len tokens
             self.conn.send(("profiled", {"error": f"rank {self.spec.rank}: {exc}"}))
             return
@@ -198,6 +205,7 @@ class Worker:
         step = make_step_inputs(tensors, query_lens, context_lens, [], num_decodes, max_seq_len,
                                 self.config.block_size)
         runner.forward(step, runner.attention.build_packed(step))
+        runner.capture_if_pending()  # as rank 0 does after this step (calculate_kv_scales)
 
 
 def _configure_logging(spec: WorkerSpec) -> None:
