@@ -17,6 +17,63 @@
 
 #include "bf16.h"
 
+/* One machine vector of floats (GCC vector extension): a zmm (16) with AVX-512, a ymm (8) otherwise;
+   the register's own width (a wider one would live on the stack, see paged_prefill.c). */
+#ifdef __AVX512F__
+#define VEC_FLOATS 16
+#else
+#define VEC_FLOATS 8
+#endif
+typedef float vecf __attribute__((vector_size(VEC_FLOATS * sizeof(float))));
+typedef int veci __attribute__((vector_size(VEC_FLOATS * sizeof(int))));
+static inline vecf loadv(const float *p) { vecf v; __builtin_memcpy(&v, p, sizeof v); return v; }
+static inline void storev(float *p, vecf v) { __builtin_memcpy(p, &v, sizeof v); }
+typedef uint16_t vech __attribute__((vector_size(VEC_FLOATS * sizeof(uint16_t))));
+typedef uint32_t vecw __attribute__((vector_size(VEC_FLOATS * sizeof(uint32_t))));
+/* VEC_FLOATS bfloat16 values widened in registers (zero-extend, shift by 16): exact, no copy. */
+static inline vecf loadv_bf16(const bf16_t *p) {
+    vech h;
+    __builtin_memcpy(&h, p, sizeof h);
+    const vecw w = __builtin_convertvector(h, vecw) << 16;
+    vecf f;
+    __builtin_memcpy(&f, &w, sizeof f);
+    return f;
+}
+
+/* out[0..3] = the lane sums of a, b, c, d: one shuffle-and-add tree for four dot products instead of
+   four reductions (a vector's lanes summed alone cost as much as the dot product's FMAs at D = 64). */
+static inline void sum4(vecf a, vecf b, vecf c, vecf d, float scale, float *out) {
+#if VEC_FLOATS == 16
+    const veci lo1 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+    const veci hi1 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
+    const veci lo2 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
+    const veci hi2 = {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};
+    const veci swap2 = {2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13};
+    const veci swap1 = {1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14};
+    const vecf ab = __builtin_shuffle(a, b, lo1) + __builtin_shuffle(a, b, hi1);  /* a: 8 partials, b: 8 */
+    const vecf cd = __builtin_shuffle(c, d, lo1) + __builtin_shuffle(c, d, hi1);
+    vecf x = __builtin_shuffle(ab, cd, lo2) + __builtin_shuffle(ab, cd, hi2);  /* 4 partials each */
+    x += __builtin_shuffle(x, swap2);
+    x += __builtin_shuffle(x, swap1);  /* lanes 0, 4, 8, 12: the sums */
+    out[0] = x[0] * scale; out[1] = x[4] * scale; out[2] = x[8] * scale; out[3] = x[12] * scale;
+#else
+    const veci lo1 = {0, 1, 2, 3, 8, 9, 10, 11}, hi1 = {4, 5, 6, 7, 12, 13, 14, 15};
+    const veci lo2 = {0, 1, 4, 5, 8, 9, 12, 13}, hi2 = {2, 3, 6, 7, 10, 11, 14, 15};
+    const veci swap1 = {1, 0, 3, 2, 5, 4, 7, 6};
+    const vecf ab = __builtin_shuffle(a, b, lo1) + __builtin_shuffle(a, b, hi1);  /* a: 4 partials, b: 4 */
+    const vecf cd = __builtin_shuffle(c, d, lo1) + __builtin_shuffle(c, d, hi1);
+    vecf x = __builtin_shuffle(ab, cd, lo2) + __builtin_shuffle(ab, cd, hi2);  /* 2 partials each */
+    x += __builtin_shuffle(x, swap1);  /* lanes 0, 2, 4, 6: the sums */
+    out[0] = x[0] * scale; out[1] = x[2] * scale; out[2] = x[4] * scale; out[3] = x[6] * scale;
+#endif
+}
+
+static inline float sum1(vecf a) {
+    float s = 0.f;
+    for (int l = 0; l < VEC_FLOATS; l++) s += a[l];
+    return s;
+}
+
 typedef struct {
     const void *q;  /* float32, or bfloat16 with io_bf16 (out likewise) */
     const void *k_cache, *v_cache;  /* float32, bfloat16 (cache_bf16), or FP8 bytes when the tables below are set */
@@ -119,6 +176,127 @@ static void attend_row(const job_t *j, int b, float *scores, float *row, float *
     if (j->io_bf16) narrow_bf16(out, (bf16_t *)j->out + (long)b * HG * D, (long)HG * D);
 }
 
+/* A block's n token records as floats: in place for a float32 cache, else widened into `buf`
+   (n x token_stride floats) once for all the row's query heads. */
+static const float *block_records(const char *block, int n, long token_stride, const float *lut, int is_bf16,
+                                  float *buf) {
+    if (!lut && !is_bf16) return (const float *)block;
+    for (int t = 0; t < n; t++) token_record(block, t, token_stride, lut, is_bf16, buf + t * token_stride);
+    return buf;
+}
+
+/* attend_row for head_dim = NV_ vectors: the same result with each query head's q and its output
+   accumulators held in NV_ registers over a block's tokens (hg outer, tokens inner; the block's
+   records stay in L1 across the group), and four keys' scores summed by one shuffle tree. BF16_: a
+   bfloat16 cache read in place, each vector widened in registers (FP8 records are widened into
+   `buf` first, float32 ones read in place). */
+#define LOADKV(BF16_, base, index) \
+    ((BF16_) ? loadv_bf16((const bf16_t *)(base) + (index)) : loadv((const float *)(base) + (index)))
+#define DEFINE_ATTEND_ROW_VEC(NAME, NV_, BF16_)                                                        \
+static void NAME(const job_t *j, int b, float *scores, float *buf, float *qo) {                       \
+    const int H = j->num_kv_heads, G = j->group, D = NV_ * VEC_FLOATS, BS = j->block_size;           \
+    const int L = j->lengths[b], HG = H * G;                                                          \
+    const long token_stride = (long)H * D;                                                            \
+    const int *table = j->block_tables + (long)b * j->max_blocks;                                     \
+    const int cache_elem = j->cache_bf16 ? 2 : 4;                                                     \
+    const int k_elem = j->k_lut ? 1 : cache_elem, v_elem = j->v_lut ? 1 : cache_elem;                \
+    const float *q;                                                                                   \
+    float *out;                                                                                       \
+    if (j->io_bf16) {                                                                                 \
+        widen_bf16((const bf16_t *)j->q + (long)b * HG * D, qo, (long)HG * D);                      \
+        q = qo;                                                                                       \
+        out = qo + (long)HG * D;                                                                      \
+    } else {                                                                                          \
+        q = (const float *)j->q + (long)b * HG * D;                                                   \
+        out = (float *)j->out + (long)b * HG * D;                                                     \
+    }                                                                                                 \
+    for (int i = 0; i * BS < L; i++) {                                                                \
+        const char *block = block_at(j->k_cache, table, i, L, BS, token_stride, k_elem);             \
+        const char *next = block_at(j->k_cache, table, i + 1, L, BS, token_stride, k_elem);          \
+        const int n = L - i * BS < BS ? L - i * BS : BS;                                              \
+        const void *keys = BF16_ ? (const void *)block                                                 \
+            : (const void *)block_records(block, n, token_stride, j->k_lut, 0, buf);                   \
+        for (int hg = 0; hg < HG; hg++) {                                                             \
+            const long kh = (hg / G) * D;  /* this head's offset in a token record */                 \
+            float *sh = scores + (long)hg * L + i * BS;                                               \
+            vecf qv[NV_];                                                                             \
+            for (int c = 0; c < NV_; c++) qv[c] = loadv(q + (long)hg * D + c * VEC_FLOATS);          \
+            int t = 0;                                                                                \
+            for (; t + 4 <= n; t += 4) {                                                              \
+                vecf acc[4];                                                                          \
+                /* the next block, a token at a time as this one is read (the first head's pass) */   \
+                if (hg == 0) for (int u = 0; u < 4; u++) prefetch_token(next, t + u, token_stride, k_elem); \
+                for (int u = 0; u < 4; u++) {                                                         \
+                    const long k = kh + (t + u) * token_stride;                                       \
+                    acc[u] = qv[0] * LOADKV(BF16_, keys, k);                                          \
+                    for (int c = 1; c < NV_; c++) acc[u] += qv[c] * LOADKV(BF16_, keys, k + c * VEC_FLOATS); \
+                }                                                                                     \
+                sum4(acc[0], acc[1], acc[2], acc[3], j->scale, sh + t);                              \
+            }                                                                                         \
+            for (; t < n; t++) {                                                                      \
+                if (hg == 0) prefetch_token(next, t, token_stride, k_elem);                           \
+                const long k = kh + t * token_stride;                                                 \
+                vecf acc = qv[0] * LOADKV(BF16_, keys, k);                                            \
+                for (int c = 1; c < NV_; c++) acc += qv[c] * LOADKV(BF16_, keys, k + c * VEC_FLOATS); \
+                sh[t] = sum1(acc) * j->scale;                                                         \
+            }                                                                                         \
+        }                                                                                             \
+    }                                                                                                 \
+    for (int hg = 0; hg < HG; hg++) {  /* exact softmax over the row's own keys */                   \
+        float *sh = scores + (long)hg * L, m = -FLT_MAX, sum = 0.f;                                   \
+        for (int l = 0; l < L; l++) m = sh[l] > m ? sh[l] : m;                                        \
+        for (int l = 0; l < L; l++) { sh[l] = expf(sh[l] - m); sum += sh[l]; }                        \
+        const float inv = 1.f / sum;                                                                  \
+        for (int l = 0; l < L; l++) sh[l] *= inv;                                                     \
+        for (int d = 0; d < D; d++) out[hg * D + d] = 0.f;                                            \
+    }                                                                                                 \
+    for (int i = 0; i * BS < L; i++) {                                                                \
+        const char *block = block_at(j->v_cache, table, i, L, BS, token_stride, v_elem);             \
+        const char *next = block_at(j->v_cache, table, i + 1, L, BS, token_stride, v_elem);          \
+        const int n = L - i * BS < BS ? L - i * BS : BS;                                              \
+        const void *values = BF16_ ? (const void *)block                                               \
+            : (const void *)block_records(block, n, token_stride, j->v_lut, 0, buf);                   \
+        for (int hg = 0; hg < HG; hg++) {                                                             \
+            const long vh = (hg / G) * D;                                                             \
+            const float *ph = scores + (long)hg * L + i * BS;                                         \
+            float *oh = out + (long)hg * D;                                                           \
+            vecf acc[NV_];                                                                            \
+            for (int c = 0; c < NV_; c++) acc[c] = loadv(oh + c * VEC_FLOATS);                       \
+            for (int t = 0; t < n; t++) {                                                             \
+                if (hg == 0) prefetch_token(next, t, token_stride, v_elem);                           \
+                const float p = ph[t];                                                                \
+                for (int c = 0; c < NV_; c++) acc[c] += p * LOADKV(BF16_, values, vh + t * token_stride + c * VEC_FLOATS); \
+            }                                                                                         \
+            for (int c = 0; c < NV_; c++) storev(oh + c * VEC_FLOATS, acc[c]);                       \
+        }                                                                                             \
+    }                                                                                                 \
+    if (j->io_bf16) narrow_bf16(out, (bf16_t *)j->out + (long)b * HG * D, (long)HG * D);            \
+}
+
+DEFINE_ATTEND_ROW_VEC(attend_row_vec2, 2, 0)
+DEFINE_ATTEND_ROW_VEC(attend_row_vec4, 4, 0)
+DEFINE_ATTEND_ROW_VEC(attend_row_vec8, 8, 0)
+DEFINE_ATTEND_ROW_VEC(attend_row_vec16, 16, 0)
+DEFINE_ATTEND_ROW_VEC(attend_row_vec2_bf16, 2, 1)
+DEFINE_ATTEND_ROW_VEC(attend_row_vec4_bf16, 4, 1)
+DEFINE_ATTEND_ROW_VEC(attend_row_vec8_bf16, 8, 1)
+DEFINE_ATTEND_ROW_VEC(attend_row_vec16_bf16, 16, 1)
+
+typedef void (*attend_row_fn)(const job_t *, int, float *, float *, float *);
+
+/* The register-held form for head_dim of 2, 4, 8 or 16 vectors (a bfloat16 cache read in place when
+   `is_bf16`); NULL: the general loops. */
+static attend_row_fn vector_row_for(int head_dim, int is_bf16) {
+    if (head_dim % VEC_FLOATS) return 0;
+    switch (head_dim / VEC_FLOATS) {
+        case 2: return is_bf16 ? attend_row_vec2_bf16 : attend_row_vec2;
+        case 4: return is_bf16 ? attend_row_vec4_bf16 : attend_row_vec4;
+        case 8: return is_bf16 ? attend_row_vec8_bf16 : attend_row_vec8;
+        case 16: return is_bf16 ? attend_row_vec16_bf16 : attend_row_vec16;
+        default: return 0;
+    }
+}
+
 /* Returns 0 on success. q, out: (rows, Hkv, group, D) contiguous, float32 or (io_bf16) bfloat16;
    k_cache, v_cache: (slots, Hkv, D) contiguous, slot = block * block_size + offset, float32,
    bfloat16 (cache_bf16) or (with k_lut, v_lut) FP8 bytes; block_tables: (rows, max_blocks). */
@@ -132,6 +310,10 @@ int paged_decode_attention(const void *q, const void *k_cache, const void *v_cac
     const job_t j = {q, k_cache, v_cache, k_lut, v_lut, lengths, block_tables, out, num_kv_heads, group, head_dim,
                      block_size, max_blocks, scale, cache_bf16, io_bf16};
     const size_t qo_floats = io_bf16 ? 2 * (size_t)num_kv_heads * group * head_dim : 1;
+    /* a bfloat16 cache has no tables: its K and V both read in place */
+    const attend_row_fn vector_row = vector_row_for(head_dim, cache_bf16 && !k_lut && !v_lut);
+    /* a widened token record, or (vector form) a widened block of them */
+    const size_t row_floats = (size_t)num_kv_heads * head_dim * (vector_row ? block_size : 1);
     int failed = 0;
     /* OpenMP from torch's own libgomp (same soname, already loaded): torch's worker threads, which
        are still spinning after the previous op, take the rows; no second thread pool competes.
@@ -139,12 +321,15 @@ int paged_decode_attention(const void *q, const void *k_cache, const void *v_cac
     #pragma omp parallel num_threads(num_threads) reduction(|:failed)
     {
         float *scores = (float *)malloc(sizeof(float) * (size_t)num_kv_heads * group * (size_t)max_len);
-        float *row = (float *)malloc(sizeof(float) * (size_t)num_kv_heads * head_dim);  /* a widened record */
+        float *row = (float *)malloc(sizeof(float) * row_floats);
         float *qo = (float *)malloc(sizeof(float) * qo_floats);  /* widened queries, float32 outputs */
         if (!scores || !row || !qo) failed = 1;
         #pragma omp for schedule(dynamic, 1)
         for (int b = 0; b < num_rows; b++)
-            if (scores && row && qo) attend_row(&j, b, scores, row, qo);
+            if (scores && row && qo) {
+                if (vector_row) vector_row(&j, b, scores, row, qo);
+                else attend_row(&j, b, scores, row, qo);
+            }
         free(scores); free(row); free(qo);
     }
     return failed;

@@ -18,7 +18,8 @@ def test_the_kernel_builds_here():
     assert cpu_paged_attention.is_available()  # CI has a C compiler; the engine would fall back to SDPA
 
 
-@pytest.mark.parametrize("num_kv_heads,group,head_dim,block_size", [(3, 3, 64, 16), (2, 4, 32, 4), (1, 1, 16, 1)])
+@pytest.mark.parametrize("num_kv_heads,group,head_dim,block_size",
+                         [(3, 3, 64, 16), (2, 4, 32, 4), (1, 1, 16, 1), (2, 2, 128, 16), (1, 3, 48, 8)])
 def test_matches_float64_reference_on_scattered_blocks(num_kv_heads, group, head_dim, block_size):
     lengths = [1, 5, 48, 17, 33, 2, 40, 16]  # block-aligned, one past, one short of a block
     k_cache, v_cache, tables, _, _ = scattered_paged_cache(lengths, num_kv_heads, head_dim, block_size, seed=0)
