@@ -9,7 +9,11 @@
    same loops run: a quarter of the bytes read. bfloat16 caches (cache_bf16): each record is widened
    by a 16-bit shift the same way, half the bytes. q and out may be bfloat16 too (io_bf16): a row's
    queries are widened once, its outputs accumulated in float32 and rounded to nearest even at the
-   end. Called from kernels/cpu_paged_attention.py, which checks every argument first. */
+   end. Head sizes of 2, 4, 8 or 16 machine vectors (64 and 128 on AVX-512 and AVX2) run a
+   register-held form of the same loops, block by block: each query head's q and its outputs stay in
+   registers over the block's tokens, four keys' dot products share one shuffle-and-add tree, and a
+   bfloat16 cache is widened in registers; other head sizes run the general loops.
+   Called from kernels/cpu_paged_attention.py, which checks every argument first. */
 
 #include <float.h>
 #include <math.h>
@@ -117,6 +121,32 @@ static const float *token_record(const char *block, int t, long token_stride, co
     return (const float *)block + t * token_stride;
 }
 
+/* Row b's queries and outputs as float32 (HGD = heads x head_dim values): in place, or for bfloat16
+   ones widened into qo and accumulated in qo + HGD, rounded into `out` at the end. */
+static void row_queries(const job_t *j, int b, long HGD, float *qo, const float **q, float **out) {
+    if (j->io_bf16) {
+        widen_bf16((const bf16_t *)j->q + b * HGD, qo, HGD);
+        *q = qo;
+        *out = qo + HGD;
+    } else {
+        *q = (const float *)j->q + b * HGD;
+        *out = (float *)j->out + b * HGD;
+    }
+}
+
+/* Each of the HG score rows (L keys) to its exact softmax over the row's own keys, and the HG x D
+   outputs zeroed for the P V sums. */
+static void softmax_rows(float *scores, int HG, int L, float *out, int D) {
+    for (int hg = 0; hg < HG; hg++) {
+        float *sh = scores + (long)hg * L, m = -FLT_MAX, sum = 0.f;
+        for (int l = 0; l < L; l++) m = sh[l] > m ? sh[l] : m;
+        for (int l = 0; l < L; l++) { sh[l] = expf(sh[l] - m); sum += sh[l]; }
+        const float inv = 1.f / sum;
+        for (int l = 0; l < L; l++) sh[l] *= inv;
+        for (int d = 0; d < D; d++) out[(long)hg * D + d] = 0.f;
+    }
+}
+
 /* One row, all its KV heads: each token's (Hkv, D) record is read once, contiguously. q, out:
    (Hkv, G, D); scores: (Hkv * G, L); qo: 2 x (Hkv * G * D) floats for bfloat16 queries and outputs. */
 static void attend_row(const job_t *j, int b, float *scores, float *row, float *qo) {
@@ -128,14 +158,7 @@ static void attend_row(const job_t *j, int b, float *scores, float *row, float *
     const int k_elem = j->k_lut ? 1 : cache_elem, v_elem = j->v_lut ? 1 : cache_elem;
     const float *q;
     float *out;
-    if (j->io_bf16) {
-        widen_bf16((const bf16_t *)j->q + (long)b * HG * D, qo, (long)HG * D);
-        q = qo;
-        out = qo + (long)HG * D;
-    } else {
-        q = (const float *)j->q + (long)b * HG * D;
-        out = (float *)j->out + (long)b * HG * D;
-    }
+    row_queries(j, b, (long)HG * D, qo, &q, &out);
     for (int i = 0; i * BS < L; i++) {
         const char *block = block_at(j->k_cache, table, i, L, BS, token_stride, k_elem);
         const char *next = block_at(j->k_cache, table, i + 1, L, BS, token_stride, k_elem);
@@ -151,14 +174,7 @@ static void attend_row(const job_t *j, int b, float *scores, float *row, float *
             }
         }
     }
-    for (int hg = 0; hg < HG; hg++) {  /* exact softmax over the row's own keys */
-        float *sh = scores + hg * L, m = -FLT_MAX, sum = 0.f;
-        for (int l = 0; l < L; l++) m = sh[l] > m ? sh[l] : m;
-        for (int l = 0; l < L; l++) { sh[l] = expf(sh[l] - m); sum += sh[l]; }
-        const float inv = 1.f / sum;
-        for (int l = 0; l < L; l++) sh[l] *= inv;
-        for (int d = 0; d < D; d++) out[hg * D + d] = 0.f;
-    }
+    softmax_rows(scores, HG, L, out, D);
     for (int i = 0; i * BS < L; i++) {
         const char *block = block_at(j->v_cache, table, i, L, BS, token_stride, v_elem);
         const char *next = block_at(j->v_cache, table, i + 1, L, BS, token_stride, v_elem);
@@ -200,16 +216,9 @@ static void NAME(const job_t *j, int b, float *scores, float *buf, float *qo) { 
     const int *table = j->block_tables + (long)b * j->max_blocks;                                     \
     const int cache_elem = j->cache_bf16 ? 2 : 4;                                                     \
     const int k_elem = j->k_lut ? 1 : cache_elem, v_elem = j->v_lut ? 1 : cache_elem;                \
-    const float *q;                                                                                   \
-    float *out;                                                                                       \
-    if (j->io_bf16) {                                                                                 \
-        widen_bf16((const bf16_t *)j->q + (long)b * HG * D, qo, (long)HG * D);                      \
-        q = qo;                                                                                       \
-        out = qo + (long)HG * D;                                                                      \
-    } else {                                                                                          \
-        q = (const float *)j->q + (long)b * HG * D;                                                   \
-        out = (float *)j->out + (long)b * HG * D;                                                     \
-    }                                                                                                 \
+    const float *q;                                                                                    \
+    float *out;                                                                                        \
+    row_queries(j, b, (long)HG * D, qo, &q, &out);                                                     \
     for (int i = 0; i * BS < L; i++) {                                                                \
         const char *block = block_at(j->k_cache, table, i, L, BS, token_stride, k_elem);             \
         const char *next = block_at(j->k_cache, table, i + 1, L, BS, token_stride, k_elem);          \
@@ -242,14 +251,7 @@ static void NAME(const job_t *j, int b, float *scores, float *buf, float *qo) { 
             }                                                                                         \
         }                                                                                             \
     }                                                                                                 \
-    for (int hg = 0; hg < HG; hg++) {  /* exact softmax over the row's own keys */                   \
-        float *sh = scores + (long)hg * L, m = -FLT_MAX, sum = 0.f;                                   \
-        for (int l = 0; l < L; l++) m = sh[l] > m ? sh[l] : m;                                        \
-        for (int l = 0; l < L; l++) { sh[l] = expf(sh[l] - m); sum += sh[l]; }                        \
-        const float inv = 1.f / sum;                                                                  \
-        for (int l = 0; l < L; l++) sh[l] *= inv;                                                     \
-        for (int d = 0; d < D; d++) out[hg * D + d] = 0.f;                                            \
-    }                                                                                                 \
+    softmax_rows(scores, HG, L, out, D);                                                               \
     for (int i = 0; i * BS < L; i++) {                                                                \
         const char *block = block_at(j->v_cache, table, i, L, BS, token_stride, v_elem);             \
         const char *next = block_at(j->v_cache, table, i + 1, L, BS, token_stride, v_elem);          \
