@@ -178,6 +178,12 @@ class EngineConfig:
     # larger ones run eagerly. Fewer graphs start faster and hold less memory (vLLM's
     # max_cudagraph_capture_size).
     max_cuda_graph_size: int | None = None
+    # Prepare step N+1 while the device runs step N (vLLM's async scheduling): null = on with CUDA,
+    # off on the CPU; true/false force it. Outputs are the same either way. Steps run in order while a
+    # request needs each step's tokens on the host first (structured output, beam search, prompt
+    # log-probabilities still to compute, scoring), and always with speculative decoding or
+    # tensor_parallel_size > 1. A request that stops (EOS, stop) costs one more step's row, dropped.
+    async_scheduling: bool | None = None
     num_kv_blocks: int | None = None  # override the pool size (tests, capacity experiments)
     num_threads: int | None = None  # CPU threads for torch; None: leave torch's default
     compile: bool = False  # torch.compile the elementwise ops (measured: no gain on the 2-core CPU)
@@ -216,6 +222,8 @@ class EngineConfig:
              "must be a fraction in (0, 1]"),
             ("max_cuda_graph_size", self.max_cuda_graph_size is None or self.max_cuda_graph_size >= 1,
              "must be >= 1 or null"),
+            ("async_scheduling", self.async_scheduling is None or isinstance(self.async_scheduling, bool),
+             "must be true, false or null"),
             ("num_kv_blocks", self.num_kv_blocks is None or self.num_kv_blocks >= 1, "must be >= 1 or None"),
             ("num_threads", self.num_threads is None or self.num_threads >= 1, "must be >= 1 or None"),
             ("seed", self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool)),
@@ -245,6 +253,17 @@ class EngineConfig:
     def kv_torch_dtype(self) -> torch.dtype:
         """What the KV cache stores: the model dtype, or an FP8 format (one fp32 scale per layer for K and V)."""
         return self.torch_dtype if self.kv_cache_dtype == "auto" else KV_CACHE_DTYPES[self.kv_cache_dtype]
+
+    @property
+    def is_async_scheduling(self) -> bool:
+        """Whether steps may be launched one ahead. Never with speculative decoding (its drafts come from
+        each step's tokens on the host) or tensor parallelism (the workers get each step's inputs from
+        the host, before the device could fill in the previous step's tokens)."""
+        if self.speculative is not None or self.tensor_parallel_size > 1:
+            return False
+        if self.async_scheduling is None:
+            return self.torch_device.type == "cuda"
+        return self.async_scheduling
 
     @property
     def num_cuda_graph_seqs(self) -> int:

@@ -5,7 +5,8 @@ model runs is the executor's business.
 - UniprocExecutor: the model in this process, one ModelRunner.
 - MultiprocExecutor (engine/parallel/mp_executor.py), `tensor_parallel_size` > 1: this process is
   rank 0 (it schedules, samples and holds a shard), worker processes hold the other shards and run
-  every step rank 0 sends them.
+  every step rank 0 sends them. It runs steps in order only (no `launch` / `collect`: async
+  scheduling is off with tensor parallelism, EngineConfig.is_async_scheduling).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from batchgen.engine.config import EngineConfig
 from batchgen.engine.decode_graphs import DecodeGraphs, graph_batch_sizes
 from batchgen.engine.gpu_memory import GpuMemoryPlan, plan_gpu_kv_cache
 from batchgen.engine.loader.model_loader import LoadedModel, load_model
-from batchgen.engine.model_runner import ModelRunner, StepResult
+from batchgen.engine.model_runner import LaunchedStep, ModelRunner, StepResult
 from batchgen.engine.scheduler import ScheduledSeq
 from batchgen.engine.sequence import Sequence
 
@@ -70,6 +71,14 @@ class UniprocExecutor:
     def execute(self, scheduled: list[ScheduledSeq], num_live_seqs: int,
                 blocks_to_copy: list[tuple[int, int]] | None = None) -> list[StepResult]:
         return self.runner.execute(scheduled, num_live_seqs, blocks_to_copy)
+
+    def launch(self, scheduled: list[ScheduledSeq], num_live_seqs: int,
+               blocks_to_copy: list[tuple[int, int]] | None = None) -> LaunchedStep:
+        """Async scheduling: queue a plain step on the device; `collect` waits for its results."""
+        return self.runner.launch(scheduled, num_live_seqs, blocks_to_copy)
+
+    def collect(self, launched: LaunchedStep) -> list[StepResult]:
+        return self.runner.collect(launched)
 
     def release(self, seq: Sequence) -> None:
         self.runner.release(seq)

@@ -92,7 +92,9 @@ class KVCacheManager:
     def _cache_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
         if not self.pool.enable_caching:
             return
-        num_full = min(num_tokens, seq.num_tokens) // self.block_size
+        # Only blocks of known tokens: a pending one (async scheduling) has no id to hash yet; its block
+        # is registered by a later step.
+        num_full = min(num_tokens, seq.num_known_tokens) // self.block_size
         if num_full <= seq.num_registered_blocks:
             return  # most decode steps fill no block; skip the key list copy
         keys = self._block_keys(seq, num_full)
@@ -126,6 +128,12 @@ class KVCacheManager:
         num_shared_full = min(parent.num_tokens, child.num_tokens) // self.block_size
         child.block_hashes = list(parent.block_hashes[:num_shared_full])
         child.num_registered_blocks = min(parent.num_registered_blocks, num_shared_full)
+
+    def cache_computed_blocks(self, seq: Sequence) -> None:
+        """Offer the prefix cache the full blocks of computed tokens whose ids are now known: under async
+        scheduling a block completed by a pending token is registered once the token is read back, so
+        the cache holds what it would after in-order steps."""
+        self._cache_full_blocks(seq, seq.num_computed_tokens)
 
     def take_copies(self) -> list[tuple[int, int]]:
         """The block copies the next step runs before its forward (copy on write), and forgets them."""

@@ -20,7 +20,7 @@ from batchgen.engine.generation_config import read_generation_defaults
 from batchgen.engine.gpu_memory import GpuMemoryPlan
 from batchgen.engine.kv_cache_manager import KVCacheManager
 from batchgen.engine.loader.model_loader import LoadedModel
-from batchgen.engine.model_runner import ModelRunner
+from batchgen.engine.model_runner import LaunchedStep, ModelRunner, StepResult
 from batchgen.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, ScoreOutput, TopLogprob
 from batchgen.engine.prompt_logprobs import prompt_logprobs_output
 from batchgen.engine.sampling_params import SamplingParams
@@ -48,12 +48,22 @@ class _RequestState:
     score: ScoreGroup | None = None
 
 
+def needs_tokens_on_host(state: _RequestState) -> bool:
+    """Whether a request's next step depends on its last step's results on the host, so that steps must
+    run in order while it is unfinished: a grammar's next mask on the token just sampled, a beam
+    search's next beams on its candidates, a scored context's forks on its end, the next prefill
+    chunk's prompt log-probability rows on those recorded."""
+    if state.beam is not None or state.score is not None:
+        return True
+    return any(seq.grammar is not None or seq.num_prompt_logprob_rows for seq in state.seqs)
+
+
 # Settings that shape only the KV pool, the scheduling or the defaults of requests, not the loaded model:
 # an engine that differs from another in these alone can share its weights (`weights_from`).
 # max_model_len may only shrink.
 RUNTIME_SETTINGS = ("block_size", "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching",
                     "kv_cache_memory", "num_kv_blocks", "max_model_len", "kv_cache_dtype", "calculate_kv_scales",
-                    "speculative", "generation_config", "seed")
+                    "speculative", "generation_config", "seed", "async_scheduling")
 
 
 class LLMEngine:
@@ -137,6 +147,12 @@ class LLMEngine:
         self.num_generated_tokens = 0  # tokens appended to sequences since start (progress rates)
         # Speculative decoding (off: None). A draft model loads here, after the target's KV pool.
         self.spec = SpecDecoder(config.speculative, self) if config.speculative is not None else None
+        # Async scheduling: the step launched last, collected by the next call (None: none in flight),
+        # and the unfinished requests that need each step's results on the host (steps run in order
+        # while there is one: needs_tokens_on_host).
+        self.is_async = config.is_async_scheduling
+        self.in_flight: LaunchedStep | None = None
+        self.in_order_requests: set[str] = set()
 
     @property
     def runner(self) -> ModelRunner:
@@ -200,6 +216,8 @@ class LLMEngine:
             state.beam = BeamGroup(params, self.eos_token_ids, beams=list(seqs))
             seqs[0].beam = state.beam
         self.requests[request_id] = state
+        if self.is_async and needs_tokens_on_host(state):
+            self.in_order_requests.add(request_id)
         for seq in seqs:
             self.scheduler.add(seq)
 
@@ -255,6 +273,8 @@ class LLMEngine:
             state.seqs = [group.continuation(i, params, self.max_model_len, sample_key)
                           for i in range(len(continuation_token_ids))]
         self.requests[request_id] = state
+        if self.is_async:
+            self.in_order_requests.add(request_id)
         for seq in state.seqs:
             self.scheduler.add(seq)
 
@@ -277,7 +297,7 @@ class LLMEngine:
         return self.requests[request_id].seqs
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self.in_flight is not None
 
     @property
     def num_unfinished_requests(self) -> int:
@@ -285,7 +305,18 @@ class LLMEngine:
 
     # ---- the loop -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model once, sample; returns the requests that finished in this step."""
+        """Schedule, run the model once, sample; returns the requests that finished in this step.
+
+        With async scheduling (`EngineConfig.is_async_scheduling`) a call launches the next step, then
+        collects the one the previous call launched: the requests it returns are those that step
+        finished (one call later than in order). While a request needs each step's results on the host
+        (needs_tokens_on_host) or the decode graphs wait for their first step, the call collects the
+        step in flight and runs an in-order step."""
+        if self.is_async:
+            return self._step_async()
+        return self._step_in_order()
+
+    def _step_in_order(self) -> list[RequestOutput]:
         start = time.perf_counter()
         if self.spec is not None:
             self.spec.propose(self.scheduler.running)  # drafts for the sequences about to decode
@@ -349,6 +380,62 @@ class LLMEngine:
         timings.num_steps += 1
         timings.add(schedule=scheduled - start, process=time.perf_counter() - executed)
         return finished
+
+    def _step_async(self) -> list[RequestOutput]:
+        """Schedule and launch step N+1 with step N still on the device (its sampled tokens counted as
+        pending: the scheduler needs only how many there are, and N+1 reads their ids on the device),
+        then wait for step N alone and process it. The host's schedule and prepare of N+1 overlap N."""
+        if self.in_order_requests:  # drop the requests that finished or no longer need it
+            self.in_order_requests = {rid for rid in self.in_order_requests
+                                      if rid in self.requests and needs_tokens_on_host(self.requests[rid])}
+        if self.in_order_requests or self.runner.is_capture_pending:
+            finished: list[RequestOutput] = []
+            if self.in_flight is not None:
+                previous, self.in_flight = self.in_flight, None
+                self._resolve(self.executor.collect(previous), finished)
+            return finished + self._step_in_order()
+        start = time.perf_counter()
+        out = self.scheduler.schedule()
+        scheduled = time.perf_counter()
+        launched = None
+        if not out.is_empty:
+            num_live = min(len(self.scheduler.running) + len(self.scheduler.waiting), self.config.max_num_seqs)
+            launched = self.executor.launch(out.scheduled, num_live, out.blocks_to_copy)
+            for s in out.scheduled:
+                s.seq.num_computed_tokens += s.num_new_tokens
+            for s in launched.sampling:
+                s.seq.add_pending_token()
+        elif self.in_flight is None:
+            if self.scheduler.waiting:
+                raise RuntimeError("the scheduler cannot admit any waiting request: the KV cache is too small")
+            return []
+        previous, self.in_flight = self.in_flight, launched
+        finished = []
+        collected = time.perf_counter()
+        if previous is not None:
+            results = self.executor.collect(previous)  # its wait and unpacking are the runner's timings
+            collected = time.perf_counter()
+            self._resolve(results, finished)
+        timings = self.timings
+        timings.num_steps += 1
+        timings.add(schedule=scheduled - start, process=time.perf_counter() - collected)
+        return finished
+
+    def _resolve(self, results: list[StepResult], finished: list) -> None:
+        """A collected step's tokens replace their sequences' oldest pending placeholders, then the stop
+        checks, exactly as an in-order step's tokens are appended (a plain step: one row per sequence)."""
+        cache = self.kv_cache_manager
+        for s, token, logprob, top in results:
+            seq = s.seq
+            if seq.is_finished:  # finished or aborted with this row in flight: the row is dropped
+                continue
+            later = seq.resolve_pending_token(token, logprob, top)
+            self.num_generated_tokens += 1
+            if self._check_stop(seq):  # a later row of this sequence, in flight, is dropped with it
+                self._finish(seq, finished)
+            else:
+                cache.cache_computed_blocks(seq)  # a block this token completed, as in order
+                seq.restore_pending_tokens(later)
 
     def _prompt_done(self, seq: Sequence, finished: list) -> None:
         """A scored context's part computed its prompt: the context forks its continuations (holding its

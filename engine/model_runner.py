@@ -8,11 +8,21 @@ in between reads a device value on the host. A step with a structured-output con
 its constrained rows' token bitmask, filled on the host while the forward runs (structured/step_bitmask.py)
 and applied to the logits before the sampler sees them. On CUDA, decode-only steps replay a captured graph
 (decode_graphs.py) unless `enforce_eager`.
+
+With async scheduling the engine runs a step in two halves: `launch` (inputs packed into one of two
+host buffers and sent; the forward, the sampler and the read-back queued on the device through
+device_stream.py) and, after the next step is launched, `collect` (the wait for its read-back, the
+results unpacked). A decode whose previous token is still on the device ("pending") reads it there,
+from the previous step's sampled tokens, through one gather after the copy (`FeedSections`), never
+through the host. Only plain steps launch ahead (no constrained row, prompt log-probability row or
+verify chunk: those need each step's results on the host first); `execute` is the in-order step.
 """
 
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -21,6 +31,7 @@ from batchgen.engine.attention import allocate_kv_caches, copy_blocks
 from batchgen.engine.capabilities import Capabilities
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.decode_graphs import DecodeGraphs
+from batchgen.engine.device_stream import ImmediateStream
 from batchgen.engine.models.config import ModelConfig
 from batchgen.engine.models.llama import LlamaForCausalLM
 from batchgen.engine.prompt_logprobs import (
@@ -37,6 +48,7 @@ from batchgen.engine.step_inputs import (
     StepInputs,
     StepPacker,
     add_step_sections,
+    int_section,
     make_step_inputs,
 )
 from batchgen.engine.step_timings import StepTimings
@@ -45,6 +57,27 @@ from batchgen.engine.structured.step_bitmask import StepBitmask
 # (scheduled seq, token, raw logprob, top logprobs or None): one per sampled row. A verify chunk
 # (speculative decoding) gives 1 + k consecutive results for its sequence, in position order.
 StepResult = tuple[ScheduledSeq, int, float, list[tuple[int, float]] | None]
+
+
+@dataclass
+class FeedSections:
+    """Decode rows whose input token is the previous step's sampled token, still on the device."""
+
+    feed_rows: list[int] = int_section()  # rows of input_ids
+    feed_sources: list[int] = int_section()  # rows of the previous step's sampled tokens
+
+
+@dataclass
+class LaunchedStep:
+    """A step queued on the device: what `collect` needs to read and unpack its results."""
+
+    sampling: list[ScheduledSeq]
+    top_counts: list[int]
+    read_back: Future | None = None  # -> a HostResult (None: the step samples nothing)
+    rows: dict[int, int] = field(default_factory=dict)  # id(sequence) -> its row of the sampled tokens
+    # Written by the step's device work and read only by later device work (the stream runs in order):
+    # "tokens", (N,) the sampled tokens on the device, which the next step's pending decodes read.
+    device_outputs: dict = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -73,6 +106,13 @@ class ModelRunner:
         self.attention = model.backend.make_metadata_builder(model_cfg.num_layers, num_slots, config.block_size,
                                                              config.torch_dtype, self.device)
         self.packer = StepPacker(self.device)
+        # Async scheduling: steps launched ahead are packed into these two host buffers in turn (a step
+        # is packed while the one before may still be copied or, on the CPU, read), the in-order
+        # `packer` being the first; their device work goes through `stream` (device_stream.py; the
+        # overhead bench puts a stand-in GPU there).
+        self.packers = (self.packer, StepPacker(self.device))
+        self.stream = ImmediateStream()
+        self.last_launched: LaunchedStep | None = None  # whose sampled tokens a pending decode reads
         self.penalties = PenaltyState(model_cfg.vocab_size, self.device)
         self.step_bitmask = StepBitmask(model_cfg.vocab_size, self.device)
         self.graphs: DecodeGraphs | None = None  # set by capture_decode_graphs (CUDA, not enforce_eager)
@@ -114,11 +154,19 @@ class ModelRunner:
         # What the graphs hold: their pool and the buffers they read (CUDA; 0 for a stand-in capture).
         self.graphs.memory_bytes = torch.cuda.memory_reserved(self.device) - reserved if is_cuda else 0
 
+    @property
+    def is_capture_pending(self) -> bool:
+        """The decode graphs wait for the first real step (FP8 KV scales to calibrate)."""
+        return self._pending_capture is not None
+
     def prepare(self, scheduled: list[ScheduledSeq], num_live_seqs: int = 0,
-                blocks_to_copy: list[tuple[int, int]] | None = None):
+                blocks_to_copy: list[tuple[int, int]] | None = None, packer: StepPacker | None = None,
+                feed_from: LaunchedStep | None = None):
         """The step's inputs on the device in one copy: (StepInputs, attention metadata, sampling
         chunks, SamplingBatch, PromptLogprobPlan or None). Verify chunks (drafts) run as prefill chunks
-        over their cached context; `blocks_to_copy` (source, destination) go in the same copy."""
+        over their cached context; `blocks_to_copy` (source, destination) go in the same copy.
+        `packer`: the host buffer to pack into (None: the in-order one); `feed_from`: the step launched
+        before this one, whose sampled tokens the pending decodes read (FeedSections)."""
         # Decodes first, in the order the attention backend asks for, then prefill chunks.
         decodes = [s for s in scheduled if s.num_new_tokens == 1]
         decode_seqs = [s.seq for s in decodes]
@@ -133,7 +181,8 @@ class ModelRunner:
             prefills = sorted((s for s in scheduled if s.num_new_tokens != 1),
                               key=lambda s: (s.seq.num_computed_tokens == 0, s.num_new_tokens,
                                              s.seq.num_computed_tokens))
-        packer = self.packer
+        if packer is None:
+            packer = self.packer
         query_lens, context_lens, tables, max_seq_len, sampling = add_step_sections(
             packer, decodes + prefills, len(decodes), self.block_size)
         seqs, offsets = sampling_rows(sampling)
@@ -143,6 +192,10 @@ class ModelRunner:
         if blocks_to_copy:
             packer.add_sections(BlockCopySections([s for s, _ in blocks_to_copy], [d for _, d in blocks_to_copy]),
                                 "c.")
+        if feed_from is not None:
+            feed = feed_sections(decodes, feed_from.rows)
+            if feed.feed_rows:
+                packer.add_sections(feed, "f.")
         tensors = packer.send()  # the one host-to-device copy
         step = make_step_inputs(tensors, query_lens, context_lens, tables, len(decodes), max_seq_len, self.block_size)
         attach_sampling_tensors(batch, tensors)
@@ -201,6 +254,68 @@ class ModelRunner:
         return results
 
     @torch.inference_mode()
+    def launch(self, scheduled: list[ScheduledSeq], num_live_seqs: int = 0,
+               blocks_to_copy: list[tuple[int, int]] | None = None) -> LaunchedStep:
+        """Pack and send a plain step's inputs (into the host buffer the last launch did not use), then
+        queue its forward, sampler and read-back on the device (`stream`) without waiting for them. A
+        decode with a pending token reads it from the last launched step's sampled tokens on the device.
+        RuntimeError for what needs the host between steps (a constrained row, prompt log-probability
+        rows, a verify chunk): the engine runs those in order."""
+        timings = self.timings
+        start = time.perf_counter()
+        previous = self.last_launched
+        packer = self.packers[1] if self.packer is self.packers[0] else self.packers[0]
+        self.packer = packer
+        step, meta, sampling, batch, prompt_plan = self.prepare(scheduled, num_live_seqs, blocks_to_copy, packer,
+                                                                previous)
+        if batch.grammar_fills or prompt_plan is not None or any(s.num_draft_tokens for s in sampling):
+            raise RuntimeError("a step with structured-output rows, prompt log-probabilities or drafts "
+                               "cannot be launched ahead: run it in order (ModelRunner.execute)")
+        prepared = time.perf_counter()
+        seqs = [s.seq for s in sampling]
+        launched = LaunchedStep(sampling, batch.top_counts)
+        outputs = launched.device_outputs
+
+        @torch.inference_mode()  # thread-local: the work may run on a stream's own thread
+        def device_work() -> HostResult | None:
+            if blocks_to_copy:
+                copy_blocks(self.kv_caches, step.tensors["c.copy_src"], step.tensors["c.copy_dst"], self.block_size)
+            self._feed(step, previous)
+            logits = self.forward(step, meta)  # (N, V)
+            if not sampling:
+                return None
+            sampled = self.sampler.sample(logits, batch, seqs, self.penalties)
+            outputs["tokens"] = sampled.tokens
+            return HostResult(sampled)  # the one device-to-host copy, queued
+
+        launched.read_back = self.stream.submit(device_work)
+        if sampling:
+            launched.rows = {id(seq): row for row, seq in enumerate(seqs)}
+            self.last_launched = launched
+        timings.add(prepare=prepared - start, forward=time.perf_counter() - prepared)
+        return launched
+
+    def _feed(self, step: StepInputs, previous: LaunchedStep | None) -> None:
+        """Device op: the pending decodes' input tokens from the previous step's sampled tokens."""
+        rows = step.tensors.get("f.feed_rows")
+        if rows is not None:
+            sources = step.tensors["f.feed_sources"].long()
+            tokens = previous.device_outputs["tokens"].index_select(0, sources)
+            step.input_ids.index_copy_(0, rows.long(), tokens.to(torch.int32))
+
+    def collect(self, launched: LaunchedStep) -> list[StepResult]:
+        """Wait for a launched step's read-back and unpack it (the results as `execute` returns them)."""
+        start = time.perf_counter()
+        pending = launched.read_back.result()
+        host = None if pending is None else pending.wait()  # the step (and those queued before it) done
+        waited = time.perf_counter()
+        results = [] if host is None else unpack_results(host, launched.sampling, launched.top_counts)
+        self.timings.add(forward=waited - start, process=time.perf_counter() - waited)
+        if launched is self.last_launched:
+            self.last_launched = None  # nothing left in flight: no later step reads its tokens
+        return results
+
+    @torch.inference_mode()
     def profile_run(self, num_tokens: int, num_seqs: int, max_model_len: int) -> None:
         """One step at its largest (num_tokens new tokens over num_seqs sampling prompts, random
         sampling with top-p) and the sampler over `num_seqs` rows, for measuring peak memory.
@@ -250,6 +365,48 @@ def sampling_rows(sampling: list[ScheduledSeq]) -> tuple[list[Sequence], list[in
     return seqs, offsets
 
 
+def feed_sections(decodes: list[ScheduledSeq], rows: dict[int, int]) -> FeedSections:
+    """The decodes whose input token (pending: sampled by the step launched before, not yet read back)
+    comes from that step's sampled tokens on the device (`rows`: id(sequence) -> its row there)."""
+    feed = FeedSections()
+    for row, s in enumerate(decodes):
+        if s.seq.num_pending_tokens:
+            feed.feed_rows.append(row)
+            feed.feed_sources.append(rows[id(s.seq)])
+    return feed
+
+
+def sampled_columns(sampled: SampledTokens) -> torch.Tensor:
+    """(N, 2 + 2K) int32 on the device: token, logprob bits, K top ids, K top logprob bits."""
+    columns = [sampled.tokens.to(torch.int32)[:, None], sampled.logprobs.view(torch.int32)[:, None]]
+    if sampled.top_ids is not None:
+        columns += [sampled.top_ids.to(torch.int32), sampled.top_logprobs.contiguous().view(torch.int32)]
+    return torch.cat(columns, dim=1)
+
+
+class HostResult:
+    """A launched step's read-back, queued on the device: on CUDA a non-blocking copy into pinned memory
+    and the event after it, waited for only when the results are needed; on the CPU the array itself."""
+
+    def __init__(self, sampled: SampledTokens):
+        columns = sampled_columns(sampled)  # (N, 2 + 2K)
+        self.event = None
+        if columns.device.type == "cpu":
+            self.host = columns
+        elif columns.is_cuda:
+            self.host = torch.empty(columns.shape, dtype=torch.int32, pin_memory=True)
+            self.host.copy_(columns, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:  # another device (the tests' meta stand-in): a plain copy
+            self.host = columns.cpu()
+
+    def wait(self) -> np.ndarray:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host.numpy()
+
+
 def read_back(sampled: SampledTokens | None, prompt_values: torch.Tensor | None = None
               ) -> tuple[np.ndarray | None, np.ndarray | None]:
     """The step's results on the host in one copy: the sampled rows (N, 2 + 2K) int32 (token, logprob
@@ -257,10 +414,7 @@ def read_back(sampled: SampledTokens | None, prompt_values: torch.Tensor | None 
     (compute_prompt_logprobs), each None when the step has none."""
     parts, shapes = [], []
     if sampled is not None:
-        columns = [sampled.tokens.to(torch.int32)[:, None], sampled.logprobs.view(torch.int32)[:, None]]
-        if sampled.top_ids is not None:
-            columns += [sampled.top_ids.to(torch.int32), sampled.top_logprobs.contiguous().view(torch.int32)]
-        rows = torch.cat(columns, dim=1)
+        rows = sampled_columns(sampled)
         parts.append(rows.reshape(-1))
         shapes.append(rows.shape)
     if prompt_values is not None:

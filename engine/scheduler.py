@@ -90,6 +90,9 @@ class Scheduler:
         queue = list(self.running)
         while queue and budget > 0:
             seq = queue.pop(0)
+            if seq.num_pending_tokens and seq.is_at_length_limit:
+                running_next.append(seq)  # async: its last token is in flight; it finishes when read back
+                continue
             num_new = min(seq.num_tokens - seq.num_computed_tokens + len(seq.draft_token_ids), budget)
             if num_new == 0:  # a beam whose candidates wait for the rest of its group: nothing to run
                 running_next.append(seq)

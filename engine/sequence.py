@@ -15,11 +15,18 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
+PENDING_TOKEN = -1  # a sampled token still on the device (never a vocabulary id)
+
+
 class Sequence:
     """Prompt + output token ids, progress (`num_computed_tokens`), block table and timestamps.
 
     The scheduler only moves `num_computed_tokens` toward `num_tokens`; a preempted sequence
     drops its blocks and recomputes everything it had (prompt and output alike).
+
+    With async scheduling a sampled token is counted before it is read back: `add_pending_token`
+    appends a placeholder (PENDING_TOKEN) that `resolve_pending_token` later overwrites, oldest
+    first; `num_pending_tokens` of them end `token_ids` at any time (none when steps run in order).
     """
 
     def __init__(self, request_id: str, sample_index: int, prompt_token_ids: list[int],
@@ -34,6 +41,7 @@ class Sequence:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.max_total_tokens = max_total_tokens  # max_model_len cap
         self.num_computed_tokens = 0
+        self.num_pending_tokens = 0  # trailing placeholders of tokens sampled but not read back
         self.num_cached_tokens: int | None = None  # set at first scheduling
         self.block_ids: list[int] = []
         self.block_hashes: list[tuple] = []  # chained keys of this sequence's full blocks (memo)
@@ -85,7 +93,18 @@ class Sequence:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+        """The output tokens the host has: a pending one (async scheduling) is not among them."""
+        return self.token_ids[self.num_prompt_tokens:len(self.token_ids) - self.num_pending_tokens]
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Tokens whose ids the host has (all but the pending ones)."""
+        return len(self.token_ids) - self.num_pending_tokens
+
+    @property
+    def is_at_length_limit(self) -> bool:
+        """max_tokens or the context limit reached, counting pending tokens: no further step is needed."""
+        return self.num_output_tokens >= self.params.max_tokens or self.num_tokens >= self.max_total_tokens
 
     @property
     def num_top_logprobs(self) -> int:
@@ -133,6 +152,27 @@ class Sequence:
         child.first_token_time, child.last_token_time = self.first_token_time, self.last_token_time
         child.beam = self.beam
         return child
+
+    def add_pending_token(self) -> None:
+        """A token was sampled by a step still on the device: counted now, its id filled in later."""
+        self.token_ids.append(PENDING_TOKEN)
+        self.num_pending_tokens += 1
+
+    def resolve_pending_token(self, token_id: int, logprob: float | None,
+                              top_logprobs: list[tuple[int, float]] | None = None) -> list[int]:
+        """The oldest pending token becomes `token_id`; the later placeholders are taken off the end and
+        returned (put them back with `restore_pending_tokens`), so the sequence reads as it would have
+        after an in-order step: its last token the one just sampled (what the stop checks look at)."""
+        num_known = self.num_known_tokens
+        later = self.token_ids[num_known + 1:]
+        del self.token_ids[num_known:]
+        self.num_pending_tokens = 0
+        self.append_token(token_id, logprob, top_logprobs)
+        return later
+
+    def restore_pending_tokens(self, later: list[int]) -> None:
+        self.token_ids.extend(later)
+        self.num_pending_tokens = len(later)
 
     def append_token(self, token_id: int, logprob: float | None,
                      top_logprobs: list[tuple[int, float]] | None = None) -> None:

@@ -333,13 +333,15 @@ class EngineLoop:
         seq, stream = record.seqs[index], record.streams[index]
         if seq.is_finished:  # its text (a stop string cut off) comes with the request's end
             return None
-        text = stream.advance(seq.output_token_ids)
+        # The tokens read back so far (with async scheduling the newest may still be on the device).
+        token_ids = seq.output_token_ids
+        text = stream.advance(token_ids)
         if not text and seq.params.logprobs is None:
             return None
-        start, end = stream.take_tokens(seq.num_output_tokens)
+        start, end = stream.take_tokens(len(token_ids))
         if not text and start == end:
             return None
-        return SampleDelta(index, text, seq.output_token_ids[start:end], self._logprobs(seq, start, end))
+        return SampleDelta(index, text, token_ids[start:end], self._logprobs(seq, start, end))
 
     def _final_delta(self, record: _Record, completion) -> SampleDelta:
         if not record.streams:  # the whole sample (a beam search's beams are not its sequences)

@@ -18,7 +18,7 @@ def test_null_engine_emits_its_fixed_token():
 
 
 def test_overhead_runs_report_each_part_per_step():
-    result = run_overhead(prompt_len=20, steps=3, batch_sizes=(1, 4))
+    result = run_overhead(prompt_len=20, steps=3, batch_sizes=(1, 4), device_ms=None)
     assert [r["batch_size"] for r in result["runs"]] == [1, 4]
     for r in result["runs"]:
         assert r["steps"] == 3
@@ -26,3 +26,14 @@ def test_overhead_runs_report_each_part_per_step():
         assert all(r[name] > 0 for name in ("schedule", "prepare", "process", "forward"))
     text = format_overhead(result)
     assert "schedule" in text and text.count("\n") == 4
+
+
+def test_the_critical_path_on_a_stand_in_gpu_shrinks_with_async_scheduling():
+    """20 ms of device time a step: in order the device idles for each step's host work; with the next
+    step prepared during this one it idles (median) for less than half of it, and a step takes about
+    the device's time."""
+    result = run_overhead(prompt_len=20, steps=8, batch_sizes=(32,), device_ms=20.0)
+    (row,) = result["critical"]
+    assert row["in_order_ms"] > 0 and row["async_ms"] < 0.5 * row["in_order_ms"], row
+    assert 20.0 <= row["async_wall_ms"] < 40.0, row  # in order it would be 20 ms + host + wake-ups
+    assert "critical path" in format_overhead(result)

@@ -29,6 +29,7 @@ from batchgen.engine.config import ATTENTION_BACKENDS, DTYPES, SettingError
     ({"kv_cache_memory": "lots"}, "kv_cache_memory"),
     ({"num_kv_blocks": 0}, "num_kv_blocks"),
     ({"max_cuda_graph_size": 0}, "max_cuda_graph_size"),
+    ({"async_scheduling": "yes"}, "async_scheduling"),
     ({"num_threads": 0}, "num_threads"),
 ])
 def test_invalid_engine_settings_name_the_field(kwargs, field):

@@ -212,3 +212,27 @@ def test_a_verify_step_with_constrained_rows_is_one_extra_copy_too(monkeypatch):
         runner.execute(scheduled)
     assert_one_extra_copy_for_the_bitmask(counter)
     assert grammar.fills == [(0, [7, 8, 9])] and runner.step_bitmask.stats.num_masked_rows == 4
+
+
+def test_a_step_launched_ahead_reads_its_pending_tokens_on_the_device(monkeypatch):
+    """Async scheduling: the next decode step is launched before this one is collected; its input tokens
+    (pending on the host) come from this step's sampled tokens by a gather on the device, inside its
+    single copy in, packed into the other host buffer; collecting either waits for its queued read-back."""
+    runner, seqs = decode_step_on_meta(monkeypatch, graphs=False)
+    with TransferCounter():
+        first = runner.launch(decode(seqs))
+    first_buffer = runner.packer.buffer
+    for s in first.sampling:
+        s.seq.num_computed_tokens += 1
+        s.seq.add_pending_token()
+    fed = []
+    feed = runner._feed
+    runner._feed = lambda step, previous: fed.append(step.tensors["f.feed_rows"].shape) or feed(step, previous)
+    with TransferCounter() as counter:
+        second = runner.launch(decode(seqs))
+    assert fed == [(len(seqs),)]  # every decode's input token read on the device
+    assert_one_copy_each_way(counter)  # its copy in and its own read-back (queued: the meta stand-in copies now)
+    assert runner.packer.buffer is not first_buffer
+    with TransferCounter() as counter:
+        assert len(runner.collect(first)) == len(seqs) and len(runner.collect(second)) == len(seqs)
+    assert counter.transfers == [] and counter.scalar_reads == 0
