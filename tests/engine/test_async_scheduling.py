@@ -124,6 +124,21 @@ def test_abort_with_a_step_in_flight_drops_its_rows(tiny_in_order):
     assert engine.kv_cache_manager.pool.num_free_blocks == 14
 
 
+def test_a_streaming_caller_sees_only_tokens_read_back(tiny_in_order):
+    """Between steps a sequence's output_token_ids (what the server streams) are the tokens read back so
+    far, a prefix of its final output, while its pending token is counted in num_output_tokens."""
+    engine = tiny_engine(tiny_in_order, True)
+    engine.add_request("s", [5, 6, 7], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    seq = engine.sequences("s")[0]
+    seen, outputs = [], []
+    while engine.has_unfinished():
+        outputs += engine.step()
+        seen.append((list(seq.output_token_ids), seq.num_output_tokens))
+    final = outputs[0].outputs[0].token_ids
+    assert all(final[:len(ids)] == ids for ids, _ in seen)
+    assert any(count == len(ids) + 1 for ids, count in seen)  # a token pending on the device, not shown
+
+
 def test_a_length_capped_sequence_is_not_scheduled_past_its_last_token(tiny_in_order):
     """Its last token still in flight, a sequence at max_tokens gets no further row: the async engine
     computes exactly the decode tokens of the in-order one."""
