@@ -107,9 +107,9 @@ class ModelRunner:
                                                              config.torch_dtype, self.device)
         self.packer = StepPacker(self.device)
         # Async scheduling: steps launched ahead are packed into these two host buffers in turn (a step
-        # is packed while the one before may still be copied or, on the CPU, read), the in-order
-        # `packer` being the first; their device work goes through `stream` (device_stream.py; the
-        # overhead bench puts a stand-in GPU there).
+        # is packed while the one before may still be copied or, on the CPU, read); `packer` is the one
+        # used last, which an in-order step reuses (nothing is in flight then). Their device work goes
+        # through `stream` (device_stream.py; the overhead bench puts a stand-in GPU there).
         self.packers = (self.packer, StepPacker(self.device))
         self.stream = ImmediateStream()
         self.last_launched: LaunchedStep | None = None  # whose sampled tokens a pending decode reads

@@ -6,7 +6,9 @@ section of one int32 host buffer; float32 sections are stored bit for bit in the
 buffer is pinned when the step runs on a CUDA device, so the one `.to(device, non_blocking=True)` is
 an asynchronous DMA; the device tensors are views of the copy (`view(torch.float32)` for the float
 sections). The buffer is reused from step to step: it is rewritten only after the previous step's
-sampled tokens came back, which waits for the stream and so for the previous copy too.
+sampled tokens came back, which waits for the stream and so for the previous copy too. (With async
+scheduling a step is packed before the previous one is read back: the runner then packs into two
+buffers in turn, model_runner.py.)
 
 On the CPU the "copy" is skipped and the views point into the host buffer itself.
 """
