@@ -6,8 +6,10 @@ log-probabilities must agree.
 - A tiny random-weight Llama (peaked logits: few near-ties): greedy, seeded samples (n=2, top-k/top-p,
   logprobs), penalties, min_tokens, a stop token, a stop string, max_tokens and max_model_len caps,
   over a KV pool small enough to preempt, with chunked prefills and shared prefixes in the prefix
-  cache; an abort with a step in flight; the prefix cache after pending tokens; a stand-in GPU
-  (device_stream.ThreadStream) on which the host prepares the next step while the "device" runs.
+  cache; an abort with a step in flight; what a streaming caller sees; the prefix cache after pending
+  tokens; a stand-in GPU (device_stream.ThreadStream) on which the host prepares the next step while
+  the "device" runs; Triton attention with decode graphs, whose capture waits in order for the FP8 KV
+  scales.
 - The bundled model: a batch mixing plain requests with ones that need each step's results on the
   host (a JSON schema, a choice list, prompt log-probabilities, a beam search), added while steps run
   ahead: the engine collects the step in flight and runs those steps in order, then runs ahead again.
@@ -20,6 +22,7 @@ import pytest
 from batchgen.bench import structured_quality as quality
 from batchgen.engine import LLMEngine, SamplingParams
 from batchgen.engine.config import EngineConfig
+from batchgen.engine.decode_graphs import EagerCapturer
 from batchgen.engine.device_stream import ThreadStream
 from tests.engine.helpers import run_requests
 from tests.engine.prompts import CHAT_PROMPTS
@@ -184,6 +187,32 @@ def test_on_a_stand_in_gpu_the_next_step_is_queued_before_this_one_ends(tiny_in_
     assert_same_outputs(expected, got)
     gaps = stream.idle_gaps()
     assert sum(gap == 0 for gap in gaps) >= len(gaps) // 2, gaps  # queued before the previous step ended
+
+
+def test_decode_graphs_replay_the_fed_tokens_and_wait_in_order_for_the_fp8_kv_scales(tiny_in_order):
+    """Triton attention (the interpreter) with decode graphs (an eager stand-in for the capture): the graphs
+    read the pending tokens the device fed into the step. With calculate_kv_scales the capture waits for
+    the first step, which runs in order; then steps launch ahead and replay the graphs."""
+    settings = dict(kv_cache_dtype="fp8", calculate_kv_scales=True, attention_backend="triton", max_num_seqs=4)
+    params = [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=4, max_tokens=6, ignore_eos=True)]
+    reqs = {f"g{i}": ([3 + i, 9, 27, 4 + i][:2 + i], params[i % 2]) for i in range(3)}
+    triton = LLMEngine(tiny_in_order.config.replace(**settings))  # the backend is chosen at load
+    results, kinds = {}, []
+    for is_async in (False, True):
+        engine = tiny_engine(triton, is_async)
+        capturer = EagerCapturer()
+        engine.runner.capture_decode_graphs(96, capturer=capturer)
+        assert engine.runner.is_capture_pending
+        executor = engine.executor
+        launch, execute = executor.launch, executor.execute
+        executor.launch = lambda *args: kinds.append("ahead") or launch(*args)
+        executor.execute = lambda *args: kinds.append("in order") or execute(*args)
+        results[is_async] = outputs_of(engine, reqs)
+        assert capturer.num_replays >= 4, capturer.num_replays  # the decode steps replayed a graph
+    assert_same_outputs(results[False], results[True])
+    async_kinds = kinds[kinds.index("ahead") - 1:]
+    assert async_kinds[0] == "in order" and set(async_kinds[1:]) == {"ahead"}, kinds
 
 
 # ---- the bundled model: requests that need the host between steps, among plain ones ----------------
