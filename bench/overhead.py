@@ -62,7 +62,8 @@ class NullModel(torch.nn.Module):
         return self.logits[:logits_indices.shape[0]]
 
 
-def null_engine(batch_size: int, max_model_len: int, device: str = "cpu", is_async: bool = False) -> LLMEngine:
+def null_engine(batch_size: int, max_model_len: int, device: str = "cpu",
+                is_async: bool = False) -> LLMEngine:
     cfg = null_model_config()
     blocks_per_seq = -(-max_model_len // 16)
     config = EngineConfig(model="null", dtype="float32", device=device, max_num_seqs=batch_size,
@@ -140,9 +141,9 @@ def run_overhead(prompt_len: int = 128, steps: int = 64, batch_sizes=BATCH_SIZES
             for run in runs:
                 ahead = measure_overhead(run["batch_size"], prompt_len, steps, seed, is_async=True,
                                          device_ms=device_ms)
-                critical.append({"batch_size": run["batch_size"], "device_ms": device_ms, "in_order_ms": run["host"],
-                                 "async_ms": ahead["critical_ms"], "async_host_ms": ahead["host"],
-                                 "async_wall_ms": ahead["wall_ms_per_step"]})
+                critical.append({"batch_size": run["batch_size"], "device_ms": device_ms,
+                                 "in_order_ms": run["host"], "async_ms": ahead["critical_ms"],
+                                 "async_host_ms": ahead["host"], "async_wall_ms": ahead["wall_ms_per_step"]})
     finally:
         torch.set_num_threads(threads)
     return {"workload": "overhead", "prompt_len": prompt_len, "null_vocab": NULL_VOCAB, "torch_threads": 1,
@@ -159,8 +160,8 @@ def format_overhead(result: dict) -> str:
     lines.append("  host = schedule + prepare + process; *forward: the null model, the sampler over "
                  f"{result['null_vocab']}-wide logits and the read-back (device work on a GPU)")
     if result.get("critical"):
-        lines.append(f"  critical path: host ms per step a GPU waits for (in order: host; async: the idle time "
-                     f"measured on a stand-in GPU of {result['critical'][0]['device_ms']:g} ms a step)")
+        lines.append("  critical path: host ms per step a GPU waits for (in order: host; async: the idle "
+                     f"time measured on a stand-in GPU of {result['critical'][0]['device_ms']:g} ms a step)")
         lines.append(f"  {'running':>8} {'in order':>9} {'async':>9} {'async host':>11} {'async wall':>11}")
         for r in result["critical"]:
             lines.append(f"  {r['batch_size']:>8} {r['in_order_ms']:>9.3f} {r['async_ms']:>9.3f} "

@@ -399,7 +399,8 @@ class LLMEngine:
         scheduled = time.perf_counter()
         launched = None
         if not out.is_empty:
-            num_live = min(len(self.scheduler.running) + len(self.scheduler.waiting), self.config.max_num_seqs)
+            num_live = min(len(self.scheduler.running) + len(self.scheduler.waiting),
+                           self.config.max_num_seqs)
             launched = self.executor.launch(out.scheduled, num_live, out.blocks_to_copy)
             for s in out.scheduled:
                 s.seq.num_computed_tokens += s.num_new_tokens
@@ -407,7 +408,8 @@ class LLMEngine:
                 s.seq.add_pending_token()
         elif self.in_flight is None:
             if self.scheduler.waiting:
-                raise RuntimeError("the scheduler cannot admit any waiting request: the KV cache is too small")
+                raise RuntimeError("the scheduler cannot admit any waiting request: the KV cache is too "
+                                   "small")
             return []
         previous, self.in_flight = self.in_flight, launched
         finished = []

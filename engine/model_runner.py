@@ -266,8 +266,8 @@ class ModelRunner:
         previous = self.last_launched
         packer = self.packers[1] if self.packer is self.packers[0] else self.packers[0]
         self.packer = packer
-        step, meta, sampling, batch, prompt_plan = self.prepare(scheduled, num_live_seqs, blocks_to_copy, packer,
-                                                                previous)
+        step, meta, sampling, batch, prompt_plan = self.prepare(scheduled, num_live_seqs, blocks_to_copy,
+                                                                packer, previous)
         if batch.grammar_fills or prompt_plan is not None or any(s.num_draft_tokens for s in sampling):
             raise RuntimeError("a step with structured-output rows, prompt log-probabilities or drafts "
                                "cannot be launched ahead: run it in order (ModelRunner.execute)")
@@ -279,7 +279,8 @@ class ModelRunner:
         @torch.inference_mode()  # thread-local: the work may run on a stream's own thread
         def device_work() -> HostResult | None:
             if blocks_to_copy:
-                copy_blocks(self.kv_caches, step.tensors["c.copy_src"], step.tensors["c.copy_dst"], self.block_size)
+                copy_blocks(self.kv_caches, step.tensors["c.copy_src"], step.tensors["c.copy_dst"],
+                            self.block_size)
             self._feed(step, previous)
             logits = self.forward(step, meta)  # (N, V)
             if not sampling:

@@ -227,11 +227,11 @@ def test_a_step_launched_ahead_reads_its_pending_tokens_on_the_device(monkeypatc
         s.seq.add_pending_token()
     fed = []
     feed = runner._feed
-    runner._feed = lambda step, previous: fed.append(step.tensors["f.feed_rows"].shape) or feed(step, previous)
+    runner._feed = lambda step, prev: fed.append(step.tensors["f.feed_rows"].shape) or feed(step, prev)
     with TransferCounter() as counter:
         second = runner.launch(decode(seqs))
     assert fed == [(len(seqs),)]  # every decode's input token read on the device
-    assert_one_copy_each_way(counter)  # its copy in and its own read-back (queued: the meta stand-in copies now)
+    assert_one_copy_each_way(counter)  # its copy in and its read-back (queued: the meta stand-in copies now)
     assert runner.packer.buffer is not first_buffer
     with TransferCounter() as counter:
         assert len(runner.collect(first)) == len(seqs) and len(runner.collect(second)) == len(seqs)
