@@ -92,11 +92,15 @@ class KVCacheManager:
     def _cache_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
         if not self.pool.enable_caching:
             return
-        # Only blocks of known tokens: a pending one (async scheduling) has no id to hash yet; its block
-        # is registered by a later step.
-        num_full = min(num_tokens, seq.num_known_tokens) // self.block_size
+        num_full = min(num_tokens, seq.num_tokens) // self.block_size
         if num_full <= seq.num_registered_blocks:
             return  # most decode steps fill no block; skip the key list copy
+        if seq.num_pending_tokens:
+            # Only blocks of known tokens: a pending one (async scheduling) has no id to hash yet; its
+            # block is registered when it is read back (cache_computed_blocks).
+            num_full = min(num_full, seq.num_known_tokens // self.block_size)
+            if num_full <= seq.num_registered_blocks:
+                return
         keys = self._block_keys(seq, num_full)
         for i in range(seq.num_registered_blocks, num_full):
             if self.pool.block_keys[seq.block_ids[i]] is None:
