@@ -106,11 +106,12 @@ class ModelRunner:
         self.attention = model.backend.make_metadata_builder(model_cfg.num_layers, num_slots, config.block_size,
                                                              config.torch_dtype, self.device)
         self.packer = StepPacker(self.device)
-        # Async scheduling: steps launched ahead are packed into these two host buffers in turn (a step
-        # is packed while the one before may still be copied or, on the CPU, read); `packer` is the one
-        # used last, which an in-order step reuses (nothing is in flight then). Their device work goes
-        # through `stream` (device_stream.py; the overhead bench puts a stand-in GPU there).
-        self.packers = (self.packer, StepPacker(self.device))
+        # Async scheduling: steps launched ahead are packed into two host buffers in turn (a step is
+        # packed while the one before may still be copied or, on the CPU, read), `packer` and a second
+        # one made at the first launch; `packer` is the one used last, which an in-order step reuses
+        # (nothing is in flight then). Their device work goes through `stream` (device_stream.py; the
+        # overhead bench puts a stand-in GPU there).
+        self.packers: tuple[StepPacker, StepPacker] | None = None
         self.stream = ImmediateStream()
         self.last_launched: LaunchedStep | None = None  # whose sampled tokens a pending decode reads
         self.penalties = PenaltyState(model_cfg.vocab_size, self.device)
@@ -264,6 +265,8 @@ class ModelRunner:
         timings = self.timings
         start = time.perf_counter()
         previous = self.last_launched
+        if self.packers is None:
+            self.packers = (self.packer, StepPacker(self.device))
         packer = self.packers[1] if self.packer is self.packers[0] else self.packers[0]
         self.packer = packer
         step, meta, sampling, batch, prompt_plan = self.prepare(scheduled, num_live_seqs, blocks_to_copy,
