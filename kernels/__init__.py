@@ -21,11 +21,32 @@
 Imports only torch and triton; never the engine.
 """
 
-from batchgen.kernels import cpu_isa as _cpu_isa
+import sys as _sys
 
-# A forced BATCHGEN_CPU_ISA caps oneDNN and MKL too; they read their variables at their first GEMM, which comes
-# after this import in every engine path. A value the CPU cannot run is reported where the kernels load.
-try:
-    _cpu_isa.cap_libraries(_cpu_isa.selected_isa())
-except ValueError:
-    pass
+if __name__ == "kernels":
+    # This folder imported under the top-level name `kernels`: the checkout's root is on sys.path (pytest
+    # in the checkout, `python -m` there) and the caller wants Hugging Face's `kernels` distribution,
+    # which transformers >= 5.25 imports whenever it is installed. batchgen always imports this folder
+    # as batchgen.kernels, so the name is handed to the installed package, found on sys.path without
+    # the checkout's root (the import returns what sys.modules holds once this file has run).
+    import importlib.machinery as _machinery
+    import importlib.util as _util
+    import os as _os
+
+    _root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
+    _elsewhere = [p for p in _sys.path if _os.path.abspath(p or _os.curdir) != _root]
+    _spec = _machinery.PathFinder.find_spec("kernels", _elsewhere)
+    if _spec is not None:
+        _installed = _util.module_from_spec(_spec)
+        _sys.modules["kernels"] = _installed
+        _spec.loader.exec_module(_installed)
+else:
+    from batchgen.kernels import cpu_isa as _cpu_isa
+
+    # A forced BATCHGEN_CPU_ISA caps oneDNN and MKL too; they read their variables at their first GEMM, which
+    # comes after this import in every engine path. A value the CPU cannot run is reported where the kernels
+    # load.
+    try:
+        _cpu_isa.cap_libraries(_cpu_isa.selected_isa())
+    except ValueError:
+        pass
