@@ -45,13 +45,12 @@ class UniprocExecutor:
         one-block pool."""
         config = self.config
 
-        def profile() -> None:
-            runner = ModelRunner(config, loaded.model_cfg, loaded.model, 1, eos_token_ids, loaded.capabilities)
-            runner.profile_run(config.max_num_batched_tokens, config.max_num_seqs, max_model_len)
-            torch.cuda.synchronize(config.torch_device)
-
         def make_runner() -> ModelRunner:
             return ModelRunner(config, loaded.model_cfg, loaded.model, 1, eos_token_ids, loaded.capabilities)
+
+        def profile() -> None:
+            make_runner().profile_run(config.max_num_batched_tokens, config.max_num_seqs, max_model_len)
+            torch.cuda.synchronize(config.torch_device)
 
         block_bytes = self.kv_bytes_per_token(loaded) * config.block_size
         min_blocks = -(-max_model_len // config.block_size)

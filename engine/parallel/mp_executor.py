@@ -150,16 +150,16 @@ class MultiprocExecutor:
         config = self.config
         self._send_command([PROFILE, max_model_len])
 
+        def make_runner() -> ModelRunner:  # its steps go to the workers too (the runner's step sink)
+            return self._make_runner(loaded, 1, eos_token_ids)
+
         def profile() -> None:
-            runner = self._make_runner(loaded, 1, eos_token_ids)
-            runner.profile_run(config.max_num_batched_tokens, config.max_num_seqs, max_model_len)
+            make_runner().profile_run(config.max_num_batched_tokens, config.max_num_seqs, max_model_len)
             torch.cuda.synchronize(config.torch_device)
 
         block_bytes = self._rank_kv_bytes(0) * config.block_size
         min_blocks = -(-max_model_len // config.block_size)
-        # The graph profile's step goes to the workers too (the runner's step sink), as the step above.
-        profile_graphs = decode_graph_profiler(config, loaded.model_cfg.vocab_size, max_model_len,
-                                               lambda: self._make_runner(loaded, 1, eos_token_ids))
+        profile_graphs = decode_graph_profiler(config, loaded.model_cfg.vocab_size, max_model_len, make_runner)
         plan = self._guard(lambda: plan_gpu_kv_cache(config, config.torch_device, loaded.weight_bytes, profile,
                                                      min_blocks * block_bytes, profile_graphs=profile_graphs))
         counts = [plan.kv_cache // block_bytes]
