@@ -42,12 +42,21 @@ _LIBRARY = CLibrary("paged_attention", ("paged_decode.c", "paged_prefill.c"), {
     "paged_decode_attention": (_I, [_P] * 8 + [_I] * 6 + [ctypes.c_float, _I, _I, _I]),
     "paged_prefill_attention": (_I, [_P, _L, _P, _P, _P, _P, _P, _L] + [_P] * 4 + [_I] * 6
                                 + [ctypes.c_float, _I, _I, _I]),
+    "paged_decode_rounds_probabilities": (_I, [_I, _I]),
 }, fallback="attention runs through SDPA (decodes staged)", headers=("bf16.h",))
 
 
 def is_available() -> bool:
     """True once the kernel is built (or found in the cache) and loaded."""
     return _LIBRARY.is_available()
+
+
+def decode_rounds_probabilities(head_dim: int, block_size: int) -> bool:
+    """True when bfloat16 queries over a bfloat16 cache of these sizes decode on BF16 units
+    (vdpbf16ps for Q K and P V), the softmax's probabilities rounded to bfloat16 before P V as
+    FlashAttention rounds P on GPUs: each output moves by at most 2^-9 x sum_t p_t |v_t| (<= 2^-9 x
+    max |v|) beyond the float32-accumulating kernels."""
+    return bool(_LIBRARY.require().paged_decode_rounds_probabilities(head_dim, block_size))
 
 
 def fp8_lookup_table(dtype: torch.dtype, scale: torch.Tensor) -> torch.Tensor:

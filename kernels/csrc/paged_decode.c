@@ -12,7 +12,9 @@
    end. Head sizes of 2, 4, 8 or 16 machine vectors (64 and 128 on AVX-512 and AVX2) run a
    register-held form of the same loops, block by block: each query head's q and its outputs stay in
    registers over the block's tokens, four keys' dot products share one shuffle-and-add tree, and a
-   bfloat16 cache is widened in registers; other head sizes run the general loops.
+   bfloat16 cache is widened in registers; other head sizes run the general loops. On BF16 units
+   (AVX-512 BF16), bfloat16 queries over a bfloat16 cache with head_dim 64 or 128 run vdpbf16ps for
+   both products and round the probabilities to bfloat16 before P V (see DEFINE_ATTEND_ROW_DPBF16).
    Called from kernels/cpu_paged_attention.py, which checks every argument first. */
 
 #include <float.h>
@@ -286,6 +288,125 @@ DEFINE_ATTEND_ROW_VEC(attend_row_vec16_bf16, 16, 1)
 
 typedef void (*attend_row_fn)(const job_t *, int, float *, float *, float *);
 
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#include <immintrin.h>
+
+/* bfloat16 queries over a bfloat16 cache on BF16 units (vdpbf16ps): two products per float32 lane,
+   accumulated in float32, no widening at all. Q K: a query head's bf16 q (head_dim / 32 registers)
+   against each key as stored, four keys' sums by one shuffle tree. P V: the softmax's probabilities
+   rounded to bfloat16 (as FlashAttention rounds P before its P V product on GPUs), two tokens per
+   instruction: the two tokens' value rows are interleaved by unpacklo/hi (in-lane, one cheap
+   instruction each) and multiplied by the broadcast pair of their probabilities; the outputs come
+   out in the unpacks' lane order and are put back in order once per head. `buf` holds the rounded
+   probabilities: HG rows of L + 2 values (a zero after each row pairs with an odd last token). */
+static inline __m512i load512(const void *p) { return _mm512_loadu_si512(p); }
+
+static inline void probabilities_bf16(const float *scores, int HG, int L, bf16_t *p16) {
+    for (int hg = 0; hg < HG; hg++) {
+        narrow_bf16(scores + (long)hg * L, p16 + (long)hg * (L + 2), L);
+        p16[(long)hg * (L + 2) + L] = 0;
+        p16[(long)hg * (L + 2) + L + 1] = 0;
+    }
+}
+
+#define DEFINE_ATTEND_ROW_DPBF16(NAME, NW_)  /* head_dim = NW_ x 32 bfloat16 values */                \
+static void NAME(const job_t *j, int b, float *scores, float *buf, float *qo) {                       \
+    const int H = j->num_kv_heads, G = j->group, D = NW_ * 32, BS = j->block_size;                   \
+    const int L = j->lengths[b], HG = H * G;                                                          \
+    const long token_stride = (long)H * D;  /* bf16 values per token record */                        \
+    const int *table = j->block_tables + (long)b * j->max_blocks;                                     \
+    const bf16_t *q = (const bf16_t *)j->q + (long)b * HG * D;                                        \
+    for (int i = 0; i * BS < L; i++) {                                                                \
+        const bf16_t *keys = (const bf16_t *)block_at(j->k_cache, table, i, L, BS, token_stride, 2);  \
+        const char *next = block_at(j->k_cache, table, i + 1, L, BS, token_stride, 2);                \
+        const int n = L - i * BS < BS ? L - i * BS : BS;                                              \
+        for (int hg = 0; hg < HG; hg++) {                                                             \
+            const bf16_t *kh = keys + (hg / G) * D;                                                   \
+            float *sh = scores + (long)hg * L + i * BS;                                               \
+            __m512bh qv[NW_];                                                                         \
+            for (int c = 0; c < NW_; c++) qv[c] = (__m512bh)load512(q + (long)hg * D + c * 32);      \
+            int t = 0;                                                                                \
+            for (; t + 4 <= n; t += 4) {                                                              \
+                __m512 acc[4];                                                                        \
+                if (hg == 0) for (int u = 0; u < 4; u++) prefetch_token(next, t + u, token_stride, 2); \
+                for (int u = 0; u < 4; u++) {                                                         \
+                    acc[u] = _mm512_setzero_ps();                                                     \
+                    for (int c = 0; c < NW_; c++)                                                     \
+                        acc[u] = _mm512_dpbf16_ps(acc[u], qv[c], (__m512bh)load512(kh + (t + u) * token_stride + c * 32)); \
+                }                                                                                     \
+                sum4((vecf)acc[0], (vecf)acc[1], (vecf)acc[2], (vecf)acc[3], j->scale, sh + t);      \
+            }                                                                                         \
+            for (; t < n; t++) {                                                                      \
+                if (hg == 0) prefetch_token(next, t, token_stride, 2);                                \
+                __m512 acc = _mm512_setzero_ps();                                                     \
+                for (int c = 0; c < NW_; c++)                                                         \
+                    acc = _mm512_dpbf16_ps(acc, qv[c], (__m512bh)load512(kh + t * token_stride + c * 32)); \
+                sh[t] = _mm512_reduce_add_ps(acc) * j->scale;                                         \
+            }                                                                                         \
+        }                                                                                             \
+    }                                                                                                 \
+    softmax_rows(scores, HG, L, qo, D);  /* zeroes qo: HG x D float32 accumulators, unpack order */   \
+    bf16_t *p16 = (bf16_t *)buf;                                                                      \
+    probabilities_bf16(scores, HG, L, p16);                                                           \
+    for (int i = 0; i * BS < L; i++) {                                                                \
+        const bf16_t *values = (const bf16_t *)block_at(j->v_cache, table, i, L, BS, token_stride, 2); \
+        const char *next = block_at(j->v_cache, table, i + 1, L, BS, token_stride, 2);                \
+        const int n = L - i * BS < BS ? L - i * BS : BS;                                              \
+        for (int hg = 0; hg < HG; hg++) {                                                             \
+            const bf16_t *vh = values + (hg / G) * D;                                                 \
+            const bf16_t *ph = p16 + (long)hg * (L + 2) + i * BS;                                     \
+            float *oh = qo + (long)hg * D;                                                            \
+            __m512 lo[NW_], hi[NW_];                                                                  \
+            for (int c = 0; c < NW_; c++) {                                                           \
+                lo[c] = _mm512_loadu_ps(oh + c * 32);                                                 \
+                hi[c] = _mm512_loadu_ps(oh + c * 32 + 16);                                            \
+            }                                                                                         \
+            for (int t = 0; t < n; t += 2) {                                                          \
+                if (hg == 0) { prefetch_token(next, t, token_stride, 2); prefetch_token(next, t + 1, token_stride, 2); } \
+                int pair;                                                                             \
+                __builtin_memcpy(&pair, ph + t, sizeof pair);  /* (p[t], p[t + 1]) */                 \
+                const __m512bh pp = (__m512bh)_mm512_set1_epi32(pair);                                \
+                const long odd = t + 1 < n ? token_stride : 0;  /* a last odd token pairs with itself x 0 */ \
+                for (int c = 0; c < NW_; c++) {                                                       \
+                    const __m512i v0 = load512(vh + t * token_stride + c * 32);                       \
+                    const __m512i v1 = load512(vh + t * token_stride + odd + c * 32);                 \
+                    lo[c] = _mm512_dpbf16_ps(lo[c], (__m512bh)_mm512_unpacklo_epi16(v0, v1), pp);     \
+                    hi[c] = _mm512_dpbf16_ps(hi[c], (__m512bh)_mm512_unpackhi_epi16(v0, v1), pp);     \
+                }                                                                                     \
+            }                                                                                         \
+            for (int c = 0; c < NW_; c++) {                                                           \
+                _mm512_storeu_ps(oh + c * 32, lo[c]);                                                 \
+                _mm512_storeu_ps(oh + c * 32 + 16, hi[c]);                                            \
+            }                                                                                         \
+        }                                                                                             \
+    }                                                                                                 \
+    /* unpack order -> head_dim order: in each 128-bit lane k, lo holds values 8k..8k+3 and hi        \
+       8k+4..8k+7 of its 32 */                                                                        \
+    const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);  \
+    const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31); \
+    float *ordered = qo + (long)HG * D;                                                               \
+    for (long c = 0; c < (long)HG * NW_; c++) {                                                       \
+        const __m512 lo = _mm512_loadu_ps(qo + c * 32), hi = _mm512_loadu_ps(qo + c * 32 + 16);       \
+        _mm512_storeu_ps(ordered + c * 32, _mm512_permutex2var_ps(lo, first, hi));                    \
+        _mm512_storeu_ps(ordered + c * 32 + 16, _mm512_permutex2var_ps(lo, second, hi));              \
+    }                                                                                                 \
+    narrow_bf16(ordered, (bf16_t *)j->out + (long)b * HG * D, (long)HG * D);                          \
+}
+
+DEFINE_ATTEND_ROW_DPBF16(attend_row_dpbf16_2, 2)
+DEFINE_ATTEND_ROW_DPBF16(attend_row_dpbf16_4, 4)
+
+/* The BF16-unit form for bf16 queries over a bf16 cache with head_dim 64 or 128 and an even block
+   size (token pairs never straddle blocks); NULL: the float32-accumulating forms below. */
+static attend_row_fn dpbf16_row_for(int head_dim, int block_size) {
+    if (block_size % 2) return 0;
+    return head_dim == 64 ? attend_row_dpbf16_2 : head_dim == 128 ? attend_row_dpbf16_4 : 0;
+}
+#define HAS_DPBF16 1
+#else
+#define HAS_DPBF16 0
+#endif
+
 /* The register-held form for head_dim of 2, 4, 8 or 16 vectors (a bfloat16 cache read in place when
    `is_bf16`); NULL: the general loops. */
 static attend_row_fn vector_row_for(int head_dim, int is_bf16) {
@@ -297,6 +418,17 @@ static attend_row_fn vector_row_for(int head_dim, int is_bf16) {
         case 16: return is_bf16 ? attend_row_vec16_bf16 : attend_row_vec16;
         default: return 0;
     }
+}
+
+/* 1 when bfloat16 queries over a bfloat16 cache of this head_dim and block_size run on BF16 units,
+   with the probabilities rounded to bfloat16 before P V (the tests' reference does the same). */
+int paged_decode_rounds_probabilities(int head_dim, int block_size) {
+#if HAS_DPBF16
+    return dpbf16_row_for(head_dim, block_size) != 0;
+#else
+    (void)head_dim; (void)block_size;
+    return 0;
+#endif
 }
 
 /* Returns 0 on success. q, out: (rows, Hkv, group, D) contiguous, float32 or (io_bf16) bfloat16;
@@ -313,9 +445,17 @@ int paged_decode_attention(const void *q, const void *k_cache, const void *v_cac
                      block_size, max_blocks, scale, cache_bf16, io_bf16};
     const size_t qo_floats = io_bf16 ? 2 * (size_t)num_kv_heads * group * head_dim : 1;
     /* a bfloat16 cache has no tables: its K and V both read in place */
-    const attend_row_fn vector_row = vector_row_for(head_dim, cache_bf16 && !k_lut && !v_lut);
+    attend_row_fn vector_row = vector_row_for(head_dim, cache_bf16 && !k_lut && !v_lut);
     /* a widened token record, or (vector form) a widened block of them */
-    const size_t row_floats = (size_t)num_kv_heads * head_dim * (vector_row ? block_size : 1);
+    size_t row_floats = (size_t)num_kv_heads * head_dim * (vector_row ? block_size : 1);
+#if HAS_DPBF16
+    const attend_row_fn dpbf16_row = io_bf16 && cache_bf16 && !k_lut && !v_lut ? dpbf16_row_for(head_dim, block_size) : 0;
+    if (dpbf16_row) {
+        vector_row = dpbf16_row;
+        const size_t p16_floats = (size_t)num_kv_heads * group * (max_len + 2) / 2 + 1;  /* bf16 probabilities */
+        row_floats = p16_floats > row_floats ? p16_floats : row_floats;
+    }
+#endif
     int failed = 0;
     /* OpenMP from torch's own libgomp (same soname, already loaded): torch's worker threads, which
        are still spinning after the previous op, take the rows; no second thread pool competes.

@@ -1,6 +1,7 @@
 """The C kernels on bfloat16: the KV store rounding into a bf16 cache, decode and prefill attention over
-a bf16 cache (float32 or bf16 queries) against the float64 reference over that same cache, and the
-elementwise ops in bf16 against the eager bf16 ops (kernels/reference.py)."""
+a bf16 cache (float32 or bf16 queries) against the float64 reference over that same cache (on BF16
+units, bf16 queries: the reference with bf16 probabilities, within that rounding's bound of the exact
+one), and the elementwise ops in bf16 against the eager bf16 ops (kernels/reference.py)."""
 
 from __future__ import annotations
 
@@ -65,7 +66,22 @@ def bf16_paged_cache(lengths, num_kv_heads, head_dim, block_size, seed):
     return k32.to(BF16), v32.to(BF16), tables
 
 
-@pytest.mark.parametrize("num_kv_heads,group,head_dim,block_size", [(3, 3, 64, 16), (2, 4, 32, 5)])
+def rounded_probabilities_reference(q, k_cache, v_cache, tables, lengths, block_size, scale):
+    """Decode in float64 with the softmax's probabilities rounded to bfloat16 before P V (what the
+    BF16-unit kernel computes), and each output's bound on how far that rounding moves it from the
+    exact result: half a bf16 step of each p, 2^-9 x sum_t p_t |v_t| (twice that here, for margin)."""
+    expected, bound = torch.empty(q.shape, dtype=torch.float64), torch.empty(q.shape, dtype=torch.float64)
+    for b, length in enumerate(lengths):
+        slots = (tables[b].long()[:, None] * block_size + torch.arange(block_size)).flatten()[:length]
+        keys, values = k_cache[slots].double(), v_cache[slots].double()  # (L, Hkv, D)
+        for h in range(q.shape[1]):
+            p = torch.softmax(q[b, h].double() @ keys[:, h].T * scale, dim=-1)  # (G, L)
+            expected[b, h] = p.to(BF16).double() @ values[:, h]
+            bound[b, h] = 2.0 ** -8 * (p @ values[:, h].abs())
+    return expected, bound
+
+
+@pytest.mark.parametrize("num_kv_heads,group,head_dim,block_size", [(3, 3, 64, 16), (2, 4, 32, 5), (2, 3, 128, 8)])
 def test_decode_over_a_bf16_cache_matches_float64_reference_for_float32_and_bf16_queries(
         num_kv_heads, group, head_dim, block_size):
     lengths = [1, 5, 48, 17, 33, 2, 40, 16]
@@ -86,7 +102,18 @@ def test_decode_over_a_bf16_cache_matches_float64_reference_for_float32_and_bf16
     got16 = cpu_paged_attention.paged_decode_attention(q16, k_cache, v_cache, tables, lens, block_size,
                                                        head_dim ** -0.5)
     assert got16.dtype == BF16
-    assert_within_bf16_steps(got16, reference(q16))  # float32 inside, one rounding at the end
+    exact = reference(q16)
+    if not cpu_paged_attention.decode_rounds_probabilities(head_dim, block_size):
+        assert_within_bf16_steps(got16, exact)  # float32 inside, one rounding at the end
+        return
+    # BF16 units: one rounding at the end of the computation with bf16 probabilities, and within the
+    # rounding's bound of the exact result (a kernel that dropped or misordered a pair would not be).
+    expected, bound = rounded_probabilities_reference(q16, k_cache, v_cache, tables, lengths, block_size,
+                                                      head_dim ** -0.5)
+    assert_within_bf16_steps(got16, expected)
+    limit = bound + exact.abs() * 2.0 ** -7 + 1e-6
+    assert ((got16.double() - exact).abs() <= limit).all()
+    assert not ((expected - exact).abs() <= 1e-12).all()  # the rounding is there to be modelled
 
 
 @pytest.mark.parametrize("chunks", [[(37, 0), (1, 20), (16, 16), (50, 3)], [(150, 45)]])
