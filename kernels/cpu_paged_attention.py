@@ -19,7 +19,10 @@ FP8 caches (float8_e4m3fn / float8_e5m2): both kernels read one byte per value a
 the layer's 256-entry lookup table (`fp8_lookup_table`: byte -> value * scale), a quarter of the
 bytes of a float32 cache. bfloat16 caches: two bytes per value, widened by a 16-bit shift. Queries
 and outputs are float32, or bfloat16 (with a bfloat16 cache: the model computing in bfloat16), then
-widened per row or tile and the float32 results rounded to nearest even.
+widened per row or tile and the float32 results rounded to nearest even. On BF16 units (AVX-512
+BF16), bfloat16 decode queries over a bfloat16 cache (head_dim 64 or 128) skip the widening: both
+products run on vdpbf16ps, with the softmax's probabilities rounded to bfloat16 before P V as
+FlashAttention does on GPUs (`decode_rounds_probabilities` says when; 1.3-1.6x the widening form).
 
 The torch reference is kernels/reference.py's paged_attention_reference; the cache write these kernels read after is kernels/cpu_kv_store.py.
 Work is split over threads by OpenMP, in torch's own thread pool. Built on first use
