@@ -22,6 +22,9 @@
 #include <stdlib.h>
 
 #include "bf16.h"
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#include <immintrin.h>  /* the BF16-unit decode form */
+#endif
 
 /* One machine vector of floats (GCC vector extension): a zmm (16) with AVX-512, a ymm (8) otherwise;
    the register's own width (a wider one would live on the stack, see paged_prefill.c). */
@@ -289,8 +292,6 @@ DEFINE_ATTEND_ROW_VEC(attend_row_vec16_bf16, 16, 1)
 typedef void (*attend_row_fn)(const job_t *, int, float *, float *, float *);
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
-#include <immintrin.h>
-
 /* bfloat16 queries over a bfloat16 cache on BF16 units (vdpbf16ps): two products per float32 lane,
    accumulated in float32, no widening at all. Q K: a query head's bf16 q (head_dim / 32 registers)
    against each key as stored, four keys' sums by one shuffle tree. P V: the softmax's probabilities
