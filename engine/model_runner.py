@@ -161,13 +161,12 @@ class ModelRunner:
         return self._pending_capture is not None
 
     def prepare(self, scheduled: list[ScheduledSeq], num_live_seqs: int = 0,
-                blocks_to_copy: list[tuple[int, int]] | None = None, packer: StepPacker | None = None,
-                feed_from: LaunchedStep | None = None):
+                blocks_to_copy: list[tuple[int, int]] | None = None, feed_from: LaunchedStep | None = None):
         """The step's inputs on the device in one copy: (StepInputs, attention metadata, sampling
         chunks, SamplingBatch, PromptLogprobPlan or None). Verify chunks (drafts) run as prefill chunks
         over their cached context; `blocks_to_copy` (source, destination) go in the same copy.
-        `packer`: the host buffer to pack into (None: the in-order one); `feed_from`: the step launched
-        before this one, whose sampled tokens the pending decodes read (FeedSections)."""
+        Packs into `self.packer` (`launch` switches it first); `feed_from`: the step launched before this
+        one, whose sampled tokens the pending decodes read (FeedSections)."""
         # Decodes first, in the order the attention backend asks for, then prefill chunks.
         decodes = [s for s in scheduled if s.num_new_tokens == 1]
         decode_seqs = [s.seq for s in decodes]
@@ -182,8 +181,7 @@ class ModelRunner:
             prefills = sorted((s for s in scheduled if s.num_new_tokens != 1),
                               key=lambda s: (s.seq.num_computed_tokens == 0, s.num_new_tokens,
                                              s.seq.num_computed_tokens))
-        if packer is None:
-            packer = self.packer
+        packer = self.packer
         query_lens, context_lens, tables, max_seq_len, sampling = add_step_sections(
             packer, decodes + prefills, len(decodes), self.block_size)
         seqs, offsets = sampling_rows(sampling)
@@ -267,10 +265,8 @@ class ModelRunner:
         previous = self.last_launched
         if self.packers is None:
             self.packers = (self.packer, StepPacker(self.device))
-        packer = self.packers[1] if self.packer is self.packers[0] else self.packers[0]
-        self.packer = packer
-        step, meta, sampling, batch, prompt_plan = self.prepare(scheduled, num_live_seqs, blocks_to_copy,
-                                                                packer, previous)
+        self.packer = self.packers[1] if self.packer is self.packers[0] else self.packers[0]
+        step, meta, sampling, batch, prompt_plan = self.prepare(scheduled, num_live_seqs, blocks_to_copy, previous)
         if batch.grammar_fills or prompt_plan is not None or any(s.num_draft_tokens for s in sampling):
             raise RuntimeError("a step with structured-output rows, prompt log-probabilities or drafts "
                                "cannot be launched ahead: run it in order (ModelRunner.execute)")
