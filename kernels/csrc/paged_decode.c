@@ -101,6 +101,11 @@ static const char *block_at(const void *cache, const int *table, int i, int leng
     return i * block_size < length ? (const char *)cache + (long)table[i] * block_size * token_stride * elem : 0;
 }
 
+/* How many of a row's L tokens block i holds (the last one may be partly filled). */
+static inline int block_len(int i, int L, int block_size) {
+    return L - i * block_size < block_size ? L - i * block_size : block_size;
+}
+
 /* Ask for the next block while this one is read: a row's blocks are scattered through the cache
    (decode blocks are allocated one at a time), so the hardware prefetcher loses the stream at every
    block. Into L2 (hint 1), which measured faster than L1 (benchmarks/NOTES.md). One per 64 bytes. */
@@ -167,7 +172,7 @@ static void attend_row(const job_t *j, int b, float *scores, float *row, float *
     for (int i = 0; i * BS < L; i++) {
         const char *block = block_at(j->k_cache, table, i, L, BS, token_stride, k_elem);
         const char *next = block_at(j->k_cache, table, i + 1, L, BS, token_stride, k_elem);
-        const int n = L - i * BS < BS ? L - i * BS : BS;
+        const int n = block_len(i, L, BS);
         for (int t = 0; t < n; t++) {
             prefetch_token(next, t, token_stride, k_elem);
             const float *key = token_record(block, t, token_stride, j->k_lut, j->cache_bf16, row);
@@ -183,7 +188,7 @@ static void attend_row(const job_t *j, int b, float *scores, float *row, float *
     for (int i = 0; i * BS < L; i++) {
         const char *block = block_at(j->v_cache, table, i, L, BS, token_stride, v_elem);
         const char *next = block_at(j->v_cache, table, i + 1, L, BS, token_stride, v_elem);
-        const int n = L - i * BS < BS ? L - i * BS : BS;
+        const int n = block_len(i, L, BS);
         for (int t = 0; t < n; t++) {
             prefetch_token(next, t, token_stride, v_elem);
             const float *value = token_record(block, t, token_stride, j->v_lut, j->cache_bf16, row);
@@ -227,7 +232,7 @@ static void NAME(const job_t *j, int b, float *scores, float *buf, float *qo) { 
     for (int i = 0; i * BS < L; i++) {                                                                \
         const char *block = block_at(j->k_cache, table, i, L, BS, token_stride, k_elem);             \
         const char *next = block_at(j->k_cache, table, i + 1, L, BS, token_stride, k_elem);          \
-        const int n = L - i * BS < BS ? L - i * BS : BS;                                              \
+        const int n = block_len(i, L, BS);                                                            \
         const void *keys = BF16_ ? (const void *)block                                                 \
             : (const void *)block_records(block, n, token_stride, j->k_lut, 0, buf);                   \
         for (int hg = 0; hg < HG; hg++) {                                                             \
@@ -260,7 +265,7 @@ static void NAME(const job_t *j, int b, float *scores, float *buf, float *qo) { 
     for (int i = 0; i * BS < L; i++) {                                                                \
         const char *block = block_at(j->v_cache, table, i, L, BS, token_stride, v_elem);             \
         const char *next = block_at(j->v_cache, table, i + 1, L, BS, token_stride, v_elem);          \
-        const int n = L - i * BS < BS ? L - i * BS : BS;                                              \
+        const int n = block_len(i, L, BS);                                                            \
         const void *values = BF16_ ? (const void *)block                                               \
             : (const void *)block_records(block, n, token_stride, j->v_lut, 0, buf);                   \
         for (int hg = 0; hg < HG; hg++) {                                                             \
@@ -320,7 +325,7 @@ static void NAME(const job_t *j, int b, float *scores, float *buf, float *qo) { 
     for (int i = 0; i * BS < L; i++) {                                                                \
         const bf16_t *keys = (const bf16_t *)block_at(j->k_cache, table, i, L, BS, token_stride, 2);  \
         const char *next = block_at(j->k_cache, table, i + 1, L, BS, token_stride, 2);                \
-        const int n = L - i * BS < BS ? L - i * BS : BS;                                              \
+        const int n = block_len(i, L, BS);                                                            \
         for (int hg = 0; hg < HG; hg++) {                                                             \
             const bf16_t *kh = keys + (hg / G) * D;                                                   \
             float *sh = scores + (long)hg * L + i * BS;                                               \
@@ -352,7 +357,7 @@ static void NAME(const job_t *j, int b, float *scores, float *buf, float *qo) { 
     for (int i = 0; i * BS < L; i++) {                                                                \
         const bf16_t *values = (const bf16_t *)block_at(j->v_cache, table, i, L, BS, token_stride, 2); \
         const char *next = block_at(j->v_cache, table, i + 1, L, BS, token_stride, 2);                \
-        const int n = L - i * BS < BS ? L - i * BS : BS;                                              \
+        const int n = block_len(i, L, BS);                                                            \
         for (int hg = 0; hg < HG; hg++) {                                                             \
             const bf16_t *vh = values + (hg / G) * D;                                                 \
             const bf16_t *ph = p16 + (long)hg * (L + 2) + i * BS;                                     \
