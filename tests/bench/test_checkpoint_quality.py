@@ -15,7 +15,7 @@ import torch
 import typer
 from typer.testing import CliRunner
 
-from batchgen.bench.cli import bench_command
+from batchgen.cli.bench import bench_command
 from batchgen.bench.quality import dequantized_float_model, run_quality_bench
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.loader.model_loader import load_model

@@ -10,7 +10,7 @@ import weakref
 import torch
 
 from batchgen.bench import gpu_check
-from batchgen.engine.gpu_memory import plan_gpu_kv_cache
+from batchgen.engine.kv.gpu_memory import plan_gpu_kv_cache
 from batchgen.engine.loader.model_loader import build_loaded_model
 
 
@@ -113,7 +113,7 @@ class FakeDeviceMemory:
 
 def engines_sized_on(memory: FakeDeviceMemory, monkeypatch, failing: str | None = None) -> list[dict]:
     """Run the speed loop over 3 tiny configurations; each engine first sizes a KV pool of an 8B model
-    on the fake device (engine/gpu_memory.py's arithmetic) and holds it while it lives; the model
+    on the fake device (engine/kv/gpu_memory.py's arithmetic) and holds it while it lives; the model
     holds 16 GiB. `failing`: the configuration whose engine raises once its pool is allocated."""
 
     class SizedEngine(gpu_check.LLMEngine):

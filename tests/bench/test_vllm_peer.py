@@ -11,7 +11,7 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from batchgen.bench.cli import bench_command
+from batchgen.cli.bench import bench_command
 from batchgen.bench.options import BenchOptions
 from batchgen.bench.peers import vllm_cpu
 from batchgen.bench.peers.vllm_cpu import VllmPeerConfig, VllmPeerUnavailable, request_document, run_vllm_peer

@@ -16,12 +16,12 @@ from batchgen.engine.attention.base import AttentionBackend, AttentionMetadata, 
 from batchgen.engine.capabilities import Capabilities
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.loader.model_loader import build_empty_model
-from batchgen.engine.model_runner import ModelRunner
+from batchgen.engine.runner.model_runner import ModelRunner
 from batchgen.engine.models.config import ModelConfig
 from batchgen.engine.models.rotary import RotaryEmbedding
-from batchgen.engine.sampling_params import SamplingParams
-from batchgen.engine.scheduler import ScheduledSeq
-from batchgen.engine.sequence import Sequence
+from batchgen.engine.sampling.sampling_params import SamplingParams
+from batchgen.engine.core.scheduler import ScheduledSeq
+from batchgen.engine.core.sequence import Sequence
 
 VOCAB = 96
 EOS = 95

@@ -12,7 +12,7 @@ from batchgen.engine.attention.cpu import CpuAttention
 from batchgen.engine.attention.sdpa import SdpaAttention
 from batchgen.engine.attention.selector import select_attention_backend
 from batchgen.engine.attention.triton import TritonAttention
-from batchgen.engine.llm_engine import LLMEngine
+from batchgen.engine.core.llm_engine import LLMEngine
 from batchgen.engine.models.cpu_linear import PackedLinear, PackedSiluMulLinear
 from batchgen.kernels import cpu_elementwise, cpu_paged_attention, cpu_sampling
 from tests.conftest import MODEL, TEST_ENGINE_KWARGS

@@ -12,7 +12,7 @@ from pathlib import Path
 
 def batchgen(*args: str) -> list[str]:
     """The command line of `batchgen ARGS` with this interpreter."""
-    return [sys.executable, "-m", "batchgen.pipeline.cli", *args]
+    return [sys.executable, "-m", "batchgen.cli.main", *args]
 
 
 def part_files(folder: Path) -> dict[str, int]:

@@ -6,7 +6,7 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from batchgen.pipeline import cli
+from batchgen.cli import main as cli
 from tests.pipeline.conftest import engine_sections, write_parquet
 
 
@@ -23,7 +23,7 @@ def job_file(tmp_path):
 @pytest.fixture
 def no_engine(monkeypatch):
     """validate (and a run of a bad job) must never load weights."""
-    from batchgen.engine import executor
+    from batchgen.engine.runner import executor
 
     def refuse(*args, **kwargs):
         raise AssertionError("weights were loaded")

@@ -10,7 +10,7 @@ from pathlib import Path
 import yaml
 from typer.testing import CliRunner
 
-from batchgen.pipeline.cli import app
+from batchgen.cli.main import app
 from batchgen.pipeline.config import ClusterSection
 from tests.pipeline.test_job_schema import README, readme_job_reference
 

@@ -9,7 +9,7 @@ import pyarrow as pa
 import yaml
 from typer.testing import CliRunner
 
-from batchgen.pipeline import cli
+from batchgen.cli import main as cli
 from batchgen.pipeline.job import run_job
 from tests.pipeline.conftest import make_job, read_output, write_parquet
 from tests.pipeline.test_openai_batch import line, read_jsonl, write_lines

@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 
 from batchgen.engine import EngineConfig, SamplingParams
 from batchgen.engine.config import check_settings
-from batchgen.pipeline import cli
+from batchgen.cli import main as cli
 from batchgen.pipeline.config import (
     EngineSection,
     ModelSection,
@@ -247,7 +247,7 @@ VOCAB, CONTEXT = 1000, 512
 @pytest.fixture
 def model_job(tmp_path, monkeypatch):
     """job_file(**sampling) on a model folder holding only the tiny model's config.json (no weights)."""
-    from batchgen.engine import executor
+    from batchgen.engine.runner import executor
 
     def refuse(*args, **kwargs):
         raise AssertionError("weights were loaded")
@@ -305,7 +305,7 @@ def test_values_inside_the_model_pass_validate(model_job, engine, tmp_path):
 def defaults_table_rows() -> list[str]:
     """docs/architecture.md's table of the defaults that differ between the engine, a job and the server,
     rendered from the code that sets them (JOB_DEFAULTS, SERVER_DEFAULTS and the engine's dataclasses)."""
-    from batchgen.pipeline.openai.protocol import SERVER_DEFAULTS
+    from batchgen.openai.protocol import SERVER_DEFAULTS
 
     owners = {section: owner for section, _, owner in SECTIONS}
     keys = sorted({*JOB_DEFAULTS, *(("sampling", key) for key in SERVER_DEFAULTS)})

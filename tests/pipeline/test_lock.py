@@ -82,7 +82,7 @@ def test_the_command_line_exits_2_naming_the_holder(tmp_path):
     job_file.write_text(yaml.safe_dump({"name": "locked", "model": {"path": "smollm2-135m-instruct"},
                                         "input": {"path": "in.parquet"}, "output": {"path": "out"}}))
     with lock_folder(Storage(str(tmp_path / "out"))) as held:
-        result = subprocess.run([sys.executable, "-m", "batchgen.pipeline.cli", "run", str(job_file), "--no-progress"],
+        result = subprocess.run([sys.executable, "-m", "batchgen.cli.main", "run", str(job_file), "--no-progress"],
                                 capture_output=True, text=True, timeout=120)
     assert result.returncode == 2, result.stderr
     assert f"pid {os.getpid()}" in result.stderr and held.holder.run_id in result.stderr

@@ -12,11 +12,11 @@ from openai.types.chat import ChatCompletion
 from typer.testing import CliRunner
 
 from batchgen.engine import SamplingParams
-from batchgen.pipeline import cli
+from batchgen.cli import main as cli
 from batchgen.pipeline.config import JobConfig, validate_job
 from batchgen.pipeline.errors import JobError
 from batchgen.pipeline.job import run_job
-from batchgen.pipeline.openai.batch_lines import decode_line
+from batchgen.pipeline.batch_lines import decode_line
 from tests.pipeline.conftest import (
     FailingEngine,
     FakeEngine,
@@ -128,7 +128,7 @@ def test_a_server_field_at_its_do_nothing_value_is_accepted(tmp_path):
      ["line 1 is not a JSON object", "line 4 is not valid JSON", "line 5 repeats custom_id 'a' of line 2"]),
 ])
 def test_a_bad_batch_file_is_a_bad_job_naming_every_bad_line(tmp_path, lines, expected, monkeypatch):
-    from batchgen.engine import executor
+    from batchgen.engine.runner import executor
 
     monkeypatch.setattr(executor, "load_model", lambda *a, **k: pytest.fail("weights were loaded"))
     write_lines(tmp_path / "in.jsonl", lines)

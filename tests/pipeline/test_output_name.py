@@ -8,7 +8,7 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from batchgen.pipeline.cli import app
+from batchgen.cli.main import app
 from batchgen.pipeline.config import load_job, validate_job
 from batchgen.pipeline.errors import JobError
 

@@ -1,6 +1,6 @@
 """`batchgen plan`: the classic capacity arithmetic on Mistral-7B-v0.1's shape, from a config.json alone.
 
-The arithmetic itself is tested in tests/engine/test_capacity.py; here, the command around it.
+The arithmetic itself is tested in tests/engine/kv/test_capacity.py; here, the command around it.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 from batchgen.pipeline.capacity_plan import make_plan, read_target
-from batchgen.pipeline.cli import app
+from batchgen.cli.main import app
 from tests.engine.model_shapes import (
     MISTRAL_7B_LOGITS_BYTES_PER_SEQ,
     MISTRAL_7B_SHAPE,

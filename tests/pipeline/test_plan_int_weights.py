@@ -14,7 +14,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from batchgen.pipeline.cli import app
+from batchgen.cli.main import app
 
 QWEN25_7B_INSTRUCT = {
     "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 3584,

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
-from batchgen.pipeline.cli import app
+from batchgen.cli.main import app
 
 LLAMA_70B = Path(__file__).parent / "data" / "llama-3.1-70b-instruct"
 H, L, HEADS, KV_HEADS, D, INTER, VOCAB = 8192, 80, 64, 8, 128, 28672, 128256

@@ -12,7 +12,7 @@ import ray
 import yaml
 from typer.testing import CliRunner
 
-from batchgen.pipeline.cli import app
+from batchgen.cli.main import app
 from batchgen.pipeline.config import load_job
 from batchgen.pipeline.errors import JobError
 from batchgen.pipeline.job import run_job

@@ -9,7 +9,7 @@ import subprocess
 import pytest
 from typer.testing import CliRunner
 
-from batchgen.pipeline.cli import app
+from batchgen.cli.main import app
 from batchgen.pipeline.config import load_job
 from batchgen.pipeline.errors import JobError
 from batchgen.pipeline.shards import parse_shard

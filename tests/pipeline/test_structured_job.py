@@ -15,7 +15,7 @@ import yaml
 from typer.testing import CliRunner
 
 from batchgen.bench.structured_quality import KEYWORDS, PERSON, SCHEMAS, VERDICT
-from batchgen.pipeline import cli
+from batchgen.cli import main as cli
 from batchgen.pipeline.config import load_job
 from batchgen.pipeline.errors import JobError
 from batchgen.pipeline.job import run_job

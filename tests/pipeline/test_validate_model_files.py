@@ -12,8 +12,8 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from batchgen.pipeline import cli
-from tests.engine.test_gguf_layout import array_bomb
+from batchgen.cli import main as cli
+from tests.engine.loader.test_gguf_layout import array_bomb
 from tests.pipeline.conftest import write_parquet
 
 

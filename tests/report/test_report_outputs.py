@@ -9,7 +9,7 @@ import pyarrow as pa
 import yaml
 from typer.testing import CliRunner
 
-from batchgen.pipeline import cli
+from batchgen.cli import main as cli
 from batchgen.pipeline.job import run_job
 from batchgen.report import ReportConfig, build_report
 from tests.pipeline.conftest import FakeEngine, engine_sections, make_job, write_parquet

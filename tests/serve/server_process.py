@@ -35,7 +35,7 @@ class ServerProcess:
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self.log = open(log_path, "wb")
-        cmd = [sys.executable, "-m", "batchgen.pipeline.cli", "serve", model, "--host", "127.0.0.1",
+        cmd = [sys.executable, "-m", "batchgen.cli.main", "serve", model, "--host", "127.0.0.1",
                "--port", str(self.port), "--uvicorn-log-level", "warning", *engine_flags(), *flags]
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
                                      env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from batchgen.engine.config import EngineConfig
-from batchgen.serve.cli import build_parser, engine_config_from_args
+from batchgen.cli.serve import build_parser, engine_config_from_args
 
 JOBS = Path(__file__).resolve().parents[2] / "jobs"
 

@@ -1,0 +1,33 @@
+"""batchgen.engine: the generation engine (no Parquet, no YAML in here)."""
+
+from batchgen.engine.decoding.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
+from batchgen.engine.config import EngineConfig
+from batchgen.engine.llm import LLM
+from batchgen.engine.core.llm_engine import LLMEngine
+from batchgen.engine.core.outputs import (
+    CompletionOutput,
+    ContinuationScore,
+    Logprob,
+    RequestMetrics,
+    RequestOutput,
+    ScoreOutput,
+    TopLogprob,
+)
+from batchgen.engine.sampling.sampling_params import SamplingParams
+
+__all__ = [
+    "LLM",
+    "BeamSearchOutput",
+    "BeamSearchParams",
+    "BeamSearchSequence",
+    "CompletionOutput",
+    "ContinuationScore",
+    "EngineConfig",
+    "LLMEngine",
+    "Logprob",
+    "RequestMetrics",
+    "RequestOutput",
+    "SamplingParams",
+    "ScoreOutput",
+    "TopLogprob",
+]

@@ -1,0 +1,274 @@
+"""The engine's one typed config, passed whole, and the checks every setting goes through.
+
+EngineConfig's fields own the names, defaults and allowed values of the job file's `model` and
+`engine` keys: the job schema is derived from them (pipeline/job_settings.py says which field sits
+in which section and where a job's default deliberately differs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # the one table
+DTYPE_CHOICES = ("auto", *DTYPES)
+# engine/quant/methods.py says what each means and how auto resolves against a checkpoint.
+QUANTIZATIONS = ("auto", "none", "fp8", "int8", "int4", "gptq", "awq", "compressed-tensors", "gguf")
+FP8_MODES = ("auto", "w8a8", "w8a16")
+INT_CALIBRATIONS = ("activation_aware", "none")
+# Names only: the attention selector resolves them at engine start (torch, kept for older job files:
+# cpu on the CPU, triton on CUDA).
+ATTENTION_BACKENDS = ("auto", "cpu", "sdpa", "triton", "torch")
+# vLLM's names: auto = the model dtype; fp8 = fp8_e4m3 (float8_e4m3fn); fp8_e5m2 (float8_e5m2).
+KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+KV_CACHE_DTYPE_CHOICES = ("auto", *KV_CACHE_DTYPES)
+_DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
+_SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+class SettingError(ValueError):
+    """A setting outside its allowed values: `name` is the field, `rule` says what is allowed.
+
+    The job file turns it into `section.name: rule (got value)`; from Python it reads
+    `Owner.name rule; got value`.
+    """
+
+    def __init__(self, owner: str, name: str, rule: str, value: Any):
+        super().__init__(f"{owner}.{name} {rule}; got {value!r}")
+        self.name, self.rule, self.value = name, rule, value
+
+
+def check_settings(obj: Any, checks: list[tuple[str, bool, str]]) -> None:
+    """Raise SettingError for the first (field name, is ok, rule) that is not ok."""
+    for name, is_ok, rule in checks:
+        if not is_ok:
+            raise SettingError(type(obj).__name__, name, rule, getattr(obj, name))
+
+
+def _one_of(name: str, value: Any, choices: tuple[str, ...]) -> tuple[str, bool, str]:
+    return name, value in choices, f"must be one of {', '.join(choices)}"
+
+
+def parse_memory_size(value: str | int | float) -> int | float:
+    """'8GiB' -> bytes (int); a float in (0, 1] -> that fraction (float); an int -> bytes."""
+    if isinstance(value, bool) or (isinstance(value, float) and not math.isfinite(value)):
+        raise ValueError(f"memory size must be bytes, a size like '8GiB' or a fraction, got {value!r}")
+    if isinstance(value, (int, float)):
+        if isinstance(value, float) and 0 < value <= 1:
+            return value
+        if value <= 0:
+            raise ValueError(f"memory size must be positive, got {value!r}")
+        return int(value)
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", value)
+    if not match or match.group(2).lower() not in _SIZE_UNITS:
+        raise ValueError(f"cannot read memory size {value!r}: use bytes, '8GiB', '500MB' or a fraction like 0.9")
+    number, unit = float(match.group(1)), match.group(2).lower()
+    if unit == "" and 0 < number <= 1 and "." in match.group(1):
+        return number
+    return int(number * _SIZE_UNITS[unit])
+
+
+def is_memory_size(value: Any) -> bool:
+    try:
+        parse_memory_size(value)
+    except (ValueError, TypeError):
+        return False
+    return True
+
+
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+# Measured on this repository's 2-core CPU with the bundled model (benchmarks/NOTES.md, "Speculative
+# decoding"): a 5-token verify costs 1.2x a decode at 1-2 running sequences, 1.6x at 4, 2.6x at 8,
+# 3.6x at 32, so above 4 it pays only where drafts are accepted far more often than copy prompts get.
+DEFAULT_DISABLE_BY_BATCH_SIZE = 4
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """`engine.speculative` (vLLM's speculative_config names). It changes no output: every emitted
+    token is the one plain decoding picks, so it stays out of the job's config hash.
+
+    `model`: the draft model (draft_model only), with `quantization` for it (e.g. fp8: the target's
+    own weights, perturbed). `disable_by_batch_size`: speculate only in steps whose running batch
+    is at most this; null: the measured default.
+    """
+
+    method: str = "ngram"  # ngram | draft_model
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+    model: str | None = None
+    quantization: str | None = None  # the draft's; null: none
+    disable_by_batch_size: int | None = None
+
+    def __post_init__(self) -> None:
+        check_settings(self, [
+            _one_of("method", self.method, SPECULATIVE_METHODS),
+            ("num_speculative_tokens", isinstance(self.num_speculative_tokens, int)
+             and 1 <= self.num_speculative_tokens <= 16, "must be in [1, 16]"),
+            ("prompt_lookup_min", self.prompt_lookup_min >= 1, "must be >= 1"),
+            ("prompt_lookup_max", self.prompt_lookup_max >= self.prompt_lookup_min,
+             "must be >= prompt_lookup_min"),
+            ("model", (self.model is not None) == (self.method == "draft_model"),
+             "must name the draft model with method draft_model, and be null with ngram"),
+            _one_of("quantization", self.quantization or "none", QUANTIZATIONS),
+            ("disable_by_batch_size", self.disable_by_batch_size is None or self.disable_by_batch_size >= 1,
+             "must be >= 1 or null"),
+        ])
+
+    @property
+    def max_batch_size(self) -> int:
+        """The largest running batch that speculates."""
+        return self.disable_by_batch_size or DEFAULT_DISABLE_BY_BATCH_SIZE
+
+
+def as_speculative_config(value: SpeculativeConfig | dict | None) -> SpeculativeConfig | None:
+    """The settings from a mapping (job file, LLM(...) keyword) or as given."""
+    if value is None or isinstance(value, SpeculativeConfig):
+        return value
+    if not isinstance(value, dict):
+        raise SettingError("EngineConfig", "speculative", "must be a mapping or null", value)
+    names = {f.name for f in dataclasses.fields(SpeculativeConfig)}
+    unknown = sorted(set(value) - names)
+    if unknown:
+        raise SettingError("EngineConfig", "speculative", f"has unknown key(s) {', '.join(unknown)}; "
+                           f"allowed: {', '.join(sorted(names))}", value)
+    return SpeculativeConfig(**value)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine needs to know, resolved once. Derived values are properties."""
+
+    model: str
+    # A Hugging Face repo id's branch, tag or commit (vLLM's name); None: main. Only for repo ids.
+    revision: str | None = None
+    # auto: bfloat16 on GPU; on the CPU bfloat16 where it has BF16 units (AVX-512 BF16, AMX), else float32
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    quantization: str = "auto"  # auto | none | fp8 | int8 | int4 | gptq | awq | compressed-tensors | gguf
+    fp8_mode: str = "auto"  # auto | w8a8 | w8a16
+    quantize_lm_head: bool = False  # with fp8 / int8 / int4: lm_head too (the logits' last matmul stays in dtype otherwise)
+    # int8 / int4 at load: activation_aware (AWQ-style scales; int4 also a block Hadamard rotation and
+    # clipping; searched on the bundled calibration text) | none (round to nearest from each row's / group's range)
+    int_calibration: str = "activation_aware"
+    max_model_len: int | None = None  # None: the model's own context length
+    # Sampling defaults from a generation_config.json (vLLM's name and values): auto (the model folder's),
+    # vllm (none: SamplingParams' own), or a folder holding one. engine/text/generation_config.py reads it.
+    generation_config: str = "auto"
+    device: str = "auto"  # auto | cpu | cuda[:N]
+    attention_backend: str = "auto"  # auto (triton on CUDA, cpu on the CPU) | cpu | sdpa | triton | torch
+    kv_cache_dtype: str = "auto"  # auto (the model dtype) | fp8 | fp8_e4m3 | fp8_e5m2
+    calculate_kv_scales: bool = False  # FP8 KV: per-layer scales from the first step's absolute maxima
+    block_size: int = 16
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 4096
+    enable_prefix_caching: bool = True
+    kv_cache_memory: str | int | float = "auto"
+    # CUDA: the share of the GPU's total memory this engine may fill with weights, activations and
+    # KV (vLLM's name); the KV pool gets what the profiled step leaves. kv_cache_memory, when set, wins.
+    gpu_memory_utilization: float = 0.9
+    enforce_eager: bool = False  # CUDA: true runs decode steps eagerly (no CUDA graphs), as vLLM
+    # CUDA: decode batches of up to this many sequences replay a captured graph (None: max_num_seqs);
+    # larger ones run eagerly. Fewer graphs start faster and hold less memory (vLLM's
+    # max_cudagraph_capture_size).
+    max_cuda_graph_size: int | None = None
+    # Prepare step N+1 while the device runs step N (vLLM's async scheduling): null = on with CUDA,
+    # off on the CPU; true/false force it. Outputs are the same either way. Steps run in order while a
+    # request needs each step's tokens on the host first (structured output, beam search, prompt
+    # log-probabilities still to compute, scoring), and always with speculative decoding or
+    # tensor_parallel_size > 1. A request that stops (EOS, stop) costs one more step's row, dropped.
+    async_scheduling: bool | None = None
+    num_kv_blocks: int | None = None  # override the pool size (tests, capacity experiments)
+    num_threads: int | None = None  # CPU threads for torch; None: leave torch's default
+    compile: bool = False  # torch.compile the elementwise ops (measured: no gain on the 2-core CPU)
+    speculative: SpeculativeConfig | None = None  # off; a mapping is read as SpeculativeConfig
+    # Keys the draws of requests that carry no seed of their own (vLLM's name): LLM calls and a
+    # server's requests are then reproducible across restarts. None: LLM keys them by its request
+    # counter, the server by a random key per request.
+    seed: int | None = None
+    # One model over N ranks (vLLM's name): this process is rank 0, N - 1 worker processes hold the
+    # other shards (engine/parallel/); NCCL between GPUs cuda:0..N-1, gloo between CPU processes.
+    tensor_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "speculative", as_speculative_config(self.speculative))
+        check_settings(self, [
+            _one_of("dtype", self.dtype, DTYPE_CHOICES),
+            _one_of("quantization", self.quantization, QUANTIZATIONS),
+            _one_of("fp8_mode", self.fp8_mode, FP8_MODES),
+            _one_of("int_calibration", self.int_calibration, INT_CALIBRATIONS),
+            ("revision", self.revision is None or (isinstance(self.revision, str) and self.revision.strip() != ""),
+             "must be a branch, tag or commit name, or null"),
+            ("max_model_len", self.max_model_len is None or self.max_model_len >= 2, "must be >= 2 or null"),
+            ("generation_config", isinstance(self.generation_config, str) and self.generation_config.strip() != "",
+             "must be auto, vllm or a folder holding a generation_config.json"),
+            ("device", isinstance(self.device, str) and _DEVICE.fullmatch(self.device) is not None,
+             "must be one of auto, cpu, cuda, cuda:N"),
+            _one_of("attention_backend", self.attention_backend, ATTENTION_BACKENDS),
+            _one_of("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPE_CHOICES),
+            ("block_size", self.block_size >= 1, "must be >= 1"),
+            ("max_num_seqs", self.max_num_seqs >= 1, "must be >= 1"),
+            ("max_num_batched_tokens", self.max_num_batched_tokens >= 1, "must be >= 1"),
+            ("kv_cache_memory", self.kv_cache_memory == "auto" or is_memory_size(self.kv_cache_memory),
+             "must be auto, bytes, a size such as '8GiB' or '500MB', or a fraction in (0, 1] like 0.9"),
+            ("gpu_memory_utilization", isinstance(self.gpu_memory_utilization, (int, float))
+             and not isinstance(self.gpu_memory_utilization, bool) and 0 < self.gpu_memory_utilization <= 1,
+             "must be a fraction in (0, 1]"),
+            ("max_cuda_graph_size", self.max_cuda_graph_size is None or self.max_cuda_graph_size >= 1,
+             "must be >= 1 or null"),
+            ("async_scheduling", self.async_scheduling is None or isinstance(self.async_scheduling, bool),
+             "must be true, false or null"),
+            ("num_kv_blocks", self.num_kv_blocks is None or self.num_kv_blocks >= 1, "must be >= 1 or None"),
+            ("num_threads", self.num_threads is None or self.num_threads >= 1, "must be >= 1 or None"),
+            ("seed", self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool)),
+             "must be an integer or null"),
+            ("tensor_parallel_size", isinstance(self.tensor_parallel_size, int)
+             and not isinstance(self.tensor_parallel_size, bool) and self.tensor_parallel_size >= 1, "must be >= 1"),
+        ])
+
+    @property
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            if self.torch_device.type == "cuda":
+                return torch.bfloat16
+            # Imported here: capabilities asks the CPU, and it imports this module.
+            from batchgen.engine.capabilities import auto_cpu_dtype
+
+            return auto_cpu_dtype()
+        return DTYPES[self.dtype]
+
+    @property
+    def kv_torch_dtype(self) -> torch.dtype:
+        """What the KV cache stores: the model dtype, or an FP8 format (one fp32 scale per layer for K and V)."""
+        return self.torch_dtype if self.kv_cache_dtype == "auto" else KV_CACHE_DTYPES[self.kv_cache_dtype]
+
+    @property
+    def is_async_scheduling(self) -> bool:
+        """Whether steps may be launched one ahead. Never with speculative decoding (its drafts come from
+        each step's tokens on the host) or tensor parallelism (the workers get each step's inputs from
+        the host, before the device could fill in the previous step's tokens)."""
+        if self.speculative is not None or self.tensor_parallel_size > 1:
+            return False
+        if self.async_scheduling is None:
+            return self.torch_device.type == "cuda"
+        return self.async_scheduling
+
+    @property
+    def num_cuda_graph_seqs(self) -> int:
+        """The largest decode batch captured as a CUDA graph."""
+        return min(self.max_cuda_graph_size or self.max_num_seqs, self.max_num_seqs)
+
+    def replace(self, **changes) -> EngineConfig:
+        return dataclasses.replace(self, **changes)

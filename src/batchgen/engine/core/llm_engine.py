@@ -1,0 +1,638 @@
+"""LLMEngine: add_request / step / has_unfinished, the loop the pipeline drives."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from batchgen.engine.decoding.beam_search import BeamGroup
+from batchgen.engine.kv.capacity import kv_cache_budget_bytes
+from batchgen.engine.text.chat_template import DEFAULT_CHAT, ChatTemplateOptions
+from batchgen.engine.config import EngineConfig
+from batchgen.engine.runner.cpu_allocator import keep_freed_memory
+from batchgen.engine.runner.executor import UniprocExecutor, make_executor
+from batchgen.engine.text.generation_config import read_generation_defaults
+from batchgen.engine.kv.gpu_memory import GpuMemoryPlan
+from batchgen.engine.kv.kv_cache_manager import KVCacheManager
+from batchgen.engine.loader.model_loader import LoadedModel
+from batchgen.engine.runner.model_runner import LaunchedStep, ModelRunner, StepResult
+from batchgen.engine.core.outputs import CompletionOutput, RequestMetrics, RequestOutput, ScoreOutput, TopLogprob
+from batchgen.engine.decoding.prompt_logprobs import prompt_logprobs_output
+from batchgen.engine.sampling.sampling_params import SamplingParams
+from batchgen.engine.core.scheduler import Scheduler
+from batchgen.engine.decoding.score_group import ScoreGroup
+from batchgen.engine.core.sequence import Sequence
+from batchgen.engine.decoding.speculative import SpecDecoder, num_accepted
+from batchgen.engine.decoding.stop_strings import IncrementalText, find_stop_string
+from batchgen.engine.decoding.structured.manager import StructuredOutputManager
+from batchgen.engine.text.tokenizer import Messages, Tokenizer
+
+log = logging.getLogger("batchgen.engine")
+
+PromptInput = str | Messages | list[int]
+
+
+@dataclass
+class _RequestState:
+    request_id: str
+    prompt_token_ids: list[int]
+    seqs: list[Sequence]  # its live sequences (a beam search's beams, a scored context's parts)
+    arrival_time: float
+    prompt: str | None
+    beam: BeamGroup | None = None
+    score: ScoreGroup | None = None
+
+
+def needs_tokens_on_host(state: _RequestState) -> bool:
+    """Whether a request's next step depends on its last step's results on the host, so that steps must
+    run in order while it is unfinished: a grammar's next mask on the token just sampled, a beam
+    search's next beams on its candidates, a scored context's forks on its end, the next prefill
+    chunk's prompt log-probability rows on those recorded."""
+    if state.beam is not None or state.score is not None:
+        return True
+    return any(seq.grammar is not None or seq.num_prompt_logprob_rows for seq in state.seqs)
+
+
+# Settings that shape only the KV pool, the scheduling or the defaults of requests, not the loaded model:
+# an engine that differs from another in these alone can share its weights (`weights_from`).
+# max_model_len may only shrink.
+RUNTIME_SETTINGS = ("block_size", "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching",
+                    "kv_cache_memory", "num_kv_blocks", "max_model_len", "kv_cache_dtype", "calculate_kv_scales",
+                    "speculative", "generation_config", "seed", "async_scheduling")
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, *, weights_from: LLMEngine | None = None,
+                 loaded: LoadedModel | None = None):
+        """Load the model named by `config`, or share the loaded weights and tokenizer of `weights_from`
+        (an engine whose config differs only in RUNTIME_SETTINGS) with a fresh KV pool, scheduler,
+        runner and counters: tests and sweeps of engine settings pay for one load.
+
+        `loaded`: a model built by the caller (the bench's null and random-weight models). Without a
+        source it has no tokenizer: prompts are token ids, outputs carry no text, no stop strings."""
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        if config.torch_device.type == "cpu":
+            keep_freed_memory()
+        if config.tensor_parallel_size > 1 and (loaded is not None or weights_from is not None):
+            raise ValueError("an engine with tensor_parallel_size > 1 loads its own shards in its worker "
+                             "processes: it cannot take a built model (loaded) or share weights (weights_from)")
+        # Where the model runs: this process, or tensor-parallel ranks (started now, loading with rank 0).
+        self.executor = make_executor(config) if loaded is None and weights_from is None else UniprocExecutor(config)
+        try:
+            self._start(loaded, weights_from)
+        except BaseException:
+            self.executor.shutdown()
+            raise
+
+    def _start(self, loaded: LoadedModel | None, weights_from: LLMEngine | None) -> None:
+        config = self.config
+        if loaded is not None:
+            tokenizer = Tokenizer(loaded.source) if loaded.source is not None else None
+        elif weights_from is None:
+            loaded = self.executor.load_model()
+            tokenizer = loaded.tokenizer or Tokenizer(loaded.source)
+        else:
+            _check_shares_weights(weights_from, config)
+            loaded, tokenizer = weights_from.loaded, weights_from.tokenizer
+        self.loaded = loaded
+        self.capabilities = loaded.capabilities  # which kernels run here, decided when the model loaded
+        self.model_cfg = loaded.model_cfg
+        self.tokenizer = tokenizer
+        # The rotary tables cover loaded.max_model_len positions; a sharing engine may use fewer.
+        self.max_model_len = min(config.max_model_len or loaded.max_model_len, loaded.max_model_len)
+        self.weight_bytes = loaded.weight_bytes
+        # Sampling defaults from generation_config.json (engine/text/generation_config.py): read once, here, so
+        # a folder without the file fails at start.
+        self.generation_defaults = read_generation_defaults(config.generation_config, loaded.source)
+        eos = set(self.model_cfg.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = tuple(sorted(eos))
+        # Structured output: constraints compiled at add_request (the grammar library loads at the first).
+        self.structured = StructuredOutputManager(
+            self.tokenizer.hf if self.tokenizer is not None else None, self.model_cfg.vocab_size,
+            self.eos_token_ids, shared=weights_from.structured if weights_from is not None else None)
+
+        device = config.torch_device
+        # Per token, in the largest pool (tensor-parallel: each rank's pool holds its KV heads).
+        self.kv_bytes_per_token = self.executor.kv_bytes_per_token(loaded)
+        self.gpu_memory: GpuMemoryPlan | None = None  # CUDA: how the KV pool was sized
+        if config.num_kv_blocks:
+            num_blocks = config.num_kv_blocks
+        elif device.type == "cuda":
+            num_blocks, self.gpu_memory = self.executor.size_kv_pool_on_gpu(loaded, self.eos_token_ids,
+                                                                            self.max_model_len)
+        else:
+            num_blocks = kv_cache_budget_bytes(config, device) // (self.kv_bytes_per_token * config.block_size)
+        if num_blocks * config.block_size < self.max_model_len:
+            raise ValueError(
+                f"the KV cache holds {num_blocks * config.block_size} tokens, fewer than max_model_len "
+                f"{self.max_model_len}: raise engine.kv_cache_memory or lower model.max_model_len")
+        self.num_kv_blocks = num_blocks
+        log.info("weights %.1f MB; KV %d bytes/token x %d tokens (%d blocks of %d) = %.1f MB",
+                 self.weight_bytes / 1e6, self.kv_bytes_per_token, num_blocks * config.block_size,
+                 num_blocks, config.block_size, self.kv_bytes_per_token * num_blocks * config.block_size / 1e6)
+        self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.kv_cache_manager)
+        self.executor.start(loaded, num_blocks, self.eos_token_ids, self.max_model_len)
+        self.timings = self.runner.timings  # host time per step, by part (bench --workload overhead)
+        self.requests: dict[str, _RequestState] = {}
+        self.num_generated_tokens = 0  # tokens appended to sequences since start (progress rates)
+        # Speculative decoding (off: None). A draft model loads here, after the target's KV pool.
+        self.spec = SpecDecoder(config.speculative, self) if config.speculative is not None else None
+        # Async scheduling: the step launched last, collected by the next call (None: none in flight),
+        # and the unfinished requests that need each step's results on the host (steps run in order
+        # while there is one: needs_tokens_on_host).
+        self.is_async = config.is_async_scheduling
+        self.in_flight: LaunchedStep | None = None
+        self.in_order_requests: set[str] = set()
+
+    @property
+    def runner(self) -> ModelRunner:
+        """This process's model runner (tensor-parallel: rank 0's)."""
+        return self.executor.runner
+
+    def shutdown(self) -> None:
+        """Stop the engine's worker processes (tensor parallelism); the engine cannot step afterwards.
+        They also stop when the engine is garbage collected and when the process exits."""
+        self.executor.shutdown()
+
+    # ---- requests -------------------------------------------------------------------------------
+    def encode(self, prompt: PromptInput, allow_special_tokens: bool = True,
+               chat: ChatTemplateOptions = DEFAULT_CHAT) -> list[int]:
+        """A string is a raw prompt; a list of messages goes through the chat template (rendered as
+        `chat` says); ints pass through.
+
+        `allow_special_tokens=False`: control-token text in a raw prompt or a message ("<|im_start|>")
+        is encoded as text, so only the chat template writes control tokens.
+        """
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return list(prompt)
+        if isinstance(prompt, str) or (isinstance(prompt, list) and all(isinstance(m, dict) for m in prompt)):
+            return self.tokenizer.encode_prompt(prompt, allow_special_tokens=allow_special_tokens, options=chat)
+        raise TypeError("a prompt is a string, a list of chat messages ({role, content}) or a list of token ids")
+
+    def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams,
+                    prompt_token_ids: list[int] | None = None, sample_key: str | None = None) -> None:
+        """Queue a request (n sequences). Raises ValueError for an empty or overlong prompt, stop
+        token ids outside the vocabulary, or a structured-output constraint that cannot be compiled
+        (StructuredOutputError, naming its field).
+
+        Sample i draws from a generator keyed by (params.seed, sample key, i). The sample key is the
+        request id unless `sample_key` is given: a job's rows are keyed by their ids, while a caller
+        whose request ids are not stable (a server) passes "" for (seed, i) alone or a random key.
+        """
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in the engine")
+        token_ids = prompt_token_ids if prompt_token_ids is not None else self.encode(prompt)
+        if not token_ids:
+            raise ValueError("the prompt is empty")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(token_ids)} tokens; max_model_len is {self.max_model_len}")
+        if any(t >= self.model_cfg.vocab_size for t in params.stop_token_ids):  # an index past the logits
+            raise ValueError(f"stop_token_ids {params.stop_token_ids} reach past the vocabulary "
+                             f"({self.model_cfg.vocab_size} tokens)")
+        self.check_tensor_parallel_support(params)
+        grammars = self.structured.new_states(params.structured_outputs, params.n) \
+            if params.structured_outputs is not None else None
+        now = time.monotonic()
+        # A beam search starts from one sequence (the prompt, computed once); its beams fork from it.
+        num_seqs = 1 if params.is_beam_search else params.n
+        seqs = [Sequence(request_id, i, token_ids, params, now, self.max_model_len, sample_key)
+                for i in range(num_seqs)]
+        for seq, grammar in zip(seqs, grammars or ()):
+            seq.grammar = grammar
+        for seq in seqs[1:]:  # the n samples share one prompt: sample 0 computes its log-probabilities
+            seq.num_prompt_top_logprobs = None
+        state = _RequestState(request_id, token_ids, seqs, now, prompt if isinstance(prompt, str) else None)
+        if params.is_beam_search:
+            state.beam = BeamGroup(params, self.eos_token_ids, beams=list(seqs))
+            seqs[0].beam = state.beam
+        self.requests[request_id] = state
+        if self.is_async and needs_tokens_on_host(state):
+            self.in_order_requests.add(request_id)
+        for seq in seqs:
+            self.scheduler.add(seq)
+
+    def check_tensor_parallel_support(self, params: SamplingParams | None) -> None:
+        """ValueError for what tensor parallelism does not run yet: scoring continuations (`params`
+        None), beam search (both fork sequences, whose copy on write the worker ranks do not receive)
+        and prompt log-probabilities (the vocabulary-parallel head is gathered for sampled rows only)."""
+        if self.config.tensor_parallel_size == 1:
+            return
+        if params is None or params.is_beam_search:
+            what = "scoring continuations" if params is None else "beam search (beam_width > 1)"
+            raise ValueError(f"{what} is not implemented with tensor_parallel_size > 1")
+        if params.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs is not implemented with tensor_parallel_size > 1")
+
+    def compile_grammar(self, constraint):
+        """Compile a structured-output constraint (StructuredOutputsParams) now, as add_request would:
+        StructuredOutputError naming its field when it cannot be used. The compiled grammar is cached,
+        so a request that carries it later starts without compiling."""
+        return self.structured.compile(constraint)
+
+    def add_score_request(self, request_id: str, context_token_ids: list[int],
+                          continuation_token_ids: list[list[int]], sample_key: str | None = None) -> None:
+        """Queue the scoring of continuations of one context (score_group.py); step() hands back a
+        ScoreOutput. Raises ValueError for an empty context or continuation, or one past max_model_len."""
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in the engine")
+        self.check_tensor_parallel_support(None)
+        if not context_token_ids:
+            raise ValueError("the context is empty")
+        if not continuation_token_ids:
+            raise ValueError("there are no continuations to score")
+        for i, ids in enumerate(continuation_token_ids):
+            if not ids:
+                raise ValueError(f"continuation {i} is empty (no token after the context)")
+            if len(context_token_ids) + len(ids) > self.max_model_len:
+                raise ValueError(f"the context ({len(context_token_ids)} tokens) and continuation {i} "
+                                 f"({len(ids)}) exceed max_model_len {self.max_model_len}")
+        if any(t < 0 or t >= self.model_cfg.vocab_size for ids in (context_token_ids, *continuation_token_ids)
+               for t in ids):
+            raise ValueError(f"a token id is outside the vocabulary [0, {self.model_cfg.vocab_size})")
+        now = time.monotonic()
+        params = SamplingParams(temperature=0.0, max_tokens=1)  # never sampled: the parts are prompt-only
+        group = ScoreGroup(request_id, list(context_token_ids), [list(c) for c in continuation_token_ids], now)
+        state = _RequestState(request_id, group.context_token_ids, [], now, None, score=group)
+        if len(context_token_ids) > 1:
+            context = Sequence(request_id, 0, group.context_token_ids[:-1], params, now, self.max_model_len,
+                               sample_key)
+            context.is_prompt_only = True
+            group.context = context
+            state.seqs = [context]
+        else:  # nothing to share before the continuations' own first position
+            state.seqs = [group.continuation(i, params, self.max_model_len, sample_key)
+                          for i in range(len(continuation_token_ids))]
+        self.requests[request_id] = state
+        if self.is_async:
+            self.in_order_requests.add(request_id)
+        for seq in state.seqs:
+            self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str) -> bool:
+        """Drop an unfinished request: its sequences leave the waiting and running queues and their
+        KV blocks go back to the pool (full blocks keep their prefix-cache hashes, as on finishing).
+        No output is made. False when the id is not in the engine (finished, aborted or never added)."""
+        state = self.requests.pop(request_id, None)
+        if state is None:
+            return False
+        for seq in state.seqs:
+            if not seq.is_finished:
+                self.scheduler.abort(seq)
+            self._release(seq)
+        return True
+
+    def sequences(self, request_id: str) -> list[Sequence]:
+        """The live sequences of an unfinished request (its n samples, a beam search's beams, a scored
+        context's parts), for callers that stream tokens as they come."""
+        return self.requests[request_id].seqs
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished() or self.in_flight is not None
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    # ---- the loop -------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model once, sample; returns the requests that finished in this step.
+
+        With async scheduling (`EngineConfig.is_async_scheduling`) a call launches the next step, then
+        collects the one the previous call launched: the requests it returns are those that step
+        finished (one call later than in order). While a request needs each step's results on the host
+        (needs_tokens_on_host) or the decode graphs wait for their first step, the call collects the
+        step in flight and runs an in-order step."""
+        if self.is_async:
+            return self._step_async()
+        return self._step_in_order()
+
+    def _step_in_order(self) -> list[RequestOutput]:
+        start = time.perf_counter()
+        if self.spec is not None:
+            self.spec.propose(self.scheduler.running)  # drafts for the sequences about to decode
+        out = self.scheduler.schedule()
+        scheduled = time.perf_counter()
+        if out.is_empty:
+            # Nothing ran: what waits cannot get blocks, and what runs (beams waiting for their group)
+            # will not give any back.
+            if self.scheduler.waiting:
+                raise RuntimeError("the scheduler cannot admit any waiting request: the KV cache is too small")
+            return []
+        # Sequences that may decode soon: the runner sizes its decode staging for them at once.
+        num_live = min(len(self.scheduler.running) + len(self.scheduler.waiting), self.config.max_num_seqs)
+        results = self.executor.execute(out.scheduled, num_live, out.blocks_to_copy)
+        executed = time.perf_counter()
+        for s in out.scheduled:
+            s.seq.num_computed_tokens += s.num_new_tokens
+        finished: list[RequestOutput | ScoreOutput] = []
+        num_verifies = 0
+        reported: dict[int, BeamGroup] = {}  # beam groups with candidates from this step
+        for _, group in itertools.groupby(results, key=lambda r: id(r[0])):  # a verify chunk: 1 + k rows
+            rows = list(group)
+            s = rows[0][0]
+            seq = s.seq
+            if seq.beam is not None:  # its next token is chosen with the rest of its group
+                seq.beam_candidates = rows[0][3]
+                reported[id(seq.beam)] = seq.beam
+                continue
+            if s.num_draft_tokens:
+                # Keep the drafts plain decoding agrees with, then its own token there; the KV of the
+                # rejected drafts' positions is overwritten by later steps.
+                drafts = seq.draft_token_ids
+                accepted = num_accepted(drafts, [r[1] for r in rows])
+                seq.num_computed_tokens -= len(drafts) - accepted
+                rows = rows[:accepted + 1]
+                seq.num_accepted_tokens += accepted
+                self.spec.stats.count(len(drafts), accepted)
+                num_verifies += 1
+                seq.draft_token_ids = []
+            for _, token, logprob, top in rows:
+                seq.append_token(token, logprob, top)
+                self.num_generated_tokens += 1
+                if seq.grammar is not None and not seq.grammar.accept_token(token):
+                    raise RuntimeError(f"request {seq.request_id!r} sampled token {token}, which its grammar's "
+                                       "mask did not allow")
+                if self._check_stop(seq):  # inside an accepted run: where plain decoding stops
+                    self._finish(seq, finished)
+                    break
+            else:
+                if s.num_draft_tokens:  # blocks only rejected drafts reached go back
+                    self.kv_cache_manager.trim(seq)
+        for s in out.scheduled:  # prompt-only sequences whose prompt is now computed
+            if s.seq.is_prompt_only and s.seq.num_computed_tokens == s.seq.num_tokens:
+                self._prompt_done(s.seq, finished)
+        for beams in reported.values():
+            if beams.is_ready and beams.beams[0].request_id in self.requests:
+                self._advance_beams(self.requests[beams.beams[0].request_id], finished)
+        if num_verifies:
+            self.spec.stats.num_spec_steps += 1
+        timings = self.timings
+        timings.num_steps += 1
+        timings.add(schedule=scheduled - start, process=time.perf_counter() - executed)
+        return finished
+
+    def _step_async(self) -> list[RequestOutput]:
+        """Schedule and launch step N+1 with step N still on the device (its sampled tokens counted as
+        pending: the scheduler needs only how many there are, and N+1 reads their ids on the device),
+        then wait for step N alone and process it. The host's schedule and prepare of N+1 overlap N."""
+        if self.in_order_requests:  # drop the requests that finished or no longer need it
+            self.in_order_requests = {rid for rid in self.in_order_requests
+                                      if rid in self.requests and needs_tokens_on_host(self.requests[rid])}
+        if self.in_order_requests or self.runner.is_capture_pending:
+            finished: list[RequestOutput] = []
+            if self.in_flight is not None:
+                previous, self.in_flight = self.in_flight, None
+                self._resolve(self.executor.collect(previous), finished)
+            return finished + self._step_in_order()
+        start = time.perf_counter()
+        out = self.scheduler.schedule()
+        scheduled = time.perf_counter()
+        launched = None
+        if not out.is_empty:
+            num_live = min(len(self.scheduler.running) + len(self.scheduler.waiting),
+                           self.config.max_num_seqs)
+            launched = self.executor.launch(out.scheduled, num_live, out.blocks_to_copy)
+            for s in out.scheduled:
+                s.seq.num_computed_tokens += s.num_new_tokens
+            for s in launched.sampling:
+                s.seq.add_pending_token()
+        elif self.in_flight is None:
+            if self.scheduler.waiting:
+                raise RuntimeError("the scheduler cannot admit any waiting request: the KV cache is too "
+                                   "small")
+            return []
+        previous, self.in_flight = self.in_flight, launched
+        finished = []
+        collected = time.perf_counter()
+        if previous is not None:
+            results = self.executor.collect(previous)  # its wait and unpacking are the runner's timings
+            collected = time.perf_counter()
+            self._resolve(results, finished)
+        timings = self.timings
+        timings.num_steps += 1
+        timings.add(schedule=scheduled - start, process=time.perf_counter() - collected)
+        return finished
+
+    def _resolve(self, results: list[StepResult], finished: list) -> None:
+        """A collected step's tokens replace their sequences' oldest pending placeholders, then the stop
+        checks, exactly as an in-order step's tokens are appended (a plain step: one row per sequence)."""
+        cache = self.kv_cache_manager
+        for s, token, logprob, top in results:
+            seq = s.seq
+            if seq.is_finished:  # finished or aborted with this row in flight: the row is dropped
+                continue
+            later = seq.resolve_pending_token(token, logprob, top)
+            self.num_generated_tokens += 1
+            if self._check_stop(seq):  # a later row of this sequence, in flight, is dropped with it
+                self._finish(seq, finished)
+            else:
+                cache.cache_computed_blocks(seq)  # a block this token completed, as in order
+                seq.restore_pending_tokens(later)
+
+    def _prompt_done(self, seq: Sequence, finished: list) -> None:
+        """A scored context's part computed its prompt: the context forks its continuations (holding its
+        blocks), a continuation's score is recorded; the last one finishes the request."""
+        state = self.requests[seq.request_id]
+        group = state.score
+        if seq is group.context:
+            group.num_cached_tokens = seq.num_cached_tokens or 0
+            group.first_scheduled_time = seq.first_scheduled_time
+            children = [group.continuation(i, seq.params, self.max_model_len, seq.sample_key)
+                        for i in range(len(group.continuation_token_ids))]
+            for child in children:
+                self.kv_cache_manager.fork(seq, child)
+                child.num_cached_tokens = seq.num_cached_tokens
+                child.first_scheduled_time = seq.first_scheduled_time
+                self.scheduler.add_running(child)
+            # The forks hold the context's blocks now; its own references go back (below).
+            group.context = None
+            state.seqs = children
+        else:
+            group.record(seq)
+        self.scheduler.finish(seq)
+        self._release(seq)
+        if group.is_done:
+            finished.append(group.output())
+            del self.requests[seq.request_id]
+
+    def _advance_beams(self, state: _RequestState, finished: list) -> None:
+        """Every live beam reported its candidates: HF's selection, then the next beams as sequences
+        (beam_search.py `BeamGroup.advance`): forks hold their parent's blocks, ended beams give theirs back."""
+        group = state.beam
+
+        def fork(parent: Sequence, sample_index: int) -> Sequence:
+            child = parent.fork(sample_index)
+            self.kv_cache_manager.fork(parent, child)
+            return child
+
+        def end(seq: Sequence) -> None:
+            self.scheduler.finish(seq)
+            self._release(seq)
+
+        if group.advance(fork, self.scheduler.add_running, end):
+            decode = None if self.tokenizer is None else self.tokenizer.decode
+            finished.append(group.output(state.request_id, state.prompt_token_ids, state.arrival_time,
+                                         state.prompt, decode))
+            del self.requests[state.request_id]
+        else:
+            state.seqs = list(group.beams)
+
+    def _finish(self, seq: Sequence, finished: list[RequestOutput]) -> None:
+        self.scheduler.finish(seq)
+        self._release(seq)
+        state = self.requests[seq.request_id]
+        if all(x.is_finished for x in state.seqs):
+            finished.append(self._make_output(state))
+            del self.requests[seq.request_id]
+
+    def _release(self, seq: Sequence) -> None:
+        """What the runner and the draft proposer keep for a finished or aborted sequence goes back."""
+        self.executor.release(seq)
+        if self.spec is not None:
+            self.spec.release(seq)
+
+    def _check_stop(self, seq: Sequence) -> bool:
+        """vLLM's stops: EOS and stop tokens once past min_tokens; stop strings that end in text made once
+        past min_tokens; then max_tokens and max_model_len."""
+        p = seq.params
+        token = seq.token_ids[-1]
+        is_past_min = seq.num_output_tokens > p.min_tokens
+        if not p.ignore_eos and token in self.eos_token_ids and is_past_min:
+            seq.finish_reason, seq.stop_reason = "stop", None
+        elif token in p.stop_token_ids and is_past_min:
+            seq.finish_reason, seq.stop_reason = "stop", token
+        elif p.stop and self._check_stop_strings(seq):
+            seq.finish_reason = "stop"
+        elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= seq.max_total_tokens:
+            seq.finish_reason = "length"
+        return seq.finish_reason is not None
+
+    def _check_stop_strings(self, seq: Sequence) -> bool:
+        """Decode the newest tokens only (stop_strings.py) and search the new text (and the few
+        characters before it a stop string may start in).
+
+        Up to min_tokens tokens only the text grows, and that text is marked as searched: as in vLLM, a
+        stop string counts only when it ends in text made after min_tokens, so what the first min_tokens
+        tokens say can never cut the output short of them.
+        """
+        params = seq.params
+        state = seq.text_state
+        if state is None:
+            state = seq.text_state = IncrementalText()
+        state.update(lambda ids: self.tokenizer.decode(ids, params.skip_special_tokens), seq.token_ids,
+                     seq.num_prompt_tokens)
+        start = state.num_checked_chars
+        state.num_checked_chars = len(state.text)
+        if seq.num_output_tokens <= params.min_tokens:
+            return False
+        hit = find_stop_string(state.text, params.stop, start)
+        if hit is None:
+            return False
+        # Found: cut the whole output's text once (as the output will be decoded), else the window's.
+        text = self.tokenizer.decode(seq.output_token_ids, params.skip_special_tokens)
+        full_hit = find_stop_string(text, params.stop, start)
+        if full_hit is None:
+            text, full_hit = state.text, hit
+        cut, stop = full_hit
+        seq.output_text = text[:cut + len(stop) if params.include_stop_str_in_output else cut]
+        seq.stop_reason = stop
+        return True
+
+    def _make_output(self, state: _RequestState) -> RequestOutput:
+        completions = []
+        for seq in state.seqs:
+            text = seq.output_text
+            if text is None and self.tokenizer is None:
+                text = ""
+            elif text is None:
+                text = self.tokenizer.decode(self._text_token_ids(seq), seq.params.skip_special_tokens)
+            completions.append(CompletionOutput(
+                index=seq.sample_index, text=text, token_ids=seq.output_token_ids,
+                cumulative_logprob=seq.cumulative_logprob,
+                logprobs=list(seq.output_logprobs) if seq.params.logprobs is not None else None,
+                top_logprobs=self._top_logprobs(seq) if seq.params.num_top_logprobs else None,
+                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
+                num_accepted_tokens=seq.num_accepted_tokens if self.spec is not None else None,
+                first_scheduled_time=seq.first_scheduled_time, first_token_time=seq.first_token_time,
+                last_token_time=seq.last_token_time))
+        first = state.seqs[0]
+        metrics = RequestMetrics(
+            arrival_time=state.arrival_time,
+            first_scheduled_time=min(s.first_scheduled_time for s in state.seqs),
+            first_token_time=min(s.first_token_time for s in state.seqs),
+            last_token_time=max(s.last_token_time for s in state.seqs))
+        prompt_logprobs = None
+        if first.params.prompt_logprobs is not None:
+            texts = self.tokenizer.token_texts if self.tokenizer is not None else (lambda ids: [""] * len(ids))
+            prompt_logprobs = prompt_logprobs_output(first, texts)
+        return RequestOutput(state.request_id, state.prompt_token_ids, completions,
+                             first.num_cached_tokens or 0, metrics, prompt=state.prompt,
+                             prompt_logprobs=prompt_logprobs)
+
+    @staticmethod
+    def _text_token_ids(seq: Sequence) -> list[int]:
+        """The output tokens the text is decoded from: as in vLLM, all of them but a stop token (EOS or
+        one of stop_token_ids) that ended the sample, unless include_stop_str_in_output. (A stop string
+        sets the text itself: _check_stop_strings.)"""
+        ids = seq.output_token_ids
+        is_stop_token = seq.finish_reason == "stop" and not isinstance(seq.stop_reason, str)
+        if is_stop_token and ids and not seq.params.include_stop_str_in_output:
+            return ids[:-1]
+        return ids
+
+    def _top_logprobs(self, seq: Sequence) -> list[list[TopLogprob]]:
+        ids = [token_id for position in seq.output_top_logprobs for token_id, _ in position]
+        texts = iter(self.tokenizer.token_texts(ids))
+        return [[TopLogprob(token_id, next(texts), logprob) for token_id, logprob in position]
+                for position in seq.output_top_logprobs]
+
+    # ---- counters -------------------------------------------------------------------------------
+    @property
+    def stats(self) -> dict:
+        """Counters since the engine started, `kernels`: the implementations that run (Capabilities),
+        `weights`: the weight format and the decoder's linear bytes (quant/weight_report.py; rank 0's
+        shard with tensor parallelism), `speculative`: draft and accepted tokens (speculative/__init__.py
+        SpecStats; None when off), `structured`: constrained requests, grammar compiles and the per-step
+        mask's counters and host time (structured/manager.py), and `tensor_parallel`: each rank's weight
+        bytes, KV bytes per token and peak resident memory (parallel/mp_executor.py; None in one process)."""
+        s = self.scheduler.stats
+        pool = self.kv_cache_manager.pool
+        return {
+            "num_steps": s.num_steps, "num_preemptions": s.num_preemptions,
+            "num_prefill_tokens": s.num_prefill_tokens, "num_decode_tokens": s.num_decode_tokens,
+            "num_mixed_steps": s.num_mixed_steps, "num_partial_prefills": s.num_partial_prefills,
+            "num_cached_tokens": s.num_cached_tokens, "num_block_copies": s.num_block_copies,
+            "num_evictions": pool.num_evictions, "num_generated_tokens": self.num_generated_tokens,
+            "num_free_blocks": pool.num_free_blocks, "num_blocks": pool.num_blocks,
+            "prefix_cache_hit_rate": pool.num_hit_blocks / pool.num_queried_blocks if pool.num_queried_blocks else 0.0,
+            "kv_cache": {"dtype": str(self.config.kv_torch_dtype).removeprefix("torch."),
+                         "bytes_per_token": self.kv_bytes_per_token},
+            "kernels": self.capabilities.as_dict(),
+            "weights": dict(self.loaded.weights),
+            "speculative": self.spec.stats.as_dict() if self.spec is not None else None,
+            "structured": self.structured.stats(self.runner.step_bitmask.stats),
+            "tensor_parallel": self.executor.report(),
+        }
+
+
+def _check_shares_weights(other: LLMEngine, config: EngineConfig) -> None:
+    base = other.config
+    differing = [f.name for f in dataclasses.fields(EngineConfig)
+                 if f.compare and getattr(base, f.name) != getattr(config, f.name)
+                 and f.name not in RUNTIME_SETTINGS]
+    if differing:
+        raise ValueError(f"an engine sharing loaded weights may change only {', '.join(RUNTIME_SETTINGS)}; "
+                         f"got different {', '.join(differing)}")
+    if config.max_model_len is not None and config.max_model_len > other.loaded.max_model_len:
+        raise ValueError(f"max_model_len {config.max_model_len} exceeds the shared model's "
+                         f"{other.loaded.max_model_len}")

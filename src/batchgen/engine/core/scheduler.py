@@ -1,0 +1,203 @@
+"""Scheduler: continuous batching with a per-step token budget, chunked prefill and preemption.
+
+No prefill/decode phases: running sequences get their next token (or next prefill chunk), then
+waiting sequences are admitted with their cached prefix skipped. When blocks run out the newest
+running sequence is preempted (blocks freed, recomputed later).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from batchgen.engine.config import EngineConfig
+from batchgen.engine.kv.kv_cache_manager import KVCacheManager
+from batchgen.engine.core.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int
+    num_draft_tokens: int = 0  # a verify chunk: the last token, then the sequence's drafts (all of them)
+
+    @property
+    def is_sampling(self) -> bool:
+        """True when this chunk reaches the end of the known tokens (and drafts), so tokens are sampled."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens + self.num_draft_tokens
+
+    @property
+    def num_sampled(self) -> int:
+        """Positions sampled in this chunk: none, one, or 1 + drafts for a verify chunk (none for a
+        prompt-only sequence: it computes its prompt and stops)."""
+        return 1 + self.num_draft_tokens if self.is_sampling and not self.seq.is_prompt_only else 0
+
+    def input_token_ids(self) -> list[int]:
+        """The chunk's token ids: the sequence's tokens from num_computed_tokens, then its drafts."""
+        start = self.seq.num_computed_tokens
+        if not self.num_draft_tokens:
+            return self.seq.token_ids[start:start + self.num_new_tokens]
+        return self.seq.token_ids[start:] + self.seq.draft_token_ids
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    num_preempted: int = 0
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (source, destination): copy on write
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class SchedulerStats:
+    num_steps: int = 0
+    num_preemptions: int = 0
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    num_mixed_steps: int = 0  # steps holding both a prefill chunk and a decode
+    num_partial_prefills: int = 0  # prefill chunks that stopped short of the prompt's end
+    num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache at admission
+    num_block_copies: int = 0  # blocks copied on write (a fork's first write into a shared block)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, kv_cache_manager: KVCacheManager):
+        self.config = config
+        self.kv_cache_manager = kv_cache_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.stats = SchedulerStats()
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        now = time.monotonic()
+        running_next: list[Sequence] = []
+        queue = list(self.running)
+        while queue and budget > 0:
+            seq = queue.pop(0)
+            if seq.num_pending_tokens and seq.is_at_length_limit:
+                running_next.append(seq)  # async: its last token is in flight; it finishes when read back
+                continue
+            num_new = min(seq.num_tokens - seq.num_computed_tokens + len(seq.draft_token_ids), budget)
+            if num_new == 0:  # a beam whose candidates wait for the rest of its group: nothing to run
+                running_next.append(seq)
+                continue
+            # Drafts (speculative decoding) ride on a decode only and never cost a preemption: cut
+            # to the budget, dropped when their slots do not fit. The sequence keeps exactly the
+            # drafts its chunk verifies.
+            num_drafts = max(num_new - 1, 0) if seq.draft_token_ids else 0
+            if num_drafts and not self.kv_cache_manager.allocate_slots(seq, num_new):
+                num_new, num_drafts = 1, 0
+            if len(seq.draft_token_ids) != num_drafts:
+                seq.draft_token_ids = seq.draft_token_ids[:num_drafts]
+            while not (num_drafts or self.kv_cache_manager.allocate_slots(seq, num_new)):
+                victim = queue.pop() if queue else seq  # newest first
+                self._preempt(victim)
+                out.num_preempted += 1
+                if victim is seq:
+                    break
+            else:
+                out.scheduled.append(ScheduledSeq(seq, num_new, num_drafts))
+                running_next.append(seq)
+                budget -= num_new
+        running_next.extend(queue)  # out of budget this step; they keep their blocks
+
+        # Admit waiting sequences only when nothing was preempted (the pool is not under pressure).
+        while (self.waiting and out.num_preempted == 0 and budget > 0
+               and len(running_next) < self.config.max_num_seqs):
+            seq = self.waiting[0]
+            hits = self.kv_cache_manager.get_computed_blocks(seq)
+            num_cached = len(hits) * self.kv_cache_manager.block_size
+            num_new = min(seq.num_tokens - num_cached, budget)
+            if not self.kv_cache_manager.allocate_slots(seq, num_new, hits):
+                break
+            self.waiting.popleft()
+            seq.num_computed_tokens = num_cached
+            if seq.num_cached_tokens is None:
+                seq.num_cached_tokens = num_cached
+                self.stats.num_cached_tokens += num_cached
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = now
+            seq.status = SequenceStatus.RUNNING
+            out.scheduled.append(ScheduledSeq(seq, num_new))
+            running_next.append(seq)
+            budget -= num_new
+        self.running = running_next
+        out.blocks_to_copy = self.kv_cache_manager.take_copies()
+        self.stats.num_block_copies += len(out.blocks_to_copy)
+        self._count(out)
+        return out
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.kv_cache_manager.free(seq)
+        seq.draft_token_ids = []
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        if seq in self.running:
+            self.running.remove(seq)
+        self.waiting.appendleft(seq)
+        self.stats.num_preemptions += 1
+
+    def _count(self, out: SchedulerOutput) -> None:
+        if out.is_empty:
+            return
+        self.stats.num_steps += 1
+        has_prefill = has_decode = False
+        for s in out.scheduled:
+            # A verify chunk (the last token and its drafts) counts as decode tokens, rejected ones too.
+            is_decode = (s.seq.num_computed_tokens >= s.seq.num_prompt_tokens
+                         and (s.num_new_tokens == 1 or s.num_draft_tokens > 0))
+            if is_decode:
+                self.stats.num_decode_tokens += s.num_new_tokens
+                has_decode = True
+            else:
+                self.stats.num_prefill_tokens += s.num_new_tokens
+                has_prefill = True
+                if not s.is_sampling:
+                    self.stats.num_partial_prefills += 1
+        self.stats.num_mixed_steps += has_prefill and has_decode
+
+    def abort(self, seq: Sequence) -> None:
+        """Take `seq` out wherever it is (waiting or running); its blocks go back."""
+        if seq.status == SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        elif seq.status == SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = "abort"
+        self.kv_cache_manager.free(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """Called by the engine when `seq` is done: its blocks go back (keeping their hashes)."""
+        if seq.status == SequenceStatus.WAITING:  # a beam or prompt-only part preempted before its end
+            self.waiting.remove(seq)
+        else:
+            self.running.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        self.kv_cache_manager.free(seq)
+
+    def add_running(self, seq: Sequence) -> None:
+        """A fork that holds its parent's blocks (kv_cache_manager.fork) joins the running sequences;
+        one without blocks (its parent was preempted) waits, first in line, to be recomputed."""
+        if seq.block_ids:
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+        else:
+            seq.status = SequenceStatus.WAITING
+            seq.num_computed_tokens = 0
+            self.waiting.appendleft(seq)

@@ -1,0 +1,153 @@
+"""A batch file's line -> a request: its url picks the endpoint, its body the prompt and every setting.
+
+The body is read with the server's request models (openai/protocol.py), so a batch line
+accepts exactly what `POST /v1/chat/completions` or `/v1/completions` accepts and refuses the same
+fields by name (`tools`, `response_format`, `logit_bias`, ...). Differences, each on purpose:
+- a sampling field the body leaves out takes the job's `sampling` section (the job file is where a
+  batch's defaults live; its temperature is 0 unless set), not OpenAI's default;
+- `model` is ignored: the job's model.path runs every line, whatever model a line names (batch files
+  written for OpenAI name OpenAI's models), and each response names the model that ran;
+- `stream` and `stream_options` are refused (a batch has nothing to stream to);
+- a body with `seed` draws its samples by (seed, sample index), as the server does, so a line gives
+  what the same body sent to `batchgen serve` gives; without one, by (sampling.seed, custom_id,
+  sample index), the pipeline's rule;
+- a completions line holds one prompt (a string, or token ids), not a list of prompts.
+Whatever is wrong inside a line is that line's error row, naming the field (`param`: a body field
+by its name, as the server names it, or `method`, `url`, `body` for the line's own keys).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pyarrow as pa
+
+from batchgen.engine.config import SettingError
+from batchgen.pipeline.config import JobConfig
+from batchgen.openai.api_error import APIError
+from batchgen.pipeline.batch_file import BATCH_ID_COLUMN, BATCH_LINE_COLUMN
+from batchgen.openai.protocol import ChatCompletionRequest, CompletionRequest, parse_request
+from batchgen.pipeline.request_builder import OpenAIRequest, RowError, RowInput
+
+ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
+_LINE_KEYS = ("custom_id", "method", "url", "body")
+# Body fields that are SamplingParams fields of the same name and meaning.
+_SAME_NAME = ("n", "temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "top_k", "min_p",
+              "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "include_stop_str_in_output")
+
+
+def decode_batch_lines(batch: pa.RecordBatch, job: JobConfig) -> list[RowInput]:
+    """The rows of a batch of a batch file (columns custom_id, line), in order."""
+    ids = batch.column(BATCH_ID_COLUMN).to_pylist()
+    lines = batch.column(BATCH_LINE_COLUMN).to_pylist()
+    return [decode_line(custom_id, line, job) for custom_id, line in zip(ids, lines)]
+
+
+def decode_line(custom_id: str, line: bytes, job: JobConfig) -> RowInput:
+    """One line (already known to be a JSON object with this custom_id) as a RowInput."""
+    raw = json.loads(line)
+    endpoint = ENDPOINTS.get(raw.get("url")) if isinstance(raw.get("url"), str) else None
+    try:
+        return _decode(custom_id, raw, endpoint, job)
+    except RowError as exc:
+        code = "invalid_value" if exc.param is not None else None
+        return RowInput(custom_id, error=str(exc), openai=OpenAIRequest(endpoint, exc.param, code))
+    except APIError as exc:  # the server's models' verdict on the body
+        return RowInput(custom_id, error=exc.message, openai=OpenAIRequest(endpoint, exc.param, exc.code))
+
+
+# Request fields the server answers but a batch line's output has no place for.
+# Server fields a batch line may not set, with the value that asks for nothing (a line may send it).
+_SERVER_ONLY = {"echo": False, "prompt_logprobs": None, "use_beam_search": False, "length_penalty": 1.0,
+                "early_stopping": False}
+
+
+def _decode(custom_id: str, raw: dict, endpoint: str | None, job: JobConfig) -> RowInput:
+    unknown = [key for key in raw if key not in _LINE_KEYS]
+    if unknown:
+        raise RowError(f"unknown key(s) {', '.join(map(repr, unknown))} in the line; a line holds "
+                       f"{', '.join(_LINE_KEYS)}", unknown[0])
+    if raw.get("method") != "POST":
+        raise RowError(f"method must be \"POST\"; got {raw.get('method')!r}", "method")
+    if endpoint is None:
+        raise RowError(f"url {raw.get('url')!r} is not supported; batchgen runs "
+                       f"{' and '.join(ENDPOINTS)}", "url")
+    body = raw.get("body")
+    if not isinstance(body, dict):
+        raise RowError(f"body must be a JSON object (the request); got {type(body).__name__}", "body")
+    model = ChatCompletionRequest if endpoint == "chat" else CompletionRequest
+    request = parse_request(json.dumps(body).encode(), model)
+    for name in ("stream", "stream_options"):
+        if body.get(name) not in (None, False):
+            raise RowError(f"{name} is not supported in a batch file (there is no stream to send)", name)
+    for name, unset in _SERVER_ONLY.items():
+        value = body.get(name)
+        # `is`: 0 == False, and prompt_logprobs 0 asks for something
+        if not (value is None or value is unset or (isinstance(unset, float) and value == unset
+                                                    and not isinstance(value, bool))):
+            raise RowError(f"{name} is not supported in a batch file (a job scores continuations with task: "
+                           "loglikelihood and runs beams with sampling.beam_width)", name)
+    if request.skip_special_tokens is False:
+        raise RowError("skip_special_tokens: false is not supported in a batch job (the completion "
+                       "is always the text without special tokens)", "skip_special_tokens")
+    overrides, fields = _overrides(request, endpoint)
+    try:
+        params = job.sampling_params(**overrides)
+    except SettingError as exc:
+        field = fields.get(exc.name, exc.name)
+        hint = ""
+        if exc.name == "n" and "temperature" not in request.model_fields_set:
+            hint = (f" (the body sets no temperature, so the job's sampling.temperature "
+                    f"{job.sampling.temperature} applies)")
+        raise RowError(f"{field} {exc.rule}; got {exc.value!r}{hint}", field) from None
+    prompt = request.template_messages() if endpoint == "chat" else _one_prompt(request)
+    # A chat line's own template fields (vLLM's) over the job's input.chat_template(_kwargs).
+    chat = request.chat_options(job.input.chat_template, job.input.chat_template_kwargs) \
+        if endpoint == "chat" else None
+    seeded = "seed" in request.model_fields_set and request.seed is not None
+    return RowInput(custom_id, prompt, overrides, num_prompt_bytes=_num_bytes(prompt), params=params,
+                    sample_key="" if seeded else None,
+                    openai=OpenAIRequest(endpoint, structured_param=fields.get("structured_outputs")), chat=chat)
+
+
+def _overrides(request, endpoint: str) -> tuple[dict[str, Any], dict[str, str]]:
+    """(SamplingParams fields the body sets, the body field each came from where the name differs)."""
+    given = request.model_fields_set
+    overrides = {name: getattr(request, name) for name in _SAME_NAME
+                 if name in given and getattr(request, name) is not None}
+    fields: dict[str, str] = {}
+    if "stop" in given and request.stop is not None:
+        overrides["stop"] = [request.stop] if isinstance(request.stop, str) else list(request.stop)
+    if endpoint == "chat":
+        max_tokens, field = request.requested_max_tokens()
+        if max_tokens is not None:
+            overrides["max_tokens"], fields["max_tokens"] = max_tokens, field
+        if given & {"logprobs", "top_logprobs"}:
+            overrides["logprobs"] = request.num_logprobs()  # None, 0 or top_logprobs
+            fields["logprobs"] = "top_logprobs" if request.top_logprobs else "logprobs"
+    else:
+        if "max_tokens" in given and request.max_tokens is not None:
+            overrides["max_tokens"] = request.max_tokens
+        if "logprobs" in given:
+            overrides["logprobs"] = request.logprobs
+    constraint, field = request.structured()  # a body's constraint replaces the job's sampling.structured
+    if constraint is not None:
+        overrides["structured_outputs"], fields["structured_outputs"] = constraint, field
+    return overrides, fields
+
+
+def _one_prompt(request: CompletionRequest) -> str | list[int]:
+    prompts = request.prompts()
+    if len(prompts) != 1:
+        raise RowError(f"prompt: a batch line holds one prompt (a string or a list of token ids); got a "
+                       f"list of {len(prompts)} prompts (write one line per prompt)", "prompt")
+    return prompts[0]
+
+
+def _num_bytes(prompt: str | list) -> int:
+    if isinstance(prompt, str):
+        return len(prompt.encode())
+    if all(isinstance(t, int) for t in prompt):
+        return 4 * len(prompt)
+    return sum(len(m["role"].encode()) + len(m["content"].encode()) for m in prompt)

@@ -1,0 +1,45 @@
+"""A job's input, checked as a whole: its files' footers and schemas, one type per copied column, its fingerprint."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pyarrow as pa
+
+from batchgen.pipeline.column_types import unify_column_types
+from batchgen.pipeline.config import JobConfig
+from batchgen.pipeline.batch_file import BATCH_SUFFIX, inspect_batch_files
+from batchgen.pipeline.output import FileFingerprint, fingerprint_files
+from batchgen.pipeline.reader import InputFile, inspect_file, list_input_files
+from batchgen.pipeline.schema import check_input_schema, output_schema
+from batchgen.pipeline.storage import Storage
+
+
+@dataclass(frozen=True)
+class JobInputs:
+    storage: Storage
+    files: list[InputFile]  # sorted: units are numbered along this list
+    fingerprint: list[FileFingerprint]
+    column_types: dict[str, pa.DataType]  # the id column and the kept columns, one type across files
+
+    def output_schema(self, job: JobConfig) -> pa.Schema:
+        """Every part's schema: id (the input's one id type), the generated columns, the kept columns."""
+        keep = [pa.field(name, self.column_types[name]) for name in job.output.keep_columns]
+        # A batch file's lines each ask for logprobs or not: both columns are there, null where not asked.
+        logprobs = 1 if job.input.is_batch_file else job.sampling.logprobs
+        return output_schema(pa.field("id", self.column_types[job.input.id_column]), keep, logprobs,
+                             with_openai_line=job.writes_batch_output, is_scoring=job.is_scoring)
+
+
+def read_inputs(job: JobConfig) -> JobInputs:
+    """List and check every input file (JobError naming the file, column or key at fault)."""
+    storage = Storage(job.input.path, job.input.storage_options)
+    if job.input.is_batch_file:  # each line checked here; the schema is the batch file's own
+        files = inspect_batch_files(storage, list_input_files(storage, BATCH_SUFFIX))
+    else:
+        files = [inspect_file(storage, p) for p in list_input_files(storage)]
+        for file in files:
+            check_input_schema(file, job)
+    copied = {job.input.id_column: "input.id_column",
+              **{name: "output.keep_columns" for name in job.output.keep_columns}}
+    return JobInputs(storage, files, fingerprint_files(storage, files), unify_column_types(files, copied))

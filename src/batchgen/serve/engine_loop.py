@@ -1,0 +1,390 @@
+"""EngineLoop: one thread owns the engine; HTTP handlers hand it requests and await its events.
+
+Between two engine steps the thread takes every request that arrived (and every abort), so
+concurrent HTTP requests share steps: continuous batching across clients. Everything that touches
+the engine's tokenizer runs on this thread too (encoding small prompts, streaming text, token
+strings for logprobs): a Rust tokenizer shared by two threads can fail with "Already borrowed".
+Large prompts arrive already encoded, by the PromptEncoder's own copy (prompt_encoder.py).
+
+Results go back to the asyncio side through each request's EventSink (call_soon_threadsafe onto an
+asyncio.Queue): a streaming request gets a Progress event per step with its new text and tokens;
+every request ends with one Finished (all its samples, or for a stream their last pieces) or one
+Failed event. A request that fails (its prompt is refused, its output cannot be formatted) fails
+alone; a step that raises fails the requests in the engine, and the loop goes on serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from batchgen.engine import CompletionOutput, LLMEngine, RequestOutput, SamplingParams, TopLogprob
+from batchgen.engine.core.outputs import PromptLogprobs
+from batchgen.engine.core.sequence import Sequence, SequenceStatus
+from batchgen.openai.api_error import APIError
+from batchgen.serve.metrics import EngineGauges, Metrics
+from batchgen.serve.text_stream import TextStream
+
+log = logging.getLogger("batchgen.serve")
+
+# How long the idle thread sleeps before looking again (a new request wakes it at once).
+IDLE_WAIT_S = 0.5
+
+
+class TokenLogprob(NamedTuple):
+    """A chosen token with its text (decoded alone), raw log-probability and the top-N alternatives."""
+
+    token_id: int
+    token: str
+    logprob: float
+    top: list[TopLogprob]
+
+
+@dataclass
+class SampleDelta:
+    """What one sample added since its last delta (for a non-streaming request: the whole sample)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None  # None unless the request asked for logprobs
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+@dataclass
+class PromptEcho:
+    """A request's prompt as the response shows it (echo, prompt_logprobs), made on the engine thread."""
+
+    text: str  # the prompt as sent, or its tokens decoded (a token-id prompt)
+    token_ids: list[int]
+    tokens: list[str]  # each token's text decoded alone
+    logprobs: list[TokenLogprob | None] | None  # None for the first token; None when not asked
+    prompt_logprobs: PromptLogprobs | None  # vLLM's per-position {token id: Logprob}
+
+
+def completion_delta(c: CompletionOutput, token_texts) -> SampleDelta:
+    """A finished sample as a whole-sample delta: its logprob entries from the output itself (the tokens'
+    texts from `token_texts`, Tokenizer.token_texts)."""
+    logprobs = None
+    if c.logprobs is not None:
+        tops = c.top_logprobs or [[] for _ in c.token_ids]
+        logprobs = [TokenLogprob(t, text, lp, list(top))
+                    for t, text, lp, top in zip(c.token_ids, token_texts(list(c.token_ids)), c.logprobs, tops)]
+    return SampleDelta(c.index, c.text, list(c.token_ids), logprobs, c.finish_reason, c.stop_reason)
+
+
+def prompt_echo(out: RequestOutput, tokenizer) -> PromptEcho:
+    """The prompt of a finished request as text, tokens and (when asked) log-probabilities."""
+    ids = list(out.prompt_token_ids)
+    text = out.prompt if out.prompt is not None else tokenizer.decode(ids, skip_special_tokens=False)
+    tokens = tokenizer.token_texts(ids)
+    logprobs = None
+    if out.prompt_logprobs is not None:
+        logprobs = [None]
+        for token_id, token, position in zip(ids[1:], tokens[1:], out.prompt_logprobs[1:]):
+            chosen = position[token_id]
+            top = [TopLogprob(t, lp.decoded_token, lp.logprob) for t, lp in position.items() if t != token_id]
+            logprobs.append(TokenLogprob(token_id, token, chosen.logprob, top))
+    return PromptEcho(text, ids, tokens, logprobs, out.prompt_logprobs)
+
+
+@dataclass
+class Admitted:
+    """The engine took the request (its prompt and settings passed every check)."""
+
+    request_id: str
+
+
+@dataclass
+class Progress:
+    request_id: str
+    deltas: list[SampleDelta]
+
+
+@dataclass
+class Finished:
+    request_id: str
+    output: RequestOutput
+    deltas: list[SampleDelta]  # one per sample: the whole sample, or what a stream has not sent yet
+    prompt: PromptEcho | None = None  # when the request echoes its prompt or asked prompt_logprobs
+
+
+@dataclass
+class Failed:
+    request_id: str
+    error: APIError
+
+
+Event = Admitted | Progress | Finished | Failed
+
+
+class EventSink:
+    """A request's (or a group of requests') events, on the asyncio loop that created it."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue[Event] = asyncio.Queue()
+
+    def put(self, event: Event) -> None:
+        """Thread-safe; dropped when the event loop has closed (nobody is listening any more)."""
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+        except RuntimeError:
+            pass
+
+    async def get(self) -> Event:
+        return await self.queue.get()
+
+
+# Runs on the engine thread: the prompt's token ids and the request's SamplingParams, or an APIError.
+Prepare = Callable[[LLMEngine], tuple[list[int], SamplingParams]]
+
+
+@dataclass
+class Submission:
+    request_id: str
+    prepare: Prepare
+    sample_key: str  # "" keys samples by (seed, index) alone; a random string for unseeded requests
+    sink: EventSink
+    is_streaming: bool
+    arrival_time: float = field(default_factory=time.monotonic)  # when the HTTP request arrived
+    echo: bool = False  # the response shows the prompt (completions' echo)
+
+
+@dataclass
+class _Record:
+    submission: Submission
+    seqs: list[Sequence]
+    streams: list[TextStream] = field(default_factory=list)
+
+
+class EngineLoop:
+    def __init__(self, engine: LLMEngine, metrics: Metrics):
+        self.engine = engine
+        self.metrics = metrics
+        self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stopping = threading.Event()
+        self._fail_at: float | None = None  # monotonic deadline after which every request fails
+        self._records: dict[str, _Record] = {}
+        self._thread = threading.Thread(target=self._run, name="batchgen-engine", daemon=True)
+
+    # ---- called from the asyncio side (any thread) ------------------------------------------------
+    def start(self) -> None:
+        self._publish()
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stopping.set()
+        self._wake.set()
+        self._thread.join(timeout)
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def submit(self, submission: Submission) -> None:
+        self._inbox.put(("add", submission))
+        self._wake.set()
+
+    def abort(self, request_id: str) -> None:
+        """Drop a request (a client went away); nothing more is sent for it. Harmless once finished."""
+        self._inbox.put(("abort", request_id))
+        self._wake.set()
+
+    def call(self, fn: Callable[[LLMEngine], object]) -> asyncio.Future:
+        """Run `fn(engine)` on the engine thread between two steps (the tokenizer is used there only);
+        the future (of the calling event loop) gets its result or its exception."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._inbox.put(("call", (fn, future, loop)))
+        self._wake.set()
+        return future
+
+    def fail_all_after(self, seconds: float) -> None:
+        """Shutdown: requests still unfinished `seconds` from now end with an error. Signal-safe."""
+        self._fail_at = time.monotonic() + seconds
+        self._wake.set()
+
+    # ---- the engine thread ----------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                self._iterate()
+            except Exception as exc:  # a bug outside the step: fail what is in flight, keep serving
+                log.exception("engine loop error")
+                self._fail_all(APIError(500, f"internal error: {type(exc).__name__}: {exc}",
+                                        code="internal_error"))
+        self._take_inbox()
+        self._fail_all(APIError(503, "the server stopped before this request finished", code="shutdown"))
+
+    def _iterate(self) -> None:
+        self._take_inbox()
+        if self._fail_at is not None and time.monotonic() >= self._fail_at and self._records:
+            self._fail_all(APIError(503, "the server shut down before this request finished", code="shutdown"))
+        if not self.engine.has_unfinished():
+            self._publish()
+            self._wake.wait(IDLE_WAIT_S)
+            self._wake.clear()
+            return
+        try:
+            finished = self.engine.step()
+        except Exception as exc:
+            log.exception("engine step failed")
+            self._fail_all(APIError(500, f"the engine failed: {type(exc).__name__}: {exc}", code="engine_error"))
+            return
+        self._emit(finished)
+        self._publish()
+
+    def _take_inbox(self) -> None:
+        num_aborted = 0
+        while True:
+            try:
+                kind, item = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "add":
+                self._add(item)
+            elif kind == "call":
+                self._call(*item)
+            elif kind == "abort" and item in self._records:
+                record = self._records.pop(item)
+                self.engine.abort_request(item)
+                self.metrics.count_end("abort", len(record.seqs))
+                num_aborted += 1
+        if num_aborted:
+            self._publish()  # the freed blocks show now, not after the next step
+
+    def _call(self, fn, future: asyncio.Future, loop: asyncio.AbstractEventLoop) -> None:
+        try:
+            result, error = fn(self.engine), None
+        except Exception as exc:  # the caller's to report
+            result, error = None, exc
+
+        def settle() -> None:
+            if not future.done():
+                future.set_exception(error) if error is not None else future.set_result(result)
+        try:
+            loop.call_soon_threadsafe(settle)
+        except RuntimeError:  # that event loop has closed: nobody waits
+            pass
+
+    def _add(self, sub: Submission) -> None:
+        if self._fail_at is not None and time.monotonic() >= self._fail_at:
+            sub.sink.put(Failed(sub.request_id, APIError(503, "the server is shutting down", code="shutdown")))
+            return
+        try:
+            token_ids, params = sub.prepare(self.engine)
+            self.engine.add_request(sub.request_id, None, params, prompt_token_ids=token_ids,
+                                    sample_key=sub.sample_key)
+        except APIError as exc:
+            sub.sink.put(Failed(sub.request_id, exc))
+            return
+        except ValueError as exc:  # the engine's own checks (vocabulary): this request only
+            sub.sink.put(Failed(sub.request_id, APIError(400, str(exc), code="invalid_value")))
+            return
+        except Exception as exc:
+            log.exception("cannot add request %s", sub.request_id)
+            error = APIError(500, f"cannot add the request: {exc}", code="engine_error")
+            sub.sink.put(Failed(sub.request_id, error))
+            return
+        seqs = self.engine.sequences(sub.request_id)
+        decode = self.engine.tokenizer.decode
+        streams = [TextStream(lambda ids, s=params.skip_special_tokens: decode(ids, s), params.stop)
+                   for _ in seqs] if sub.is_streaming else []
+        self._records[sub.request_id] = _Record(sub, seqs, streams)
+        sub.sink.put(Admitted(sub.request_id))
+
+    def _emit(self, finished: list[RequestOutput]) -> None:
+        done = {out.request_id: out for out in finished}
+        for request_id, record in list(self._records.items()):
+            out = done.get(request_id)
+            if out is None and not record.streams:
+                continue
+            try:
+                if out is not None:
+                    del self._records[request_id]
+                    deltas = [self._final_delta(record, c) for c in out.outputs]
+                    prompt = None
+                    if record.submission.echo or out.prompt_logprobs is not None:
+                        prompt = prompt_echo(out, self.engine.tokenizer)
+                    self.metrics.record_finished(out, record.submission.arrival_time)
+                    record.submission.sink.put(Finished(request_id, out, deltas, prompt))
+                else:
+                    deltas = [d for i in range(len(record.seqs)) if (d := self._progress_delta(record, i))]
+                    if deltas:
+                        record.submission.sink.put(Progress(request_id, deltas))
+            except Exception as exc:  # formatting this request failed: it alone fails
+                log.exception("cannot emit request %s", request_id)
+                self._records.pop(request_id, None)
+                self.engine.abort_request(request_id)
+                self.metrics.count_end("error", len(record.seqs))
+                record.submission.sink.put(Failed(request_id, APIError(500, f"internal error: {exc}",
+                                                                      code="internal_error")))
+
+    def _progress_delta(self, record: _Record, index: int) -> SampleDelta | None:
+        seq, stream = record.seqs[index], record.streams[index]
+        if seq.is_finished:  # its text (a stop string cut off) comes with the request's end
+            return None
+        # The tokens read back so far (with async scheduling the newest may still be on the device).
+        token_ids = seq.output_token_ids
+        text = stream.advance(token_ids)
+        if not text and seq.params.logprobs is None:
+            return None
+        start, end = stream.take_tokens(len(token_ids))
+        if not text and start == end:
+            return None
+        return SampleDelta(index, text, token_ids[start:end], self._logprobs(seq, start, end))
+
+    def _final_delta(self, record: _Record, completion) -> SampleDelta:
+        if not record.streams:  # the whole sample (a beam search's beams are not its sequences)
+            return completion_delta(completion, self.engine.tokenizer.token_texts)
+        seq = record.seqs[completion.index]
+        stream = record.streams[completion.index]
+        text = stream.finish(completion.text)
+        start, end = stream.take_tokens(len(completion.token_ids))
+        return SampleDelta(completion.index, text, completion.token_ids[start:end],
+                           self._logprobs(seq, start, end), completion.finish_reason, completion.stop_reason)
+
+    def _logprobs(self, seq: Sequence, start: int, end: int) -> list[TokenLogprob] | None:
+        if seq.params.logprobs is None:
+            return None
+        chosen = seq.output_token_ids[start:end]
+        tops = seq.output_top_logprobs[start:end] if seq.params.num_top_logprobs else [[] for _ in chosen]
+        ids = chosen + [token_id for top in tops for token_id, _ in top]
+        texts = iter(self.engine.tokenizer.token_texts(ids))
+        chosen_texts = [next(texts) for _ in chosen]
+        chosen_logprobs = seq.output_logprobs[start:end]
+        return [TokenLogprob(token_id, token, logprob, [TopLogprob(t, next(texts), lp) for t, lp in top])
+                for token_id, token, logprob, top in zip(chosen, chosen_texts, chosen_logprobs, tops)]
+
+    def _fail_all(self, error: APIError) -> None:
+        if self._records:
+            log.info("ending %d unfinished request(s): %s", len(self._records), error.message)
+        for request_id, record in list(self._records.items()):
+            try:
+                self.engine.abort_request(request_id)
+            except Exception:  # the engine's state may be what failed; the request ends regardless
+                log.exception("cannot abort request %s", request_id)
+            self.metrics.count_end("error", len(record.seqs))
+            record.submission.sink.put(Failed(request_id, error))
+        self._records.clear()
+
+    def _publish(self) -> None:
+        scheduler, manager = self.engine.scheduler, self.engine.kv_cache_manager
+        pool = manager.pool
+        running = {seq.request_id for seq in scheduler.running if seq.status == SequenceStatus.RUNNING}
+        self.metrics.publish(EngineGauges(
+            num_requests_running=len(running),
+            num_requests_waiting=len(self._records) - len(running & self._records.keys()),
+            num_free_blocks=pool.num_free_blocks, num_blocks=pool.num_blocks,
+            num_prefix_queried_tokens=pool.num_queried_blocks * manager.block_size,
+            num_prefix_hit_tokens=pool.num_hit_blocks * manager.block_size,
+            num_preemptions=scheduler.stats.num_preemptions))
