@@ -3,11 +3,11 @@ random and chat workloads, rounds interleaved (every configuration once per roun
 hits them alike), then the engine's bfloat16 against its float32 by part (bench/step_breakdown.py).
 Each run is its own `batchgen bench` process writing its JSON; the summary takes medians over rounds.
 
-    python -m batchgen.bench.cpu_matrix --rounds 3 --threads 2 --out benchmarks/results/cpu-matrix
-    python -m batchgen.bench.cpu_matrix --summarize benchmarks/results/cpu-matrix   # the table again
+    python -m batchgen.bench.cpu_matrix --rounds 3 --threads 2 --out benchmark-results/cpu-matrix
+    python -m batchgen.bench.cpu_matrix --summarize benchmark-results/cpu-matrix   # the table again
 
-Needs the vLLM environment (`make vllm-peer`). On a quiet machine: the figures are what the README's
-CPU table records.
+Needs the vLLM environment (`make vllm-peer`). On a quiet machine: the figures are what the docs'
+benchmarks page records (docs/benchmarks/index.md).
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def summarize(out: Path) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/cpu-matrix"))
+    parser.add_argument("--out", type=Path, default=Path("benchmark-results/cpu-matrix"))
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--summarize", type=Path, default=None, help="only print the table of an earlier run")

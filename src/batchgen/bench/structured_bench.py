@@ -6,7 +6,7 @@ alternate unconstrained, constrained, unconstrained, ... so a machine that slows
 affects both sides alike. Both sides are greedy with max_tokens = the workload's output length; the
 unconstrained side also ignores EOS (the workload's fixed length), the constrained side ends where
 its grammar does (EOS), so for a like-for-like figure use a schema whose outputs are longer than the
-output length (benchmarks/schemas/records.json asks for 32 items or more: every output is cut at
+output length (benchmark-results/schemas/records.json asks for 32 items or more: every output is cut at
 output_len, finish_reason length). The grammar is compiled (and the grammar library's tokenizer view
 built) before the first timed run. The constrained runs report the token mask's host time per step
 (fill, copy, apply) and the constrained rows per step from the engine's counters.

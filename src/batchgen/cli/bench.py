@@ -102,11 +102,11 @@ def bench_command(
         "--structured-schema", help="random/chat/shared-prefix: a JSON schema file constraining every request, "
                                     "run against the same workload unconstrained (interleaved runs; the "
                                     "throughput ratio and the token mask's time per step), e.g. "
-                                    "benchmarks/schemas/records.json.")] = None,
+                                    "benchmark-results/schemas/records.json.")] = None,
     structured_runs: Annotated[int, typer.Option(help="--structured-schema: interleaved run pairs.")] = 3,
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
     output: Annotated[Path | None, typer.Option(
-        help="Also write the JSON result here, e.g. benchmarks/results/random-2core.json.")] = None,
+        help="Also write the JSON result here, e.g. benchmark-results/random-2core.json.")] = None,
 ) -> None:
     """Throughput of the engine against a peer (HF transformers, or vLLM's CPU build) on one workload,
     with roofline and agreement.
