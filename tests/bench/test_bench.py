@@ -236,7 +236,7 @@ def test_structured_schema_runs_constrained_against_unconstrained_interleaved(ll
     assert structured["mask_ms_per_step"] > 0 and "median" in format_structured_report(result)
 def test_score_workload_agrees_with_hf_and_prints_its_figures(llm, hf_model):
     # A small run of the score bench: the engine's scores against HF's over the same pairs, and the
-    # report's ratio; the speed itself is measured by hand (benchmarks/NOTES.md).
+    # report's ratio; the speed itself is measured by hand (docs/benchmarks/).
     from batchgen.bench.score_bench import NUM_CONTINUATIONS, format_score_report
 
     opts = BenchOptions(workload="score", num_requests=2, input_len_min=40, input_len_max=40, output_len=3)

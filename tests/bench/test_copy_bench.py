@@ -1,6 +1,7 @@
 """`batchgen bench --workload copy`: the harness end to end on a tiny run (speculation off, ngram and
 draft_model on the committed copy prompts, outputs checked against off; HF prompt lookup as the
-peer) and its report. Speed itself is measured by hand (benchmarks/NOTES.md), not here."""
+peer) and its report. Speed itself is measured by hand (docs/benchmarks/history/speculative-decoding.md), not
+here."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """`cluster.backend: ray` with engine.tensor_parallel_size > 1: a replica's actor holds all its ranks'
 GPUs on one node (its ranks are the actor's process and the processes its engine starts), or the job
 is refused naming why. The placement arithmetic against a stand-in for Ray's cluster view; a real Ray
-run of a tensor-parallel job is in benchmarks/NOTES.md (the suite's Ray tests run on 2 CPUs)."""
+run of a tensor-parallel job is in docs/benchmarks/history/gpu-path.md (the suite's Ray tests run on 2
+CPUs)."""
 
 from __future__ import annotations
 

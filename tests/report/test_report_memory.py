@@ -1,7 +1,7 @@
 """`batchgen report --against` on two synthetic runs of 400,000 rows each (the real output schema, null
 completions) in a fresh process: its peak memory grows by less than 300 MB over its resident size after
-imports, and the page still counts every row. (1M rows: benchmarks/NOTES.md, `python -m
-batchgen.bench.report_memory`.)"""
+imports, and the page still counts every row. (1M rows: docs/benchmarks/history/serving-report-scoring.md,
+`python -m batchgen.bench.report_memory`.)"""
 
 from __future__ import annotations
 

@@ -83,9 +83,10 @@ def is_memory_size(value: Any) -> bool:
 
 
 SPECULATIVE_METHODS = ("ngram", "draft_model")
-# Measured on this repository's 2-core CPU with the bundled model (benchmarks/NOTES.md, "Speculative
-# decoding"): a 5-token verify costs 1.2x a decode at 1-2 running sequences, 1.6x at 4, 2.6x at 8,
-# 3.6x at 32, so above 4 it pays only where drafts are accepted far more often than copy prompts get.
+# Measured on this repository's 2-core CPU with the bundled model
+# (docs/benchmarks/history/speculative-decoding.md, "Speculative decoding"): a 5-token verify costs 1.2x a
+# decode at 1-2 running sequences, 1.6x at 4, 2.6x at 8, 3.6x at 32, so above 4 it pays only where drafts are
+# accepted far more often than copy prompts get.
 DEFAULT_DISABLE_BY_BATCH_SIZE = 4
 
 

@@ -13,7 +13,8 @@ faults, no second copy of the KV.
 Prefill: each (chunk, KV head) gathers its keys [0, context + queries) out of their blocks once (K
 transposed, V in rows), then computes scores in 6 x 16 register tiles, an exact softmax per row
 over the keys it may see, and P V in 6 x 64 tiles: fresh prompts and chunks that continue a cached
-prefix alike, with no padding and no mask tensor. (Measured rates against SDPA: benchmarks/NOTES.md.)
+prefix alike, with no padding and no mask tensor. (Measured rates against SDPA:
+docs/benchmarks/history/cpu-throughput.md.)
 
 FP8 caches (float8_e4m3fn / float8_e5m2): both kernels read one byte per value and widen it through
 the layer's 256-entry lookup table (`fp8_lookup_table`: byte -> value * scale), a quarter of the

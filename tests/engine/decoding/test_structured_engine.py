@@ -3,7 +3,7 @@ by the `jsonschema` package, `re` and membership), unconstrained ones do not; gr
 max_tokens -> length; a seeded constrained sample alone equals itself among 32 mixed rows; speculative
 decoding (drafts cut by the grammar, verify rows masked) changes no output; bad constraints are
 refused before anything is queued. The full 200-prompt run is bench/structured_quality.py (its
-figures are in benchmarks/NOTES.md); here a smaller batch of the same requests.
+figures are in docs/benchmarks/history/structured-output.md); here a smaller batch of the same requests.
 """
 
 from __future__ import annotations

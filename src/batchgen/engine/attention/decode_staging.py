@@ -199,8 +199,8 @@ class StagingPool:
 
     One allocation, made before the step's forward pass, so that growing the buffers does not
     interleave long-lived blocks with each layer's transient activations (that interleaving made
-    the allocator hand out fresh pages to every layer's MLP: benchmarks/NOTES.md, change 10).
-    Allocated uninitialized: untouched pages cost nothing.
+    the allocator hand out fresh pages to every layer's MLP: docs/benchmarks/history/cpu-throughput.md,
+    change 10). Allocated uninitialized: untouched pages cost nothing.
     """
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device):

@@ -26,8 +26,8 @@ from torch import nn
 
 from batchgen.kernels import mkl_bf16
 
-# Measured crossover (benchmarks/NOTES.md, "bfloat16 on the CPU"): MKL's bf16 GEMM beats widen +
-# oneDNN float32 on decode-sized row counts; on prefill-sized ones the widening is hidden.
+# Measured crossover (docs/benchmarks/history/cpu-vs-vllm.md, "bfloat16 on the CPU"): MKL's bf16 GEMM beats
+# widen + oneDNN float32 on decode-sized row counts; on prefill-sized ones the widening is hidden.
 MKL_MAX_ROWS = 256
 _SCRATCH = threading.local()  # per thread: (out, in) -> the float32 scratch of that shape
 

@@ -2,8 +2,8 @@
 the CPU has BF16 units: oneDNN's bf16 GEMMs run on them).
 
 oneDNN with a prepacked (blocked) weight runs the model's GEMMs faster than the default MKL path
-(benchmarks/NOTES.md, change 4), and its rows do not depend on the batch size (batch invariance
-holds). The packed weight replaces the plain one (no second copy); `weight` unpacks on demand for
+(docs/benchmarks/history/cpu-throughput.md, change 4), and its rows do not depend on the batch size (batch
+invariance holds). The packed weight replaces the plain one (no second copy); `weight` unpacks on demand for
 code that wants to read it. Whether packing runs is decided at load (engine/capabilities.py).
 """
 
@@ -49,7 +49,7 @@ class PackedSiluMulLinear(nn.Linear):
     after it: two oneDNN GEMMs on the packed halves, SiLU in the gate GEMM's epilogue and the
     multiply in the up GEMM's, so the (T, 2 x intermediate) product never goes through memory.
     forward returns (T, intermediate); MLP.forward sees `applies_silu_mul` and skips its own
-    (benchmarks/NOTES.md, change 17).
+    (docs/benchmarks/history/cpu-throughput.md, change 17).
     """
 
     applies_silu_mul = True
@@ -79,7 +79,7 @@ class PackedSiluMulLinear(nn.Linear):
 class OneDNNLinear(nn.Linear):
     """nn.Linear (same parameters, e.g. a tied lm_head sharing the embedding) computed by oneDNN on
     the dense weight: no packed copy, and still faster than MKL for a tied lm_head
-    (benchmarks/NOTES.md, change 7)."""
+    (docs/benchmarks/history/cpu-throughput.md, change 7)."""
 
     def __init__(self, linear: nn.Linear):
         nn.Module.__init__(self)

@@ -3,8 +3,8 @@
 The matmul is chosen once, at construction, from the device and the weight's layout, as a short
 plan of (largest row count, kernel) pairs; forward only looks up the row count in it:
 - CPU: the kernels of int_matmul_cpu. The plan is the measured winner per row count on float32
-  activations (benchmarks/NOTES.md, "Integer weights on the CPU"; bench/int_matmul.py measures it);
-  kernels that cannot hold a layout (torch's int4 kernel needs N % 16 == 0 and groups of 32-256)
+  activations (docs/benchmarks/history/quantization.md, "Integer weights on the CPU"; bench/int_matmul.py
+  measures it); kernels that cannot hold a layout (torch's int4 kernel needs N % 16 == 0 and groups of 32-256)
   drop out of the plan.
 - CUDA: the Triton W4A16/W8A16 GEMM (batchgen.kernels.triton_int_matmul) when it can hold the weight,
   else dequantize-then-GEMM.
@@ -20,7 +20,7 @@ from batchgen.engine.quant.int_formats.int_weight import IntWeight
 from batchgen.engine.quant.int_matmul_cpu import CPU_KERNELS, DequantKernel, Int8PackKernel
 
 # Per bit width, the CPU kernel to use up to a number of rows, best first; measured on float32
-# activations (benchmarks/NOTES.md). A kernel that cannot hold the weight is skipped.
+# activations (docs/benchmarks/history/quantization.md). A kernel that cannot hold the weight is skipped.
 # int8: torch's kernel for one row, dequant from two (both read the same int8 codes: one copy);
 # int4: dequant at every size (torch's int4 kernel wins at M = 1 but keeps a second, opaque copy).
 CPU_PLAN = {

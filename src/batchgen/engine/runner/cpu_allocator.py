@@ -4,9 +4,9 @@ glibc serves allocations above its mmap threshold (dynamic, at most 32 MiB) with
 unmaps them on free, and it trims the heap top above its trim threshold. A prefill step of a few
 thousand tokens allocates and frees tens of MiB per layer (the gate/up activations alone are
 T x 2 x intermediate x 4 bytes), so without this every layer page-faults its activations in again
-(the same reason vLLM's CPU backend asks for tcmalloc; the measured gain is in benchmarks/NOTES.md).
-It is process-wide: anything else in the process (the bench's HF peer included) runs under the same
-allocator settings.
+(the same reason vLLM's CPU backend asks for tcmalloc; the measured gain is in
+docs/benchmarks/history/cpu-throughput.md). It is process-wide: anything else in the process (the bench's HF
+peer included) runs under the same allocator settings.
 """
 
 from __future__ import annotations

@@ -108,7 +108,8 @@ static inline int block_len(int i, int L, int block_size) {
 
 /* Ask for the next block while this one is read: a row's blocks are scattered through the cache
    (decode blocks are allocated one at a time), so the hardware prefetcher loses the stream at every
-   block. Into L2 (hint 1), which measured faster than L1 (benchmarks/NOTES.md). One per 64 bytes. */
+   block. Into L2 (hint 1), which measured faster than L1 (docs/benchmarks/history/cpu-throughput.md). One per
+   64 bytes. */
 static void prefetch_token(const char *next_block, int t, long token_stride, int elem) {
     if (!next_block) return;
     const long bytes = token_stride * elem;

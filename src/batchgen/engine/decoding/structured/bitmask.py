@@ -6,10 +6,10 @@ each one masks, and every other logits row is left exactly as it was.
 
 On CPU logits the apply is a C kernel (kernels/cpu_token_bitmask.py: one pass over the words,
 in place); elsewhere, or without a compiler, torch ops that run on any device. Measured at 64 x 49152
-float32 logits with the masks of a real JSON walk on the shared 2-core CPU (benchmarks/NOTES.md,
-"Structured output"): the torch ops 7-12 ms per step, xgrammar's C++ kernel 19 ms (it tests token by
-token), llguidance's torch.compile of the same ops 0.7 ms (one fused pass, compiled to C++ through
-inductor at run time, which the engine does not do by default).
+float32 logits with the masks of a real JSON walk on the shared 2-core CPU
+(docs/benchmarks/history/structured-output.md, "Structured output"): the torch ops 7-12 ms per step,
+xgrammar's C++ kernel 19 ms (it tests token by token), llguidance's torch.compile of the same ops 0.7 ms (one
+fused pass, compiled to C++ through inductor at run time, which the engine does not do by default).
 """
 
 from __future__ import annotations

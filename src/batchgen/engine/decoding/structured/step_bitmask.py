@@ -28,8 +28,8 @@ from batchgen.kernels import cpu_token_bitmask
 GrammarFill = tuple[GrammarState, int, Seq[int]]
 # From this many constrained sequences on, their rows are filled by the library's thread pool in one
 # call (as many threads as torch's) rather than in turn. On the 2-core VM at 62 rows the pool took
-# 6.6 ms per step against 2.7 ms in turn (benchmarks/NOTES.md): only large batches (vLLM's threshold)
-# on machines with cores to spare gain from it.
+# 6.6 ms per step against 2.7 ms in turn (docs/benchmarks/history/structured-output.md): only large batches
+# (vLLM's threshold) on machines with cores to spare gain from it.
 PARALLEL_FILL_MIN_SEQS = 128
 
 

@@ -9,16 +9,16 @@ grid now favours the loud channels. int4 then also rotates the scaled weight's c
 Hadamard matrix R (quant/hadamard.py; the layer rotates its input the same way), which spreads the
 outliers left in a group of 128 over its columns, and shrinks each group's range where that lowers
 the output error (AWQ's clipping search). The rotation comes after the scale, not instead of it: alone
-it also spreads the loud channels that the scale favours (benchmarks/NOTES.md, "Hadamard rotation for
-int4", has the measured figures).
+it also spreads the loud channels that the scale favours (docs/benchmarks/history/quantization.md, "Hadamard
+rotation for int4", has the measured figures).
 
 Both searches minimise the layer's output error on the calibration inputs without a forward pass:
 E[(D x)^2] for D = W_eff - W. int8's scale search weighs each column by E[x_k^2] (the diagonal of
 H = E[x x^T], llama.cpp's importance matrix); int4's (whose rotated errors are not independent
 per column) and the clipping search use each group's own (g, g) block of H (cross-group terms left
 out, as AWQ's: the full H in the scale search measured no better, at twice the load time; see
-benchmarks/NOTES.md, "Activation-aware int8 / int4"). Only the diagonal and those blocks are
-gathered, so a layer costs K x (2 + group) floats however large the model: one calibration pass.
+docs/benchmarks/history/quantization.md, "Activation-aware int8 / int4"). Only the diagonal and those blocks
+are gathered, so a layer costs K x (2 + group) floats however large the model: one calibration pass.
 
 The calibration inputs are the bundled text (calibration_text.txt, sampled from the bundled model
 by bench/calibration_text.py: no dataset ships or downloads) run through the float model once,
@@ -48,8 +48,8 @@ from batchgen.engine.quant.int_formats.rtn import (
 
 CALIBRATION_TEXT = Path(__file__).with_name("calibration_text.txt")
 DOCUMENT_SEPARATOR = "\n\n\f"
-# 8 windows of 512 tokens: more tokens measured no better (benchmarks/NOTES.md), and gathering the
-# statistics is most of the load time.
+# 8 windows of 512 tokens: more tokens measured no better (docs/benchmarks/history/quantization.md), and
+# gathering the statistics is most of the load time.
 NUM_CALIBRATION_TOKENS = 4096
 CALIBRATION_WINDOW = 512
 NUM_ALPHAS = 11  # alpha in 0, 0.1, ..., 1 (a finer grid measured no better)
