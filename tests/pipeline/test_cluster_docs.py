@@ -1,5 +1,5 @@
-"""The scale-out docs hold: the README's cluster keys and section, the Slurm script and the Kubernetes
-manifest (valid YAML, a Job that shards by its completion index, commands and flags that exist)."""
+"""The scale-out docs hold: the job reference's cluster keys, the scale-out guide, the Slurm script and the
+Kubernetes manifest (valid YAML, a Job that shards by its completion index, commands and flags that exist)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from batchgen.cli.main import app
 from batchgen.pipeline.config import ClusterSection
-from tests.pipeline.test_job_schema import README, readme_job_reference
+from tests.pipeline.test_job_schema import DOCS, job_reference_page, names_key
 
 CLUSTER_DIR = Path(__file__).resolve().parents[2] / "jobs" / "cluster"
 
@@ -24,13 +24,12 @@ def options_of(command: str) -> set[str]:
     return set(re.findall(r"--[a-z][a-z-]*", result.output))
 
 
-def test_the_readme_documents_the_cluster_section_and_the_flags():
-    documented = readme_job_reference()["cluster"]
-    assert set(documented) == set(ClusterSection.model_fields)
-    for key, value in documented.items():
-        assert value == ClusterSection.model_fields[key].get_default(), key
-    text = README.read_text()
-    section = text.split("## More than one GPU or machine", 1)[1].split("\n## ", 1)[0]
+def test_the_docs_document_the_cluster_section_and_the_flags():
+    reference = job_reference_page()
+    assert [key for key in ["cluster", *ClusterSection.model_fields] if not names_key(reference, key)] == []
+    section = (DOCS / "guides" / "scale-out.md").read_text()
+    for key in ClusterSection.model_fields:
+        assert f"`{key}`" in section, key
     for needed in ("ray start --head", "--set cluster.backend=ray", "--shard I/N", "--shard auto",
                    "--num-shards", "batchgen finalize OUT", "jobs/cluster/slurm_array.sh",
                    "jobs/cluster/k8s_indexed_job.yaml", "EngineReplica", "exit 2", "exit 1"):

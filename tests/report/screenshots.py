@@ -1,4 +1,5 @@
-"""The README's screenshots of `batchgen report`: both modes on real runs of the bundled model.
+"""The screenshots of `batchgen report` in docs/guides/evaluation.md: both modes on real runs of the bundled
+model.
 
     python -m tests.report.screenshots [--keep DIR]     # writes docs/report.png, docs/report-against.png
 
