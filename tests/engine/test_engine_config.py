@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from batchgen.engine import LLM, EngineConfig, SamplingParams
-from batchgen.engine.capabilities import auto_cpu_dtype
 from batchgen.engine.config import ATTENTION_BACKENDS, DTYPES, SettingError
+from batchgen.engine.cpu_dtype import auto_cpu_dtype
 
 
 @pytest.mark.parametrize("kwargs, field", [
@@ -49,7 +49,7 @@ def test_every_offered_choice_is_accepted():
     assert set(ATTENTION_BACKENDS) == {"auto", "cpu", "sdpa", "triton", "torch"}
     kv_dtypes = {name: EngineConfig(model="m", device="cpu", kv_cache_dtype=name).kv_torch_dtype
                  for name in ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")}
-    # auto is the model dtype, which on the CPU depends on its BF16 units (capabilities.auto_cpu_dtype)
+    # auto is the model dtype, which on the CPU depends on its BF16 units (cpu_dtype.auto_cpu_dtype)
     assert kv_dtypes == {"auto": auto_cpu_dtype(), "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
                          "fp8_e5m2": torch.float8_e5m2}
 

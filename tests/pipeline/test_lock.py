@@ -15,8 +15,9 @@ import pytest
 import yaml
 
 from batchgen.pipeline.job import run_job
-from batchgen.pipeline.output import lock as lock_module
-from batchgen.pipeline.output.lock import Holder, LockHeld, LockLost, lock_folder
+from batchgen.pipeline.output import lease
+from batchgen.pipeline.output.lock import lock_folder, lock_name
+from batchgen.pipeline.output.lock_holder import Holder, LockHeld, LockLost
 from batchgen.pipeline.storage import Storage, is_temp_name
 from tests.pipeline.conftest import FakeEngine, GatedEngine, make_job, read_output, write_parquet
 
@@ -95,9 +96,9 @@ def test_shared_holders_coexist_and_exclude_an_exclusive_one(tmp_path, url):
     first, second = lock_folder(storage, shared=True), lock_folder(storage, shared=True)
     with pytest.raises(LockHeld, match="shared holder pid"):
         lock_folder(storage)
-    shard = lock_folder(storage, name=lock_module.lock_name("0-of-2"))  # a shard's own lock, exclusive
+    shard = lock_folder(storage, name=lock_name("0-of-2"))  # a shard's own lock, exclusive
     with pytest.raises(LockHeld):
-        lock_folder(storage, name=lock_module.lock_name("0-of-2"))
+        lock_folder(storage, name=lock_name("0-of-2"))
     for held in (shard, first, second):
         held.release()
     exclusive = lock_folder(storage)
@@ -140,7 +141,7 @@ def test_a_live_lease_refuses_and_an_expired_one_is_taken_over(tmp_path, where, 
 
 @pytest.mark.parametrize("where", ["memory", "s3"])
 def test_a_holder_that_stops_refreshing_loses_its_lease_and_stops(where, s3_options, monkeypatch):
-    monkeypatch.setattr(lock_module, "CLOCK_SKEW_SECONDS", 0.0)
+    monkeypatch.setattr(lease, "CLOCK_SKEW_SECONDS", 0.0)
     url, options = lease_target(where, s3_options, "lost")
     storage = Storage(url, options)
     paused = lock_folder(storage, lease_seconds=0.5)
@@ -164,7 +165,7 @@ def test_a_holder_that_stops_refreshing_loses_its_lease_and_stops(where, s3_opti
 
 
 def test_a_lease_is_refreshed_while_its_run_lives(monkeypatch):
-    monkeypatch.setattr(lock_module, "CLOCK_SKEW_SECONDS", 0.0)
+    monkeypatch.setattr(lease, "CLOCK_SKEW_SECONDS", 0.0)
     storage = Storage("memory://lease-refresh/out")
     held = lock_folder(storage, lease_seconds=0.3)
     time.sleep(1.0)  # three lease lifetimes

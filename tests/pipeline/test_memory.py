@@ -142,7 +142,7 @@ WRITE_UNIT = textwrap.dedent("""
     import json, random, sys, time, tracemalloc
     import pyarrow as pa
     from batchgen.engine import CompletionOutput, RequestMetrics, RequestOutput
-    from batchgen.pipeline.reader import InputFile
+    from batchgen.pipeline.input_file import InputFile
     from batchgen.pipeline.request_builder import RowTask
     from batchgen.pipeline.schema import output_schema
     from batchgen.pipeline.storage import Storage

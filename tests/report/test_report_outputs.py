@@ -48,13 +48,13 @@ def test_an_openai_batch_output(tmp_path):
 
 
 def test_run_with_report_writes_the_page_beside_success(tmp_path, monkeypatch):
-    from batchgen.pipeline import job as job_module
+    from batchgen.pipeline import job_engine
 
     write_parquet(tmp_path / "data" / "in.parquet", {"id": list(range(5)), "prompt": [f"p{i}" for i in range(5)]})
     raw = {"name": "cli-report", **engine_sections(), "input": {"path": "data/in.parquet", "rows_per_unit": 2},
            "sampling": {"max_tokens": 4}, "output": {"path": "out"}}
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(raw))
-    monkeypatch.setattr(job_module, "engine_for", lambda job, engine: FakeEngine(job.engine_config()))
+    monkeypatch.setattr(job_engine, "engine_for", lambda job, engine: FakeEngine(job.engine_config()))
     result = CliRunner().invoke(cli.app, ["run", str(tmp_path / "job.yaml"), "--report", "--no-progress"])
     assert result.exit_code == 0, result.output
     page = (tmp_path / "out" / "report.html").read_text()

@@ -30,7 +30,7 @@ from torch import nn
 
 from batchgen.bench.quality_prompts import QUALITY_PROMPTS
 from batchgen.engine.config import INT_CALIBRATIONS, EngineConfig
-from batchgen.engine.loader.model_loader import model_weight_bytes, unique_storage_bytes
+from batchgen.engine.loader.model_loader import model_weight_bytes
 from batchgen.engine.quant.calibrate.activation_aware import calibration_windows
 from batchgen.engine.quant.calibrate.sequence_runner import greedy_generate, teacher_forced_logits
 from batchgen.engine.quant.fp8 import quantize_model_fp8
@@ -38,7 +38,7 @@ from batchgen.engine.quant.fp8_linear import Fp8Linear
 from batchgen.engine.quant.int_checkpoint import IntLinearParts
 from batchgen.engine.quant.int_linear import IntLinear
 from batchgen.engine.quant.int_model import calibration_statistics, quantize_model_int
-from batchgen.engine.quant.weight_report import weight_report
+from batchgen.engine.quant.weight_report import unique_storage_bytes, weight_report
 from batchgen.engine.text.token_prefix import num_shared_prefix
 
 log = logging.getLogger("batchgen.bench")

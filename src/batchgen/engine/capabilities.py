@@ -20,7 +20,6 @@ Without the C kernels bfloat16 runs as plain torch does it (eager ops, SDPA).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 from dataclasses import dataclass
 
@@ -28,6 +27,7 @@ import torch
 
 from batchgen.engine.attention.selector import select_attention_backend
 from batchgen.engine.config import EngineConfig
+from batchgen.engine.cpu_dtype import auto_cpu_dtype
 from batchgen.engine.models.config import ModelConfig
 from batchgen.engine.models.cpu_linear import can_fuse_silu_mul, can_pack
 from batchgen.engine.quant.fp8 import fp8_matmul_path, has_fp8_tensor_cores
@@ -116,21 +116,6 @@ def cpu_bf16_path(config: EngineConfig, has_bf16_units: bool) -> str:
     if has_bf16_units and can_pack(torch.device("cpu"), torch.bfloat16):
         return "bf16_units"
     return "widened"
-
-
-@functools.cache
-def auto_cpu_dtype() -> torch.dtype:
-    """`dtype: auto` on the CPU: bfloat16 where it runs on BF16 units (half the weight and KV bytes,
-    twice the dot-product rate of float32: AVX-512 BF16 or AMX), else float32 (without BF16 units the
-    GEMMs compute in float32 anyway, and bfloat16 only adds rounding)."""
-    try:
-        isa = cpu_isa.selected_isa()
-    except ValueError:
-        return torch.float32
-    if cpu_isa.has_bf16_units(isa) and cpu_paged_attention.is_available() and can_pack(torch.device("cpu"),
-                                                                                       torch.bfloat16):
-        return torch.bfloat16
-    return torch.float32
 
 
 def _has_triton(device: torch.device) -> bool:

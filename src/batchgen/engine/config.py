@@ -244,8 +244,9 @@ class EngineConfig:
         if self.dtype == "auto":
             if self.torch_device.type == "cuda":
                 return torch.bfloat16
-            # Imported here: capabilities asks the CPU, and it imports this module.
-            from batchgen.engine.capabilities import auto_cpu_dtype
+            # Imported here: asking the CPU loads the kernels and oneDNN's probe, which only a CPU engine
+            # with dtype auto needs (configs are also built where no engine runs: job checks, `--help`).
+            from batchgen.engine.cpu_dtype import auto_cpu_dtype
 
             return auto_cpu_dtype()
         return DTYPES[self.dtype]

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 import pyarrow as pa
 
 from batchgen.pipeline.errors import JobError
-from batchgen.pipeline.reader import BATCH_BYTES, BATCH_SIZE, InputFile
+from batchgen.pipeline.input_file import BATCH_BYTES, BATCH_SIZE, InputFile
 from batchgen.pipeline.storage import Storage
 
 BATCH_FORMAT = "openai_batch"

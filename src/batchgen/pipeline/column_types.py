@@ -11,7 +11,7 @@ from __future__ import annotations
 import pyarrow as pa
 
 from batchgen.pipeline.errors import JobError
-from batchgen.pipeline.reader import InputFile
+from batchgen.pipeline.input_file import InputFile
 
 _STRINGS = (pa.string(), pa.large_string(), pa.string_view())
 _BINARIES = (pa.binary(), pa.large_binary(), pa.binary_view())

@@ -20,6 +20,7 @@ from batchgen.engine.loader.source import BUNDLED_ALIASES, ModelSource, bundled_
 from batchgen.pipeline.config import JobConfig, max_tokens_rule
 from batchgen.pipeline.errors import JobError
 from batchgen.pipeline.id_scan import Position, scan_ids
+from batchgen.pipeline.input_file import InputFile
 from batchgen.pipeline.inputs import JobInputs, read_inputs
 from batchgen.pipeline.model_limits import check_model_limits
 from batchgen.pipeline.output import (
@@ -30,7 +31,6 @@ from batchgen.pipeline.output import (
     check_output_outside_input,
     plan_units,
 )
-from batchgen.pipeline.reader import InputFile
 from batchgen.pipeline.storage import Storage
 
 

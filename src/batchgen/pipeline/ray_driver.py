@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 
 from batchgen.pipeline.config import ClusterSection, JobConfig
 from batchgen.pipeline.errors import JobError
+from batchgen.pipeline.job_finish import RunResult, finish_job
 from batchgen.pipeline.job_plan import JobPlan, plan_job
 from batchgen.pipeline.output import (
     SUCCESS_NAME,
@@ -116,8 +117,6 @@ def run_on_ray(job: JobConfig, *, limit: int | None = None, overwrite: bool = Fa
     """Run the job on Ray replicas; returns a RunResult like a local run. `probe`: how each node's view of
     a local output folder is read (shared_storage.probe_nodes; tests stand in a node that sees nothing);
     `replica_class`: the actor (EngineReplica's methods; tests: one without an engine)."""
-    from batchgen.pipeline.job import RunResult, finish_job
-
     plan = plan_job(job, limit)
     if not overwrite:
         raise_if_refused(plan.state)

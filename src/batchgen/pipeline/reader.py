@@ -11,28 +11,16 @@ from __future__ import annotations
 
 import glob as globlib
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from batchgen.pipeline.batch_file import read_batch_rows
 from batchgen.pipeline.errors import JobError
+from batchgen.pipeline.input_file import BATCH_BYTES, BATCH_SIZE, InputFile
 from batchgen.pipeline.storage import Storage
 
-BATCH_SIZE = 1024  # rows per decoded batch at most
-BATCH_BYTES = 8 << 20  # and about this many decoded bytes: rows of 1 MB come 8 at a time
 READ_BUFFER_BYTES = 1 << 20  # the stream buffer for column chunks, instead of reading each one whole
-
-
-@dataclass(frozen=True)
-class InputFile:
-    """One input file (a Parquet shard, or an OpenAI batch file): where it is, its rows and columns."""
-
-    path: str  # filesystem path (no protocol)
-    display: str  # as the user would name it in a message
-    num_rows: int
-    schema: pa.Schema
-    format: str = "parquet"  # or "openai_batch" (batch_file.py reads those)
 
 
 def list_input_files(storage: Storage, suffix: str = ".parquet") -> list[str]:
@@ -85,8 +73,6 @@ def read_rows(storage: Storage, file: InputFile, start: int, stop: int, columns:
     if start >= stop:
         return
     if file.format != "parquet":
-        from batchgen.pipeline.batch_file import read_batch_rows  # it imports this module
-
         yield from read_batch_rows(storage, file, start, stop, columns)
         return
     with storage.fs.open(file.path, "rb") as f:

@@ -17,6 +17,7 @@ import pyarrow as pa
 
 from batchgen.pipeline.config import JobConfig
 from batchgen.pipeline.id_scan import Position
+from batchgen.pipeline.job_engine import check_engine_can_run, engine_for, engine_reports
 from batchgen.pipeline.output import CommitContext, WorkUnit
 from batchgen.pipeline.storage import Storage
 from batchgen.pipeline.summary import speculative_summary, structured_summary
@@ -27,8 +28,6 @@ class EngineReplica:
     """One engine replica: the job's engine, built once in the actor's process."""
 
     def __init__(self, job: JobConfig, output_schema: pa.Schema, commit: CommitContext):
-        from batchgen.pipeline.job import check_engine_can_run, engine_for
-
         self.job = job
         self.output_schema = output_schema
         self.commit = commit  # the driver's run: its config hash and run id (the driver holds the lock)
@@ -39,8 +38,6 @@ class EngineReplica:
 
     def ready(self) -> dict:
         """Where this replica runs and what its engine loaded (answered once the engine is loaded)."""
-        from batchgen.pipeline.job import engine_reports
-
         return {"host": socket.gethostname(), "pid": os.getpid(), "engine": engine_reports(self.engine)}
 
     def run_unit(self, unit: WorkUnit, repeats: dict[Position, int]) -> dict:

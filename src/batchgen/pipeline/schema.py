@@ -8,7 +8,7 @@ import pyarrow as pa
 from batchgen.engine.sampling.sampling_params import as_num_logprobs
 from batchgen.pipeline.config import OVERRIDABLE_SAMPLING_KEYS, JobConfig
 from batchgen.pipeline.errors import JobError
-from batchgen.pipeline.reader import InputFile
+from batchgen.pipeline.input_file import InputFile
 
 TOP_LOGPROB = pa.struct([("token_id", pa.int32()), ("token", pa.string()), ("logprob", pa.float32())])
 # Output columns in order; `token_logprobs` only when sampling.logprobs is on, `top_logprobs` only when

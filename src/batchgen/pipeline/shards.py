@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from batchgen.pipeline.config import JobConfig
 from batchgen.pipeline.errors import JobError
+from batchgen.pipeline.job_engine import engine_reports, start_engine
 from batchgen.pipeline.job_plan import JobPlan, plan_job
 from batchgen.pipeline.output import (
     Finalized,
@@ -95,8 +96,6 @@ class ShardResult:
 def run_shard(job: JobConfig, shard: ShardSpec, *, engine=None, limit: int | None = None,
               progress: bool = True) -> ShardResult:
     """Run this shard's units (resuming like a local run), write its summary, try to finalize."""
-    from batchgen.pipeline.job import engine_reports, start_engine
-
     if job.cluster.backend != "local":
         raise JobError("--shard runs on this machine: it does not combine with cluster.backend: ray "
                        "(Ray places the units itself)")

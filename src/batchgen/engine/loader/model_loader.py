@@ -24,6 +24,7 @@ from batchgen.engine.models.config import ModelConfig
 from batchgen.engine.models.cpu_linear import pack_linears
 from batchgen.engine.models.llama import LlamaForCausalLM
 from batchgen.engine.models.rotary import RotaryEmbedding
+from batchgen.engine.quant.weight_report import unique_storage_bytes, weight_report
 
 if TYPE_CHECKING:
     from batchgen.engine.parallel import TensorParallel
@@ -48,21 +49,6 @@ class LoadedModel:
 
 def read_model_config(source: ModelSource) -> ModelConfig:
     return read_gguf_config(source.folder / source.gguf_file) if source.is_gguf else read_hf_config(source.folder)
-
-
-def unique_storage_bytes(module: torch.nn.Module, exclude: tuple[torch.Tensor, ...] = ()) -> int:
-    """Bytes of the distinct storages behind parameters and buffers (tied weights counted once),
-    leaving out the tensors in `exclude` (e.g. a layer's bias)."""
-    seen: dict[int, int] = {}
-    for t in list(module.parameters()) + list(module.buffers()):
-        if any(t is e for e in exclude):
-            continue
-        if t.layout == torch._mkldnn:  # opaque oneDNN tensor (packed weight): no storage to look at
-            seen[id(t)] = t.numel() * t.element_size()
-            continue
-        storage = t.untyped_storage()
-        seen[storage.data_ptr()] = storage.nbytes()
-    return sum(seen.values())
 
 
 def model_weight_bytes(model: torch.nn.Module) -> int:
@@ -205,8 +191,6 @@ def load_model(config: EngineConfig, parallel: TensorParallel | None = None) -> 
     elif capabilities.bf16_path == "widened":
         log.info("%d bfloat16 linear layers widened to float32 per call (no BF16 units here)", widen_bf16_model(model))
     weight_bytes = model_weight_bytes(model)
-    from batchgen.engine.quant.weight_report import weight_report
-
     weights_info = weight_report(model, weight_format, origin)
     where = "" if parallel is None else f" (rank {parallel.rank} of {parallel.world_size})"
     log.info("loaded %s (%s, %d layers) as %s on %s%s; weights %s (%s), linear layers %.1f MB (%.1f%% of float32)",

@@ -39,10 +39,10 @@ import torch.distributed as dist
 
 from batchgen.engine.kv.capacity import kv_bytes_per_token
 from batchgen.engine.config import EngineConfig
-from batchgen.engine.runner.executor import decode_graph_profiler
 from batchgen.engine.kv.gpu_memory import GpuMemoryPlan, plan_gpu_kv_cache
 from batchgen.engine.loader.model_loader import LoadedModel, load_model, read_model_config
 from batchgen.engine.loader.source import resolve_model
+from batchgen.engine.runner.decode_graphs import decode_graph_profiler
 from batchgen.engine.runner.model_runner import ModelRunner, StepResult
 from batchgen.engine.parallel import TensorParallel, TensorParallelGroup
 from batchgen.engine.parallel.group import STORE_TIMEOUT

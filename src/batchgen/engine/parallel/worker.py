@@ -157,7 +157,7 @@ class Worker:
     def profile(self, max_model_len: int) -> None:
         """This rank's side of the GPU pool sizing: the profiling step rank 0 sends next, on a
         one-block runner, measured here; the blocks this rank's memory holds go back to rank 0."""
-        from batchgen.engine.runner.executor import decode_graph_profiler
+        from batchgen.engine.runner.decode_graphs import decode_graph_profiler
         from batchgen.engine.kv.gpu_memory import plan_gpu_kv_cache
 
         config = self.config

@@ -7,6 +7,7 @@ once), `float32_linear_bytes` what the same layers would take as float32 weights
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 
@@ -29,10 +30,23 @@ def checkpoint_linear(model: nn.Module, name: str, where: str, what: str) -> nn.
     return linear
 
 
+def unique_storage_bytes(module: nn.Module, exclude: tuple[torch.Tensor, ...] = ()) -> int:
+    """Bytes of the distinct storages behind parameters and buffers (tied weights counted once),
+    leaving out the tensors in `exclude` (e.g. a layer's bias)."""
+    seen: dict[int, int] = {}
+    for t in list(module.parameters()) + list(module.buffers()):
+        if any(t is e for e in exclude):
+            continue
+        if t.layout == torch._mkldnn:  # opaque oneDNN tensor (packed weight): no storage to look at
+            seen[id(t)] = t.numel() * t.element_size()
+            continue
+        storage = t.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
 def layer_weight_bytes(module: nn.Module) -> int:
     """Storage bytes of one linear layer's weight (tensors shared within the layer once), bias excluded."""
-    from batchgen.engine.loader.model_loader import unique_storage_bytes  # the loader imports this module
-
     bias = getattr(module, "bias", None)
     return unique_storage_bytes(module, exclude=() if bias is None else (bias,))
 

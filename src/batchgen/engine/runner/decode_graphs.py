@@ -16,7 +16,8 @@ taken alike, 5.6% more rows than real ones (2.7% with steps of 8), small beside 
 decode step streams whatever its batch.
 They are captured largest first, so the smaller graphs reuse the first one's pool; that pool holds
 about one eager decode step's activations at the largest size, which the KV plan reserves before
-sizing the pool (engine/kv/gpu_memory.py, `DecodeGraphs.static_bytes` for the buffers outside it).
+sizing the pool (engine/kv/gpu_memory.py, `DecodeGraphs.static_bytes` for the buffers outside it;
+`decode_graph_profiler` measures both for the plan, in this process or a tensor-parallel worker).
 
 The capture itself goes through a `capturer` (CudaGraphCapturer on CUDA) so the padding and the
 size selection run on the CPU in tests with an eager stand-in.
@@ -24,9 +25,16 @@ size selection run on the CPU in tests with an eager stand-in.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
 import torch
 
 from batchgen.engine.runner.step_inputs import StepInputs, make_step_inputs
+
+if TYPE_CHECKING:
+    from batchgen.engine.config import EngineConfig
+    from batchgen.engine.runner.model_runner import ModelRunner
 
 GRAPH_SIZE_STEP = 16  # past 8: one graph per 16 sequences
 
@@ -186,3 +194,27 @@ class DecodeGraphs:
         replay, logits = self.graphs[size]
         replay()
         return logits[:n]
+
+
+def decode_graph_profiler(config: EngineConfig, vocab_size: int, max_model_len: int,
+                          make_runner: Callable[[], ModelRunner],
+                          run_step: Callable[[ModelRunner], None] | None = None) -> Callable[[], int] | None:
+    """plan_gpu_kv_cache's `profile_graphs` (None under enforce_eager: no graphs): the largest decode
+    graph's step run eagerly on a one-block runner from `make_runner` (`run_step(runner)` says how: by
+    default the runner builds it; a tensor-parallel worker receives it from rank 0, which builds it),
+    then the bytes of the graphs' buffers outside their pool."""
+    if config.enforce_eager:
+        return None
+    num_seqs = config.num_cuda_graph_seqs
+
+    def profile_graphs() -> int:
+        runner = make_runner()
+        if run_step is None:
+            runner.profile_decode_graph(num_seqs)
+        else:
+            run_step(runner)
+        torch.cuda.synchronize(config.torch_device)
+        return (DecodeGraphs.static_bytes(num_seqs, max_model_len, config.block_size, vocab_size)
+                + runner.attention.graph_workspace_bytes(graph_batch_sizes(num_seqs), max_model_len))
+
+    return profile_graphs

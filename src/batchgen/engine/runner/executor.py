@@ -11,13 +11,11 @@ model runs is the executor's business.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from batchgen.engine.kv.capacity import kv_bytes_per_token
 from batchgen.engine.config import EngineConfig
-from batchgen.engine.runner.decode_graphs import DecodeGraphs, graph_batch_sizes
+from batchgen.engine.runner.decode_graphs import decode_graph_profiler
 from batchgen.engine.kv.gpu_memory import GpuMemoryPlan, plan_gpu_kv_cache
 from batchgen.engine.loader.model_loader import LoadedModel, load_model
 from batchgen.engine.runner.model_runner import LaunchedStep, ModelRunner, StepResult
@@ -88,30 +86,6 @@ class UniprocExecutor:
 
     def shutdown(self) -> None:
         """Nothing to stop in one process."""
-
-
-def decode_graph_profiler(config: EngineConfig, vocab_size: int, max_model_len: int,
-                          make_runner: Callable[[], ModelRunner],
-                          run_step: Callable[[ModelRunner], None] | None = None) -> Callable[[], int] | None:
-    """plan_gpu_kv_cache's `profile_graphs` (None under enforce_eager: no graphs): the largest decode
-    graph's step run eagerly on a one-block runner from `make_runner` (`run_step(runner)` says how: by
-    default the runner builds it; a tensor-parallel worker receives it from rank 0, which builds it),
-    then the bytes of the graphs' buffers outside their pool."""
-    if config.enforce_eager:
-        return None
-    num_seqs = config.num_cuda_graph_seqs
-
-    def profile_graphs() -> int:
-        runner = make_runner()
-        if run_step is None:
-            runner.profile_decode_graph(num_seqs)
-        else:
-            run_step(runner)
-        torch.cuda.synchronize(config.torch_device)
-        return (DecodeGraphs.static_bytes(num_seqs, max_model_len, config.block_size, vocab_size)
-                + runner.attention.graph_workspace_bytes(graph_batch_sizes(num_seqs), max_model_len))
-
-    return profile_graphs
 
 
 def make_executor(config: EngineConfig) -> UniprocExecutor:

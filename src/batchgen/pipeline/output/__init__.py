@@ -9,8 +9,9 @@
 - finish:  `OutputRun.finish(record)` (`_SUCCESS`, written last); after shards `finalize_folder(storage)`
 
 Modules: run.py (the run's hold), folder.py (the folder's state and manifest), lock.py / lease.py (one run
-at a time: flock locally, a lease on object stores), create_once.py, commits.py, fingerprint.py (the input
-pinned), units.py, finalize.py, shared_storage.py (a Ray cluster sees one folder).
+at a time: flock locally, a lease on object stores; lock_holder.py: the holder and the errors both raise),
+create_once.py, commits.py, fingerprint.py (the input pinned), units.py, finalize.py, shared_storage.py (a
+Ray cluster sees one folder).
 """
 
 from batchgen.pipeline.output.commits import CommitContext, IdChecksum
@@ -28,7 +29,8 @@ from batchgen.pipeline.output.folder import (
     describe_redo,
     raise_if_refused,
 )
-from batchgen.pipeline.output.lock import LockHeld, LockLost, raise_if_locked
+from batchgen.pipeline.output.lock import raise_if_locked
+from batchgen.pipeline.output.lock_holder import LockHeld, LockLost
 from batchgen.pipeline.output.run import OutputRun, RunIdentity, ShardSpec, open_run
 from batchgen.pipeline.output.shared_storage import check_output_shared, probe_nodes
 from batchgen.pipeline.output.units import WorkUnit, contiguous_runs, plan_units, unit_file_name

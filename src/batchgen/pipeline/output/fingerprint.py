@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass
 
-from batchgen.pipeline.reader import InputFile
+from batchgen.pipeline.input_file import InputFile
 from batchgen.pipeline.storage import Storage, version_tag
 
 _TIME_KEYS = ("mtime", "LastModified", "last_modified", "updated", "created")

@@ -17,18 +17,13 @@ import threading
 import time
 from dataclasses import replace
 
-from batchgen.pipeline.output import lock as lock_module
-from batchgen.pipeline.output.lock import (
-    FolderLock,
-    Holder,
-    LockHeld,
-    LockLost,
-    refresh_interval,
-    start_refresher,
-)
+from batchgen.pipeline.output.lock_holder import FolderLock, Holder, LockHeld, LockLost, iso_time
 from batchgen.pipeline.storage import Storage
 
 log = logging.getLogger("batchgen.pipeline")
+
+LEASE_SECONDS = 60.0  # an object-store lease lives this long unless refreshed
+CLOCK_SKEW_SECONDS = 10.0  # a lease is taken over only this long after it expired: hosts' clocks differ
 _MEMORY_MUTEX = threading.RLock()  # replace and delete read under it too
 _warned_protocols: set[str] = set()
 
@@ -220,7 +215,7 @@ class LeaseLock(FolderLock):
         lock_path = self.storage.display(self.storage.join(self.name))
         return (f"output.path: {self.storage.url} is in use by another batchgen run ({who}). Wait for it to "
                 f"finish; if that process is known to be gone, its lease is taken over once it has expired "
-                f"(at {lock_module.iso_time(until + lock_module.CLOCK_SKEW_SECONDS)}), or remove {lock_path}; "
+                f"(at {iso_time(until + CLOCK_SKEW_SECONDS)}), or remove {lock_path}; "
                 "or choose another output.path")
 
     def _refresh(self) -> None:
@@ -264,4 +259,19 @@ class LeaseLock(FolderLock):
 
 def _is_expired(holder: Holder) -> bool:
     # A lease without an expiry was not written by a lease holder: nothing protects it.
-    return holder.expires is None or time.time() > holder.expires + lock_module.CLOCK_SKEW_SECONDS
+    return holder.expires is None or time.time() > holder.expires + CLOCK_SKEW_SECONDS
+
+
+def refresh_interval(lease_seconds: float) -> float:
+    """A lease is refreshed three times per lifetime: two refreshes may fail before it runs out."""
+    return lease_seconds / 3
+
+
+def start_refresher(refresh, interval: float, stop: threading.Event) -> threading.Thread:
+    def loop() -> None:
+        while not stop.wait(interval):
+            refresh()
+
+    thread = threading.Thread(target=loop, name="batchgen-lease", daemon=True)
+    thread.start()
+    return thread

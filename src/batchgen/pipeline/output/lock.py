@@ -17,94 +17,24 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import json
 import logging
 import os
 import socket
-import threading
-import time
-import uuid
-from dataclasses import asdict, dataclass, field
-from datetime import datetime, timezone
+from dataclasses import dataclass, field
 
 from batchgen.pipeline.errors import JobError
+from batchgen.pipeline.output.lease import LEASE_SECONDS, LeaseLock
+from batchgen.pipeline.output.lock_holder import FolderLock, Holder, LockHeld
 from batchgen.pipeline.storage import Storage
 
 log = logging.getLogger("batchgen.pipeline")
 
 LOCK_NAME = "_batchgen.lock"
-LEASE_SECONDS = 60.0  # an object-store lease lives this long unless refreshed
-CLOCK_SKEW_SECONDS = 10.0  # a lease is taken over only this long after it expired: hosts' clocks differ
 
 
 def lock_name(shard: str | None = None) -> str:
     """The lock object of the folder (None) or of one shard of it."""
     return LOCK_NAME if shard is None else f"_batchgen.shard-{shard}.lock"
-
-
-@dataclass(frozen=True)
-class Holder:
-    """Who holds (or wants) a lock: enough for a person to find the process."""
-
-    run_id: str
-    host: str
-    pid: int
-    started: float  # epoch seconds
-    mode: str = "exclusive"  # exclusive | shared
-    expires: float | None = None  # leases only: epoch seconds
-
-    @staticmethod
-    def this_process(mode: str = "exclusive") -> Holder:
-        return Holder(uuid.uuid4().hex[:12], socket.gethostname(), os.getpid(), time.time(), mode)
-
-    def describe(self) -> str:
-        text = f"pid {self.pid} on host {self.host}, started {iso_time(self.started)}, run {self.run_id}"
-        if self.mode == "shared":
-            text = "shared holder " + text
-        return text
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), sort_keys=True)
-
-    @staticmethod
-    def from_json(text: str | bytes) -> Holder | None:
-        try:
-            raw = json.loads(text)
-            return Holder(str(raw["run_id"]), str(raw["host"]), int(raw["pid"]), float(raw["started"]),
-                          str(raw.get("mode", "exclusive")), raw.get("expires"))
-        except (ValueError, KeyError, TypeError):
-            return None
-
-
-def iso_time(epoch: float) -> str:
-    """UTC, to the second: how a person compares a lease expiry with a clock."""
-    return datetime.fromtimestamp(epoch, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-class LockHeld(JobError):
-    """Another run holds the output folder (exit 2: wait for it, nothing is wrong with this job)."""
-
-
-class LockLost(RuntimeError):
-    """This run's lease expired or was taken over: it must stop writing."""
-
-
-class FolderLock:
-    """A held lock. `check()` before each commit; `release()` (or leaving the `with` block) when done."""
-
-    holder: Holder
-
-    def check(self) -> None:
-        """Raise LockLost when this run may no longer write to the folder."""
-
-    def release(self) -> None:
-        raise NotImplementedError
-
-    def __enter__(self) -> FolderLock:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.release()
 
 
 def lock_folder(storage: Storage, holder: Holder | None = None, *, shared: bool = False,
@@ -113,8 +43,6 @@ def lock_folder(storage: Storage, holder: Holder | None = None, *, shared: bool 
     holder = holder or Holder.this_process("shared" if shared else "exclusive")
     if storage.is_local:
         return _FlockLock(storage, holder, shared, name)
-    from batchgen.pipeline.output.lease import LeaseLock
-
     return LeaseLock(storage, holder, shared, name, lease_seconds)
 
 
@@ -205,18 +133,3 @@ def _live_holders(holders: list[Holder]) -> list[Holder]:
                 pass
         alive.append(h)
     return alive
-
-
-def refresh_interval(lease_seconds: float) -> float:
-    """A lease is refreshed three times per lifetime: two refreshes may fail before it runs out."""
-    return lease_seconds / 3
-
-
-def start_refresher(refresh, interval: float, stop: threading.Event) -> threading.Thread:
-    def loop() -> None:
-        while not stop.wait(interval):
-            refresh()
-
-    thread = threading.Thread(target=loop, name="batchgen-lease", daemon=True)
-    thread.start()
-    return thread

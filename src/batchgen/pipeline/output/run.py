@@ -33,7 +33,8 @@ from batchgen.pipeline.output.folder import (
     manifest_text,
     raise_if_refused,
 )
-from batchgen.pipeline.output.lock import FolderLock, lock_folder, lock_name
+from batchgen.pipeline.output.lock import lock_folder, lock_name
+from batchgen.pipeline.output.lock_holder import FolderLock
 from batchgen.pipeline.output.units import WorkUnit
 from batchgen.pipeline.storage import Storage, is_temp_name
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from batchgen.pipeline.reader import InputFile
+from batchgen.pipeline.input_file import InputFile
 
 
 @dataclass(frozen=True)
