@@ -8,18 +8,22 @@ from pathlib import Path
 
 import pytest
 
+from batchgen.cli.serve import parse_serve_flags, serve_command
 from batchgen.engine.config import EngineConfig
-from batchgen.cli.serve import build_parser, engine_config_from_args
 
 JOBS = Path(__file__).resolve().parents[2] / "jobs"
 
 
 def _config(*argv: str) -> EngineConfig:
-    return engine_config_from_args(build_parser().parse_args(list(argv)))
+    return parse_serve_flags(list(argv)).engine_config()
+
+
+def _flags(config_class: type = EngineConfig) -> dict[str, list[str]]:
+    return {p.name: [*p.opts, *p.secondary_opts] for p in serve_command(config_class).params}
 
 
 def test_every_engine_field_is_a_flag_and_a_new_field_becomes_one():
-    flags = {a.dest: a.option_strings for a in build_parser()._actions}
+    flags = _flags()
     for f in dataclasses.fields(EngineConfig):
         if f.name != "model":
             assert f.name in flags
@@ -30,8 +34,9 @@ def test_every_engine_field_is_a_flag_and_a_new_field_becomes_one():
     class Grown(EngineConfig):
         new_knob: int = 3
 
-    grown = {a.dest: a.option_strings for a in build_parser(Grown)._actions}
+    grown = _flags(Grown)
     assert grown["new_knob"] == ["--new-knob"]
+    assert parse_serve_flags(["m", "--new-knob", "5"], Grown).engine_config().new_knob == 5
 
 
 def test_flags_become_engine_settings_with_their_types():
