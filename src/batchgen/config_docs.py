@@ -79,11 +79,11 @@ def undocumented_fields(cls: type) -> list[str]:
 
 
 def format_default(value: object) -> str:
-    """A default as a job file or a flag writes it: null, true, false, [], {} or the value."""
+    """A default as a job file or a flag writes it: null, true, false, [], {}, "" or the value."""
     if value is None:
         return "null"
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, (list, tuple, dict)) and not value:
         return "{}" if isinstance(value, dict) else "[]"
-    return str(value)
+    return str(value) if value != "" else '""'

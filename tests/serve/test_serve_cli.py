@@ -4,12 +4,17 @@ bad values named by flag (no model is loaded here)."""
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 
 import pytest
+from typer.testing import CliRunner
 
+from batchgen.cli.main import app
 from batchgen.cli.serve import parse_serve_flags, serve_command
+from batchgen.config_docs import field_docs
 from batchgen.engine.config import EngineConfig
+from batchgen.serve.settings import ServeConfig
 
 JOBS = Path(__file__).resolve().parents[2] / "jobs"
 
@@ -68,3 +73,14 @@ def test_a_job_file_gives_its_model_and_engine_sections_and_flags_override_them(
 def test_a_bad_value_names_its_flag(argv, message):
     with pytest.raises(ValueError, match=message):
         _config("smollm2-135m-instruct", *argv)
+
+
+def test_serve_help_shows_the_engine_fields_docstrings():
+    result = CliRunner().invoke(app, ["serve", "--help"], terminal_width=100)
+    assert result.exit_code == 0, result.output
+    text = " ".join(re.sub(r"[│╭╮╰╯─]", " ", result.output).split())
+    docs = field_docs(EngineConfig)
+    for name in ("max_num_seqs", "enable_prefix_caching", "gpu_memory_utilization"):
+        assert " ".join(docs[name].split()) in text, name
+    assert "--max-num-seqs" in text and "--no-enable-prefix-caching" in text
+    assert " ".join(field_docs(ServeConfig)["shutdown_timeout"].split()) in text
