@@ -165,36 +165,3 @@ def validate(job: JobArg, set_: SetOpt = None, limit: LimitOpt = None) -> None:
         typer.echo("batchgen: bad job: the output folder would be refused (see above)", err=True)
         raise typer.Exit(EXIT_BAD_JOB)
     typer.echo("ok")
-
-
-def validate(job: JobArg, set_: SetOpt = None, limit: LimitOpt = None) -> None:
-    """Check a job without running it: the file, the model's files, every input's schema, the
-    structured-output constraint (compiled over the model's tokenizer); print the plan.
-
-    The model's files are read as the engine reads them before its weights (a GGUF's header and metadata
-    with the loader's size checks, safetensors headers, config.json, the tokenizer, the chat template);
-    loads no weights. A damaged or hostile file exits 2 naming it.
-    """
-    from batchgen.pipeline.config import load_job
-    from batchgen.pipeline.job_plan import format_job_plan, plan_job
-    from batchgen.pipeline.model_files import check_model_files, needs_chat_template
-    from batchgen.pipeline.structured_job import check_job_constraint_before_load
-
-    try:
-        plan = plan_job(load_job(job, set_ or []), limit)
-        check_job_constraint_before_load(plan.job)
-        source = plan.model_source
-        files = None if source is None else check_model_files(source, needs_chat_template(plan.job))
-    except Exception as exc:
-        raise fail(exc) from None
-    typer.echo(format_job_plan(plan))
-    if files is None:
-        typer.echo("files    the model is remote: its files are read when the run fetches them")
-    else:
-        read = "GGUF header and metadata" if source.is_gguf else "config.json, safetensors headers"
-        typer.echo(f"files    {read}, tokenizer ({files.num_tokens:,} tokens), "
-                   + ("chat template: renders" if files.has_chat_template else "no chat template"))
-    if plan.state.refusal:
-        typer.echo("batchgen: bad job: the output folder would be refused (see above)", err=True)
-        raise typer.Exit(EXIT_BAD_JOB)
-    typer.echo("ok")
