@@ -11,8 +11,9 @@ import fsspec
 import pytest
 from typer.testing import CliRunner
 
-from batchgen.pipeline.capacity_plan import make_plan, read_target
 from batchgen.cli.main import app
+from batchgen.cli.plan import read_target
+from batchgen.pipeline.capacity_plan import make_plan
 from tests.engine.model_shapes import (
     MISTRAL_7B_LOGITS_BYTES_PER_SEQ,
     MISTRAL_7B_SHAPE,

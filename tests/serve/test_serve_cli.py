@@ -4,22 +4,31 @@ bad values named by flag (no model is loaded here)."""
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 
 import pytest
+from typer.testing import CliRunner
 
+from batchgen.cli.main import app
+from batchgen.cli.serve import parse_serve_flags, serve_command
+from batchgen.config_docs import field_docs
 from batchgen.engine.config import EngineConfig
-from batchgen.cli.serve import build_parser, engine_config_from_args
+from batchgen.serve.settings import ServeConfig
 
 JOBS = Path(__file__).resolve().parents[2] / "jobs"
 
 
 def _config(*argv: str) -> EngineConfig:
-    return engine_config_from_args(build_parser().parse_args(list(argv)))
+    return parse_serve_flags(list(argv)).engine_config()
+
+
+def _flags(config_class: type = EngineConfig) -> dict[str, list[str]]:
+    return {p.name: [*p.opts, *p.secondary_opts] for p in serve_command(config_class).params}
 
 
 def test_every_engine_field_is_a_flag_and_a_new_field_becomes_one():
-    flags = {a.dest: a.option_strings for a in build_parser()._actions}
+    flags = _flags()
     for f in dataclasses.fields(EngineConfig):
         if f.name != "model":
             assert f.name in flags
@@ -30,8 +39,9 @@ def test_every_engine_field_is_a_flag_and_a_new_field_becomes_one():
     class Grown(EngineConfig):
         new_knob: int = 3
 
-    grown = {a.dest: a.option_strings for a in build_parser(Grown)._actions}
+    grown = _flags(Grown)
     assert grown["new_knob"] == ["--new-knob"]
+    assert parse_serve_flags(["m", "--new-knob", "5"], Grown).engine_config().new_knob == 5
 
 
 def test_flags_become_engine_settings_with_their_types():
@@ -63,3 +73,14 @@ def test_a_job_file_gives_its_model_and_engine_sections_and_flags_override_them(
 def test_a_bad_value_names_its_flag(argv, message):
     with pytest.raises(ValueError, match=message):
         _config("smollm2-135m-instruct", *argv)
+
+
+def test_serve_help_shows_the_engine_fields_docstrings():
+    result = CliRunner().invoke(app, ["serve", "--help"], terminal_width=100)
+    assert result.exit_code == 0, result.output
+    text = " ".join(re.sub(r"[│╭╮╰╯─]", " ", result.output).split())
+    docs = field_docs(EngineConfig)
+    for name in ("max_num_seqs", "enable_prefix_caching", "gpu_memory_utilization"):
+        assert " ".join(docs[name].split()) in text, name
+    assert "--max-num-seqs" in text and "--no-enable-prefix-caching" in text
+    assert " ".join(field_docs(ServeConfig)["shutdown_timeout"].split()) in text

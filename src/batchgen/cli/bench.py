@@ -1,7 +1,5 @@
-"""`batchgen bench`: the command line (typer options to BenchOptions, the result printed or written).
-
-`python -m batchgen.bench` runs the same command.
-"""
+"""`batchgen bench`: typer options to BenchOptions, the result printed or written. The bench modules
+that run a workload are imported only when the command runs."""
 
 from __future__ import annotations
 
@@ -13,17 +11,9 @@ from typing import Annotated
 
 import typer
 
-from batchgen.bench.copy_bench import format_copy_report
-from batchgen.bench.engine_side import parse_engine_overrides
 from batchgen.bench.gemm_rate import PREFILL_NUM_TOKENS
-from batchgen.bench.harness import run_bench, run_quality
-from batchgen.bench.machine import machine_fingerprint
-from batchgen.bench.options import DEFAULT_MODEL, BenchOptions
-from batchgen.bench.overhead import format_overhead, run_overhead
-from batchgen.bench.peer import DEFAULT_BATCH_SIZES, PeerUnavailable
-from batchgen.bench.peers.vllm_cpu import VllmPeerUnavailable
-from batchgen.bench.quality import format_quality_table
-from batchgen.bench.report import format_report
+from batchgen.bench.options import DEFAULT_MODEL
+from batchgen.bench.peer import DEFAULT_BATCH_SIZES
 from batchgen.bench.workloads import WORKLOADS
 
 
@@ -114,6 +104,17 @@ def bench_command(
     `--workload serve`: `batchgen serve` under streaming clients at Poisson request rates (TTFT/TPOT
     percentiles as the client sees them) beside the same prompts offline.
     """
+    from batchgen.bench.copy_bench import format_copy_report
+    from batchgen.bench.engine_side import parse_engine_overrides
+    from batchgen.bench.harness import run_bench, run_quality
+    from batchgen.bench.machine import machine_fingerprint
+    from batchgen.bench.options import BenchOptions
+    from batchgen.bench.overhead import format_overhead, run_overhead
+    from batchgen.bench.peer import PeerUnavailable
+    from batchgen.bench.peers.vllm_cpu import VllmPeerUnavailable
+    from batchgen.bench.quality import format_quality_table
+    from batchgen.bench.report import format_report
+
     try:
         overrides = parse_engine_overrides(engine)
         if kv_cache_dtype and not quality:
@@ -174,21 +175,3 @@ def bench_command(
         typer.echo(format_structured_report(result))
     else:
         typer.echo(format_report(result))
-
-
-bench_app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
-bench_app.command()(bench_command)
-
-
-def bench_main(argv: list[str], prog_name: str = "batchgen bench") -> int:
-    """Run `batchgen bench` on `argv`; its exit code (the `batchgen` command forwards its arguments here)."""
-    try:
-        typer.main.get_command(bench_app).main(args=argv, prog_name=prog_name, standalone_mode=True)
-    except SystemExit as exc:
-        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-    return 0
-
-
-def main() -> None:
-    sys.exit(bench_main(sys.argv[1:], prog_name="python -m batchgen.bench"))
-

@@ -1,22 +1,16 @@
-"""The `batchgen` command. Exit codes: 0 done, 2 bad job or usage, 1 failure."""
+"""The `batchgen` command: one typer app whose commands live one family per module (jobs: run,
+validate, finalize; plan; serve; report; bench). It imports the products; none of them imports it.
+Exit codes: 0 done, 2 bad job or usage, 1 failure."""
 
 from __future__ import annotations
 
-import json
-import logging
-import sys
-import traceback
-from pathlib import Path
-from typing import Annotated
-
 import typer
 
-from batchgen.pipeline.capacity_plan import plan_command
-from batchgen.pipeline.errors import JobError
-from batchgen.pipeline.output import REPORT_NAME
-
-EXIT_FAILURE = 1
-EXIT_BAD_JOB = 2  # also click's code for usage errors
+from batchgen.cli import jobs
+from batchgen.cli.bench import bench_command
+from batchgen.cli.plan import plan_command
+from batchgen.cli.report import report
+from batchgen.cli.serve import register_serve
 
 app = typer.Typer(
     name="batchgen",
@@ -28,260 +22,13 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
-JobArg = Annotated[Path, typer.Argument(help="The job file (YAML); see the README's job reference.",
-                                        show_default=False)]
-SetOpt = Annotated[list[str] | None, typer.Option(
-    "--set", metavar="SECTION.KEY=VALUE",
-    help="Override a job key, e.g. --set sampling.temperature=0.7 (repeatable; the value is read as YAML; "
-         "paths given here are relative to the current directory).")]
-LimitOpt = Annotated[int | None, typer.Option(
-    "--limit", min=1, help="Only the first N input rows (a limited run writes to its own config hash).")]
-
-
-def _fail(exc: BaseException) -> typer.Exit:
-    if isinstance(exc, JobError):
-        typer.echo(f"batchgen: bad job: {exc}", err=True)
-        return typer.Exit(EXIT_BAD_JOB)
-    traceback.print_exc()
-    typer.echo(f"batchgen: failed: {type(exc).__name__}: {exc}", err=True)
-    return typer.Exit(EXIT_FAILURE)
-
-
-@app.command()
-def run(
-    job: JobArg,
-    set_: SetOpt = None,
-    limit: LimitOpt = None,
-    overwrite: Annotated[bool, typer.Option(
-        "--overwrite", help="Replace the output of a different job config in output.path.")] = False,
-    shard: Annotated[str | None, typer.Option(
-        "--shard", metavar="I/N|auto",
-        help="Run only the units k with k mod N == I (static shards on one output folder); auto: from "
-             "SLURM_ARRAY_TASK_ID or JOB_COMPLETION_INDEX (with --num-shards).")] = None,
-    num_shards: Annotated[int | None, typer.Option(
-        "--num-shards", min=1, help="With --shard auto: the shard count (Kubernetes: the Job's completions).")] = None,
-    json_out: Annotated[bool, typer.Option("--json", help="Print the _SUCCESS JSON instead of the table.")] = False,
-    progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Show the progress bar.")] = True,
-    report: Annotated[bool, typer.Option(
-        "--report", help=f"At the end, write `batchgen report`'s page as {REPORT_NAME} beside _SUCCESS "
-                         "(needs the report extra).")] = False,
-) -> None:
-    """Run a job: generate for every input row, write part-NNNNN.parquet files and _SUCCESS.
-
-    Rerunning the same job resumes: finished units are skipped.
-    """
-    from batchgen.pipeline.config import load_job
-    from batchgen.pipeline.job import run_job
-    from batchgen.pipeline.summary import format_summary
-
-    _setup_logging()
-    try:
-        if report:
-            _check_report_extra()  # before the job: a missing package should not cost a whole run
-        config = load_job(job, set_ or [])
-        is_shard = shard is not None or num_shards is not None
-        if is_shard:
-            is_complete = _run_shard(config, shard, num_shards, limit, overwrite, json_out, progress)
-        else:
-            result = run_job(config, limit=limit, overwrite=overwrite, progress=progress)
-    except Exception as exc:
-        raise _fail(exc) from None
-    if is_shard:
-        if report and is_complete:  # the shard that finds the job complete writes the page
-            _write_run_report(config)
-        return
-    if json_out:
-        typer.echo(json.dumps(result.record, indent=2))
-    else:
-        redone = f" ({len(result.redone)} of them run again: their part failed verification)" if result.redone else ""
-        typer.echo(f"batchgen: {config.name} done: {result.num_units_run} unit(s) run{redone}, "
-                   f"{result.num_units_skipped} already done")
-        typer.echo(format_summary(result.record, result.success_path))
-    if report:
-        _write_run_report(config)
-
-
-def _check_report_extra() -> None:
-    import importlib.util
-
-    missing = [name for name in ("matplotlib", "jinja2") if importlib.util.find_spec(name) is None]
-    if missing:
-        raise JobError(f"--report needs {', '.join(missing)}: pip install 'batchgen[report]'")
-
-
-def _write_run_report(config) -> None:
-    """The report of a finished run, beside its _SUCCESS (the report package is imported only here)."""
-    from batchgen.report import ReportConfig, write_report
-
-    try:
-        out = config.output.path
-        path = write_report(ReportConfig(out=out, output=out.rstrip("/") + "/" + REPORT_NAME,
-                                         storage_options=config.output.storage_options or {}))
-    except Exception as exc:
-        raise _fail(exc) from None
-    typer.echo(f"batchgen: report written to {path}", err=True)
-
-
-def _run_shard(config, shard: str | None, num_shards: int | None, limit: int | None, overwrite: bool,
-               json_out: bool, progress: bool) -> bool:
-    """Run one shard; True when the job is complete (_SUCCESS written by this shard or another)."""
-    from batchgen.pipeline.shards import parse_shard, run_shard
-    from batchgen.pipeline.summary import format_summary
-
-    if shard is None:
-        raise JobError("--num-shards goes with --shard auto")
-    if overwrite:
-        raise JobError("--overwrite does not combine with --shard: one shard would delete the others' work; "
-                       "clear the folder with a plain `batchgen run --overwrite`, or choose another output.path")
-    spec = parse_shard(shard, num_shards)
-    result = run_shard(config, spec, limit=limit, progress=progress)
-    done = result.finalized
-    if json_out:
-        typer.echo(json.dumps(done.record if done.record else result.summary, indent=2))
-        return done.record is not None
-    typer.echo(f"batchgen: {config.name} shard {spec.index}/{spec.count} (from {spec.source}) done: "
-               f"{result.num_units_run} unit(s) run, {result.num_units_skipped} already done")
-    if done.record is not None:
-        typer.echo(("this shard wrote _SUCCESS:\n" if done.created else "the job is complete:\n")
-                   + format_summary(done.record, config.output.path.rstrip("/") + "/_SUCCESS"))
-    else:
-        typer.echo(f"waiting for other shards: {len(done.missing)} unit(s) not committed yet; the shard that "
-                   "commits the last one writes _SUCCESS (or run `batchgen finalize OUT` once all are done)")
-    return done.record is not None
-
-
-@app.command()
-def finalize(
-    output: Annotated[str, typer.Argument(metavar="OUT", help="The job's output folder or URI.", show_default=False)],
-    json_out: Annotated[bool, typer.Option("--json", help="Print the _SUCCESS JSON instead of the table.")] = False,
-) -> None:
-    """Write _SUCCESS from the committed parts (after static shards), if every planned unit is committed.
-
-    Exit 0 with _SUCCESS written or already there; 1 when units are missing (they are named).
-    """
-    from batchgen.pipeline.output import finalize_folder
-    from batchgen.pipeline.storage import Storage
-    from batchgen.pipeline.summary import format_summary
-
-    try:
-        storage = Storage(output)
-        done = finalize_folder(storage)
-    except Exception as exc:
-        raise _fail(exc) from None
-    if done.record is None:
-        shown = ", ".join(done.missing[:20]) + (" ..." if len(done.missing) > 20 else "")
-        typer.echo(f"batchgen: {output}: {len(done.missing)} unit(s) not committed: {shown}; run their "
-                   "shards again (they resume)", err=True)
-        raise typer.Exit(EXIT_FAILURE)
-    if json_out:
-        typer.echo(json.dumps(done.record, indent=2))
-    else:
-        typer.echo(("wrote _SUCCESS\n" if done.created else "_SUCCESS was already there\n")
-                   + format_summary(done.record, storage.join("_SUCCESS")))
-
-
-@app.command()
-def validate(job: JobArg, set_: SetOpt = None, limit: LimitOpt = None) -> None:
-    """Check a job without running it: the file, the model's files, every input's schema, the
-    structured-output constraint (compiled over the model's tokenizer); print the plan.
-
-    The model's files are read as the engine reads them before its weights (a GGUF's header and metadata
-    with the loader's size checks, safetensors headers, config.json, the tokenizer, the chat template);
-    loads no weights. A damaged or hostile file exits 2 naming it.
-    """
-    from batchgen.pipeline.config import load_job
-    from batchgen.pipeline.job_plan import format_job_plan, plan_job
-    from batchgen.pipeline.model_files import check_model_files, needs_chat_template
-    from batchgen.pipeline.structured_job import check_job_constraint_before_load
-
-    try:
-        plan = plan_job(load_job(job, set_ or []), limit)
-        check_job_constraint_before_load(plan.job)
-        source = plan.model_source
-        files = None if source is None else check_model_files(source, needs_chat_template(plan.job))
-    except Exception as exc:
-        raise _fail(exc) from None
-    typer.echo(format_job_plan(plan))
-    if files is None:
-        typer.echo("files    the model is remote: its files are read when the run fetches them")
-    else:
-        read = "GGUF header and metadata" if source.is_gguf else "config.json, safetensors headers"
-        typer.echo(f"files    {read}, tokenizer ({files.num_tokens:,} tokens), "
-                   + ("chat template: renders" if files.has_chat_template else "no chat template"))
-    if plan.state.refusal:
-        typer.echo("batchgen: bad job: the output folder would be refused (see above)", err=True)
-        raise typer.Exit(EXIT_BAD_JOB)
-    typer.echo("ok")
-
-
-@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
-             add_help_option=False)
-def serve(ctx: typer.Context) -> None:
-    """An OpenAI-compatible server on the engine (/v1/chat/completions, /v1/completions, ...).
-
-    `batchgen serve --help` lists every flag (needs the serve extra: fastapi, uvicorn).
-    """
-    from batchgen.cli.serve import serve_main
-
-    _setup_logging()
-    raise typer.Exit(serve_main(list(ctx.args)))
-
-
-@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
-             add_help_option=False)
-def bench(ctx: typer.Context) -> None:
-    """Throughput of the engine against HF transformers (and other workloads: chat, shared-prefix, copy, serve,
-    overhead, quality).
-
-    `batchgen bench --help` lists every option. The bench package is imported only when this runs.
-    """
-    from batchgen.cli.bench import bench_main
-
-    raise typer.Exit(bench_main(list(ctx.args)))
-
-
-@app.command()
-def report(
-    output: Annotated[str, typer.Argument(metavar="OUT", help="A finished run's output folder or URI.",
-                                          show_default=False)],
-    against: Annotated[str | None, typer.Option(
-        "--against", metavar="OTHER_OUT",
-        help="A second run of the same prompts (the baseline): rows joined by (id, sample_index), "
-             "identical / different / missing, where tokens first differ, figure and config deltas.")] = None,
-    by: Annotated[str | None, typer.Option(
-        "--by", metavar="COLUMN", help="A kept column whose values name categories: figures per category.")] = None,
-    reference: Annotated[str | None, typer.Option(
-        "--reference", metavar="COLUMN",
-        help="A kept column with the expected completion: exact match (surrounding whitespace ignored).")] = None,
-    page: Annotated[str, typer.Option("-o", "--output", metavar="FILE",
-                                      help="Where to write the page (a path or a URI).")] = REPORT_NAME,
-) -> None:
-    """One self-contained HTML page about a finished run: summary, plots, slowest and failed rows.
-
-    Needs the report extra (pip install 'batchgen\\[report]'). Reads the parts batch by batch: a run of
-    millions of rows reports in bounded memory. Exit 2 when the folder or a column is wrong, or when
-    --against names a run of other prompts.
-    """
-    try:
-        _check_report_extra()
-        from batchgen.report import ReportConfig, ReportError, write_report
-    except JobError as exc:
-        raise _fail(exc) from None
-    try:
-        path = write_report(ReportConfig(out=output, against=against, by=by, reference=reference, output=page))
-    except ReportError as exc:
-        typer.echo(f"batchgen report: {exc}", err=True)
-        raise typer.Exit(EXIT_BAD_JOB) from None
-    except Exception as exc:
-        raise _fail(exc) from None
-    typer.echo(f"batchgen: report written to {path}")
-
-
+app.command("run")(jobs.run)
+app.command("finalize")(jobs.finalize)
+app.command("validate")(jobs.validate)
+register_serve(app)
+app.command("bench")(bench_command)
+app.command("report")(report)
 app.command("plan")(plan_command)
-
-
-def _setup_logging() -> None:
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="batchgen: %(message)s")
 
 
 def main() -> None:

@@ -94,19 +94,22 @@ DEFAULT_DISABLE_BY_BATCH_SIZE = 4
 class SpeculativeConfig:
     """`engine.speculative` (vLLM's speculative_config names). It changes no output: every emitted
     token is the one plain decoding picks, so it stays out of the job's config hash.
-
-    `model`: the draft model (draft_model only), with `quantization` for it (e.g. fp8: the target's
-    own weights, perturbed). `disable_by_batch_size`: speculate only in steps whose running batch
-    is at most this; null: the measured default.
     """
 
-    method: str = "ngram"  # ngram | draft_model
+    method: str = "ngram"
+    """ngram (drafts copied from the prompt and output so far) | draft_model (a smaller model's)."""
     num_speculative_tokens: int = 4
+    """Draft tokens proposed per step and verified together (1 to 16)."""
     prompt_lookup_min: int = 1
+    """ngram: the shortest suffix matched against earlier text."""
     prompt_lookup_max: int = 4
+    """ngram: the longest suffix matched against earlier text."""
     model: str | None = None
-    quantization: str | None = None  # the draft's; null: none
+    """draft_model: the draft model (a path like model.path); null with ngram."""
+    quantization: str | None = None
+    """draft_model: the draft's quantization (e.g. fp8: the target's own weights, perturbed); null: none."""
     disable_by_batch_size: int | None = None
+    """Speculate only in steps whose running batch is at most this; null: the measured default."""
 
     def __post_init__(self) -> None:
         check_settings(self, [
@@ -148,54 +151,86 @@ class EngineConfig:
     """Everything the engine needs to know, resolved once. Derived values are properties."""
 
     model: str
-    # A Hugging Face repo id's branch, tag or commit (vLLM's name); None: main. Only for repo ids.
+    """The model: a bundled alias, a Hugging Face folder, a `.gguf` file, a Hugging Face repo id or an
+    fsspec URI (the job file's `model.path`)."""
     revision: str | None = None
-    # auto: bfloat16 on GPU; on the CPU bfloat16 where it has BF16 units (AVX-512 BF16, AMX), else float32
-    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
-    quantization: str = "auto"  # auto | none | fp8 | int8 | int4 | gptq | awq | compressed-tensors | gguf
-    fp8_mode: str = "auto"  # auto | w8a8 | w8a16
-    quantize_lm_head: bool = False  # with fp8 / int8 / int4: lm_head too (the logits' last matmul stays in dtype otherwise)
-    # int8 / int4 at load: activation_aware (AWQ-style scales; int4 also a block Hadamard rotation and
-    # clipping; searched on the bundled calibration text) | none (round to nearest from each row's / group's range)
+    """A Hugging Face repo id's branch, tag or commit (vLLM's name); null: main. Only for repo ids."""
+    dtype: str = "auto"
+    """auto | float32 | bfloat16 | float16. auto: bfloat16 on a GPU; on the CPU bfloat16 where it has
+    BF16 units (AVX-512 BF16, AMX), else float32."""
+    quantization: str = "auto"
+    """auto | none | fp8 | int8 | int4 | gptq | awq | compressed-tensors | gguf. auto: the format a
+    folder declares (quantization_config), else none; fp8 / int8 / int4 quantize at load; gguf keeps a
+    GGUF file's blocks quantized."""
+    fp8_mode: str = "auto"
+    """auto | w8a8 | w8a16: FP8 weights with FP8 activations (torch._scaled_mm, dynamic per-token
+    scales) or weight-only. auto: w8a8 on GPUs with FP8 matmul, w8a16 elsewhere."""
+    quantize_lm_head: bool = False
+    """With fp8 / int8 / int4: quantize lm_head too (otherwise the logits' last matmul stays in dtype)."""
     int_calibration: str = "activation_aware"
-    max_model_len: int | None = None  # None: the model's own context length
-    # Sampling defaults from a generation_config.json (vLLM's name and values): auto (the model folder's),
-    # vllm (none: SamplingParams' own), or a folder holding one. engine/text/generation_config.py reads it.
+    """int8 / int4 at load: activation_aware (AWQ-style scales; int4 also a block Hadamard rotation and
+    clipping; searched on the bundled calibration text) | none (round to nearest from each row's or
+    group's range)."""
+    max_model_len: int | None = None
+    """Tokens per request at most, prompt and completion together; null: the model's own context length."""
     generation_config: str = "auto"
-    device: str = "auto"  # auto | cpu | cuda[:N]
-    attention_backend: str = "auto"  # auto (triton on CUDA, cpu on the CPU) | cpu | sdpa | triton | torch
-    kv_cache_dtype: str = "auto"  # auto (the model dtype) | fp8 | fp8_e4m3 | fp8_e5m2
-    calculate_kv_scales: bool = False  # FP8 KV: per-layer scales from the first step's absolute maxima
+    """Sampling defaults from a generation_config.json (vLLM's name and values): auto (the model
+    folder's), vllm (none: SamplingParams' own), or a folder holding one."""
+    device: str = "auto"
+    """auto | cpu | cuda | cuda:N. auto: cuda when a GPU is visible, else cpu."""
+    attention_backend: str = "auto"
+    """auto | cpu | sdpa | triton | torch. auto: triton on CUDA, cpu (the C kernels) on the CPU; torch,
+    kept for older job files: cpu on the CPU, sdpa elsewhere."""
+    kv_cache_dtype: str = "auto"
+    """auto | fp8 | fp8_e4m3 | fp8_e5m2 (vLLM's names): auto stores the model dtype; fp8 is fp8_e4m3,
+    one byte per value with one scale per layer for K and V."""
+    calculate_kv_scales: bool = False
+    """FP8 KV cache: per-layer K/V scales from the first step's absolute maxima (false: scale 1.0 or
+    the checkpoint's)."""
     block_size: int = 16
+    """Tokens per KV cache block (the unit of prefix caching and allocation)."""
     max_num_seqs: int = 128
+    """Sequences running at once at most (each step's sequence cap)."""
     max_num_batched_tokens: int = 4096
+    """Tokens one step processes at most (decodes and prefill chunks together)."""
     enable_prefix_caching: bool = True
+    """Reuse the KV blocks of a prefix already in memory (full blocks, matched by a chained hash)."""
     kv_cache_memory: str | int | float = "auto"
-    # CUDA: the share of the GPU's total memory this engine may fill with weights, activations and
-    # KV (vLLM's name); the KV pool gets what the profiled step leaves. kv_cache_memory, when set, wins.
+    """The KV pool's size: auto, bytes, a size such as '8GiB' or '500MB', or a fraction in (0, 1] of
+    free device memory. auto: gpu_memory_utilization x GPU memory less the weights and the profiled
+    step on a GPU; the smaller of 4 GiB and 20% of RAM on the CPU."""
     gpu_memory_utilization: float = 0.9
-    enforce_eager: bool = False  # CUDA: true runs decode steps eagerly (no CUDA graphs), as vLLM
-    # CUDA: decode batches of up to this many sequences replay a captured graph (None: max_num_seqs);
-    # larger ones run eagerly. Fewer graphs start faster and hold less memory (vLLM's
-    # max_cudagraph_capture_size).
+    """CUDA: the share of the GPU's total memory this engine may fill with weights, activations and KV
+    (vLLM's name); the KV pool gets what the profiled step leaves. kv_cache_memory, when set, wins."""
+    enforce_eager: bool = False
+    """CUDA: run decode steps eagerly, without CUDA graphs (vLLM's name)."""
     max_cuda_graph_size: int | None = None
-    # Prepare step N+1 while the device runs step N (vLLM's async scheduling): null = on with CUDA,
-    # off on the CPU; true/false force it. Outputs are the same either way. Steps run in order while a
-    # request needs each step's tokens on the host first (structured output, beam search, prompt
-    # log-probabilities still to compute, scoring), and always with speculative decoding or
-    # tensor_parallel_size > 1. A request that stops (EOS, stop) costs one more step's row, dropped.
+    """CUDA: decode batches of up to this many sequences replay a captured graph (null: max_num_seqs);
+    larger ones run eagerly. Fewer graphs start faster and hold less memory (vLLM's
+    max_cudagraph_capture_size)."""
     async_scheduling: bool | None = None
-    num_kv_blocks: int | None = None  # override the pool size (tests, capacity experiments)
-    num_threads: int | None = None  # CPU threads for torch; None: leave torch's default
-    compile: bool = False  # torch.compile the elementwise ops (measured: no gain on the 2-core CPU)
-    speculative: SpeculativeConfig | None = None  # off; a mapping is read as SpeculativeConfig
-    # Keys the draws of requests that carry no seed of their own (vLLM's name): LLM calls and a
-    # server's requests are then reproducible across restarts. None: LLM keys them by its request
-    # counter, the server by a random key per request.
+    """Prepare step N+1 while the device runs step N (vLLM's async scheduling): null = on with CUDA,
+    off on the CPU; true/false force it. Outputs are the same either way. Steps run in order while a
+    request needs each step's tokens on the host first (structured output, beam search, prompt
+    log-probabilities still to compute, scoring), and always with speculative decoding or
+    tensor_parallel_size > 1. A request that stops (EOS, stop) costs one more step's row, dropped."""
+    num_kv_blocks: int | None = None
+    """The KV pool's size in blocks, overriding kv_cache_memory (tests, capacity experiments); null: sized
+    from memory."""
+    num_threads: int | None = None
+    """CPU threads for torch; null: leave torch's default (OMP_NUM_THREADS)."""
+    compile: bool = False
+    """torch.compile the elementwise ops (measured: no gain on the 2-core CPU)."""
+    speculative: SpeculativeConfig | None = None
+    """Speculative decoding (vLLM's speculative_config): a mapping of SpeculativeConfig's keys; null: off.
+    It changes no output."""
     seed: int | None = None
-    # One model over N ranks (vLLM's name): this process is rank 0, N - 1 worker processes hold the
-    # other shards (engine/parallel/); NCCL between GPUs cuda:0..N-1, gloo between CPU processes.
+    """Keys the draws of requests that carry no seed of their own (vLLM's name): LLM calls and a
+    server's requests are then reproducible across restarts. null: LLM keys them by its request
+    counter, the server by a random key per request."""
     tensor_parallel_size: int = 1
+    """One model over N ranks (vLLM's name): this process is rank 0, N - 1 worker processes hold the
+    other shards; NCCL between GPUs cuda:0..N-1, gloo between CPU processes."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "speculative", as_speculative_config(self.speculative))

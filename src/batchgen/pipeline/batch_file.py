@@ -13,18 +13,18 @@ writer treat it as they treat Parquet.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 
 import pyarrow as pa
 
+from batchgen.openai.batch_format import CUSTOM_ID, custom_id_of
 from batchgen.pipeline.errors import JobError
 from batchgen.pipeline.input_file import BATCH_BYTES, BATCH_SIZE, InputFile
 from batchgen.pipeline.storage import Storage
 
 BATCH_FORMAT = "openai_batch"
 BATCH_SUFFIX = ".jsonl"
-BATCH_ID_COLUMN = "custom_id"
+BATCH_ID_COLUMN = CUSTOM_ID
 BATCH_LINE_COLUMN = "line"
 BATCH_SCHEMA = pa.schema([pa.field(BATCH_ID_COLUMN, pa.string()), pa.field(BATCH_LINE_COLUMN, pa.binary())])
 # A line is one request; OpenAI caps a whole batch file at 200 MB. A longer line is refused before it
@@ -70,28 +70,6 @@ def _check_length(held: bytearray, display: str, number: int) -> None:
     if len(held) > MAX_LINE_BYTES:
         raise JobError(f"input file {display}: line {number} is longer than {MAX_LINE_BYTES >> 20} MiB; "
                        "a batch file's line is one request")
-
-
-def custom_id_of(line: bytes) -> tuple[str | None, str | None]:
-    """(custom_id, None), or (None, what is wrong with the line)."""
-    try:
-        request = json.loads(line)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        return None, f"is not valid JSON ({exc})"
-    except RecursionError:  # a body nested thousands deep: no custom_id can be read from it
-        return None, "nests JSON too deep for the parser (thousands of levels)"
-    if not isinstance(request, dict):
-        return None, f"is not a JSON object (a {type(request).__name__})"
-    custom_id = request.get(BATCH_ID_COLUMN)
-    if custom_id is None:
-        return None, "has no custom_id"
-    if not isinstance(custom_id, str) or not custom_id:
-        return None, f"has a custom_id that is not a non-empty string ({custom_id!r})"
-    try:
-        custom_id.encode("utf-8")
-    except UnicodeEncodeError:  # a lone surrogate escape: no output file or column can hold this id
-        return None, f"has a custom_id that is not valid Unicode text ({custom_id!r})"
-    return custom_id, None
 
 
 def inspect_batch_files(storage: Storage, paths: list[str]) -> list[InputFile]:

@@ -1,8 +1,9 @@
 """A batch file's line -> a request: its url picks the endpoint, its body the prompt and every setting.
 
-The body is read with the server's request models (openai/protocol.py), so a batch line
-accepts exactly what `POST /v1/chat/completions` or `/v1/completions` accepts and refuses the same
-fields by name (`tools`, `response_format`, `logit_bias`, ...). Differences, each on purpose:
+The line's format and its request are openai/batch_format.py's (the body read with the server's request
+models, so a batch line accepts exactly what `POST /v1/chat/completions` or `/v1/completions` accepts and
+refuses the same fields by name: `tools`, `response_format`, `logit_bias`, ...). Differences, each on
+purpose:
 - a sampling field the body leaves out takes the job's `sampling` section (the job file is where a
   batch's defaults live; its temperature is 0 unless set), not OpenAI's default;
 - `model` is ignored: the job's model.path runs every line, whatever model a line names (batch files
@@ -24,14 +25,12 @@ from typing import Any
 import pyarrow as pa
 
 from batchgen.engine.config import SettingError
-from batchgen.pipeline.config import JobConfig
 from batchgen.openai.api_error import APIError
+from batchgen.openai.batch_format import endpoint_of, line_request, one_prompt
 from batchgen.pipeline.batch_file import BATCH_ID_COLUMN, BATCH_LINE_COLUMN
-from batchgen.openai.protocol import ChatCompletionRequest, CompletionRequest, parse_request
+from batchgen.pipeline.config import JobConfig
 from batchgen.pipeline.request_builder import OpenAIRequest, RowError, RowInput
 
-ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
-_LINE_KEYS = ("custom_id", "method", "url", "body")
 # Body fields that are SamplingParams fields of the same name and meaning.
 _SAME_NAME = ("n", "temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "top_k", "min_p",
               "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "include_stop_str_in_output")
@@ -47,7 +46,7 @@ def decode_batch_lines(batch: pa.RecordBatch, job: JobConfig) -> list[RowInput]:
 def decode_line(custom_id: str, line: bytes, job: JobConfig) -> RowInput:
     """One line (already known to be a JSON object with this custom_id) as a RowInput."""
     raw = json.loads(line)
-    endpoint = ENDPOINTS.get(raw.get("url")) if isinstance(raw.get("url"), str) else None
+    endpoint = endpoint_of(raw)
     try:
         return _decode(custom_id, raw, endpoint, job)
     except RowError as exc:
@@ -57,40 +56,8 @@ def decode_line(custom_id: str, line: bytes, job: JobConfig) -> RowInput:
         return RowInput(custom_id, error=exc.message, openai=OpenAIRequest(endpoint, exc.param, exc.code))
 
 
-# Request fields the server answers but a batch line's output has no place for.
-# Server fields a batch line may not set, with the value that asks for nothing (a line may send it).
-_SERVER_ONLY = {"echo": False, "prompt_logprobs": None, "use_beam_search": False, "length_penalty": 1.0,
-                "early_stopping": False}
-
-
 def _decode(custom_id: str, raw: dict, endpoint: str | None, job: JobConfig) -> RowInput:
-    unknown = [key for key in raw if key not in _LINE_KEYS]
-    if unknown:
-        raise RowError(f"unknown key(s) {', '.join(map(repr, unknown))} in the line; a line holds "
-                       f"{', '.join(_LINE_KEYS)}", unknown[0])
-    if raw.get("method") != "POST":
-        raise RowError(f"method must be \"POST\"; got {raw.get('method')!r}", "method")
-    if endpoint is None:
-        raise RowError(f"url {raw.get('url')!r} is not supported; batchgen runs "
-                       f"{' and '.join(ENDPOINTS)}", "url")
-    body = raw.get("body")
-    if not isinstance(body, dict):
-        raise RowError(f"body must be a JSON object (the request); got {type(body).__name__}", "body")
-    model = ChatCompletionRequest if endpoint == "chat" else CompletionRequest
-    request = parse_request(json.dumps(body).encode(), model)
-    for name in ("stream", "stream_options"):
-        if body.get(name) not in (None, False):
-            raise RowError(f"{name} is not supported in a batch file (there is no stream to send)", name)
-    for name, unset in _SERVER_ONLY.items():
-        value = body.get(name)
-        # `is`: 0 == False, and prompt_logprobs 0 asks for something
-        if not (value is None or value is unset or (isinstance(unset, float) and value == unset
-                                                    and not isinstance(value, bool))):
-            raise RowError(f"{name} is not supported in a batch file (a job scores continuations with task: "
-                           "loglikelihood and runs beams with sampling.beam_width)", name)
-    if request.skip_special_tokens is False:
-        raise RowError("skip_special_tokens: false is not supported in a batch job (the completion "
-                       "is always the text without special tokens)", "skip_special_tokens")
+    request = line_request(raw)
     overrides, fields = _overrides(request, endpoint)
     try:
         params = job.sampling_params(**overrides)
@@ -101,7 +68,7 @@ def _decode(custom_id: str, raw: dict, endpoint: str | None, job: JobConfig) -> 
             hint = (f" (the body sets no temperature, so the job's sampling.temperature "
                     f"{job.sampling.temperature} applies)")
         raise RowError(f"{field} {exc.rule}; got {exc.value!r}{hint}", field) from None
-    prompt = request.template_messages() if endpoint == "chat" else _one_prompt(request)
+    prompt = request.template_messages() if endpoint == "chat" else one_prompt(request)
     # A chat line's own template fields (vLLM's) over the job's input.chat_template(_kwargs).
     chat = request.chat_options(job.input.chat_template, job.input.chat_template_kwargs) \
         if endpoint == "chat" else None
@@ -135,14 +102,6 @@ def _overrides(request, endpoint: str) -> tuple[dict[str, Any], dict[str, str]]:
     if constraint is not None:
         overrides["structured_outputs"], fields["structured_outputs"] = constraint, field
     return overrides, fields
-
-
-def _one_prompt(request: CompletionRequest) -> str | list[int]:
-    prompts = request.prompts()
-    if len(prompts) != 1:
-        raise RowError(f"prompt: a batch line holds one prompt (a string or a list of token ids); got a "
-                       f"list of {len(prompts)} prompts (write one line per prompt)", "prompt")
-    return prompts[0]
 
 
 def _num_bytes(prompt: str | list) -> int:

@@ -15,7 +15,6 @@ Line shape, as OpenAI's batch output: `{"id", "custom_id", "response": {"status_
 from __future__ import annotations
 
 import hashlib
-import json
 import time
 from collections.abc import Iterator
 
@@ -23,6 +22,8 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from batchgen.engine import RequestOutput
+from batchgen.openai.api_error import APIError
+from batchgen.openai.batch_format import output_line
 from batchgen.pipeline.config import JobConfig
 from batchgen.pipeline.request_builder import RowTask
 from batchgen.pipeline.storage import Storage
@@ -65,10 +66,9 @@ class OpenAILines:
 
     def error(self, task: RowTask) -> str:
         info = task.openai
-        error = {"message": task.error, "type": "invalid_request_error",
-                 "param": info.error_param if info is not None else None,
-                 "code": info.error_code if info is not None else None}
-        return self._line(task.request_id, self._ids(task.request_id), 400, {"error": error})
+        error = APIError(400, task.error, info.error_param if info is not None else None,
+                         info.error_code if info is not None else None)
+        return self._line(task.request_id, self._ids(task.request_id), error.status, error.body)
 
     def _ids(self, custom_id: str | None) -> dict[str, str]:
         # Stable across runs: a resumed job's lines name requests as the first run's would.
@@ -76,10 +76,7 @@ class OpenAILines:
         return {"line": digest[:24], "request": digest[24:48], "body": digest[48:64]}
 
     def _line(self, custom_id: str | None, ids: dict[str, str], status: int, body: dict) -> str:
-        return json.dumps({"id": f"batch_req_{ids['line']}", "custom_id": custom_id,
-                           "response": {"status_code": status, "request_id": f"req_{ids['request']}",
-                                        "body": body},
-                           "error": None}, ensure_ascii=False)
+        return output_line(f"batch_req_{ids['line']}", custom_id, f"req_{ids['request']}", status, body)
 
     def _chat_choice(self, c) -> dict:
         logprobs = None

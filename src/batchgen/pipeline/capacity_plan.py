@@ -1,17 +1,16 @@
-"""`batchgen plan MODEL_OR_JOB`: weights, KV cache and concurrency arithmetic without loading weights.
+"""The capacity plan (`batchgen plan`): weights, KV cache and concurrency arithmetic without loading weights.
 
 The numbers come from batchgen.engine.kv.capacity (the engine sizes its KV pool with the same
-kv_bytes_per_token); this module only finds the model's config and prints.
+kv_bytes_per_token); this module only finds the model's config and formats the plan.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Annotated
+from typing import TYPE_CHECKING
 
 import torch
-import typer
 
 from batchgen.engine.capabilities import cpu_report
 from batchgen.engine.kv.capacity import KV_FRAGMENTATION_FRACTION, CapacityPlan, plan_capacity
@@ -20,7 +19,9 @@ from batchgen.engine.models.config import ModelConfig
 from batchgen.engine.quant.methods import DeclaredQuantization, declared_quantization, resolve_quantization
 from batchgen.pipeline.errors import JobError
 
-EXIT_BAD_INPUT = 2
+if TYPE_CHECKING:
+    from batchgen.pipeline.job_config import JobConfig
+
 AUTO_DTYPE = "bfloat16"  # `auto` is bfloat16 on a GPU, where capacity planning matters
 
 
@@ -43,22 +44,21 @@ class PlanTarget:
     tensor_parallel_size: int = 1
 
 
-def read_target(model_or_job: str, revision: str | None = None) -> PlanTarget:
-    """A job file (.yaml/.yml) gives its model and engine settings; anything else names a model (a
-    Hugging Face repo id at `revision`, too)."""
-    if model_or_job.endswith((".yaml", ".yml")):
-        from batchgen.pipeline.config import load_job
+def job_target(job: JobConfig) -> PlanTarget:
+    """A job's model and engine settings to plan with."""
+    cfg, declared, is_gguf = read_model(job.model.path, job.model.revision)
+    return PlanTarget(
+        name=f"{job.name} ({job.model.path})", model_cfg=cfg, dtype=job.model.dtype,
+        quantization=job.model.quantization, int_calibration=job.model.int_calibration,
+        kv_cache_dtype=job.engine.kv_cache_dtype, max_model_len=job.model.max_model_len, concurrency=job.engine.max_num_seqs,
+        block_size=job.engine.block_size, max_num_batched_tokens=job.engine.max_num_batched_tokens,
+        declared=declared, is_gguf=is_gguf, tensor_parallel_size=job.engine.tensor_parallel_size)
 
-        job = load_job(model_or_job)
-        cfg, declared, is_gguf = read_model(job.model.path, job.model.revision)
-        return PlanTarget(
-            name=f"{job.name} ({job.model.path})", model_cfg=cfg, dtype=job.model.dtype,
-            quantization=job.model.quantization, int_calibration=job.model.int_calibration,
-            kv_cache_dtype=job.engine.kv_cache_dtype, max_model_len=job.model.max_model_len, concurrency=job.engine.max_num_seqs,
-            block_size=job.engine.block_size, max_num_batched_tokens=job.engine.max_num_batched_tokens,
-            declared=declared, is_gguf=is_gguf, tensor_parallel_size=job.engine.tensor_parallel_size)
-    cfg, declared, is_gguf = read_model(model_or_job, revision)
-    return PlanTarget(name=model_or_job, model_cfg=cfg, declared=declared, is_gguf=is_gguf)
+
+def model_target(path: str, revision: str | None = None) -> PlanTarget:
+    """A model (a Hugging Face repo id at `revision`, too) with the engine's default settings."""
+    cfg, declared, is_gguf = read_model(path, revision)
+    return PlanTarget(name=path, model_cfg=cfg, declared=declared, is_gguf=is_gguf)
 
 
 def read_model(path: str, revision: str | None = None) -> tuple[ModelConfig, DeclaredQuantization | None, bool]:
@@ -229,58 +229,3 @@ def format_capacity_plan(target: PlanTarget, plan: CapacityPlan, smallest: int |
 
 def _kv_dtype_bytes(plan: CapacityPlan) -> int:
     return torch.empty((), dtype=plan.kv_dtype or plan.dtype).element_size()
-
-
-def plan_command(
-    model_or_job: Annotated[str, typer.Argument(
-        metavar="MODEL_OR_JOB", show_default=False,
-        help="A model (alias, HF folder - config.json is enough -, .gguf file, Hugging Face repo id) or a "
-             "job file (.yaml).")],
-    revision: Annotated[str | None, typer.Option(
-        "--revision", help="A repo id's branch, tag or commit (default: main; a job file gives its own).")] = None,
-    max_model_len: Annotated[int | None, typer.Option(
-        "--max-model-len", min=1,
-        help="Context length per request (default: the job's, else the model's).")] = None,
-    concurrency: Annotated[int | None, typer.Option(
-        "--concurrency", min=1,
-        help="Concurrent requests (default: the job's engine.max_num_seqs, else 1).")] = None,
-    dtype: Annotated[str | None, typer.Option(
-        "--dtype",
-        help="auto | float32 | bfloat16 | float16 (auto plans for bfloat16, the GPU default).")] = None,
-    quantization: Annotated[str | None, typer.Option(
-        "--quantization",
-        help="auto | none | fp8 | int8 | int4 | gptq | awq | compressed-tensors | gguf (default: the "
-             "job's, else auto: what the checkpoint declares).")] = None,
-    memory: Annotated[str | None, typer.Option(
-        "--memory", help="Device memory to fit, e.g. 80GB or 141GiB: prints how many requests fit.")] = None,
-    kv_cache_dtype: Annotated[str | None, typer.Option(
-        "--kv-cache-dtype",
-        help="auto | fp8 | fp8_e4m3 | fp8_e5m2 (auto: the model dtype; fp8 = fp8_e4m3, 1 byte per value).")] = None,
-    tensor_parallel_size: Annotated[int | None, typer.Option(
-        "--tensor-parallel-size", min=1,
-        help="GPUs one model is split over: sizes are per GPU (default: the job's, else 1). With "
-             "--memory, the smallest size that fits is printed too.")] = None,
-    json_out: Annotated[bool, typer.Option("--json", help="Print JSON, sizes in bytes.")] = False,
-) -> None:
-    """Capacity plan: weights, KV cache per token and per request, total for a concurrency, what fits.
-
-    Reads only the model's config (no weights). Text sizes are decimal GB; --json gives bytes.
-    """
-    try:
-        target = read_target(model_or_job, revision)
-        options = {"max_model_len": max_model_len, "concurrency": concurrency, "dtype": dtype,
-                   "quantization": quantization, "memory": memory, "kv_cache_dtype": kv_cache_dtype}
-        plan = make_plan(target, tensor_parallel_size=tensor_parallel_size, **options)
-        smallest = smallest_fitting_tensor_parallel_size(target, plan, **options) if memory is not None else None
-    except JobError as exc:
-        typer.echo(f"batchgen: bad input: {exc}", err=True)
-        raise typer.Exit(EXIT_BAD_INPUT) from None
-    if json_out:
-        extra = {"smallest_tensor_parallel_size": smallest} if memory is not None else {}
-        typer.echo(json.dumps({"model": target.name, **plan.to_dict(), **extra, "cpu": cpu_report()}, indent=2))
-    else:
-        typer.echo(format_capacity_plan(target, plan, smallest))
-
-
-if __name__ == "__main__":
-    typer.run(plan_command)

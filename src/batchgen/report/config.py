@@ -19,20 +19,34 @@ class ReportConfig:
     listed as different or missing, the side-by-side diffs. Counts and plots cover every row.
     """
 
-    out: str  # the run's output folder or URI
-    against: str | None = None  # a second run of the same prompts (the baseline of the comparison)
-    by: str | None = None  # a kept column whose values name categories
-    reference: str | None = None  # a kept column holding the expected completion (exact match)
-    output: str = "report.html"  # where the page is written (a path or a URI)
-    storage_options: dict[str, Any] = field(default_factory=dict)  # fsspec options for every folder
+    out: str
+    """The run's output folder or URI."""
+    against: str | None = None
+    """A second run of the same prompts: the baseline of the comparison (rows joined by id and sample_index)."""
+    by: str | None = None
+    """A kept column whose values name categories: figures per category."""
+    reference: str | None = None
+    """A kept column holding the expected completion: exact match (surrounding whitespace ignored)."""
+    output: str = "report.html"
+    """Where the page is written (a path or a URI)."""
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    """fsspec options for every folder read or written."""
     num_slowest: int = 20
+    """Slowest rows listed."""
     num_failed: int = 50
-    num_listed_ids: int = 500  # per list: different, missing from either run
+    """Failed rows listed."""
+    num_listed_ids: int = 500
+    """Ids listed per list: different, missing from either run."""
     num_inline_diffs: int = 8
-    max_categories: int = 1000  # distinct --by values counted apart; the rest count as "(other)"
-    max_shown_chars: int = 2000  # of a completion or an error shown on the page
-    batch_rows: int = 65_536  # rows read from a part at a time
-    partition_bytes: int = 8 << 20  # target in-memory bytes of one join partition, per run
+    """Different rows shown side by side."""
+    max_categories: int = 1000
+    """Distinct --by values counted apart; the rest count as "(other)"."""
+    max_shown_chars: int = 2000
+    """Characters of a completion or an error shown on the page."""
+    batch_rows: int = 65_536
+    """Rows read from a part at a time."""
+    partition_bytes: int = 8 << 20
+    """Target in-memory bytes of one join partition, per run."""
 
     def __post_init__(self) -> None:
         for name in ("num_slowest", "num_failed", "num_listed_ids", "num_inline_diffs", "max_categories",

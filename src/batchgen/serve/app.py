@@ -35,11 +35,11 @@ from batchgen.openai.protocol import (
 )
 from batchgen.openai.structured_fields import compile_request_constraint
 from batchgen.serve import responses
-from batchgen.cli.serve import DEFAULT_MAX_REQUEST_BODY_BYTES
 from batchgen.serve.engine_loop import Admitted, EngineLoop, EventSink, Failed, Finished, Progress, Submission
 from batchgen.serve.metrics import Metrics
 from batchgen.serve.prompt_encoder import PromptEncoder, encode_prompt, is_large, is_token_ids
 from batchgen.serve.request_body import read_body
+from batchgen.serve.settings import DEFAULT_MAX_REQUEST_BODY_BYTES
 from batchgen.serve.tokenizer_routes import add_tokenizer_routes
 
 log = logging.getLogger("batchgen.serve")

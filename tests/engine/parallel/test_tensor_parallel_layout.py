@@ -133,12 +133,11 @@ def test_integer_weights_split_on_rows_and_group_boundaries():
 
 
 def test_serve_and_llm_take_the_setting():
-    from batchgen.cli.serve import build_parser, engine_config_from_args
+    from batchgen.cli.serve import parse_serve_flags
 
-    parse = build_parser().parse_args
-    assert engine_config_from_args(parse(["m", "--tensor-parallel-size", "2"])).tensor_parallel_size == 2
+    assert parse_serve_flags(["m", "--tensor-parallel-size", "2"]).engine_config().tensor_parallel_size == 2
     with pytest.raises(ValueError, match="--tensor-parallel-size must be >= 1"):
-        engine_config_from_args(parse(["m", "--tensor-parallel-size", "0"]))
+        parse_serve_flags(["m", "--tensor-parallel-size", "0"]).engine_config()
     with pytest.raises(ValueError, match="cannot take a built model"):
         from batchgen.engine import LLMEngine
 

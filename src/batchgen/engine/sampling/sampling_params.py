@@ -52,29 +52,56 @@ class SamplingParams:
     """
 
     n: int = 1
+    """Samples per request (beam search: the best n beams)."""
     temperature: float = 1.0
+    """Scales the logits before sampling; 0: greedy (the most likely token)."""
     top_p: float = 1.0
+    """Sample from the smallest set of tokens whose probabilities add up to top_p, in (0, 1]."""
     top_k: int = -1
+    """Sample from the k most likely tokens; -1: all."""
     min_p: float = 0.0
+    """Drop tokens less likely than min_p times the most likely one's probability."""
     repetition_penalty: float = 1.0
+    """Over prompt and output tokens: divides positive logits, multiplies negative ones; 1: off."""
     presence_penalty: float = 0.0
+    """Subtracted from the logits of tokens that appeared in the output, in [-2, 2]."""
     frequency_penalty: float = 0.0
+    """Subtracted per occurrence in the output, in [-2, 2]."""
     max_tokens: int = 16
+    """Completion tokens at most."""
     min_tokens: int = 0
+    """Completion tokens before EOS, stop token ids or stop strings may end it."""
     seed: int | None = None
+    """Keys the request's draws (with its id and sample index): the same seed gives the same samples,
+    whatever runs beside it; None means 0."""
     stop: list[str] = field(default_factory=list)
+    """Strings that end the completion (not part of its text unless include_stop_str_in_output)."""
     stop_token_ids: list[int] = field(default_factory=list)
+    """Token ids that end the completion, besides EOS."""
     ignore_eos: bool = False
-    logprobs: int | bool | None = None  # bool: normalised to 0 (True) or None (False) below
+    """Keep generating past EOS, up to max_tokens (benchmarks)."""
+    logprobs: int | bool | None = None
+    """None: no log-probabilities; 0 (or true): the chosen tokens' raw log-probabilities; N: also the N
+    most likely tokens' at each position."""
     skip_special_tokens: bool = True
-    # The stop string (or stop token) that ended the sample stays at the end of its text (vLLM's name).
+    """Leave special tokens out of the text (the token ids keep every token)."""
     include_stop_str_in_output: bool = False
+    """Keep the stop string (or stop token) that ended the sample at the end of its text (vLLM's name)."""
     structured_outputs: StructuredOutputsParams | None = None
-    guided_decoding: StructuredOutputsParams | None = None  # vLLM's older name: moved to structured_outputs
+    """Constrain the output: a JSON schema, a regex, a choice list or a grammar
+    (StructuredOutputsParams, or a mapping of its fields)."""
+    guided_decoding: StructuredOutputsParams | None = None
+    """vLLM's older name of structured_outputs; moved there."""
     prompt_logprobs: int | None = None
-    beam_width: int = 1  # 1: no beam search
+    """None, or N >= 0: each prompt token's log-probability given the ones before it, plus the N most
+    likely tokens there."""
+    beam_width: int = 1
+    """Beams kept at each step; 1: no beam search."""
     length_penalty: float = 1.0
+    """Beam search: finished beams are ranked by cumulative log-probability / length ** length_penalty."""
     early_stopping: bool | str = False
+    """Beam search (HF's): false stops when no running beam can beat the worst finished one, true when
+    beam_width beams finished, "never" when none could at max_tokens."""
 
     def __post_init__(self) -> None:
         self._take_structured_outputs()

@@ -1,0 +1,39 @@
+"""How the `batchgen` command ends and talks: exit codes, the one-line error, logging to stderr, help text."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import traceback
+
+import typer
+
+from batchgen.pipeline.errors import JobError
+
+EXIT_FAILURE = 1
+EXIT_BAD_JOB = 2  # also click's code for usage errors
+
+
+def fail(exc: BaseException) -> typer.Exit:
+    """The exit for an exception: 2 with one line for a bad job, 1 with the traceback for anything else."""
+    if isinstance(exc, JobError):
+        typer.echo(f"batchgen: bad job: {exc}", err=True)
+        return typer.Exit(EXIT_BAD_JOB)
+    traceback.print_exc()
+    typer.echo(f"batchgen: failed: {type(exc).__name__}: {exc}", err=True)
+    return typer.Exit(EXIT_FAILURE)
+
+
+def setup_logging() -> None:
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="batchgen: %(message)s")
+
+
+def help_text(doc: str) -> str:
+    """A field docstring as one option's help: one paragraph, and no `[word]` that typer's rich markup
+    would read as a style tag."""
+    text = " ".join(doc.split())
+    if typer.core.HAS_RICH:
+        from rich.markup import escape
+
+        return escape(text)
+    return text

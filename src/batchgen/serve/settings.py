@@ -1,0 +1,46 @@
+"""ServeConfig: the server's own settings (the engine's are EngineConfig's), one field per
+`batchgen serve` flag. The command line builds it; its field docstrings are the flags' help."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from batchgen.engine.config import check_settings
+
+# 8M tokens of text: more than any model's context, far less than what would exhaust the server's memory.
+DEFAULT_MAX_REQUEST_BODY_BYTES = 32 << 20
+API_KEY_ENV = "BATCHGEN_API_KEY"
+UvicornLogLevel = Literal["critical", "error", "warning", "info", "debug", "trace"]
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """How the server listens, whom it answers and how much it holds."""
+
+    host: str = "127.0.0.1"
+    """The address to bind; 0.0.0.0: every interface."""
+    port: int = 8000
+    """The port to listen on."""
+    served_model_name: tuple[str, ...] | None = None
+    """The name(s) clients send as `model`; null: MODEL_OR_JOB's model as given."""
+    api_key: str | None = None
+    """Require `Authorization: Bearer KEY` on /v1 (default: the BATCHGEN_API_KEY environment variable)."""
+    max_queued_requests: int = 1024
+    """Requests held beyond max_num_seqs (the ones that can run); past it, 503 with Retry-After."""
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
+    """A request body over this many bytes (default 32 MiB) gets 413 before the rest of it is read."""
+    shutdown_timeout: float = 30.0
+    """On SIGTERM/Ctrl-C, the seconds unfinished requests get before they end with an error."""
+    chat_template: str | None = None
+    """The chat template for /v1/chat/completions in place of the model's: a Jinja file, or the template
+    text itself (default: the model's; a job file's input.chat_template)."""
+    uvicorn_log_level: UvicornLogLevel = "info"
+    """uvicorn's log level."""
+
+    def __post_init__(self) -> None:
+        check_settings(self, [
+            ("max_queued_requests", self.max_queued_requests >= 0, "must be >= 0"),
+            ("max_request_body_bytes", self.max_request_body_bytes >= 1, "must be >= 1"),
+            ("shutdown_timeout", self.shutdown_timeout >= 0, "must be >= 0"),
+        ])
