@@ -20,13 +20,15 @@ from batchgen.pipeline.output import (
     raise_if_refused,
 )
 from batchgen.pipeline.structured_job import check_job_constraint
-from batchgen.pipeline.summary import (
-    Totals,
-    read_summary_table,
-    speculative_summary,
-    structured_summary,
-    success_record,
+from batchgen.pipeline.run_record import (
+    EngineReport,
+    GenerationDefaults,
+    RunRecord,
+    SpeculativeFigures,
+    StructuredFigures,
+    Workers,
 )
+from batchgen.pipeline.summary import Totals, read_summary_table, speculative_summary, structured_summary
 from batchgen.pipeline.unit_loop import UnitSource, run_units
 
 log = logging.getLogger("batchgen.pipeline")
@@ -34,7 +36,7 @@ log = logging.getLogger("batchgen.pipeline")
 
 @dataclass
 class RunResult:
-    record: dict  # the _SUCCESS contents
+    record: RunRecord  # the _SUCCESS contents
     success_path: str
     num_units_run: int
     num_units_skipped: int
@@ -97,22 +99,22 @@ def _run_held(plan: JobPlan, run: OutputRun, engine: LLMEngine | None, progress:
     ran = run_units(source, plan.input_storage, run.storage, pending, engine, run.commit_context(),
                     progress=progress)
     after = engine.stats
-    record = finish_job(job, run, ran.totals, ran.generation_seconds, **engine_reports(engine),
+    record = finish_job(job, run, ran.totals, ran.generation_seconds, engine=engine_reports(engine),
                         speculative=speculative_summary(spec_before, after.get("speculative")),
                         structured=structured_summary(structured_before, after.get("structured")))
     return RunResult(record, success_path, len(pending), len(skipped), dict(run.redo))
 
 
-def engine_reports(engine: LLMEngine) -> dict:
+def engine_reports(engine: LLMEngine) -> EngineReport:
     """What `_SUCCESS` says of the engine that ran: its model, kernels, KV cache and weight format."""
     stats = engine.stats
-    return {"model": engine.config.model, "kernels": stats.get("kernels", {}), "kv_cache": stats.get("kv_cache"),
-            "weights": stats.get("weights", {})}
+    return EngineReport(model=engine.config.model, kernels=stats.get("kernels", {}),
+                        kv_cache=stats.get("kv_cache") or {}, weights=stats.get("weights") or {})
 
 
-def finish_job(job: JobConfig, run: OutputRun, this_run: Totals, generation_seconds: float, *, kernels: dict,
-               kv_cache: dict | None = None, weights: dict | None = None, workers: dict | None = None,
-               speculative: dict | None = None, model: str | None = None, structured: dict | None = None) -> dict:
+def finish_job(job: JobConfig, run: OutputRun, this_run: Totals, generation_seconds: float, *, engine: EngineReport,
+               workers: Workers | None = None, speculative: SpeculativeFigures | None = None,
+               structured: StructuredFigures | None = None) -> RunRecord:
     """The run's `_SUCCESS`, written last (after output.jsonl/errors.jsonl for openai_batch output) while
     the run still holds its folder: counts over the whole output, speed and latency over this run."""
     whole = dataclasses.replace(this_run, ttft_s=[], tpot_s=[])  # latency figures: this run only
@@ -120,10 +122,10 @@ def finish_job(job: JobConfig, run: OutputRun, this_run: Totals, generation_seco
     for unit in skipped:  # counts cover the whole output, also what an earlier run wrote
         with run.storage.fs.open(run.storage.join(unit.output_name), "rb") as f:
             whole.add_table(read_summary_table(f))
-    record = success_record(job.name, run.identity.config_hash, whole, this_run, generation_seconds,
-                            resumed=bool(skipped), kernels=kernels, kv_cache=kv_cache, weights=weights,
-                            workers=workers, speculative=speculative, model=model, structured=structured,
-                            generation_config=job.generation_config_record)
+    record = RunRecord.of_run(job.name, run.identity.config_hash, whole=whole, this_run=this_run,
+                              generation_seconds=generation_seconds, resumed=bool(skipped), engine=engine,
+                              generation_config=GenerationDefaults.from_dict(job.generation_config_record),
+                              workers=workers, speculative=speculative, structured=structured)
     run.finish(record, write_batch_outputs=job.writes_batch_output)  # the .jsonl from every committed part
     return record
 
