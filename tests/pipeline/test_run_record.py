@@ -9,7 +9,6 @@ import pytest
 
 from batchgen.pipeline.job import run_job
 from batchgen.pipeline.run_record import (
-    REQUIRED_KEYS,
     EngineReport,
     GenerationDefaults,
     Percentiles,
@@ -23,6 +22,11 @@ from batchgen.pipeline.run_record import (
 from batchgen.pipeline.run_record_text import format_summary, summary_rows
 from batchgen.pipeline.shards import ShardSpec, run_shard
 from tests.pipeline.conftest import FakeEngine, make_job, write_parquet
+
+
+# The keys of the first batchgen's _SUCCESS (design.md): every record has them.
+FIRST_KEYS = ("job", "config_hash", "num_requests", "num_rows", "num_errors", "prompt_tokens", "cached_tokens",
+              "completion_tokens", "generation_seconds", "completion_tokens_per_s", "ttft_s", "tpot_s", "resumed")
 
 
 def _job(tmp_path, rows: int = 7):
@@ -88,7 +92,7 @@ def test_every_part_round_trips_and_keeps_its_values_as_written():
 
 def test_a_record_of_the_first_batchgen_still_reads():
     """The 13 keys the first _SUCCESS had: the keys added since read as their defaults."""
-    first = {key: _full_record().to_dict()[key] for key in REQUIRED_KEYS}
+    first = {key: _full_record().to_dict()[key] for key in FIRST_KEYS}
     record = RunRecord.from_dict(first)
     assert record.model is None and record.generation_config is None and record.workers is None
     assert (record.kernels, record.kv_cache, record.weights) == ({}, {}, {})
@@ -100,8 +104,15 @@ def test_a_record_of_the_first_batchgen_still_reads():
 def test_a_record_without_a_required_key_is_refused_naming_it():
     data = _full_record().to_dict()
     del data["num_rows"], data["ttft_s"]
-    with pytest.raises(RecordError, match="no num_rows, ttft_s"):
+    with pytest.raises(RecordError, match="_SUCCESS has no num_rows, ttft_s"):
         RunRecord.from_dict(data)
+    for key in set(FIRST_KEYS) - {"ttft_s"}:  # each of the first keys is required
+        with pytest.raises(RecordError, match=f"has no {key}$"):
+            RunRecord.from_dict({k: v for k, v in _full_record().to_dict().items() if k != key})
+    with pytest.raises(RecordError, match="speculative has no num_verifies"):
+        RunRecord.from_dict({**_full_record().to_dict(), "speculative": {"num_draft_tokens": 1, "num_accepted_tokens": 1}})
+    with pytest.raises(RecordError, match="ttft_s is not a JSON object"):
+        RunRecord.from_dict({**_full_record().to_dict(), "ttft_s": None})
     with pytest.raises(RecordError, match="not a JSON object"):
         RunRecord.from_json("[1, 2]")
     with pytest.raises(RecordError, match="not JSON"):

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
@@ -43,21 +43,47 @@ def _fields_dict(obj: object) -> dict[str, Any]:
     return {f.name: _plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
 
 
-def _known(cls: type, data: dict) -> dict[str, Any]:
-    """The keys of `data` that are fields of `cls` (newer keys are ignored)."""
+def _known(cls: type, data: object, what: str) -> dict[str, Any]:
+    """The keys of the JSON object `data` that are fields of `cls` (newer keys are ignored)."""
+    if not isinstance(data, dict):
+        raise RecordError(f"{what} is not a JSON object (got {type(data).__name__})")
     names = {f.name for f in dataclasses.fields(cls)}
     return {k: v for k, v in data.items() if k in names}
 
 
-def _object(data: object, what: str) -> dict:
-    if not isinstance(data, dict):
-        raise RecordError(f"{what} is not a JSON object (got {type(data).__name__})")
-    return data
+def _construct(cls: type, values: dict[str, Any], what: str):
+    """cls(**values), a missing key named as a RecordError."""
+    missing = [f.name for f in dataclasses.fields(cls) if f.name not in values
+               and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    if missing:
+        raise RecordError(f"{what} has no {', '.join(missing)}")
+    return cls(**values)
+
+
+def _empty_for_null(values: dict[str, Any], names: tuple[str, ...]) -> dict[str, Any]:
+    """The engine's reports (kernels, kv_cache, weights) are written as {} when it had none; null reads as {}."""
+    return {k: {} if k in names and v is None else v for k, v in values.items()}
+
+
+class _Part:
+    """A part of the record: written as its fields in order, read back naming what is missing."""
+
+    WHAT: ClassVar[str]  # how an error names it
+
+    def to_dict(self) -> dict[str, Any]:
+        return _fields_dict(self)
+
+    @classmethod
+    def from_dict(cls, data: object, what: str | None = None):
+        what = what or cls.WHAT
+        return _construct(cls, _known(cls, data, what), what)
 
 
 @dataclass(frozen=True, kw_only=True)
-class Percentiles:
+class Percentiles(_Part):
     """A latency's percentiles over the rows that have it, in seconds."""
+
+    WHAT = "a percentiles entry"
 
     p50: float | None = None
     """The median; None when no row has the figure (every figure is then None)."""
@@ -75,17 +101,12 @@ class Percentiles:
         p50, p90, p99 = np.percentile(values, [50, 90, 99])
         return cls(p50=float(p50), p90=float(p90), p99=float(p99))
 
-    def to_dict(self) -> dict[str, Any]:
-        return _fields_dict(self)
-
-    @classmethod
-    def from_dict(cls, data: object) -> Percentiles:
-        return cls(**_known(cls, _object(data, "a percentiles entry")))
-
 
 @dataclass(frozen=True, kw_only=True)
-class GenerationDefaults:
+class GenerationDefaults(_Part):
     """What the job's `model.generation_config` gave it: the sampling defaults read from the model's file."""
+
+    WHAT = "generation_config"
 
     setting: str
     """The job's model.generation_config (auto | vllm | a folder)."""
@@ -94,17 +115,12 @@ class GenerationDefaults:
     applied: dict[str, Any] = field(default_factory=dict)
     """The sampling keys it set (those the job file left unset) and their values."""
 
-    def to_dict(self) -> dict[str, Any]:
-        return _fields_dict(self)
-
-    @classmethod
-    def from_dict(cls, data: object) -> GenerationDefaults:
-        return cls(**_known(cls, _object(data, "generation_config")))
-
 
 @dataclass(frozen=True, kw_only=True)
-class SpeculativeFigures:
+class SpeculativeFigures(_Part):
     """Draft and accepted tokens of speculative decoding over a run (summed over its workers)."""
+
+    WHAT = "speculative"
 
     num_draft_tokens: int
     """Tokens the drafter proposed."""
@@ -124,17 +140,12 @@ class SpeculativeFigures:
                    acceptance_rate=accepted / drafted if drafted else None,
                    mean_accepted_length=1 + accepted / verifies if verifies else None)
 
-    def to_dict(self) -> dict[str, Any]:
-        return _fields_dict(self)
-
-    @classmethod
-    def from_dict(cls, data: object) -> SpeculativeFigures:
-        return cls(**_known(cls, _object(data, "speculative")))
-
 
 @dataclass(frozen=True, kw_only=True)
-class StructuredFigures:
+class StructuredFigures(_Part):
     """Constrained (structured-output) requests of a run and what their token mask cost."""
+
+    WHAT = "structured"
 
     num_constrained_requests: int
     """Requests that carried a grammar, a JSON schema, a regex or a choice list."""
@@ -153,8 +164,8 @@ class StructuredFigures:
     masked_rows_per_step: float | None = None
     """num_masked_rows / num_masked_steps; None without masked steps."""
 
-    COUNTS = ("num_constrained_requests", "num_masked_steps", "num_masked_rows", "mask_seconds", "num_compiles",
-              "compile_seconds")
+    COUNTS: ClassVar[tuple[str, ...]] = ("num_constrained_requests", "num_masked_steps", "num_masked_rows", "mask_seconds", "num_compiles",
+                                         "compile_seconds")
 
     @classmethod
     def of_counts(cls, counts: dict[str, float]) -> StructuredFigures:
@@ -164,17 +175,12 @@ class StructuredFigures:
                    mask_ms_per_step=1000 * counts["mask_seconds"] / steps if steps else None,
                    masked_rows_per_step=counts["num_masked_rows"] / steps if steps else None)
 
-    def to_dict(self) -> dict[str, Any]:
-        return _fields_dict(self)
-
-    @classmethod
-    def from_dict(cls, data: object) -> StructuredFigures:
-        return cls(**_known(cls, _object(data, "structured")))
-
 
 @dataclass(frozen=True, kw_only=True)
-class ShardPlacement:
+class ShardPlacement(_Part):
     """Where one static shard ran and what it did, in its last run."""
+
+    WHAT = "a shard placement"
 
     index: int
     """The shard's index I of --shard I/N."""
@@ -187,29 +193,17 @@ class ShardPlacement:
     units_skipped: int = 0
     """Its units an earlier run had committed."""
 
-    def to_dict(self) -> dict[str, Any]:
-        return _fields_dict(self)
-
-    @classmethod
-    def from_dict(cls, data: object) -> ShardPlacement:
-        return cls(**_known(cls, _object(data, "a shard placement")))
-
 
 @dataclass(frozen=True, kw_only=True)
-class ReplicaPlacement:
+class ReplicaPlacement(_Part):
     """Where one Ray replica ran."""
+
+    WHAT = "a replica placement"
 
     host: str
     """The node's host name."""
     pid: int
     """The actor's process id."""
-
-    def to_dict(self) -> dict[str, Any]:
-        return _fields_dict(self)
-
-    @classmethod
-    def from_dict(cls, data: object) -> ReplicaPlacement:
-        return cls(**_known(cls, _object(data, "a replica placement")))
 
 
 # Keys written only for the backends that have them (absent otherwise, as they always were).
@@ -217,8 +211,10 @@ _BACKEND_KEYS = ("num_shards", "gpus_per_replica", "shards", "replicas")
 
 
 @dataclass(frozen=True, kw_only=True)
-class Workers:
+class Workers(_Part):
     """How the job ran: one local process, static shards, or Ray replicas, with failures and retries."""
+
+    WHAT = "workers"
 
     backend: str
     """local | shards | ray."""
@@ -245,18 +241,22 @@ class Workers:
         return {k: v for k, v in _fields_dict(self).items() if not (k in _BACKEND_KEYS and v is None)}
 
     @classmethod
-    def from_dict(cls, data: object) -> Workers:
-        values = _known(cls, _object(data, "workers"))
-        if values.get("shards") is not None:
-            values["shards"] = [ShardPlacement.from_dict(s) for s in values["shards"]]
-        if values.get("replicas") is not None:
-            values["replicas"] = [ReplicaPlacement.from_dict(r) for r in values["replicas"]]
-        return cls(**values)
+    def from_dict(cls, data: object, what: str | None = None) -> Workers:
+        values = _known(cls, data, what or cls.WHAT)
+        for name, part in (("shards", ShardPlacement), ("replicas", ReplicaPlacement)):
+            if values.get(name) is not None:
+                values[name] = [part.from_dict(item) for item in values[name]]
+        return _construct(cls, values, what or cls.WHAT)
+
+
+_ENGINE_REPORTS = ("kernels", "kv_cache", "weights")
 
 
 @dataclass(frozen=True, kw_only=True)
-class EngineReport:
+class EngineReport(_Part):
     """What a run's engine says of itself: the model it loaded and its stats' kernels, KV cache and weights."""
+
+    WHAT = "an engine report"
 
     model: str | None = None
     """The model path as the job names it; None when no engine ran."""
@@ -267,26 +267,17 @@ class EngineReport:
     weights: dict[str, Any] = field(default_factory=dict)
     """The weight format, its origin and the decoder's linear bytes (engine/quant/weight_report.py)."""
 
-    def to_dict(self) -> dict[str, Any]:
-        return _fields_dict(self)
-
     @classmethod
-    def from_dict(cls, data: object) -> EngineReport:
-        values = _known(cls, _object(data, "an engine report"))
-        for name in ("kernels", "kv_cache", "weights"):
-            if name in values and values[name] is None:
-                values[name] = {}
-        return cls(**values)
-
-
-# The keys of the first _SUCCESS: a record without one of them is not one.
-REQUIRED_KEYS = ("job", "config_hash", "num_requests", "num_rows", "num_errors", "prompt_tokens", "cached_tokens",
-                 "completion_tokens", "generation_seconds", "completion_tokens_per_s", "ttft_s", "tpot_s", "resumed")
+    def from_dict(cls, data: object, what: str | None = None) -> EngineReport:
+        return cls(**_empty_for_null(_known(cls, data, what or cls.WHAT), _ENGINE_REPORTS))
 
 
 @dataclass(frozen=True, kw_only=True)
-class RunRecord:
-    """`_SUCCESS`: what a finished job produced and how it ran. The field order is the file's key order."""
+class RunRecord(_Part):
+    """`_SUCCESS`: what a finished job produced and how it ran. The field order is the file's key order
+    (`to_dict()`: the JSON object; `to_json()`: the file's text)."""
+
+    WHAT = "_SUCCESS"
 
     job: str
     """The job's name."""
@@ -350,31 +341,23 @@ class RunRecord:
             workers=workers if workers is not None else Workers.local(), speculative=speculative,
             structured=structured)
 
-    def to_dict(self) -> dict[str, Any]:
-        """The `_SUCCESS` JSON object, keys in field order."""
-        return _fields_dict(self)
-
     def to_json(self) -> str:
         """The `_SUCCESS` file's text."""
         return json.dumps(self.to_dict(), indent=2) + "\n"
 
     @classmethod
-    def from_dict(cls, data: object) -> RunRecord:
+    def from_dict(cls, data: object, what: str | None = None) -> RunRecord:
         """A record read back (RecordError when it is not one; see the module docstring for older records)."""
-        values = _known(cls, _object(data, "_SUCCESS"))
-        missing = [key for key in REQUIRED_KEYS if key not in values]
-        if missing:
-            raise RecordError(f"_SUCCESS has no {', '.join(missing)}: not a batchgen run record")
-        for name, part in (("ttft_s", Percentiles), ("tpot_s", Percentiles)):
-            values[name] = part.from_dict(values[name])
-        for name, part in (("generation_config", GenerationDefaults), ("workers", Workers),
-                           ("speculative", SpeculativeFigures), ("structured", StructuredFigures)):
+        values = _empty_for_null(_known(cls, data, cls.WHAT), _ENGINE_REPORTS)
+        for name in ("ttft_s", "tpot_s"):
+            if name in values:
+                values[name] = Percentiles.from_dict(values[name], name)
+        optional = {"generation_config": GenerationDefaults, "workers": Workers, "speculative": SpeculativeFigures,
+                    "structured": StructuredFigures}
+        for name, part in optional.items():
             if values.get(name) is not None:
                 values[name] = part.from_dict(values[name])
-        for name in ("kernels", "kv_cache", "weights"):  # written as {} when the engine had none
-            if name in values and values[name] is None:
-                values[name] = {}
-        return cls(**values)
+        return _construct(cls, values, cls.WHAT)
 
     @classmethod
     def from_json(cls, text: str) -> RunRecord:
