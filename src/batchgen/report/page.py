@@ -13,9 +13,9 @@ import os
 import jinja2
 import numpy as np
 
+import batchgen.pipeline.run_record_text as record_text
 import batchgen.report.formatting as fmt
 import batchgen.report.plots as plots
-import batchgen.pipeline.run_record_text as record_text
 from batchgen.pipeline.run_record import RunRecord
 from batchgen.pipeline.run_record_text import SummaryRow
 from batchgen.report.compare import Comparison, compare_runs

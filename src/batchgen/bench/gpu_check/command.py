@@ -128,7 +128,9 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    # The package's __main__.py runs it: without prog, usage would name that file.
+    parser = argparse.ArgumentParser(prog="python -m batchgen.bench.gpu_check",
+                                     description=__doc__.split("\n")[0])
     parser.add_argument("--tiny", action="store_true", help="toy sizes (runs anywhere, for the test suite)")
     parser.add_argument("--model", default=None, help="an HF folder for the correctness check (default: random)")
     parser.add_argument("--layers", type=int, default=32, help="decoder layers of the Llama-3-8B-shaped model")
