@@ -10,6 +10,9 @@ import weakref
 import torch
 
 from batchgen.bench import gpu_check
+from batchgen.bench.gpu_check import speed
+from batchgen.bench.gpu_check.models import seeded_init, tiny_config
+from batchgen.engine.core.llm_engine import LLMEngine
 from batchgen.engine.kv.gpu_memory import plan_gpu_kv_cache
 from batchgen.engine.loader.model_loader import build_loaded_model
 
@@ -116,7 +119,7 @@ def engines_sized_on(memory: FakeDeviceMemory, monkeypatch, failing: str | None 
     on the fake device (engine/kv/gpu_memory.py's arithmetic) and holds it while it lives; the model
     holds 16 GiB. `failing`: the configuration whose engine raises once its pool is allocated."""
 
-    class SizedEngine(gpu_check.LLMEngine):
+    class SizedEngine(LLMEngine):
         def __init__(self, config, **kwargs):
             plan = plan_gpu_kv_cache(config.replace(num_kv_blocks=None), torch.device("cuda"), 16 * GiB,
                                      lambda: None, min_kv_bytes=GiB)
@@ -131,18 +134,18 @@ def engines_sized_on(memory: FakeDeviceMemory, monkeypatch, failing: str | None 
         memory.hold(loaded, 16 * GiB)
         return loaded
 
-    monkeypatch.setattr(gpu_check, "LLMEngine", SizedEngine)
-    monkeypatch.setattr(gpu_check, "build_loaded_model", build_model)
+    monkeypatch.setattr(speed, "LLMEngine", SizedEngine)  # the speed loop's engines and model
+    monkeypatch.setattr(speed, "build_loaded_model", build_model)
     args = gpu_check.parse_args(["--tiny", "--quiet", "--device", "cpu", "--out", "", "--max-configs", "3"])
     rows: list[dict] = []
-    gpu_check.run_speed(args, torch.device("cpu"), lambda r: rows.__setitem__(slice(None), list(r)))
+    speed.run_speed(args, torch.device("cpu"), lambda r: rows.__setitem__(slice(None), list(r)))
     return rows
 
 
 def test_every_speed_configuration_gets_the_memory_the_last_one_gave_back(monkeypatch):
     memory = FakeDeviceMemory(monkeypatch)
     rows = engines_sized_on(memory, monkeypatch)
-    assert [r["name"] for r in rows] == [c.name for c in gpu_check.speed_configs(tiny=True)[:3]]
+    assert [r["name"] for r in rows] == [c.name for c in speed.speed_configs(tiny=True)[:3]]
     for row in rows:
         assert "error" not in row, row.get("traceback")
         assert row["completion_tokens"] == row["num_requests"] * row["output_len"]
@@ -151,7 +154,7 @@ def test_every_speed_configuration_gets_the_memory_the_last_one_gave_back(monkey
 
 def test_a_failing_configuration_is_recorded_and_the_next_runs(monkeypatch):
     memory = FakeDeviceMemory(monkeypatch)
-    second = gpu_check.speed_configs(tiny=True)[1]
+    second = speed.speed_configs(tiny=True)[1]
     rows = engines_sized_on(memory, monkeypatch, failing=second.max_num_seqs)
     assert len(rows) == 3 and "graph capture failed" in rows[1]["error"] and "Traceback" in rows[1]["traceback"]
     for row in (rows[0], rows[2]):  # the third sized its pool with the failed engine's memory given back
@@ -162,10 +165,10 @@ def test_a_failing_configuration_is_recorded_and_the_next_runs(monkeypatch):
 
 def test_a_configuration_past_its_time_limit_is_cut_short():
     engine_args = gpu_check.parse_args(["--tiny", "--quiet", "--device", "cpu"])
-    sc = gpu_check.speed_configs(tiny=True)[1]
-    config = gpu_check.speed_engine_config(sc, engine_args, torch.device("cpu"), torch.float32, 64)
-    loaded = build_loaded_model(config, gpu_check.tiny_config(), 64, gpu_check.seeded_init(0, torch.device("cpu")))
-    engine = gpu_check.LLMEngine(config, loaded=loaded)
-    row = gpu_check.run_speed_config(engine, sc, seed=1, clock=TickClock(), time_limit=5)  # ~2 ticks a step
+    sc = speed.speed_configs(tiny=True)[1]
+    config = speed.speed_engine_config(sc, engine_args, torch.device("cpu"), torch.float32, 64)
+    loaded = build_loaded_model(config, tiny_config(), 64, seeded_init(0, torch.device("cpu")))
+    engine = LLMEngine(config, loaded=loaded)
+    row = speed.run_speed_config(engine, sc, seed=1, clock=TickClock(), time_limit=5)  # ~2 ticks a step
     assert row["stopped_at_time_limit"] == 5 and not engine.has_unfinished()
     assert 0 < row["completion_tokens"] < row["num_requests"] * row["output_len"]

@@ -10,6 +10,7 @@ import pyarrow.parquet as pq
 
 from batchgen.pipeline.output import CommitContext, IdChecksum
 from batchgen.pipeline.reader import read_rows
+from batchgen.pipeline.run_record import EngineReport
 from batchgen.pipeline.storage import Storage
 from batchgen.pipeline.summary import Totals
 
@@ -26,7 +27,7 @@ class NullReplica:
         self.output_storage = Storage(job.output.path, job.output.storage_options)
 
     def ready(self) -> dict:
-        return {"host": "null", "pid": os.getpid(), "engine": {"kernels": {}}}  # no engine: nothing to report
+        return {"host": "null", "pid": os.getpid(), "engine": EngineReport()}  # no engine: nothing to report
 
     def run_unit(self, unit, repeats) -> dict:
         part = self.output_storage.open_part(unit.output_name)

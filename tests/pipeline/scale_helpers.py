@@ -50,7 +50,7 @@ def run_locally(tmp_path: Path, tiny_model: Path, **sections) -> tuple[list[tupl
     from batchgen.pipeline.job import run_job
 
     result = run_job(load_job(write_job(tmp_path, tiny_model, **sections)), progress=False)
-    return row_key(read_output(tmp_path / "out" / "scaled")), result.record
+    return row_key(read_output(tmp_path / "out" / "scaled")), result.record.to_dict()
 
 
 def row_key(table: pa.Table) -> list[tuple]:

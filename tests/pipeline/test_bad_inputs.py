@@ -40,7 +40,7 @@ def test_bad_rows_become_error_rows_and_the_job_completes(tmp_path, engine):
         assert row["completion"] is None and row["completion_tokens"] == 0 and row["ttft_s"] is None
     # Measured before it was refused: the whole templated prompt, over max_model_len 256.
     assert rows[13]["prompt_tokens"] == len(engine.encode([{"role": "user", "content": OVERLONG}])) > 256
-    assert result.record["num_errors"] == 5 and result.record["num_requests"] == 6
+    assert result.record.num_errors == 5 and result.record.num_requests == 6
     assert json.loads((tmp_path / "out" / "_SUCCESS").read_text())["num_rows"] == 6
 
 

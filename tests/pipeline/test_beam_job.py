@@ -31,4 +31,4 @@ def test_a_beam_job_writes_the_n_best_beams_of_each_prompt(tmp_path, engine):
         scores = [c.score for c in ref.outputs]
         assert scores == sorted(scores, reverse=True)
         assert all(len(r["token_logprobs"]) == len(r["completion_token_ids"]) for r in mine)
-    assert result.record["num_rows"] == 4 and result.record["num_errors"] == 0
+    assert result.record.num_rows == 4 and result.record.num_errors == 0

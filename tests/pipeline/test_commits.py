@@ -72,7 +72,7 @@ def test_an_untrusted_part_is_run_again_and_said_so(tmp_path, damage, caplog):
     assert (result.num_units_run, result.num_units_skipped) == (1, 2)
     assert "failed verification and will be run again: part-00001.parquet" in caplog.text
     assert read_output(out).column("id").to_pylist() == IDS  # each row exactly once
-    assert result.record["num_rows"] == len(IDS)
+    assert result.record.num_rows == len(IDS)
     again = run_job(job, engine=FakeEngine(job.engine_config()), progress=False)
     assert again.num_units_run == 0 and not again.redone
 

@@ -13,8 +13,13 @@ from batchgen.engine import SamplingParams
 from batchgen.pipeline.config import load_job
 from batchgen.pipeline.job import run_job
 from batchgen.pipeline.job_plan import plan_job
-from batchgen.pipeline.summary import SUCCESS_KEYS
+from batchgen.pipeline.run_record import RunRecord
 from tests.pipeline.conftest import engine_sections, make_job, read_output, write_parquet
+
+# design.md's _SUCCESS keys and those added since, in the file's order (users read them: they do not change).
+SUCCESS_KEYS = ("job", "config_hash", "model", "generation_config", "num_requests", "num_rows", "num_errors",
+                "prompt_tokens", "cached_tokens", "completion_tokens", "generation_seconds", "completion_tokens_per_s",
+                "ttft_s", "tpot_s", "resumed", "kernels", "kv_cache", "weights", "workers", "speculative", "structured")
 
 REPO = Path(__file__).resolve().parents[2]
 CHAT_PROMPTS = REPO / "jobs" / "data" / "chat_prompts.parquet"
@@ -80,7 +85,8 @@ def test_chat_job_matches_the_engine_with_consistent_latencies(tmp_path, engine)
 
     # _SUCCESS: exactly the design's keys, figures consistent with the rows.
     success = json.loads((tmp_path / "out" / "_SUCCESS").read_text())
-    assert tuple(success) == SUCCESS_KEYS and success == result.record
+    assert tuple(success) == SUCCESS_KEYS and success == result.record.to_dict()
+    assert (tmp_path / "out" / "_SUCCESS").read_text() == RunRecord.from_dict(success).to_json()  # byte for byte
     first = [r for r in rows if r["sample_index"] == 0]
     assert success["job"] == "test-job" and success["config_hash"] == job.config_hash()
     assert success["model"] == job.model.path == engine.config.model  # the model the engine loaded
@@ -116,7 +122,7 @@ def test_example_jobs_validate_and_run(tmp_path, engine, name):
                               "sampling_columns={}"])
     result = run_job(job, engine=engine, limit=1, progress=False)
     out = read_output(tmp_path / "out")
-    assert out.num_rows == job.sampling.n == result.record["num_rows"]
+    assert out.num_rows == job.sampling.n == result.record.num_rows
     assert out.column("error").null_count == out.num_rows
     assert ("token_logprobs" in out.column_names) == job.sampling.logprobs
     for kept in job.output.keep_columns:

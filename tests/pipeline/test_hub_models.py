@@ -62,7 +62,7 @@ def test_a_job_runs_validates_and_plans_a_repo_id_at_a_revision(hub_llm, hub, tm
     sections["model"]["revision"] = "v1"
     job = make_job(tmp_path, str(inputs), **sections)
     record = run_job(job, engine=hub_llm.engine, progress=False).record
-    assert record["model"] == hub.repo_id and record["num_rows"] == 2 and record["num_errors"] == 0
+    assert record.model == hub.repo_id and record.num_rows == 2 and record.num_errors == 0
     rows = pq.read_table(tmp_path / "out" / "part-00000.parquet").to_pylist()
     expected = hub_llm.chat([chat("Hi"), chat("Name a fruit.")], SamplingParams(temperature=0, max_tokens=4))
     assert [r["completion_token_ids"] for r in rows] == [e.outputs[0].token_ids for e in expected]

@@ -117,4 +117,4 @@ def test_an_output_beside_a_flat_glob_is_fine(tmp_path):
     job = make_job(tmp_path, f"{data}/*.parquet", output={"path": str(data / "out")})  # parts never match
     run_job(job, engine=FakeEngine(job.engine_config()), progress=False)
     again = run_job(job, engine=FakeEngine(job.engine_config()), progress=False)
-    assert again.record["num_rows"] == 2
+    assert again.record.num_rows == 2

@@ -239,7 +239,7 @@ def test_bad_per_row_values_become_error_rows(tmp_path, fake_engine_for):
     for i, shown in ((1, "inf"), (2, "nan"), (4, "200.0")):
         assert f"invalid per-row sampling value (temp={shown})" in rows[i]["error"]
         assert "temperature must be in [0, 100]" in rows[i]["error"] and rows[i]["finish_reason"] == "error"
-    assert result.record["num_errors"] == 3
+    assert result.record.num_errors == 3
 
 
 # ---- values the model bounds: checked from its config before any weight loads -----------------------

@@ -132,7 +132,7 @@ def test_a_live_lease_refuses_and_an_expired_one_is_taken_over(tmp_path, where, 
     dead = Holder("deadrun", "elsewhere", 4242, now - 3600, expires=now - 600)  # its process died an hour ago
     storage.fs.pipe_file(storage.join("_batchgen.lock"), dead.to_json().encode())
     result = run_job(job, engine=FakeEngine(job.engine_config()), progress=False)
-    assert result.record["num_rows"] == 3
+    assert result.record.num_rows == 3
     assert "took over the expired lease of pid 4242 on host elsewhere" in caplog.text
     storage.fs.invalidate_cache()
     assert "_batchgen.lock" not in storage.list_names()  # released at the end

@@ -187,7 +187,7 @@ def test_a_batch_job_writes_output_and_errors_jsonl_from_its_parts(tmp_path):
     out = tmp_path / "out"
     ok, errors = check_outputs(out, 12)
     assert [x["custom_id"] for x in ok] == [f"r{i}" for i in range(12) if i not in (2, 5)]  # input order
-    assert result.record["num_requests"] == 12 and result.record["num_errors"] == 2
+    assert result.record.num_requests == 12 and result.record.num_errors == 2
     rows = read_output(out)
     assert rows.num_rows == 12 + 2  # r1 and r9 ask for n 2 (r5's line was replaced by a failing one)
     assert rows.column("id").to_pylist()[:3] == ["r0", "r1", "r1"]
@@ -204,7 +204,7 @@ def test_a_failed_batch_job_resumes_and_every_custom_id_is_written_once(tmp_path
     out = tmp_path / "out"
     assert not (out / "_SUCCESS").exists() and not (out / "output.jsonl").exists()
     result = run_job(job, engine=FakeEngine(job.engine_config()), progress=False)
-    assert result.num_units_skipped >= 1 and result.record["resumed"] is True
+    assert result.num_units_skipped >= 1 and result.record.resumed is True
     check_outputs(out, 12)
 
 

@@ -122,5 +122,5 @@ def test_batch_file_killed_mid_job_then_rerun_writes_each_custom_id_once(tmp_pat
     pairs = Counter(zip(rows.column("id").to_pylist(), rows.column("sample_index").to_pylist()))
     assert pairs == Counter({(x["custom_id"], s): 1 for x in lines for s in range(x["body"].get("n", 1))})
     success = json.loads((out / "_SUCCESS").read_text())
-    assert success == result.record and success["resumed"] is True and success["num_requests"] == NUM_LINES
+    assert success == result.record.to_dict() and success["resumed"] is True and success["num_requests"] == NUM_LINES
     assert success["num_errors"] == len(BAD)

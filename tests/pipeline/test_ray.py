@@ -71,7 +71,7 @@ def test_two_replicas_give_the_local_rows(tmp_path, ray_cluster, tiny_model, loc
     out = tmp_path / "out" / "scaled"
     assert row_key(read_output(out)) == local_rows
     record = json.loads((out / "_SUCCESS").read_text())
-    assert record == result.record and record["num_rows"] == NUM_ROWS
+    assert record == result.record.to_dict() and record["num_rows"] == NUM_ROWS
     workers = record["workers"]
     assert (workers["backend"], workers["num_workers"], workers["replica_failures"]) == ("ray", 2, 0)
     assert len({r["pid"] for r in workers["replicas"]}) == 2  # two engines did the work
@@ -98,9 +98,9 @@ def test_a_replica_killed_mid_job_loses_no_row(tmp_path, ray_cluster, tiny_model
     assert len(killer.killed) == 1
     assert_each_row_once(out)
     assert row_key(read_output(out)) == local_rows
-    workers = result.record["workers"]
-    assert workers["replica_failures"] == 1
-    assert 1 <= len(workers["units_retried"]) <= 2  # what the dead replica had in flight
+    workers = result.record.workers
+    assert workers.replica_failures == 1
+    assert 1 <= len(workers.units_retried) <= 2  # what the dead replica had in flight
 
 
 def test_replicas_that_keep_dying_fail_naming_the_missing_units_and_a_rerun_resumes(tmp_path, ray_cluster,
@@ -121,7 +121,7 @@ def test_replicas_that_keep_dying_fail_naming_the_missing_units_and_a_rerun_resu
     assert not (out / "_SUCCESS").exists()
 
     rerun = run_job(load_job(job_file), progress=False)
-    assert rerun.num_units_skipped == len(committed) and rerun.record["resumed"] is True
+    assert rerun.num_units_skipped == len(committed) and rerun.record.resumed is True
     assert_each_row_once(out)
 
 
@@ -148,4 +148,4 @@ def test_a_loglikelihood_job_on_two_replicas_gives_the_local_scores(tmp_path, ra
     assert ray_rows.select(columns) == local_rows.select(columns)
     for ours, theirs in zip(ray_rows["continuation_logprob"].to_pylist(), local_rows["continuation_logprob"].to_pylist()):
         assert ours == pytest.approx(theirs, abs=1e-4)
-    assert result.record["num_requests"] == 6 and result.record["workers"]["backend"] == "ray"
+    assert result.record.num_requests == 6 and result.record.workers.backend == "ray"

@@ -60,7 +60,7 @@ DRIVER = textwrap.dedent("""
     result = ray_driver.run_on_ray(job, progress=False, replica_class=NullReplica)
     whole = status_mb("VmHWM") - before
     ray.shutdown()
-    print(json.dumps({"num_rows": result.record["num_rows"], "loop": loop, "whole_mb": whole}))
+    print(json.dumps({"num_rows": result.record.num_rows, "loop": loop, "whole_mb": whole}))
 """)
 
 

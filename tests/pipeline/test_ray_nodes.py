@@ -68,6 +68,6 @@ def test_a_node_removed_mid_job_loses_no_row(tmp_path, cluster, tiny_model):
     assert removed.is_set()
     assert_each_row_once(out)
     assert row_key(read_output(out)) == local_rows
-    workers = result.record["workers"]
-    assert workers["replica_failures"] == 1
-    assert 1 <= len(workers["units_retried"]) <= 2
+    workers = result.record.workers
+    assert workers.replica_failures == 1
+    assert 1 <= len(workers.units_retried) <= 2

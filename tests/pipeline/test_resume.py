@@ -69,7 +69,7 @@ def test_a_different_config_is_refused_unless_overwrite(tmp_path):
     with pytest.raises(JobError, match=r"output.path: .*different job config.*--overwrite"):
         run_job(changed, engine=FakeEngine(changed.engine_config()), progress=False)
     result = run_job(changed, engine=FakeEngine(changed.engine_config()), overwrite=True, progress=False)
-    assert result.num_units_run == 1 and result.record["config_hash"] == changed.config_hash()
+    assert result.num_units_run == 1 and result.record.config_hash == changed.config_hash()
     manifest = json.loads((tmp_path / "out" / "_batchgen.json").read_text())
     assert manifest["config_hash"] == changed.config_hash()
 
@@ -93,4 +93,4 @@ def test_the_folder_is_the_truth_a_deleted_unit_file_is_redone(tmp_path):
     result = run_job(job, engine=FakeEngine(job.engine_config()), progress=False)
     assert (result.num_units_run, result.num_units_skipped) == (1, 2)
     assert read_output(tmp_path / "out").column("id").to_pylist() == list(range(6))
-    assert result.record["resumed"] is True and result.record["num_rows"] == 6
+    assert result.record.resumed is True and result.record.num_rows == 6

@@ -81,8 +81,8 @@ def test_forty_contexts_by_four_continuations_equal_hf(scored, engine, hf_model)
         prefill_tokens += len(context_ids)
     assert sum(r["is_greedy"].count(True) for r in rows[:NUM_CONTEXTS]) > 0  # the check can say yes
     record = result.record
-    assert record["num_requests"] == NUM_CONTEXTS + 3 and record["num_errors"] == 3
-    assert record["completion_tokens"] == sum(sum(r["continuation_num_tokens"]) for r in rows[:NUM_CONTEXTS])
+    assert record.num_requests == NUM_CONTEXTS + 3 and record.num_errors == 3
+    assert record.completion_tokens == sum(sum(r["continuation_num_tokens"]) for r in rows[:NUM_CONTEXTS])
 
 
 def test_bad_rows_become_error_rows_naming_what_is_wrong(scored):
@@ -116,7 +116,7 @@ def test_a_deleted_part_is_redone_and_two_shards_give_the_same_rows(scored, engi
     tmp, _, job, _, rows = scored
     (tmp / "out" / "part-00001.parquet").unlink()
     result = run_job(job, engine=engine, progress=False)
-    assert (result.num_units_run, result.num_units_skipped) == (1, 2) and result.record["resumed"]
+    assert (result.num_units_run, result.num_units_skipped) == (1, 2) and result.record.resumed
     assert _without_times(read_output(tmp / "out").to_pylist()) == _without_times(rows)
 
     sharded = job.model_copy(update={"output": job.output.model_copy(update={"path": str(tmp / "sharded")})})

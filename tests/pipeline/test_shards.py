@@ -144,9 +144,9 @@ def test_shards_on_an_object_store_write_success_once(tmp_path, fake_engine_for)
     first = run_shard(job, ShardSpec(1, 2, "--shard"), engine=fake_engine_for(job), progress=False)
     assert first.finalized.missing == ["part-00000.parquet", "part-00002.parquet"] and not first.finalized.created
     second = run_shard(job, ShardSpec(0, 2, "--shard"), engine=fake_engine_for(job), progress=False)
-    assert second.finalized.created and second.finalized.record["num_rows"] == 7
-    assert second.finalized.record["model"] == job.model.path  # from the shards' engine reports
+    assert second.finalized.created and second.finalized.record.num_rows == 7
+    assert second.finalized.record.model == job.model.path  # from the shards' engine reports
     storage = Storage("memory://shards-test/out")
-    assert json.loads(storage.read_text("_SUCCESS")) == second.finalized.record
+    assert json.loads(storage.read_text("_SUCCESS")) == second.finalized.record.to_dict()
     again = run_shard(job, ShardSpec(0, 2, "--shard"), engine=fake_engine_for(job), progress=False)
     assert again.num_units_run == 0 and not again.finalized.created  # complete: nothing to do

@@ -107,6 +107,6 @@ def test_a_job_killed_mid_run_on_memory_leaves_whole_units_and_resumes(tmp_path)
     names, rows = read_remote_output("memory://resume-test/out")
     assert sorted(rows.column("id").to_pylist()) == list(range(6)) and "_SUCCESS" in names
     assert (result.num_units_skipped, result.num_units_run) == (num_done, 3 - num_done)
-    assert result.record["resumed"] is True
-    assert result.record["num_rows"] == 6
+    assert result.record.resumed is True
+    assert result.record.num_rows == 6
     fsspec.filesystem("memory").rm("/resume-test", recursive=True)

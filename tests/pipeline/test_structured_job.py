@@ -74,11 +74,11 @@ def test_rows_follow_the_job_schema_or_their_own_and_a_bad_schema_is_that_rows_e
 
 def test_success_reports_the_constrained_requests_and_the_mask_time(schema_job):
     folder, result, _ = schema_job
-    structured = result.record["structured"]
-    assert structured["num_constrained_requests"] == 4 and result.record["num_errors"] == 2
-    assert structured["num_masked_steps"] > 0 and structured["mask_ms_per_step"] > 0
-    assert 1 <= structured["masked_rows_per_step"] <= 4
-    assert json.loads((folder / "out" / "_SUCCESS").read_text())["structured"] == structured
+    structured = result.record.structured
+    assert structured.num_constrained_requests == 4 and result.record.num_errors == 2
+    assert structured.num_masked_steps > 0 and structured.mask_ms_per_step > 0
+    assert 1 <= structured.masked_rows_per_step <= 4
+    assert json.loads((folder / "out" / "_SUCCESS").read_text())["structured"] == structured.to_dict()
 
 
 def test_a_job_constraint_the_library_refuses_fails_the_job_before_any_row(tmp_path, engine):

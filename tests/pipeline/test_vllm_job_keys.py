@@ -83,9 +83,9 @@ def test_generation_config_fills_the_sampling_keys_the_job_does_not_set(engine, 
     job = make_job(tmp_path, inputs, model={"generation_config": "gen"})  # relative to the job's folder
     record = run_job(job, engine=engine, progress=False).record
     # The job sets max_tokens (4): only the keys it leaves unset take the file's values.
-    assert record["generation_config"] == {"setting": str(folder), "file": str(folder / "generation_config.json"),
-                                           "applied": {"repetition_penalty": 1.3, "top_k": 5}}
-    assert record["config_hash"] != plain.config_hash()
+    assert record.generation_config.to_dict() == {"setting": str(folder), "file": str(folder / "generation_config.json"),
+                                                  "applied": {"repetition_penalty": 1.3, "top_k": 5}}
+    assert record.config_hash != plain.config_hash()
     rows = pq.read_table(tmp_path / "out" / "part-00000.parquet").to_pylist()
     expected = llm.chat([[{"role": "user", "content": p}] for p in PROMPTS],
                         SamplingParams(temperature=0, max_tokens=4, repetition_penalty=1.3, top_k=5))
@@ -124,5 +124,5 @@ def test_the_progress_bars_last_rate_agrees_with_the_summary(engine, tmp_path, c
     rates = re.findall(r"([\d,]+\.\d) tok/s", capsys.readouterr().err)
     assert rates, "the bar showed no rate"
     shown = float(rates[-1].replace(",", ""))
-    assert record["completion_tokens"] > 0
-    assert abs(shown - record["completion_tokens_per_s"]) <= 0.1 * record["completion_tokens_per_s"]
+    assert record.completion_tokens > 0
+    assert abs(shown - record.completion_tokens_per_s) <= 0.1 * record.completion_tokens_per_s

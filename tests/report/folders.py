@@ -3,14 +3,13 @@ that need rows no model would write (markup in a completion, chosen tokens, repe
 
 from __future__ import annotations
 
-import json
-
 import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from batchgen.pipeline.run_record import EngineReport, RunRecord
 from batchgen.pipeline.schema import output_schema
-from batchgen.pipeline.summary import Totals, success_record
+from batchgen.pipeline.summary import Totals
 
 
 def row(id_, completion: str | None = "text", tokens: list[int] | None = None, **fields) -> dict:
@@ -28,7 +27,7 @@ INT64 = pa.int64()
 
 def write_run(url: str, rows: list[dict], rows_per_part: int = 4, id_type: pa.DataType = INT64,
               keep: tuple[pa.Field, ...] = (), model: str | None = "test-model", job: str = "hand-made",
-              with_success: bool = True) -> dict | None:
+              with_success: bool = True) -> RunRecord | None:
     """Parts of `rows_per_part` rows and a `_SUCCESS` counted from them under `url` (any fsspec URL);
     returns the `_SUCCESS` record."""
     schema = output_schema(pa.field("id", id_type), list(keep), False)
@@ -43,8 +42,8 @@ def write_run(url: str, rows: list[dict], rows_per_part: int = 4, id_type: pa.Da
         totals.add_table(table)
     if not with_success:
         return None
-    record = success_record(job, "ab" * 32, totals, totals, 2.0, resumed=False, kernels={"device": "cpu"},
-                            model=model)
+    record = RunRecord.of_run(job, "ab" * 32, whole=totals, this_run=totals, generation_seconds=2.0, resumed=False,
+                              engine=EngineReport(model=model, kernels={"device": "cpu"}))
     with fs.open(f"{root}/_SUCCESS", "w") as f:
-        json.dump(record, f)
+        f.write(record.to_json())
     return record

@@ -25,4 +25,4 @@ def test_report_against_in_bounded_memory(tmp_path):
     kept = NUM_ROWS - baseline["num_dropped"]
     assert counts == {"identical": kept - baseline["num_changed"], "different": baseline["num_changed"],
                       "only_new": baseline["num_dropped"], "only_old": 0}
-    assert run["success"]["num_rows"] == NUM_ROWS
+    assert run["success"].num_rows == NUM_ROWS

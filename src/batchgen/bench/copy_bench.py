@@ -52,7 +52,8 @@ def _run_greedy(engine: LLMEngine, workload: Workload, name: str) -> TimedRun:
             outputs[out.request_id] = out
     seconds = time.perf_counter() - start
     tokens = {rid: list(o.outputs[0].token_ids) for rid, o in outputs.items()}
-    details = speculative_summary(before, engine.stats["speculative"]) or {}  # the _SUCCESS figures
+    figures = speculative_summary(before, engine.stats["speculative"])  # the _SUCCESS figures
+    details = figures.to_dict() if figures is not None else {}
     prompt_tokens = sum(len(r.prompt_token_ids) for r in workload.requests)
     return TimedRun(name, prompt_tokens, sum(map(len, tokens.values())), seconds, tokens, details)
 

@@ -34,7 +34,8 @@ def write_synthetic_run(folder: str, num_rows: int, num_parts: int = 100, seed: 
     another token at a random position, `dropped_share` are left out. Returns its _SUCCESS record and
     the numbers of changed (and kept) and dropped rows."""
     from batchgen.pipeline.schema import output_schema
-    from batchgen.pipeline.summary import Totals, success_record
+    from batchgen.pipeline.run_record import EngineReport, RunRecord
+    from batchgen.pipeline.summary import Totals
 
     os.makedirs(folder, exist_ok=True)
     schema = output_schema(pa.field("id", pa.int64()), [pa.field("category", pa.string())], False)
@@ -75,10 +76,10 @@ def write_synthetic_run(folder: str, num_rows: int, num_parts: int = 100, seed: 
         table = pa.table(columns).cast(schema)
         pq.write_table(table, os.path.join(folder, f"part-{p:05d}.parquet"))
         totals.add_table(table)
-    record = success_record("synthetic", "0" * 64, totals, totals, 100.0, resumed=False, kernels={},
-                            model="synthetic-model")
+    record = RunRecord.of_run("synthetic", "0" * 64, whole=totals, this_run=totals, generation_seconds=100.0,
+                              resumed=False, engine=EngineReport(model="synthetic-model"))
     with open(os.path.join(folder, "_SUCCESS"), "w") as f:
-        json.dump(record, f, indent=2)
+        f.write(record.to_json())
     return {"success": record, "num_changed": int((changed & keep).sum()), "num_dropped": int((~keep).sum())}
 
 

@@ -48,7 +48,7 @@ def run(
     """
     from batchgen.pipeline.config import load_job
     from batchgen.pipeline.job import run_job
-    from batchgen.pipeline.summary import format_summary
+    from batchgen.pipeline.run_record_text import format_summary
 
     setup_logging()
     try:
@@ -67,7 +67,7 @@ def run(
             write_run_report(config)
         return
     if json_out:
-        typer.echo(json.dumps(result.record, indent=2))
+        typer.echo(json.dumps(result.record.to_dict(), indent=2))
     else:
         redone = f" ({len(result.redone)} of them run again: their part failed verification)" if result.redone else ""
         typer.echo(f"batchgen: {config.name} done: {result.num_units_run} unit(s) run{redone}, "
@@ -81,7 +81,7 @@ def _run_shard(config, shard: str | None, num_shards: int | None, limit: int | N
                json_out: bool, progress: bool) -> bool:
     """Run one shard; True when the job is complete (_SUCCESS written by this shard or another)."""
     from batchgen.pipeline.shards import parse_shard, run_shard
-    from batchgen.pipeline.summary import format_summary
+    from batchgen.pipeline.run_record_text import format_summary
 
     if shard is None:
         raise JobError("--num-shards goes with --shard auto")
@@ -92,7 +92,7 @@ def _run_shard(config, shard: str | None, num_shards: int | None, limit: int | N
     result = run_shard(config, spec, limit=limit, progress=progress)
     done = result.finalized
     if json_out:
-        typer.echo(json.dumps(done.record if done.record else result.summary, indent=2))
+        typer.echo(json.dumps(done.record.to_dict() if done.record else result.summary, indent=2))
         return done.record is not None
     typer.echo(f"batchgen: {config.name} shard {spec.index}/{spec.count} (from {spec.source}) done: "
                f"{result.num_units_run} unit(s) run, {result.num_units_skipped} already done")
@@ -115,7 +115,7 @@ def finalize(
     """
     from batchgen.pipeline.output import finalize_folder
     from batchgen.pipeline.storage import Storage
-    from batchgen.pipeline.summary import format_summary
+    from batchgen.pipeline.run_record_text import format_summary
 
     try:
         storage = Storage(output)
@@ -128,7 +128,7 @@ def finalize(
                    "shards again (they resume)", err=True)
         raise typer.Exit(EXIT_FAILURE)
     if json_out:
-        typer.echo(json.dumps(done.record, indent=2))
+        typer.echo(json.dumps(done.record.to_dict(), indent=2))
     else:
         typer.echo(("wrote _SUCCESS\n" if done.created else "_SUCCESS was already there\n")
                    + format_summary(done.record, storage.join("_SUCCESS")))

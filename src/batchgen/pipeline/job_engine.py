@@ -10,6 +10,7 @@ from batchgen.engine import EngineConfig, LLMEngine
 from batchgen.pipeline.config import JobConfig
 from batchgen.pipeline.errors import JobError
 from batchgen.pipeline.model_files import needs_chat_template
+from batchgen.pipeline.run_record import EngineReport
 from batchgen.pipeline.structured_job import check_job_constraint
 
 
@@ -62,8 +63,8 @@ def check_engine_can_run(job: JobConfig, engine: LLMEngine) -> None:
             raise JobError(f"{key}: {exc}") from None
 
 
-def engine_reports(engine: LLMEngine) -> dict:
+def engine_reports(engine: LLMEngine) -> EngineReport:
     """What `_SUCCESS` says of the engine that ran: its model, kernels, KV cache and weight format."""
     stats = engine.stats
-    return {"model": engine.config.model, "kernels": stats.get("kernels", {}), "kv_cache": stats.get("kv_cache"),
-            "weights": stats.get("weights", {})}
+    return EngineReport(model=engine.config.model, kernels=stats.get("kernels", {}),
+                        kv_cache=stats.get("kv_cache") or {}, weights=stats.get("weights") or {})

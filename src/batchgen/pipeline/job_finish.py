@@ -8,21 +8,29 @@ from dataclasses import dataclass, field
 
 from batchgen.pipeline.config import JobConfig
 from batchgen.pipeline.output import OutputRun
-from batchgen.pipeline.summary import Totals, read_summary_table, success_record
+from batchgen.pipeline.run_record import (
+    EngineReport,
+    GenerationDefaults,
+    RunRecord,
+    SpeculativeFigures,
+    StructuredFigures,
+    Workers,
+)
+from batchgen.pipeline.summary import Totals, read_summary_table
 
 
 @dataclass
 class RunResult:
-    record: dict  # the _SUCCESS contents
+    record: RunRecord  # the _SUCCESS contents
     success_path: str
     num_units_run: int
     num_units_skipped: int
     redone: dict[str, str] = field(default_factory=dict)  # unit files run again -> why they were not trusted
 
 
-def finish_job(job: JobConfig, run: OutputRun, this_run: Totals, generation_seconds: float, *, kernels: dict,
-               kv_cache: dict | None = None, weights: dict | None = None, workers: dict | None = None,
-               speculative: dict | None = None, model: str | None = None, structured: dict | None = None) -> dict:
+def finish_job(job: JobConfig, run: OutputRun, this_run: Totals, generation_seconds: float, *, engine: EngineReport,
+               workers: Workers | None = None, speculative: SpeculativeFigures | None = None,
+               structured: StructuredFigures | None = None) -> RunRecord:
     """The run's `_SUCCESS`, written last (after output.jsonl/errors.jsonl for openai_batch output) while
     the run still holds its folder: counts over the whole output, speed and latency over this run."""
     whole = dataclasses.replace(this_run, ttft_s=[], tpot_s=[])  # latency figures: this run only
@@ -30,9 +38,9 @@ def finish_job(job: JobConfig, run: OutputRun, this_run: Totals, generation_seco
     for unit in skipped:  # counts cover the whole output, also what an earlier run wrote
         with run.storage.fs.open(run.storage.join(unit.output_name), "rb") as f:
             whole.add_table(read_summary_table(f))
-    record = success_record(job.name, run.identity.config_hash, whole, this_run, generation_seconds,
-                            resumed=bool(skipped), kernels=kernels, kv_cache=kv_cache, weights=weights,
-                            workers=workers, speculative=speculative, model=model, structured=structured,
-                            generation_config=job.generation_config_record)
+    record = RunRecord.of_run(job.name, run.identity.config_hash, whole=whole, this_run=this_run,
+                              generation_seconds=generation_seconds, resumed=bool(skipped), engine=engine,
+                              generation_config=GenerationDefaults.from_dict(job.generation_config_record),
+                              workers=workers, speculative=speculative, structured=structured)
     run.finish(record, write_batch_outputs=job.writes_batch_output)  # the .jsonl from every committed part
     return record

@@ -36,6 +36,13 @@ from batchgen.pipeline.output import (
     raise_if_refused,
 )
 from batchgen.pipeline.replica import EngineReplica
+from batchgen.pipeline.run_record import (
+    EngineReport,
+    ReplicaPlacement,
+    SpeculativeFigures,
+    StructuredFigures,
+    Workers,
+)
 from batchgen.pipeline.summary import Totals, merge_speculative, merge_structured
 from batchgen.pipeline.unit_loop import repeats_of
 
@@ -142,7 +149,7 @@ def run_on_ray(job: JobConfig, *, limit: int | None = None, overwrite: bool = Fa
                                    f"committed in {job.output.path}: {', '.join(missing[:20])}")
             record = finish_job(job, run, this_run, driver.generation_seconds, workers=driver.workers(),
                                 speculative=merge_speculative(driver.speculative),
-                                structured=merge_structured(driver.structured), **driver.engine_reports)
+                                structured=merge_structured(driver.structured), engine=driver.engine_report)
             return RunResult(record, success_path, len(pending), len(skipped), dict(run.redo))
     finally:
         if connected:
@@ -170,18 +177,18 @@ class _Driver:
         self.replicas: list[Replica] = []
         self.failures = 0
         self.retried: set[str] = set()
-        self.engine_reports: dict = {"kernels": {}}  # the first replica's (every replica loads the same job)
-        self.speculative: list[dict | None] = []  # each unit's draft and accepted tokens (None: off)
-        self.structured: list[dict | None] = []  # each unit's constrained requests and mask time (None: none)
+        self.engine_report = EngineReport()  # the first replica's (every replica loads the same job)
+        self.speculative: list[SpeculativeFigures | None] = []  # each unit's draft and accepted tokens (None: off)
+        self.structured: list[StructuredFigures | None] = []  # each unit's constrained requests (None: none)
         self.started: list[dict] = []
         self.generation_seconds = 0.0
         self.first_ready: float | None = None  # monotonic time the first replica was ready
         self.progress = progress
 
-    def workers(self) -> dict:
-        return {"backend": "ray", "num_workers": self.num_replicas, "gpus_per_replica": self.gpus,
-                "replica_failures": self.failures, "units_retried": sorted(self.retried),
-                "replicas": self.started}
+    def workers(self) -> Workers:
+        return Workers(backend="ray", num_workers=self.num_replicas, gpus_per_replica=self.gpus,
+                       replica_failures=self.failures, units_retried=sorted(self.retried),
+                       replicas=[ReplicaPlacement(**where) for where in self.started])
 
     def _start_replica(self, is_replacement: bool = False) -> None:
         handle = self.actor_class.remote(*self.init_args)
@@ -247,7 +254,7 @@ class _Driver:
             self.first_ready = self.first_ready or time.monotonic()
             replica.where = {"host": result["host"], "pid": result["pid"]}
             if not self.started:
-                self.engine_reports = result["engine"]
+                self.engine_report = result["engine"]
             self.started.append(replica.where)
             return
         unit = replica.in_flight.pop(ref)

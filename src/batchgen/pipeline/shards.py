@@ -32,6 +32,7 @@ from batchgen.pipeline.output import (
     raise_if_locked,
     raise_if_refused,
 )
+from batchgen.pipeline.run_record import EngineReport, Percentiles
 from batchgen.pipeline.summary import Totals, read_summary_table, speculative_summary, structured_summary
 from batchgen.pipeline.unit_loop import UnitSource, run_units
 
@@ -117,7 +118,7 @@ def run_shard(job: JobConfig, shard: ShardSpec, *, engine=None, limit: int | Non
         log.info("shard %d/%d (from %s): %d of the job's %d units, %d done, %d to run", shard.index,
                  shard.count, shard.source, len(mine), len(plan.units), len(skipped), len(pending))
 
-        totals, seconds, reports, spec, structured = Totals(), 0.0, {"kernels": {}}, None, None
+        totals, seconds, reports, spec, structured = Totals(), 0.0, EngineReport(), None, None
         if pending:
             engine = start_engine(job, engine)
             spec_before, structured_before = engine.stats.get("speculative"), engine.stats.get("structured")
@@ -128,8 +129,9 @@ def run_shard(job: JobConfig, shard: ShardSpec, *, engine=None, limit: int | Non
             spec = speculative_summary(spec_before, engine.stats.get("speculative"))
             structured = structured_summary(structured_before, engine.stats.get("structured"))
         summary = _shard_summary(plan, run, totals, seconds, reports, started)
-        summary["speculative"] = spec  # this run's drafts (None: off, or nothing to run)
-        summary["structured"] = structured  # this run's constrained requests (None: none)
+        # This run's drafts (None: off, or nothing to run) and constrained requests (None: none).
+        summary["speculative"] = None if spec is None else spec.to_dict()
+        summary["structured"] = None if structured is None else structured.to_dict()
         run.write_worker_summary(summary)
         finalized = finalize_folder(run.storage)
     if finalized.created:
@@ -141,12 +143,9 @@ def run_shard(job: JobConfig, shard: ShardSpec, *, engine=None, limit: int | Non
     return ShardResult(shard, summary, finalized, len(pending), len(skipped), redo)
 
 
-def _shard_summary(plan: JobPlan, run: OutputRun, totals: Totals, seconds: float, reports: dict,
+def _shard_summary(plan: JobPlan, run: OutputRun, totals: Totals, seconds: float, reports: EngineReport,
                    started: float) -> dict:
     """This shard's figures: its units (all of them, also those an earlier run wrote), what this run did."""
-
-    from batchgen.pipeline.summary import percentiles
-
     whole = Totals(num_requests=totals.num_requests, num_rows=totals.num_rows, num_errors=totals.num_errors,
                    prompt_tokens=totals.prompt_tokens, cached_tokens=totals.cached_tokens,
                    completion_tokens=totals.completion_tokens)
@@ -165,7 +164,7 @@ def _shard_summary(plan: JobPlan, run: OutputRun, totals: Totals, seconds: float
         "completion_tokens": whole.completion_tokens,
         "generated_completion_tokens": totals.completion_tokens, "generation_seconds": seconds,
         "completion_tokens_per_s": totals.completion_tokens / seconds if seconds > 0 else 0.0,
-        "ttft_s": percentiles(totals.ttft_s), "tpot_s": percentiles(totals.tpot_s),
-        "engine": reports,  # engine_reports(): kernels, KV cache, weights
+        "ttft_s": Percentiles.of(totals.ttft_s).to_dict(), "tpot_s": Percentiles.of(totals.tpot_s).to_dict(),
+        "engine": reports.to_dict(),  # engine_reports(): model, kernels, KV cache, weights
         "generation_config": plan.job.generation_config_record,
     }

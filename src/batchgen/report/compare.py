@@ -157,8 +157,9 @@ def _with_columns(batch: pa.RecordBatch, schema: pa.Schema) -> pa.RecordBatch:
 
 
 def _same_model(new: RunFolder, old: RunFolder) -> bool:
-    model_new = (new.success or {}).get("model")
-    return model_new is not None and model_new == (old.success or {}).get("model")
+    if new.success is None or old.success is None:
+        return False
+    return new.success.model is not None and new.success.model == old.success.model
 
 
 class _Builder:
@@ -325,7 +326,8 @@ def flatten(value: object, prefix: str = "") -> dict[str, object]:
 def config_differences(new: RunFolder, old: RunFolder) -> list[tuple[str, object, object]]:
     """Key by key, what the two `_SUCCESS` files (figures aside) and input manifests say differently."""
     def described(run: RunFolder) -> dict[str, object]:
-        success = {k: v for k, v in (run.success or {}).items() if k not in FIGURE_KEYS}
+        record = run.success.to_dict() if run.success is not None else {}
+        success = {k: v for k, v in record.items() if k not in FIGURE_KEYS}
         flat = flatten(success)
         files = ((run.manifest or {}).get("input") or {}).get("files")
         if isinstance(files, list):

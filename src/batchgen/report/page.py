@@ -13,8 +13,11 @@ import os
 import jinja2
 import numpy as np
 
-from batchgen.report import formatting as fmt
-from batchgen.report import plots
+import batchgen.pipeline.run_record_text as record_text
+import batchgen.report.formatting as fmt
+import batchgen.report.plots as plots
+from batchgen.pipeline.run_record import RunRecord
+from batchgen.pipeline.run_record_text import SummaryRow
 from batchgen.report.compare import Comparison, compare_runs
 from batchgen.report.config import ReportConfig
 from batchgen.report.run_stats import LATENCY_COLUMNS, RunFigures, RunStats
@@ -74,32 +77,9 @@ def write_report(config: ReportConfig) -> str:
     return storage.write_text_atomic(name, html)
 
 
-def summary_rows(success: dict | None) -> list[tuple[str, str, str]]:
-    """(key, label, shown value) for each `_SUCCESS` figure; the key is the JSON path ("ttft_s.p50")."""
-    if success is None:
-        return []
-    s = success
-    rows = [("job", "job", fmt.value(s.get("job"))),
-            ("model", "model", fmt.value(s.get("model")) if s.get("model") is not None else fmt.NONE),
-            ("config_hash", "config hash", fmt.value(s.get("config_hash"))),
-            ("num_requests", "requests", fmt.count(s.get("num_requests"))),
-            ("num_rows", "output rows", fmt.count(s.get("num_rows"))),
-            ("num_errors", "failed requests", fmt.count(s.get("num_errors"))),
-            ("prompt_tokens", "prompt tokens", fmt.count(s.get("prompt_tokens"))),
-            ("cached_tokens", "cached prompt tokens", fmt.count(s.get("cached_tokens"))),
-            ("completion_tokens", "completion tokens", fmt.count(s.get("completion_tokens"))),
-            ("generation_seconds", "generation", fmt.seconds(s.get("generation_seconds"))),
-            ("completion_tokens_per_s", "completion tokens/s", fmt.rate(s.get("completion_tokens_per_s")))]
-    for name, label in (("ttft_s", "TTFT"), ("tpot_s", "TPOT")):
-        for q in ("p50", "p90", "p99"):
-            rows.append((f"{name}.{q}", f"{label} {q}", fmt.ms((s.get(name) or {}).get(q))))
-    rows += [("resumed", "resumed", "yes (speed and latency cover the last run)" if s.get("resumed") else "no"),
-             ("workers", "workers", fmt.workers(s.get("workers"))),
-             ("kernels", "kernels", fmt.pairs(s.get("kernels"))),
-             ("kv_cache", "KV cache", fmt.pairs(s.get("kv_cache"))),
-             ("weights", "weights", fmt.weights(s.get("weights"))),
-             ("speculative", "speculative", fmt.speculative(s.get("speculative")))]
-    return rows
+def summary_rows(success: RunRecord | None) -> list[SummaryRow]:
+    """The summary table: the rows `batchgen run` prints, each keyed by its `_SUCCESS` key."""
+    return [] if success is None else record_text.summary_rows(success)
 
 
 def folder_warnings(run: RunFolder, figures: RunFigures) -> list[str]:
@@ -112,8 +92,8 @@ def folder_warnings(run: RunFolder, figures: RunFigures) -> list[str]:
               ("num_errors", figures.num_error_requests), ("completion_tokens", figures.completion_tokens),
               ("prompt_tokens", figures.prompt_tokens), ("cached_tokens", figures.cached_tokens))
     for key, counted in checks:
-        recorded = run.success.get(key)
-        if recorded is not None and recorded != counted:
+        recorded = getattr(run.success, key)
+        if recorded != counted:
             warnings.append(f"{run.url}: _SUCCESS says {key} {recorded:,}, the part files hold {counted:,} "
                             "(files were added or removed after the run)")
     return warnings
@@ -121,7 +101,6 @@ def folder_warnings(run: RunFolder, figures: RunFigures) -> list[str]:
 
 def compare_rows(new: RunFolder, old: RunFolder, c: Comparison) -> list[tuple[str, str, str, str, str]]:
     """(key, label, this run, baseline, delta) for the figures both runs have."""
-    a, b = new.success or {}, old.success or {}
     rows = []
 
     def add(key: str, label: str, x, y, show, unit: str = "", scale: float = 1.0, digits: int = 1) -> None:
@@ -132,8 +111,7 @@ def compare_rows(new: RunFolder, old: RunFolder, c: Comparison) -> list[tuple[st
     add("completion_tokens", "completion tokens", c.new.completion_tokens, c.old.completion_tokens, fmt.count,
         digits=0)
     add("mean_completion_tokens", "mean completion tokens", _mean(c.new), _mean(c.old), fmt.rate)
-    add("completion_tokens_per_s", "completion tokens/s", a.get("completion_tokens_per_s"),
-        b.get("completion_tokens_per_s"), fmt.rate)
+    add("completion_tokens_per_s", "completion tokens/s", _speed(new), _speed(old), fmt.rate)
     for name, label in (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("e2e_s", "end to end")):
         for q in ("p50", "p90", "p99"):
             add(f"{name}.{q}", f"{label} {q}", getattr(c.new.latency[name], q), getattr(c.old.latency[name], q),
@@ -145,6 +123,10 @@ def compare_rows(new: RunFolder, old: RunFolder, c: Comparison) -> list[tuple[st
         add("exact_match", "exact match (all scored rows)", c.new.exact_match, c.old.exact_match, fmt.share,
             " points", 100.0)
     return rows
+
+
+def _speed(run: RunFolder) -> float | None:
+    return None if run.success is None else run.success.completion_tokens_per_s
 
 
 def _mean(figures: RunFigures) -> float | None:
@@ -198,10 +180,9 @@ def _throughput_plot(run: RunFolder, figures: RunFigures) -> plots.Plot:
     caption = ("One point per part file, at the time the store last wrote it (its commit); "
                "the run's start is _SUCCESS's time minus generation_seconds.")
     start = None
-    success = run.success or {}
-    if run.success_at is not None and isinstance(success.get("generation_seconds"), (int, float)) \
-            and not success.get("resumed"):
-        start = run.success_at - success["generation_seconds"]
+    success = run.success
+    if run.success_at is not None and success is not None and not success.resumed:
+        start = run.success_at - success.generation_seconds
     if known.any():
         earliest = float(times[known].min())
         if start is None or start > earliest:

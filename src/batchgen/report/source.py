@@ -20,6 +20,7 @@ import pyarrow.parquet as pq
 
 from batchgen.pipeline.errors import JobError
 from batchgen.pipeline.output import ERRORS_JSONL, MANIFEST_NAME, OUTPUT_JSONL, SUCCESS_NAME
+from batchgen.pipeline.run_record import RecordError, RunRecord
 from batchgen.pipeline.storage import Storage
 from batchgen.report.config import ReportError
 
@@ -50,7 +51,7 @@ class RunFolder:
         entries = self.storage.list_entries()
         if not entries:
             raise ReportError(f"{url}: no such folder, or it is empty")
-        self.success = self._read_json(SUCCESS_NAME) if SUCCESS_NAME in entries else None
+        self.success = self._read_record() if SUCCESS_NAME in entries else None
         self.success_at = _modified_at(entries[SUCCESS_NAME]) if SUCCESS_NAME in entries else None
         self.manifest = self._read_json(MANIFEST_NAME) if MANIFEST_NAME in entries else None
         names = sorted(n for n in entries if PART_RE.fullmatch(n))
@@ -103,6 +104,13 @@ class RunFolder:
             while chunk := f.read(_COUNT_CHUNK):
                 count += chunk.count(b"\n")
         return count
+
+    def _read_record(self) -> RunRecord:
+        """`_SUCCESS` as the run record (ReportError naming the file when it is not one)."""
+        try:
+            return RunRecord.from_dict(self._read_json(SUCCESS_NAME))
+        except RecordError as exc:
+            raise ReportError(f"{self.storage.join(SUCCESS_NAME)}: {exc}") from None
 
     def _read_json(self, name: str) -> dict:
         try:

@@ -23,18 +23,21 @@ from batchgen.pipeline.output.create_once import create_text_once
 from batchgen.pipeline.output.folder import MANIFEST_NAME, SUCCESS_NAME, WORKERS_DIR
 from batchgen.pipeline.output.units import WorkUnit, unit_file_name
 from batchgen.pipeline.storage import Storage
-from batchgen.pipeline.summary import (
-    Totals,
-    merge_speculative,
-    merge_structured,
-    read_summary_table,
-    success_record,
+from batchgen.pipeline.run_record import (
+    EngineReport,
+    GenerationDefaults,
+    RunRecord,
+    ShardPlacement,
+    SpeculativeFigures,
+    StructuredFigures,
+    Workers,
 )
+from batchgen.pipeline.summary import Totals, merge_speculative, merge_structured, read_summary_table
 
 
 @dataclass
 class Finalized:
-    record: dict | None  # the _SUCCESS contents; None while units are missing
+    record: RunRecord | None  # the _SUCCESS contents; None while units are missing
     created: bool  # this call wrote _SUCCESS (False: it was there already, or units are missing)
     missing: list[str]  # part names not (trustworthily) committed yet
 
@@ -87,7 +90,7 @@ def read_worker_summaries(storage: Storage) -> list[dict]:
     return summaries
 
 
-def merged_record(storage: Storage, manifest: dict, workers: dict, summaries: list[dict]) -> dict:
+def merged_record(storage: Storage, manifest: dict, workers: Workers, summaries: list[dict]) -> RunRecord:
     """The _SUCCESS of a job run by several workers: counts and latency over every part's rows."""
     whole = Totals()
     for index in range(manifest["units"]["count"]):
@@ -100,15 +103,22 @@ def merged_record(storage: Storage, manifest: dict, workers: dict, summaries: li
     span = max(ends) - min(starts) if starts and ends else 0.0
     resumed = any(s.get("resumed") for s in summaries)
     # Every worker loads the same job: the first that ran an engine speaks for all.
-    reports = next((s["engine"] for s in summaries if s.get("engine", {}).get("kernels")), {"kernels": {}})
+    engine = next((s["engine"] for s in summaries if s.get("engine", {}).get("kernels")), {})
     generation = next((s["generation_config"] for s in summaries if s.get("generation_config")), None)
-    return success_record(manifest.get("job", ""), manifest["config_hash"], whole, generated, span,
-                          resumed=resumed, workers=workers, generation_config=generation,
-                          speculative=merge_speculative([s.get("speculative") for s in summaries]),
-                          structured=merge_structured([s.get("structured") for s in summaries]), **reports)
+    return RunRecord.of_run(
+        manifest.get("job", ""), manifest["config_hash"], whole=whole, this_run=generated, generation_seconds=span,
+        resumed=resumed, engine=EngineReport.from_dict(engine), workers=workers,
+        generation_config=GenerationDefaults.from_dict(generation) if generation else None,
+        speculative=merge_speculative([_part(SpeculativeFigures, s.get("speculative")) for s in summaries]),
+        structured=merge_structured([_part(StructuredFigures, s.get("structured")) for s in summaries]))
 
 
-def finalize_folder(storage: Storage, workers: dict | None = None) -> Finalized:
+def _part(kind: type, value: dict | None):
+    """A worker summary's speculative or structured figures, typed (None: none)."""
+    return None if value is None else kind.from_dict(value)
+
+
+def finalize_folder(storage: Storage, workers: Workers | None = None) -> Finalized:
     """Write `_SUCCESS` if every planned unit is committed and nobody wrote it yet (create-if-absent:
     two workers finishing together both compute it, exactly one write lands). Parts written for
     `output.format: openai_batch` (they carry the openai_line column) first get their output.jsonl and
@@ -118,34 +128,33 @@ def finalize_folder(storage: Storage, workers: dict | None = None) -> Finalized:
     if missing:
         return Finalized(None, False, missing)
     if storage.fs.exists(storage.join(SUCCESS_NAME)):
-        return Finalized(json.loads(storage.read_text(SUCCESS_NAME)), False, [])
+        return Finalized(RunRecord.from_json(storage.read_text(SUCCESS_NAME)), False, [])
     part_names = [unit_file_name(index) for index in range(manifest["units"]["count"])]
     if part_names and _has_openai_lines(storage, part_names[0]):
         write_batch_outputs(storage, part_names)
     summaries = read_worker_summaries(storage)
     record = merged_record(storage, manifest, workers or workers_from_summaries(summaries), summaries)
-    created = create_text_once(storage, SUCCESS_NAME, json.dumps(record, indent=2) + "\n")
+    created = create_text_once(storage, SUCCESS_NAME, record.to_json())
     if not created:
-        record = json.loads(storage.read_text(SUCCESS_NAME))
+        record = RunRecord.from_json(storage.read_text(SUCCESS_NAME))
     return Finalized(record, created, [])
 
 
-def workers_from_summaries(summaries: list[dict]) -> dict:
+def workers_from_summaries(summaries: list[dict]) -> Workers:
     """`workers` of a sharded job: the shard count, where each shard came from, failures and retries."""
     shards = [s for s in summaries if s.get("shard")]
     if not shards:
-        return {"backend": "local", "num_workers": max(len(summaries), 1), "replica_failures": 0,
-                "units_retried": []}
+        return Workers(backend="local", num_workers=max(len(summaries), 1))
     num_shards = shards[0]["shard"]["count"]
-    return {
-        "backend": "shards", "num_shards": num_shards, "num_workers": num_shards,
+    return Workers(
+        backend="shards", num_shards=num_shards, num_workers=num_shards,
         # A shard run that found part of its shard done was preceded by a run of it that stopped early.
-        "replica_failures": sum(1 for s in shards if s.get("resumed")),
-        "units_retried": sorted({u for s in shards for u in s.get("units_redone", [])}),
-        "shards": [{"index": s["shard"]["index"], "source": s["shard"]["source"], "host": s.get("host"),
-                    "units_run": len(s.get("units_run", [])), "units_skipped": s.get("num_units_skipped", 0)}
-                   for s in sorted(shards, key=lambda s: s["shard"]["index"])],
-    }
+        replica_failures=sum(1 for s in shards if s.get("resumed")),
+        units_retried=sorted({u for s in shards for u in s.get("units_redone", [])}),
+        shards=[ShardPlacement(index=s["shard"]["index"], source=s["shard"]["source"], host=s.get("host"),
+                               units_run=len(s.get("units_run", [])), units_skipped=s.get("num_units_skipped", 0))
+                for s in sorted(shards, key=lambda s: s["shard"]["index"])],
+    )
 
 
 def _has_openai_lines(storage: Storage, part_name: str) -> bool:

@@ -24,6 +24,7 @@ from batchgen.pipeline.batch_output import ERRORS_JSONL, OUTPUT_JSONL
 from batchgen.pipeline.output.commits import COMMITS_DIR, read_records, record_name, verify_part
 from batchgen.pipeline.output.fingerprint import FileFingerprint, describe_changes, to_manifest
 from batchgen.pipeline.output.units import WorkUnit
+from batchgen.pipeline.run_record import RunRecord
 from batchgen.pipeline.storage import Storage, is_temp_name
 
 MANIFEST_NAME = "_batchgen.json"
@@ -164,11 +165,11 @@ class OutputFolder:
         self.storage.remove_tree(COMMITS_DIR)
         self.storage.remove_tree(WORKERS_DIR)
 
-    def write_success(self, record: dict) -> str:
-        return self.storage.write_text_atomic(SUCCESS_NAME, json.dumps(record, indent=2) + "\n")
+    def write_success(self, record: RunRecord) -> str:
+        return self.storage.write_text_atomic(SUCCESS_NAME, record.to_json())
 
-    def read_success(self) -> dict:
-        return json.loads(self.storage.read_text(SUCCESS_NAME))
+    def read_success(self) -> RunRecord:
+        return RunRecord.from_json(self.storage.read_text(SUCCESS_NAME))
 
 
 def manifest_text(job_name: str, config_hash: str, fingerprint: list[FileFingerprint], units: list[WorkUnit]) -> str:

@@ -36,6 +36,7 @@ from batchgen.pipeline.output.folder import (
 from batchgen.pipeline.output.lock import lock_folder, lock_name
 from batchgen.pipeline.output.lock_holder import FolderLock
 from batchgen.pipeline.output.units import WorkUnit
+from batchgen.pipeline.run_record import RunRecord
 from batchgen.pipeline.storage import Storage, is_temp_name
 
 
@@ -120,7 +121,7 @@ class OutputRun:
         own = {u.output_name for u in self.units}
         return {name: why for name, why in self.state.redo.items() if name in own}
 
-    def read_success(self) -> dict:
+    def read_success(self) -> RunRecord:
         return self.folder.read_success()
 
     def commit_context(self, *, is_remote: bool = False) -> CommitContext:
@@ -134,7 +135,7 @@ class OutputRun:
         done = self.folder.state(identity.config_hash, identity.fingerprint, identity.units).done_names
         return [name for name in identity.unit_names if name not in done]
 
-    def finish(self, record: dict, *, write_batch_outputs: bool = False) -> str:
+    def finish(self, record: RunRecord, *, write_batch_outputs: bool = False) -> str:
         """Write `_SUCCESS` (after output.jsonl / errors.jsonl from every committed part, when asked) while
         the run still holds its folder; its path."""
         if write_batch_outputs:

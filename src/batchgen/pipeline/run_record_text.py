@@ -1,0 +1,159 @@
+"""The run record as text, in one place: each figure's format and the summary's rows.
+
+`summary_rows` is the one list of what a run record shows (a row per `_SUCCESS` key, in the file's
+order, with its label and its text); `format_summary` prints it at the end of `batchgen run`, `batchgen
+run --shard` and `batchgen finalize`, and the report's page shows the same rows as its summary table.
+The number formats (`count`, `ms`, ...) are the report's too, so a figure reads the same everywhere.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import NamedTuple
+
+from batchgen.pipeline.run_record import (
+    GenerationDefaults,
+    Percentiles,
+    RunRecord,
+    SpeculativeFigures,
+    StructuredFigures,
+    Workers,
+)
+
+NONE = "-"
+
+
+def count(value: int | None) -> str:
+    return NONE if value is None else f"{int(value):,}"
+
+
+def _milliseconds(seconds: float) -> str:
+    return f"{seconds * 1000:,.1f}"
+
+
+def ms(seconds: float | None) -> str:
+    return NONE if seconds is None else f"{_milliseconds(seconds)} ms"
+
+
+def seconds(value: float | None) -> str:
+    return NONE if value is None else f"{value:,.2f} s"
+
+
+def rate(value: float | None) -> str:
+    return NONE if value is None else f"{value:,.1f}"
+
+
+def share(value: float | None) -> str:
+    return NONE if value is None else f"{value:.1%}"
+
+
+def percentiles(p: Percentiles) -> str:
+    """p50 / p90 / p99 in milliseconds; "-" when no row had the figure."""
+    if p.p50 is None:
+        return NONE
+    return " / ".join(_milliseconds(v) for v in (p.p50, p.p90, p.p99)) + " ms"
+
+
+def pairs(mapping: Mapping | None) -> str:
+    """{"device": "cpu", ...} -> "device cpu, ..."."""
+    return ", ".join(f"{k} {v}" for k, v in (mapping or {}).items()) or NONE
+
+
+def weights(w: Mapping | None) -> str:
+    """The engine's weights report: format (origin), linear layers' bytes and their share of float32."""
+    if not w:
+        return NONE
+    text = f"{w.get('format', '?')} ({w.get('origin', '?')})"
+    if isinstance(w.get("linear_bytes"), (int, float)):
+        text += f", linear layers {w['linear_bytes'] / 1e6:,.1f} MB"
+    if isinstance(w.get("linear_bytes_vs_float32"), (int, float)):
+        text += f" ({share(w['linear_bytes_vs_float32'])} of float32)"
+    return text
+
+
+def workers(w: Workers | None) -> str:
+    if w is None:
+        return NONE
+    if w.backend == "shards":
+        text = f"{w.num_shards} static shards"
+    elif w.backend == "ray":
+        text = f"ray, {w.num_workers} replica(s)"
+    else:
+        text = "local"
+    if w.replica_failures or w.units_retried:
+        text += f"; {w.replica_failures} replica failure(s), {len(w.units_retried)} unit(s) retried"
+    return text
+
+
+def speculative(s: SpeculativeFigures | None) -> str:
+    if s is None:
+        return "off"
+    if not s.num_draft_tokens:
+        return "no drafts"
+    return (f"{s.num_accepted_tokens:,} of {s.num_draft_tokens:,} draft tokens accepted "
+            f"({s.acceptance_rate:.0%}), {s.mean_accepted_length:.2f} tokens per verify")
+
+
+def structured(s: StructuredFigures | None) -> str:
+    if s is None:
+        return NONE
+    mask = (f"{s.mask_ms_per_step:.2f} ms per step ({s.masked_rows_per_step:.1f} rows)"
+            if s.mask_ms_per_step is not None else NONE)
+    return f"{s.num_constrained_requests:,} constrained requests; token mask {mask}"
+
+
+def generation_defaults(g: GenerationDefaults | None) -> str:
+    if g is None:
+        return NONE
+    if not g.applied:
+        return f"the job's (generation_config {g.setting})"
+    shown = ", ".join(f"{k}={v}" for k, v in g.applied.items())
+    return f"{shown} from {g.file} (generation_config {g.setting}); the rest the job's"
+
+
+def cached(record: RunRecord) -> str:
+    """Cached prompt tokens and their share of the prompt tokens."""
+    hit = f" ({record.cached_tokens / record.prompt_tokens:.0%} of prompt tokens)" if record.prompt_tokens else ""
+    return f"{count(record.cached_tokens)}{hit}"
+
+
+class SummaryRow(NamedTuple):
+    key: str  # the _SUCCESS key it shows
+    label: str
+    text: str
+
+
+def summary_rows(record: RunRecord) -> list[SummaryRow]:
+    """What a run record shows, a row per `_SUCCESS` key in the file's order."""
+    r = record
+    rows = [
+        ("job", "job", r.job),
+        ("config_hash", "config hash", r.config_hash),
+        ("model", "model", r.model or NONE),
+        ("generation_config", "sampling defaults", generation_defaults(r.generation_config)),
+        ("num_requests", "requests", count(r.num_requests)),
+        ("num_rows", "output rows", count(r.num_rows)),
+        ("num_errors", "failed requests", count(r.num_errors)),
+        ("prompt_tokens", "prompt tokens", count(r.prompt_tokens)),
+        ("cached_tokens", "cached prompt tokens", cached(r)),
+        ("completion_tokens", "completion tokens", count(r.completion_tokens)),
+        ("generation_seconds", "generation", seconds(r.generation_seconds)),
+        ("completion_tokens_per_s", "completion tokens/s", rate(r.completion_tokens_per_s)),
+        ("ttft_s", "TTFT p50/p90/p99", percentiles(r.ttft_s)),
+        ("tpot_s", "TPOT p50/p90/p99", percentiles(r.tpot_s)),
+        ("resumed", "resumed", "yes (speed and latency cover the last run only)" if r.resumed else "no"),
+        ("kernels", "kernels", pairs(r.kernels)),
+        ("kv_cache", "KV cache", pairs(r.kv_cache)),
+        ("weights", "weights", weights(r.weights)),
+        ("workers", "workers", workers(r.workers)),
+        ("speculative", "speculative", speculative(r.speculative)),
+        ("structured", "structured", structured(r.structured)),
+    ]
+    return [SummaryRow(*row) for row in rows]
+
+
+def format_summary(record: RunRecord, success_path: str) -> str:
+    """The readable table printed at the end of a run: the summary's rows, then where `_SUCCESS` is."""
+    lines = [(row.label, row.text) for row in summary_rows(record)] + [("success file", success_path)]
+    width = max(len(label) for label, _ in lines)
+    return "\n".join(f"  {label.ljust(width)}  {text}" for label, text in lines)
