@@ -67,7 +67,8 @@ def gguf_architecture(gguf_name: object, where: str) -> str:
 
 
 def model_class(cfg: ModelConfig) -> type[CausalLM]:
-    """The class that runs `cfg`: its `architecture`, or for a config built in code without one, its model_type's."""
+    """The class that runs `cfg`: its `architecture`'s, or (a config built in code without one) its
+    model_type's."""
     name = cfg.architecture or _by_model_type(cfg.model_type, f"model_type {cfg.model_type!r}")
     if name not in ARCHITECTURES:
         raise ValueError(f"architecture {name!r} is not supported; supported: {', '.join(ARCHITECTURES)}")
@@ -79,4 +80,5 @@ def _by_model_type(model_type: str, what: str) -> str:
         if arch.model_type == model_type:
             return name
     supported = ", ".join(dict.fromkeys(a.model_type for a in ARCHITECTURES.values()))
-    raise ValueError(f"{what} is not supported; supported: {supported} (architectures: {', '.join(ARCHITECTURES)})")
+    raise ValueError(f"{what} is not supported; supported: {supported} "
+                     f"(architectures: {', '.join(ARCHITECTURES)})")

@@ -44,8 +44,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = GatedMLP(cfg)
 
-    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor],
-                backend: AttentionBackend, kv_cache: tuple, meta: AttentionMetadata, ops: SimpleNamespace,
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None,
+                rope: tuple[torch.Tensor, torch.Tensor], backend: AttentionBackend, kv_cache: tuple,
+                meta: AttentionMetadata, ops: SimpleNamespace,
                 group: TensorParallelGroup | None) -> tuple[torch.Tensor, torch.Tensor]:
         """(T, hidden) output of the previous block and the residual stream (None before the first
         block) -> this block's (output, residual stream); `group`: tensor parallelism's, or None."""

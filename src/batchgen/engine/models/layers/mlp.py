@@ -31,4 +31,5 @@ class GatedMLP(nn.Module):
         """(T, hidden) -> (T, hidden); `ops`: the model's elementwise ops (../ops.py)."""
         if getattr(self.gate_up_proj, "applies_silu_mul", False):  # CPU: fused into the GEMMs' epilogues
             return self.down_proj(self.gate_up_proj(x))
-        return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))  # (T, 2 x inter) -> (T, inter) -> (T, hidden)
+        # (T, 2 x intermediate) -> (T, intermediate) -> (T, hidden)
+        return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
