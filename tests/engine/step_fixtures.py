@@ -18,7 +18,7 @@ from batchgen.engine.config import EngineConfig
 from batchgen.engine.loader.model_loader import build_empty_model
 from batchgen.engine.runner.model_runner import ModelRunner
 from batchgen.engine.models.config import ModelConfig
-from batchgen.engine.models.rotary import RotaryEmbedding
+from batchgen.engine.models.layers.rotary import RotaryEmbedding
 from batchgen.engine.sampling.sampling_params import SamplingParams
 from batchgen.engine.core.scheduler import ScheduledSeq
 from batchgen.engine.core.sequence import Sequence

@@ -11,10 +11,10 @@ import torch
 
 from batchgen.engine.loader.gguf_layout import GGUFArray, GGUFHeader, check_gguf_layout, read_gguf_header
 from batchgen.engine.models.config import ModelConfig
+from batchgen.engine.models.registry import ARCHITECTURES, gguf_architecture, model_class
 from batchgen.engine.parallel.layout import pad_rows
 from batchgen.engine.parallel.shards import ShardFn, gguf_shard_array
 
-_ARCH_TO_MODEL_TYPE = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
 _TENSOR_NAMES = {
     "token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
@@ -46,8 +46,7 @@ def read_gguf_config(path: Path) -> ModelConfig:
     is parsed, no tensor mapped); ValueError naming the file and the key for what it lacks."""
     header = read_gguf_header(path)
     arch = header.metadata.get("general.architecture")
-    if arch not in _ARCH_TO_MODEL_TYPE:
-        raise ValueError(f"GGUF file {path}: architecture {arch!r} is not supported ({', '.join(_ARCH_TO_MODEL_TYPE)})")
+    architecture = gguf_architecture(arch, f"GGUF file {path}")  # the HF name it runs as
 
     def field(key: str, default=None, required: bool = False):
         value = header.metadata.get(key, default)
@@ -67,7 +66,7 @@ def read_gguf_config(path: Path) -> ModelConfig:
     if field(f"{arch}.rope.scaling.type") == "linear":
         scaling = {"rope_type": "linear", "factor": field(f"{arch}.rope.scaling.factor")}
     return ModelConfig(
-        model_type=_ARCH_TO_MODEL_TYPE[arch],
+        model_type=ARCHITECTURES[architecture].model_type,
         vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=field(f"{arch}.feed_forward_length", required=True),
@@ -84,6 +83,7 @@ def read_gguf_config(path: Path) -> ModelConfig:
         rope_scaling=scaling,
         bos_token_id=field("tokenizer.ggml.bos_token_id"),
         eos_token_ids=() if eos is None else (eos,),
+        architecture=architecture,
     )
 
 
@@ -114,7 +114,7 @@ def hf_tensor_name(gguf_name: str) -> str | None:
 
 
 def _is_rope_permuted(cfg: ModelConfig, base: str) -> bool:
-    return cfg.model_type in ("llama", "mistral") and base in ("attn_q", "attn_k")
+    return model_class(cfg).is_gguf_qk_permuted and base in ("attn_q", "attn_k")
 
 
 def row_permutation(cfg: ModelConfig, base: str, num_rows: int) -> np.ndarray | None:

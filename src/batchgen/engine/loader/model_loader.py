@@ -22,8 +22,9 @@ from batchgen.engine.loader.source import ModelSource, resolve_model
 from batchgen.engine.models.bf16_linear import widen_bf16_model
 from batchgen.engine.models.config import ModelConfig
 from batchgen.engine.models.cpu_linear import pack_linears
-from batchgen.engine.models.llama import LlamaForCausalLM
-from batchgen.engine.models.rotary import RotaryEmbedding
+from batchgen.engine.models.layers.causal_lm import CausalLM
+from batchgen.engine.models.registry import model_class
+from batchgen.engine.quant.fp8_checkpoint import placing_fp8_scales
 from batchgen.engine.quant.weight_report import unique_storage_bytes, weight_report
 
 if TYPE_CHECKING:
@@ -39,7 +40,7 @@ PARALLEL_ATTENTION_BACKENDS = ("cpu", "triton")
 class LoadedModel:
     source: ModelSource | None  # None: built by the caller (build_loaded_model), no tokenizer
     model_cfg: ModelConfig
-    model: LlamaForCausalLM
+    model: CausalLM
     max_model_len: int
     weight_bytes: int
     capabilities: Capabilities  # what runs here, decided once before the model was built
@@ -57,8 +58,9 @@ def model_weight_bytes(model: torch.nn.Module) -> int:
 
 
 def build_empty_model(model_cfg: ModelConfig, max_positions: int, backend, device: torch.device,
-                      dtype: torch.dtype, parallel: TensorParallel | None = None) -> LlamaForCausalLM:
-    """The model's modules with uninitialized parameters allocated once, directly in `dtype` on `device`.
+                      dtype: torch.dtype, parallel: TensorParallel | None = None) -> CausalLM:
+    """The model's modules (the class the registry names for model_cfg's architecture) with
+    uninitialized parameters allocated once, directly in `dtype` on `device`.
 
     Built on the meta device with `dtype` as the default, then given storage: no float32 copy of the
     weights ever exists (an 8B model would need 32 GB for one). The rotary tables are left empty here;
@@ -69,7 +71,7 @@ def build_empty_model(model_cfg: ModelConfig, max_positions: int, backend, devic
     torch.set_default_dtype(dtype)
     try:
         with torch.device("meta"):
-            model = LlamaForCausalLM(model_cfg, max_positions, backend, parallel)
+            model = model_class(model_cfg)(model_cfg, max_positions, backend, parallel)
     finally:
         torch.set_default_dtype(previous)
     _allocate(model, device)
@@ -165,10 +167,10 @@ def load_model(config: EngineConfig, parallel: TensorParallel | None = None) -> 
 
             prepare_fp8_checkpoint(model, source.folder)  # FP8 checkpoints load as stored, never re-quantized
         weights = iter_hf_weights(source.folder, shard)
-    model.load_weights(weights)
+    model.load_weights(placing_fp8_scales(model, weights))  # FP8 checkpoints' scales go to their layers
     if parallel is not None:  # every rank's weights are in before any collective (calibration) runs
         parallel.group.rendezvous("weights", parallel.check_peers)
-    _prepare_for_inference(model, rank_cfg, max_model_len, capabilities, device)
+    _prepare_for_inference(model, max_model_len, capabilities, device)
     if capabilities.fp8_mode is not None:
         from batchgen.engine.quant.fp8 import quantize_model_fp8
 
@@ -210,12 +212,11 @@ def check_can_run_parallel(capabilities: Capabilities, parallel: TensorParallel)
             f"On the CPU that means the C kernels (float32 or bfloat16, head_dim a multiple of 16)")
 
 
-def _prepare_for_inference(model: LlamaForCausalLM, model_cfg: ModelConfig, max_model_len: int,
-                           capabilities: Capabilities, device: torch.device) -> None:
+def _prepare_for_inference(model: CausalLM, max_model_len: int, capabilities: Capabilities,
+                           device: torch.device) -> None:
     """After the weights are in: the rotary tables (computed, not loaded: they were left empty on the
     meta device), eval mode and the elementwise ops the capabilities chose."""
-    model.rotary = RotaryEmbedding(model_cfg.head_dim, max_model_len, model_cfg.rope_theta,
-                                   model_cfg.rope_scaling).to(device)
+    model.rotary = model.make_rotary(max_model_len).to(device)
     model.eval()
     if capabilities.elementwise_ops == "compiled":
         model.enable_compile()
@@ -237,7 +238,7 @@ def build_loaded_model(config: EngineConfig, model_cfg: ModelConfig, max_model_l
     model = build_empty_model(model_cfg, max_model_len, backend, device, config.torch_dtype)
     with torch.no_grad():
         fill_weights(model)
-    _prepare_for_inference(model, model_cfg, max_model_len, capabilities, device)
+    _prepare_for_inference(model, max_model_len, capabilities, device)
     if capabilities.fp8_mode is not None:
         from batchgen.engine.quant.fp8 import quantize_model_fp8
 

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -26,6 +24,8 @@ class ModelConfig:
     rope_scaling: dict | None = field(default=None, hash=False)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # The HF `architectures` name models/registry.py runs it as; None (a config built in code): model_type's.
+    architecture: str | None = None
 
     @property
     def q_size(self) -> int:
@@ -53,10 +53,15 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, cfg: dict) -> ModelConfig:
-        """From a parsed config.json (Llama/Mistral/Qwen2/Qwen3)."""
-        model_type = cfg.get("model_type", "llama")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+        """From a parsed config.json: its architecture looked up in the registry (ValueError naming it
+        when it is not registered), the keys every family shares, then what the family reads its own
+        way (its class's `config_fields`)."""
+        # The registry imports the family files, which import this module for annotations only.
+        from batchgen.engine.models.registry import ARCHITECTURES, hf_architecture
+
+        architecture = hf_architecture(cfg)
+        family = ARCHITECTURES[architecture]
+        model_type = cfg.get("model_type", family.model_type)
         num_heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
         rope_scaling = cfg.get("rope_scaling")
@@ -68,7 +73,7 @@ class ModelConfig:
                 rope_scaling = params
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-        return cls(
+        fields = dict(
             model_type=model_type,
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
@@ -81,9 +86,10 @@ class ModelConfig:
             rope_theta=float(rope_theta or 10000.0),
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
-            qk_norm=model_type == "qwen3",
+            attention_bias=bool(cfg.get("attention_bias", False)),
             rope_scaling=rope_scaling,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            architecture=architecture,
         )
+        return cls(**{**fields, **family.model_class.config_fields(cfg)})

@@ -48,7 +48,7 @@ class PackedSiluMulLinear(nn.Linear):
     """An MLP's fused gate_up_proj (out_features = 2 x intermediate) that also applies the SiLU(gate) * up
     after it: two oneDNN GEMMs on the packed halves, SiLU in the gate GEMM's epilogue and the
     multiply in the up GEMM's, so the (T, 2 x intermediate) product never goes through memory.
-    forward returns (T, intermediate); MLP.forward sees `applies_silu_mul` and skips its own
+    forward returns (T, intermediate); GatedMLP.forward sees `applies_silu_mul` and skips its own
     (docs/benchmarks/history/cpu-throughput.md, change 17).
     """
 

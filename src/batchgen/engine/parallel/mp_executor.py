@@ -7,7 +7,7 @@ runner packs every input into one buffer (step_inputs.py); before its forward it
 which writes a small header to each worker's pipe (the step's sizes and host-side lengths) and
 broadcasts the start of that buffer, the model's sections, ONCE to every worker. The ranks then run
 the same forward, with one all-reduce after o_proj and one after down_proj per layer, and the logits
-come back to rank 0 (engine/models/llama.py).
+come back to rank 0 (engine/models/layers/decoder.py and causal_lm.py).
 
 Faults: a watcher thread waits on the workers' process sentinels and logs a death at once; a
 collective that fails (a peer's connection closed, or the group's timeout) or a pipe that broke ends

@@ -6,15 +6,16 @@ tensors `<layer>.weight` (float8_e4m3fn, (N, K)), `<layer>.weight_scale` (one va
 (N,) / (N, 1) per output channel) and optionally `<layer>.input_scale` (a static activation scale).
 
 Before the weights stream in, the layers the checkpoint stores in FP8 become empty Fp8Linear modules;
-the model's loader copies each FP8 weight in as is and hands the scales to `load_fp8_scale`. Fused
-layers (q/k/v, gate/up) get one scale row per output channel: a part's per-tensor scale fills its
-rows, which represents every part exactly.
+the model's loader copies each FP8 weight in as is and `placing_fp8_scales` hands the scales to
+`load_fp8_scale`. Fused layers (q/k/v, gate/up) get one scale row per output channel: a part's
+per-tensor scale fills its rows, which represents every part exactly.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -29,6 +30,8 @@ log = logging.getLogger("batchgen.engine")
 # `k_proj.output_scale` / `v_proj.output_scale`): kept on the model as `kv_cache_scales`
 # ({layer: {"k": .., "v": ..}}); an engine with kv_cache_dtype fp8 uses them (engine/attention/kv_cache.py).
 KV_CACHE_SCALES = ("output_scale", "k_scale", "v_scale")
+# Checkpoint tensors that are scales (of Fp8Linear layers, and the KV cache's), not weights.
+FP8_SCALE_SUFFIXES = (".weight_scale", ".input_scale", ".output_scale", ".k_scale", ".v_scale")
 _BLOCKWISE_HINT = ("block-wise FP8 checkpoints ({what}) are not supported yet; use a per-tensor or "
                    "per-channel FP8 checkpoint, or the unquantized checkpoint with quantization: fp8")
 
@@ -112,6 +115,20 @@ def prepare_fp8_checkpoint(model: nn.Module, folder: Path) -> bool:
                 Fp8Linear(linear.in_features, linear.out_features, linear.bias is not None,
                           dtype=w.dtype, device=w.device))
     return True
+
+
+def placing_fp8_scales(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]
+                       ) -> Iterator[tuple[str, torch.Tensor]]:
+    """`weights` (HF-named checkpoint tensors) less the FP8 scales, each placed as it passes by
+    `load_fp8_scale` at the model's name for it (`model.checkpoint_target`: q/k/v and gate/up fused);
+    the model's load_weights takes the rest."""
+    part_sizes = model.fused_part_sizes()
+    for name, tensor in weights:
+        if name.endswith(FP8_SCALE_SUFFIXES):
+            target, part_index = model.checkpoint_target(name)
+            load_fp8_scale(model, target, tensor, part_index, part_sizes.get(target.split(".")[-2]))
+            continue
+        yield name, tensor
 
 
 @torch.no_grad()

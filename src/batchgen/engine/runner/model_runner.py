@@ -33,7 +33,7 @@ from batchgen.engine.config import EngineConfig
 from batchgen.engine.runner.decode_graphs import DecodeGraphs
 from batchgen.engine.runner.device_stream import ImmediateStream
 from batchgen.engine.models.config import ModelConfig
-from batchgen.engine.models.llama import LlamaForCausalLM
+from batchgen.engine.models.layers.causal_lm import CausalLM
 from batchgen.engine.decoding.prompt_logprobs import (
     add_prompt_logprob_sections,
     compute_prompt_logprobs,
@@ -81,7 +81,7 @@ class LaunchedStep:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_cfg: ModelConfig, model: LlamaForCausalLM,
+    def __init__(self, config: EngineConfig, model_cfg: ModelConfig, model: CausalLM,
                  num_blocks: int, eos_token_ids: tuple[int, ...], capabilities: Capabilities):
         self.config = config
         self.model_cfg = model_cfg

@@ -1,0 +1,52 @@
+"""Self-attention: fused q/k/v projection, optional per-head q/k RMSNorm, rope, the backend's call, o_proj."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from batchgen.engine.models.layers.norm import RMSNorm
+
+if TYPE_CHECKING:
+    from types import SimpleNamespace
+
+    from batchgen.engine.attention.base import AttentionBackend, AttentionMetadata
+    from batchgen.engine.models.config import ModelConfig
+
+
+class Attention(nn.Module):
+    """One layer's attention. The backend (engine/attention/, chosen by the loader) writes this
+    layer's k/v into the paged KV cache and attends over it; `layer_index` names the layer to it.
+
+    From the config: `attention_bias` (bias on q/k/v: Qwen2) and `qk_norm` (RMSNorm on every q and
+    k head before rope: Qwen3).
+    """
+
+    def __init__(self, cfg: ModelConfig, layer_index: int):
+        super().__init__()
+        self.cfg = cfg
+        self.layer_index = layer_index
+        self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], backend: AttentionBackend,
+                kv_cache: tuple, meta: AttentionMetadata, ops: SimpleNamespace) -> torch.Tensor:
+        """(T, hidden) normed -> (T, hidden) before the residual add; `rope`: the step's cos, sin (T, 1, D)."""
+        cfg = self.cfg
+        num_tokens = x.shape[0]
+        qkv = self.qkv_proj(x)  # (T, q_size + 2 * kv_size)
+        num_qk_heads = cfg.num_heads + cfg.num_kv_heads
+        qk = qkv[:, :cfg.q_size + cfg.kv_size].view(num_tokens, num_qk_heads, cfg.head_dim)
+        v = qkv[:, cfg.q_size + cfg.kv_size:].view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.qk_norm:
+            q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
+            qk = torch.cat([ops.rms_norm(q, self.q_norm.weight, self.q_norm.eps),
+                            ops.rms_norm(k, self.k_norm.weight, self.k_norm.eps)], dim=1)
+        q, k = ops.rotary(qk, *rope).split([cfg.num_heads, cfg.num_kv_heads], dim=1)  # (T, H, D), (T, Hkv, D)
+        out = backend.forward(self.layer_index, q, k, v, kv_cache, meta)  # (T, H, D)
+        return self.o_proj(out.reshape(num_tokens, cfg.q_size))

@@ -1,0 +1,35 @@
+"""The gated MLP: down_proj(SiLU(gate) * up), gate and up fused into one matmul."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from types import SimpleNamespace
+
+    from batchgen.engine.models.config import ModelConfig
+
+
+class GatedMLP(nn.Module):
+    """gate_up_proj (hidden -> 2 x intermediate, gate rows first) and down_proj, bias-free.
+
+    On the CPU the loader may swap gate_up_proj for a layer that applies SiLU(gate) * up in its GEMMs'
+    epilogues (models/cpu_linear.py, `applies_silu_mul`); the MLP then skips its own. A family with
+    another activation (GeLU-tanh: Gemma) would take it as a parameter here and keep the fused layer
+    out (pack_linears fuses SiLU only).
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, ops: SimpleNamespace) -> torch.Tensor:
+        """(T, hidden) -> (T, hidden); `ops`: the model's elementwise ops (../ops.py)."""
+        if getattr(self.gate_up_proj, "applies_silu_mul", False):  # CPU: fused into the GEMMs' epilogues
+            return self.down_proj(self.gate_up_proj(x))
+        # (T, 2 x intermediate) -> (T, intermediate) -> (T, hidden)
+        return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))

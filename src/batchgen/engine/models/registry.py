@@ -1,0 +1,84 @@
+"""The model registry: HF `architectures` names -> the family class that runs them.
+
+A config.json names its class in `architectures` (e.g. ["Qwen3ForCausalLM"]); one without it is found
+by its `model_type` (the first architecture registered with that type); a GGUF file by its
+`general.architecture`. A family is one file in this folder (a subclass of layers/causal_lm.py's
+CausalLM expressing what differs from the shared layers) and one line in ARCHITECTURES;
+docs/guides/adding-a-model.md says how.
+
+ModelConfig.from_hf_dict reads the family's `config_fields` through this module: the family files and
+layers/ import ModelConfig for annotations only (under TYPE_CHECKING), so that config -> registry ->
+families never leads back to config.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from batchgen.engine.models.llama import LlamaForCausalLM
+from batchgen.engine.models.qwen2 import Qwen2ForCausalLM
+from batchgen.engine.models.qwen3 import Qwen3ForCausalLM
+
+if TYPE_CHECKING:
+    from batchgen.engine.models.config import ModelConfig
+    from batchgen.engine.models.layers.causal_lm import CausalLM
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """One HF architecture the engine runs."""
+
+    model_class: type[CausalLM]
+    model_type: str  # config.json's model_type for it (a config without `architectures` is found by it)
+    gguf_name: str | None = None  # llama.cpp's `general.architecture`; None: not loaded from GGUF files
+
+
+ARCHITECTURES: dict[str, Architecture] = {
+    "LlamaForCausalLM": Architecture(LlamaForCausalLM, "llama", gguf_name="llama"),
+    "MistralForCausalLM": Architecture(LlamaForCausalLM, "mistral", gguf_name="mistral"),
+    "Qwen2ForCausalLM": Architecture(Qwen2ForCausalLM, "qwen2", gguf_name="qwen2"),
+    "Qwen3ForCausalLM": Architecture(Qwen3ForCausalLM, "qwen3", gguf_name="qwen3"),
+}
+
+
+def hf_architecture(hf_config: dict) -> str:
+    """The registered architecture a parsed config.json names: the first of its `architectures` that
+    is registered, else (no `architectures`) its model_type's (default "llama"). ValueError naming
+    what it asked for and what is supported."""
+    names = hf_config.get("architectures") or []
+    for name in names:
+        if name in ARCHITECTURES:
+            return name
+    if names:
+        raise ValueError(f"architecture {' / '.join(map(repr, names))} is not supported; supported: "
+                         f"{', '.join(ARCHITECTURES)}")
+    model_type = hf_config.get("model_type", "llama")
+    return _by_model_type(model_type, f"model_type {model_type!r} (config.json without `architectures`)")
+
+
+def gguf_architecture(gguf_name: object, where: str) -> str:
+    """The registered architecture of a GGUF file's `general.architecture`; ValueError naming `where`."""
+    for name, arch in ARCHITECTURES.items():
+        if arch.gguf_name is not None and arch.gguf_name == gguf_name:
+            return name
+    supported = ", ".join(a.gguf_name for a in ARCHITECTURES.values() if a.gguf_name is not None)
+    raise ValueError(f"{where}: architecture {gguf_name!r} is not supported ({supported})")
+
+
+def model_class(cfg: ModelConfig) -> type[CausalLM]:
+    """The class that runs `cfg`: its `architecture`'s, or (a config built in code without one) its
+    model_type's."""
+    name = cfg.architecture or _by_model_type(cfg.model_type, f"model_type {cfg.model_type!r}")
+    if name not in ARCHITECTURES:
+        raise ValueError(f"architecture {name!r} is not supported; supported: {', '.join(ARCHITECTURES)}")
+    return ARCHITECTURES[name].model_class
+
+
+def _by_model_type(model_type: str, what: str) -> str:
+    for name, arch in ARCHITECTURES.items():
+        if arch.model_type == model_type:
+            return name
+    supported = ", ".join(dict.fromkeys(a.model_type for a in ARCHITECTURES.values()))
+    raise ValueError(f"{what} is not supported; supported: {supported} "
+                     f"(architectures: {', '.join(ARCHITECTURES)})")
