@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from batchgen.engine.core.outputs import ContinuationScore, RequestMetrics, ScoreOutput
-from batchgen.engine.core.sequence import Sequence
+from batchgen.engine.core.sequence import PromptLogprobState, Sequence
 
 
 def encode_continuations(encode: Callable[[str], list[int]], context: str, continuations: list[str]
@@ -55,18 +55,17 @@ class ScoreGroup:
         seq = Sequence(self.request_id, index, self.context_token_ids + self.continuation_token_ids[index],
                        params, self.arrival_time, max_model_len, sample_key)
         seq.is_prompt_only = True
-        seq.num_prompt_top_logprobs = 0
-        seq.prompt_logprobs_start = len(self.context_token_ids)
+        seq.prompt_logprobs = PromptLogprobState(num_top=0, start=len(self.context_token_ids))
         return seq
 
     def record(self, seq: Sequence) -> None:
         """A continuation's prompt is computed: its score."""
         index = seq.sample_index
-        if seq.first_scheduled_time is not None and (self.first_scheduled_time is None
-                                                     or seq.first_scheduled_time < self.first_scheduled_time):
-            self.first_scheduled_time = seq.first_scheduled_time
+        scheduled = seq.times.first_scheduled_time
+        if scheduled is not None and (self.first_scheduled_time is None or scheduled < self.first_scheduled_time):
+            self.first_scheduled_time = scheduled
         self.scores[index] = ContinuationScore(index, list(self.continuation_token_ids[index]),
-                                               list(seq.prompt_token_logprobs), list(seq.prompt_token_ranks))
+                                               list(seq.prompt_logprobs.logprobs), list(seq.prompt_logprobs.ranks))
 
     @property
     def is_done(self) -> bool:
