@@ -138,7 +138,7 @@ class LLMEngine:
         self.timings = self.runner.timings  # host time per step, by part (bench --workload overhead)
         self.num_generated_tokens = 0  # tokens appended to sequences since start (progress rates)
         # Speculative decoding (off: None). A draft model loads here, after the target's KV pool.
-        self.spec = SpecDecoder(config.speculative, self) if config.speculative is not None else None
+        self.spec = SpecDecoder(config.speculative, self, LLMEngine) if config.speculative is not None else None
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self.scheduler,
                                                 self.kv_cache_manager, self.max_model_len, self._release,
                                                 is_speculative=self.spec is not None)

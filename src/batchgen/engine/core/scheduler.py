@@ -194,46 +194,57 @@ class Scheduler:
         if out is not None:
             for s in out.scheduled:
                 s.seq.num_computed_tokens += s.num_new_tokens
-        i, num_rows = 0, len(results)
-        while i < num_rows:
-            row = results[i]
+        advanced = update.advanced
+        num_later_rows = 0
+        for i, row in enumerate(results):
+            if num_later_rows:  # a verify chunk's rows after its first: taken with it
+                num_later_rows -= 1
+                continue
             s = row.scheduled
             seq = s.seq
-            rows = results[i:i + 1 + s.num_draft_tokens] if s.num_draft_tokens else (row,)
-            i += len(rows)
-            if seq.is_finished:  # finished or aborted with this (launched-ahead) row in flight: dropped
+            if seq.status is SequenceStatus.FINISHED:  # finished or aborted with this (launched-ahead) row in flight
                 continue
             if seq.beam is not None:
                 update.beam_candidates.append((seq, row.top_logprobs))
                 continue
-            update.advanced.append(seq)
+            advanced.append(seq)
             if seq.num_pending_tokens:
                 self._resolve(seq, row, is_stopped, update)
-                continue
-            if s.num_draft_tokens:
-                drafts = seq.draft_token_ids
-                accepted = num_accepted(drafts, [r.token_id for r in rows])
-                seq.num_computed_tokens -= len(drafts) - accepted
-                seq.num_accepted_tokens += accepted
-                update.verifies.append((len(drafts), accepted))
-                seq.draft_token_ids = []
-                rows = rows[:accepted + 1]
-            for r in rows:
-                seq.append_token(r.token_id, r.logprob, r.top_logprobs)
-                update.num_new_tokens += 1
-                if seq.grammar is not None and not seq.grammar.accept_token(r.token_id):
-                    raise RuntimeError(f"request {seq.request_id!r} sampled token {r.token_id}, which its "
-                                       "grammar's mask did not allow")
-                if is_stopped(seq):  # inside an accepted run: where plain decoding stops
-                    self._stop(seq, update)
-                    break
-            else:
-                if s.num_draft_tokens:  # blocks only rejected drafts reached go back
-                    self.kv_cache_manager.trim(seq)
+            elif s.num_draft_tokens:
+                num_later_rows = s.num_draft_tokens
+                self._verify(seq, results[i:i + 1 + num_later_rows], is_stopped, update)
+            elif self._append(seq, row, is_stopped, update):
+                self._stop(seq, update)
         if out is not None:
             update.prompts_done = [s.seq for s in out.scheduled
                                    if s.seq.is_prompt_only and s.seq.num_computed_tokens == s.seq.num_tokens]
         return update
+
+    @staticmethod
+    def _append(seq: Sequence, row: StepResult, is_stopped: Callable[[Sequence], bool], update: StepUpdate) -> bool:
+        """The row's token joins the sequence and advances its grammar; whether the sample stops there."""
+        seq.append_token(row.token_id, row.logprob, row.top_logprobs)
+        update.num_new_tokens += 1
+        if seq.grammar is not None and not seq.grammar.accept_token(row.token_id):
+            raise RuntimeError(f"request {seq.request_id!r} sampled token {row.token_id}, which its grammar's "
+                               "mask did not allow")
+        return is_stopped(seq)
+
+    def _verify(self, seq: Sequence, rows: list[StepResult], is_stopped: Callable[[Sequence], bool],
+                update: StepUpdate) -> None:
+        """A verify chunk's 1 + k rows: the drafts plain decoding agrees with, then its own token there,
+        each as a plain row (a stop inside the run ends it where plain decoding would)."""
+        drafts = seq.draft_token_ids
+        accepted = num_accepted(drafts, [r.token_id for r in rows])
+        seq.num_computed_tokens -= len(drafts) - accepted
+        seq.num_accepted_tokens += accepted
+        update.verifies.append((len(drafts), accepted))
+        seq.draft_token_ids = []
+        for row in rows[:accepted + 1]:
+            if self._append(seq, row, is_stopped, update):
+                self._stop(seq, update)
+                return
+        self.kv_cache_manager.trim(seq)  # blocks only rejected drafts reached go back
 
     def _resolve(self, seq: Sequence, row: StepResult, is_stopped: Callable[[Sequence], bool],
                  update: StepUpdate) -> None:

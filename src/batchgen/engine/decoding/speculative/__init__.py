@@ -43,7 +43,8 @@ class SpecStats:
 class SpecDecoder:
     """The engine's speculative half: which sequences draft this step, the proposer, the counters."""
 
-    def __init__(self, spec: SpeculativeConfig, engine):
+    def __init__(self, spec: SpeculativeConfig, engine, engine_class: type):
+        """`engine`: the LLMEngine speculating; `engine_class`: LLMEngine, for a draft model's own engine."""
         self.spec = spec
         if spec.method == "ngram":
             from batchgen.engine.decoding.speculative.ngram import NgramProposer
@@ -52,7 +53,7 @@ class SpecDecoder:
         else:
             from batchgen.engine.decoding.speculative.draft_model import DraftModelProposer
 
-            self.proposer = DraftModelProposer(engine, spec)
+            self.proposer = DraftModelProposer(engine, spec, engine_class)
         self.stats = SpecStats()
 
     def propose(self, running: list[Sequence]) -> None:

@@ -1,7 +1,7 @@
 """Draft-model proposals: a smaller model with the same vocabulary drafts k tokens autoregressively.
 
-The draft runs through the engine's own pieces (an engine of the target's class: loader, KV cache
-manager, model runner, sampler) on its own KV pool. Each target sequence has a mirror sequence in the draft
+The draft runs through the engine's own pieces (an LLMEngine of its own, made by the class the target
+hands over: loader, KV cache manager, model runner, sampler) on its own KV pool. Each target sequence has a mirror sequence in the draft
 engine that holds the draft's KV for the target's tokens plus its own last proposals; after a verify
 step the mirror keeps the KV of the common prefix (num_computed_tokens rolled back) and catches up
 with the target's new tokens in its next round's first chunk. The mirror samples with the target
@@ -21,9 +21,9 @@ log = logging.getLogger("batchgen.engine")
 
 
 class DraftModelProposer:
-    def __init__(self, target, spec: SpeculativeConfig):
-        """`target`: the LLMEngine whose sequences are drafted for; the draft is an engine of its class
-        (`type(target)`), so this module needs no import of the engine."""
+    def __init__(self, target, spec: SpeculativeConfig, engine_class: type):
+        """`target`: the LLMEngine whose sequences are drafted for; `engine_class`: LLMEngine, which the
+        draft is (handed over: the engine imports this module, not the other way)."""
         config: EngineConfig = target.config
         # The draft's quantization: as asked (fp8: the FP8 weight path, e.g. the target itself perturbed);
         # else the target's for the target's own model (its weights are then shared), auto for another.
@@ -39,7 +39,7 @@ class DraftModelProposer:
         # A tensor-parallel target's weights are shards: the draft loads its own copy.
         is_same_model = (draft_config.model == config.model and draft_config.quantization == config.quantization
                          and not config.quantize_lm_head and config.tensor_parallel_size == 1)
-        self.engine = type(target)(draft_config, weights_from=target if is_same_model else None)
+        self.engine = engine_class(draft_config, weights_from=target if is_same_model else None)
         check_same_vocabulary(target, self.engine)
         self.mirrors: dict[int, Sequence] = {}  # id(target sequence) -> its mirror
         # id(mirror) -> its target's token count at the last sync: what follows are the mirror's proposals.
