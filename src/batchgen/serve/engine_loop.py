@@ -9,8 +9,9 @@ Large prompts arrive already encoded, by the PromptEncoder's own copy (prompt_en
 Results go back to the asyncio side through each request's EventSink (call_soon_threadsafe onto an
 asyncio.Queue): a streaming request asks the engine for DELTA outputs (SamplingParams.output_kind) and
 gets a Progress event per step with the new text and tokens of its unfinished samples; every request
-ends with one Finished (all its samples, or for a stream their last pieces) or one Failed event. A request that fails (its prompt is refused, its output cannot be formatted) fails
-alone; a step that raises fails the requests in the engine, and the loop goes on serving.
+ends with one Finished (all its samples, or for a stream their last pieces) or one Failed event. A
+request that fails (its prompt is refused, its output cannot be formatted) fails alone; a step that
+raises fails the requests in the engine, and the loop goes on serving.
 """
 
 from __future__ import annotations
@@ -166,7 +167,7 @@ class _Record:
     submission: Submission
     num_samples: int
     output: RequestOutput | None = None  # a stream's DELTA outputs so far, joined (RequestOutput.add)
-    sent: dict[int, tuple[int, int]] = field(default_factory=dict)  # a stream's sample index -> (chars, tokens) sent
+    sent: dict[int, tuple[int, int]] = field(default_factory=dict)  # a stream's sample index -> (chars, tokens)
 
 
 class EngineLoop:

@@ -165,6 +165,7 @@ def test_samples_that_stop_in_the_same_step_give_one_output():
     h = Harness()
     h.add("r", SamplingParams(n=2, temperature=1.0, max_tokens=9))
     h.add("q", SamplingParams(max_tokens=9))
-    steps = h.run({("r", 0): letters("ab") + [EOS], ("r", 1): letters("cd") + [EOS], ("q", 0): letters("xyz") + [EOS]})
+    steps = h.run({("r", 0): letters("ab") + [EOS], ("r", 1): letters("cd") + [EOS],
+                   ("q", 0): letters("xyz") + [EOS]})
     assert [[o.request_id for o in outs] for outs in steps] == [[], [], ["r"], ["q"]]
     assert [c.text for c in final(steps).outputs] == ["ab", "cd"] and len(h.released) == 3

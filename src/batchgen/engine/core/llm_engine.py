@@ -30,7 +30,7 @@ from batchgen.engine.core.output_processor import OutputProcessor, RequestState
 from batchgen.engine.core.outputs import RequestOutput, ScoreOutput
 from batchgen.engine.sampling.sampling_params import SamplingParams
 from batchgen.engine.core.scheduler import Scheduler, SchedulerOutput
-from batchgen.engine.decoding.score_group import ScoreGroup
+from batchgen.engine.decoding.score_group import ScoreGroup, check_score_request
 from batchgen.engine.core.sequence import Sequence
 from batchgen.engine.decoding.speculative import SpecDecoder
 from batchgen.engine.decoding.structured.manager import StructuredOutputManager
@@ -138,7 +138,7 @@ class LLMEngine:
         self.timings = self.runner.timings  # host time per step, by part (bench --workload overhead)
         self.num_generated_tokens = 0  # tokens appended to sequences since start (progress rates)
         # Speculative decoding (off: None). A draft model loads here, after the target's KV pool.
-        self.spec = SpecDecoder(config.speculative, self, LLMEngine) if config.speculative is not None else None
+        self.spec = None if config.speculative is None else SpecDecoder(config.speculative, self, LLMEngine)
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self.scheduler,
                                                 self.kv_cache_manager, self.max_model_len, self._release,
                                                 is_speculative=self.spec is not None)
@@ -243,32 +243,12 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in the engine")
         self.check_tensor_parallel_support(None)
-        if not context_token_ids:
-            raise ValueError("the context is empty")
-        if not continuation_token_ids:
-            raise ValueError("there are no continuations to score")
-        for i, ids in enumerate(continuation_token_ids):
-            if not ids:
-                raise ValueError(f"continuation {i} is empty (no token after the context)")
-            if len(context_token_ids) + len(ids) > self.max_model_len:
-                raise ValueError(f"the context ({len(context_token_ids)} tokens) and continuation {i} "
-                                 f"({len(ids)}) exceed max_model_len {self.max_model_len}")
-        if any(t < 0 or t >= self.model_cfg.vocab_size for ids in (context_token_ids, *continuation_token_ids)
-               for t in ids):
-            raise ValueError(f"a token id is outside the vocabulary [0, {self.model_cfg.vocab_size})")
+        check_score_request(context_token_ids, continuation_token_ids, self.max_model_len,
+                            self.model_cfg.vocab_size)
         now = time.monotonic()
-        params = SamplingParams(temperature=0.0, max_tokens=1)  # never sampled: the parts are prompt-only
         group = ScoreGroup(request_id, list(context_token_ids), [list(c) for c in continuation_token_ids], now)
-        state = RequestState(request_id, group.context_token_ids, [], now, None, score=group)
-        if len(context_token_ids) > 1:
-            context = Sequence(request_id, 0, group.context_token_ids[:-1], params, now, self.max_model_len,
-                               sample_key)
-            context.is_prompt_only = True
-            group.context = context
-            state.seqs = [context]
-        else:  # nothing to share before the continuations' own first position
-            state.seqs = [group.continuation(i, params, self.max_model_len, sample_key)
-                          for i in range(len(continuation_token_ids))]
+        seqs = group.first_sequences(self.max_model_len, sample_key)
+        state = RequestState(request_id, group.context_token_ids, seqs, now, None, score=group)
         self.output_processor.add(state)
         if self.is_async:
             self.in_order_requests.add(request_id)
@@ -379,7 +359,8 @@ class LLMEngine:
         timings.add(schedule=scheduled - start, process=time.perf_counter() - collected)
         return outputs
 
-    def _process(self, out: SchedulerOutput | None, results: list[StepResult]) -> list[RequestOutput | ScoreOutput]:
+    def _process(self, out: SchedulerOutput | None,
+                 results: list[StepResult]) -> list[RequestOutput | ScoreOutput]:
         """A finished step's rows: the scheduler applies them (the output processor's stop rules ending
         samples where they stop), the output processor makes the outputs. `out`: the step when it ran in
         order, None for one launched ahead."""

@@ -221,9 +221,9 @@ class OutputProcessor:
 
     def _text_state(self, seq: Sequence) -> IncrementalText:
         """The sequence's incremental text, extended to its newest known token."""
-        state = seq.text
+        state = seq.text_state
         if state is None:
-            state = seq.text = IncrementalText()
+            state = seq.text_state = IncrementalText()
         skip_special = seq.params.skip_special_tokens
         state.update(lambda ids: self.tokenizer.decode(ids, skip_special), seq.token_ids, seq.num_prompt_tokens,
                      seq.num_known_tokens)
@@ -277,8 +277,8 @@ class OutputProcessor:
             first_token_time=_earliest(t.first_token_time for t in times),
             last_token_time=max((t.last_token_time for t in times if t.last_token_time is not None), default=None))
         return RequestOutput(state.request_id, state.prompt_token_ids, completions,
-                             state.seqs[0].num_cached_tokens or 0, metrics, finished=is_finished, prompt=state.prompt,
-                             prompt_logprobs=prompt_logprobs)
+                             state.seqs[0].num_cached_tokens or 0, metrics, finished=is_finished,
+                             prompt=state.prompt, prompt_logprobs=prompt_logprobs)
 
     def _completion(self, seq: Sequence, num_old_tokens: int = 0, text: str | None = None) -> CompletionOutput:
         """The sample's output from its `num_old_tokens`-th token on (0: all of it); `text` its text from
@@ -303,8 +303,8 @@ class OutputProcessor:
         if not seq.is_finished:
             text = self._text_state(seq).text
             return text[:max(0, len(text) - stop_holdback(seq.params.stop))]
-        if seq.text is not None and seq.text.stop_text is not None:
-            return seq.text.stop_text
+        if seq.text_state is not None and seq.text_state.stop_text is not None:
+            return seq.text_state.stop_text
         return self.tokenizer.decode(_text_token_ids(seq), seq.params.skip_special_tokens)
 
     def _top_logprobs(self, seq: Sequence, start: int = 0) -> list[list[TopLogprob]]:

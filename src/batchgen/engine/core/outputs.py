@@ -127,8 +127,8 @@ def _copy(values: list | None) -> list | None:
 
 
 # A sample's fields that a later DELTA output restates rather than extends.
-_LATEST_FIELDS = ("cumulative_logprob", "finish_reason", "stop_reason", "first_scheduled_time", "first_token_time",
-                  "last_token_time", "num_accepted_tokens", "score")
+_LATEST_FIELDS = ("cumulative_logprob", "finish_reason", "stop_reason", "first_scheduled_time",
+                  "first_token_time", "last_token_time", "num_accepted_tokens", "score")
 
 
 @dataclass

@@ -67,10 +67,14 @@ class StepUpdate:
     """What a step's sampled rows did to the sequences (Scheduler.update_from_output), for the output
     processor."""
 
-    advanced: list[Sequence] = field(default_factory=list)  # got tokens, each once in row order (stopped ones too)
-    finished: list[Sequence] = field(default_factory=list)  # stopped by a token of this step; out of the scheduler
-    beam_candidates: list[tuple[Sequence, list[tuple[int, float]]]] = field(default_factory=list)  # a beam's next tokens
-    prompts_done: list[Sequence] = field(default_factory=list)  # prompt-only sequences whose prompt is computed
+    # Got tokens, each once in row order (stopped ones too).
+    advanced: list[Sequence] = field(default_factory=list)
+    # Stopped by a token of this step (the stop rules said so): already out of the scheduler.
+    finished: list[Sequence] = field(default_factory=list)
+    # A beam's most likely next tokens (token id, logprob), for its group to choose from.
+    beam_candidates: list[tuple[Sequence, list[tuple[int, float]]]] = field(default_factory=list)
+    # Prompt-only sequences (a scored context's parts) whose prompt is now computed.
+    prompts_done: list[Sequence] = field(default_factory=list)
     verifies: list[tuple[int, int]] = field(default_factory=list)  # (drafts, accepted) per verifying sequence
     num_new_tokens: int = 0  # tokens appended (or resolved) in all
 
@@ -202,7 +206,7 @@ class Scheduler:
                 continue
             s = row.scheduled
             seq = s.seq
-            if seq.status is SequenceStatus.FINISHED:  # finished or aborted with this (launched-ahead) row in flight
+            if seq.status is SequenceStatus.FINISHED:  # finished or aborted with this launched-ahead row in flight
                 continue
             if seq.beam is not None:
                 update.beam_candidates.append((seq, row.top_logprobs))
@@ -221,7 +225,8 @@ class Scheduler:
         return update
 
     @staticmethod
-    def _append(seq: Sequence, row: StepResult, is_stopped: Callable[[Sequence], bool], update: StepUpdate) -> bool:
+    def _append(seq: Sequence, row: StepResult, is_stopped: Callable[[Sequence], bool],
+                update: StepUpdate) -> bool:
         """The row's token joins the sequence and advances its grammar; whether the sample stops there."""
         seq.append_token(row.token_id, row.logprob, row.top_logprobs)
         update.num_new_tokens += 1

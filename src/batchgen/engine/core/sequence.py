@@ -2,7 +2,7 @@
 
 Its core state is the tokens, the progress through them, the KV blocks, the status and the sampled
 result; each optional feature keeps its state in one slot (None when the sample does not use it):
-`text` (stop strings, streamed text), `grammar` (structured output), `prompt_logprobs`, `beam`.
+`text_state` (stop strings, streamed text), `grammar` (structured output), `prompt_logprobs`, `beam`.
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ class Sequence:
                  "block_ids", "block_hashes", "num_registered_blocks",
                  "status", "finish_reason", "stop_reason", "cumulative_logprob", "output_logprobs",
                  "output_top_logprobs", "num_accepted_tokens",
-                 "times", "text", "grammar", "prompt_logprobs", "beam")
+                 "times", "text_state", "grammar", "prompt_logprobs", "beam")
 
     def __init__(self, request_id: str, sample_index: int, prompt_token_ids: list[int],
                  params: SamplingParams, arrival_time: float, max_total_tokens: int,
@@ -116,7 +116,7 @@ class Sequence:
         self.num_accepted_tokens = 0  # drafts accepted over the sample's life
         self.times = SequenceTimes(arrival_time)
         # Feature slots (None: not used by this sample).
-        self.text: IncrementalText | None = None  # made by the output processor for stop strings or streams
+        self.text_state: IncrementalText | None = None  # made by the output processor: stop strings, streams
         self.grammar: GrammarState | None = None  # its place in its grammar, advanced with each token
         self.prompt_logprobs = PromptLogprobState(params.prompt_logprobs) if params.prompt_logprobs is not None \
             else None

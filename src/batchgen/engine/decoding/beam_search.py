@@ -14,9 +14,9 @@ does (transformers 5's vectorised version):
   length (`"never"` with length_penalty > 0: at max_tokens) cannot beat the worst kept one; and it ends
   when every one of the K candidates ends (max_tokens reached).
 `BeamGroup.advance` turns the selection into sequences through the output processor's callbacks:
-a beam that continues more than once is forked, its copies holding the same KV blocks (the prompt's and every full block since; the last,
-partial block is copied when a fork first writes into it: kv_cache_manager.py), and a beam with no
-continuation gives its blocks back.
+a beam that continues more than once is forked, its copies holding the same KV blocks (the prompt's
+and every full block since; the last, partial block is copied when a fork first writes into it:
+kv_cache_manager.py), and a beam with no continuation gives its blocks back.
 """
 
 from __future__ import annotations

@@ -1,11 +1,12 @@
 """Prompt log-probabilities, computed in the prefill chunks that run anyway.
 
 A sequence that asks (SamplingParams.prompt_logprobs, or the continuation of a scored context) owes one
-value per prompt token from its state's `start` (sequence.py PromptLogprobState): the log-probability of token i given the
-tokens before it, read from the logits at position i - 1. Each step, every chunk that covers such
-positions keeps those rows: the model hands back their final (normed) hidden states, and the logits are
-made here a slice of rows at a time, so a long prompt never holds a (tokens, vocabulary) tensor. The
-values go back to the host in the step's one read-back, beside the sampled tokens.
+value per prompt token from its state's `start` (sequence.py PromptLogprobState): the log-probability
+of token i given the tokens before it, read from the logits at position i - 1. Each step, every chunk
+that covers such positions keeps those rows: the model hands back their final (normed) hidden states,
+and the logits are made here a slice of rows at a time, so a long prompt never holds a (tokens,
+vocabulary) tensor. The values go back to the host in the step's one read-back, beside the sampled
+tokens.
 
 A chunk only computes positions it runs, and a sequence only records positions in order: a chunked
 prefill records its rows chunk by chunk, and a preempted sequence skips the rows it already has when it

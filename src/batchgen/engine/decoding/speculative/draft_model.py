@@ -1,8 +1,9 @@
 """Draft-model proposals: a smaller model with the same vocabulary drafts k tokens autoregressively.
 
 The draft runs through the engine's own pieces (an LLMEngine of its own, made by the class the target
-hands over: loader, KV cache manager, model runner, sampler) on its own KV pool. Each target sequence has a mirror sequence in the draft
-engine that holds the draft's KV for the target's tokens plus its own last proposals; after a verify
+hands over: loader, KV cache manager, model runner, sampler) on its own KV pool. Each target sequence
+has a mirror sequence in the draft engine that holds the draft's KV for the target's tokens plus its
+own last proposals; after a verify
 step the mirror keeps the KV of the common prefix (num_computed_tokens rolled back) and catches up
 with the target's new tokens in its next round's first chunk. The mirror samples with the target
 sequence's key, so at each position the draft's token comes from the same keyed draw as the
