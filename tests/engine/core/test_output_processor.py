@@ -148,6 +148,9 @@ def test_delta_outputs_join_into_the_final_only_output(stop):
     strip = (lambda o: [(c.index, c.text, c.token_ids, c.logprobs, c.top_logprobs, c.finish_reason, c.stop_reason)
                         for c in o.outputs])
     assert strip(joined) == strip(whole)
+    # Each sample's end is sent once, in the step it finished (the first one's before the request's end).
+    ends = [(i, c.index) for i, d in enumerate(deltas) for c in d.outputs if c.finish_reason]
+    assert sorted(index for _, index in ends) == [0, 1] and ends[0][0] < len(deltas) - 1
     streamed = "".join(c.text for d in deltas[:-1] for c in d.outputs if c.index == 0)
     assert whole.outputs[0].text.startswith(streamed)
     if stop:
