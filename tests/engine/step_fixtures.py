@@ -115,9 +115,9 @@ def make_seq(request_id: str, prompt: list[int], params: SamplingParams, first_b
 
 def advance(results) -> None:
     """What the engine does after a step: the chunk is computed, the sampled token appended."""
-    for s, token, logprob, top in results:
-        s.seq.num_computed_tokens += s.num_new_tokens
-        s.seq.append_token(token, logprob, top)
+    for r in results:
+        r.scheduled.seq.num_computed_tokens += r.scheduled.num_new_tokens
+        r.scheduled.seq.append_token(r.token_id, r.logprob, r.top_logprobs)
 
 
 def prefill(seqs: list[Sequence]) -> list[ScheduledSeq]:

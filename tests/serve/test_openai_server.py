@@ -104,6 +104,30 @@ def test_n2_with_a_seed_gives_two_texts_the_same_on_every_call_as_llm_generate(c
     assert [c.message.content for c in other_seed.choices] != texts
 
 
+def test_a_stream_of_two_samples_with_logprobs_and_a_stop_string_equals_the_reply(client):
+    """The engine's DELTA outputs as chunks: per choice the text, the tokens with their logprobs and top
+    alternatives, and the finish reason join into the non-streamed reply's."""
+    kwargs = dict(model=MODEL, messages=chat(QUESTIONS[1]), n=2, temperature=0.8, seed=42, max_tokens=16,
+                  logprobs=True, top_logprobs=2)
+    probe = client.chat.completions.create(**kwargs)
+    kwargs["stop"] = [probe.choices[0].message.content.split()[3]]  # ends choice 0 part way
+    whole = client.chat.completions.create(**kwargs)
+    assert whole.choices[0].finish_reason == "stop"
+
+    def entries(content) -> list:
+        return [(t.token, t.logprob, [top.token for top in t.top_logprobs]) for t in content]
+
+    texts, tokens, reasons = ["", ""], [[], []], [None, None]
+    for chunk in client.chat.completions.create(**kwargs, stream=True):
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+            tokens[choice.index] += entries(choice.logprobs.content) if choice.logprobs else []
+            reasons[choice.index] = choice.finish_reason or reasons[choice.index]
+    assert texts == [c.message.content for c in whole.choices] and all(texts)
+    assert tokens == [entries(c.logprobs.content) for c in whole.choices]
+    assert reasons == [c.finish_reason for c in whole.choices]
+
+
 def test_logprobs_shapes_as_openai(client):
     reply = client.chat.completions.create(model=MODEL, messages=chat(QUESTIONS[0]), max_tokens=6, temperature=0,
                                            logprobs=True, top_logprobs=3)

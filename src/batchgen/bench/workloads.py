@@ -93,7 +93,8 @@ def random_workload(num_requests: int, input_len_min: int, input_len_max: int, o
 # ---- chat -----------------------------------------------------------------------------------------
 def default_chat_prompts_path() -> Path:
     """The committed prompt set: jobs/data/ beside the source tree (editable install), else under cwd."""
-    repo_file = Path(__file__).resolve().parents[3] / "jobs"  # src/batchgen/bench/ -> the checkout / "data" / CHAT_PROMPTS_FILE
+    # src/batchgen/bench/ -> the checkout
+    repo_file = Path(__file__).resolve().parents[3] / "jobs" / "data" / CHAT_PROMPTS_FILE
     return repo_file if repo_file.exists() else Path("jobs") / "data" / CHAT_PROMPTS_FILE
 
 

@@ -10,6 +10,7 @@ from batchgen.engine.core.outputs import (
     Logprob,
     RequestMetrics,
     RequestOutput,
+    RequestOutputKind,
     ScoreOutput,
     TopLogprob,
 )
@@ -27,6 +28,7 @@ __all__ = [
     "Logprob",
     "RequestMetrics",
     "RequestOutput",
+    "RequestOutputKind",
     "SamplingParams",
     "ScoreOutput",
     "TopLogprob",

@@ -12,7 +12,7 @@ from batchgen.engine.decoding.beam_search import BeamSearchOutput, BeamSearchPar
 from batchgen.engine.text.chat_template import ChatTemplateOptions
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.core.llm_engine import LLMEngine
-from batchgen.engine.core.outputs import RequestOutput, ScoreOutput
+from batchgen.engine.core.outputs import RequestOutput, RequestOutputKind, ScoreOutput
 from batchgen.engine.sampling.sampling_params import SamplingParams
 from batchgen.engine.decoding.score_group import encode_continuations
 
@@ -146,6 +146,8 @@ class LLM:
 
         def add(request_id: str, item: tuple[_Prompt, SamplingParams]) -> None:
             prompt, params = item
+            if params.output_kind is not RequestOutputKind.FINAL_ONLY:  # as vLLM's LLM: one output per request
+                params = dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
             # A seeded request's samples depend on (seed, sample index) alone, as the server's do:
             # the same prompt and seed give the same samples in any call. Unseeded ones are keyed by
             # this LLM's request counter (reproducible from a fresh LLM), and by the engine's seed if set.

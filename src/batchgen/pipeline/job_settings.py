@@ -49,6 +49,8 @@ SAMPLING_ONLY = {
     "prompt_logprobs": "a job scores text with task: loglikelihood (each given continuation's "
                        "log-probability after the prompt); the prompt's own log-probabilities are the "
                        "Python API's and the server's (echo)",
+    "output_kind": "a job writes each request once, when it finishes (FINAL_ONLY); per-step outputs are "
+                   "for streams (the server's, an LLMEngine caller's)",
 }
 
 # Job keys that set a SamplingParams field of another name, with why: job key -> (field, reason).

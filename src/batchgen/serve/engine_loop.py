@@ -7,15 +7,17 @@ strings for logprobs): a Rust tokenizer shared by two threads can fail with "Alr
 Large prompts arrive already encoded, by the PromptEncoder's own copy (prompt_encoder.py).
 
 Results go back to the asyncio side through each request's EventSink (call_soon_threadsafe onto an
-asyncio.Queue): a streaming request gets a Progress event per step with its new text and tokens;
-every request ends with one Finished (all its samples, or for a stream their last pieces) or one
-Failed event. A request that fails (its prompt is refused, its output cannot be formatted) fails
-alone; a step that raises fails the requests in the engine, and the loop goes on serving.
+asyncio.Queue): a streaming request asks the engine for DELTA outputs (SamplingParams.output_kind) and
+gets a Progress event per step with the new text and tokens of its unfinished samples; every request
+ends with one Finished (all its samples, or for a stream their last pieces) or one Failed event. A
+request that fails (its prompt is refused, its output cannot be formatted) fails alone; a step that
+raises fails the requests in the engine, and the loop goes on serving.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import queue
 import threading
@@ -25,11 +27,9 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from batchgen.engine import CompletionOutput, LLMEngine, RequestOutput, SamplingParams, TopLogprob
-from batchgen.engine.core.outputs import PromptLogprobs
-from batchgen.engine.core.sequence import Sequence, SequenceStatus
+from batchgen.engine.core.outputs import PromptLogprobs, RequestOutputKind
 from batchgen.openai.api_error import APIError
 from batchgen.serve.metrics import EngineGauges, Metrics
-from batchgen.serve.text_stream import TextStream
 
 log = logging.getLogger("batchgen.serve")
 
@@ -69,15 +69,19 @@ class PromptEcho:
     prompt_logprobs: PromptLogprobs | None  # vLLM's per-position {token id: Logprob}
 
 
-def completion_delta(c: CompletionOutput, token_texts) -> SampleDelta:
-    """A finished sample as a whole-sample delta: its logprob entries from the output itself (the tokens'
-    texts from `token_texts`, Tokenizer.token_texts)."""
+def completion_delta(c: CompletionOutput, token_texts, text: str | None = None, start: int = 0,
+                     end: int | None = None) -> SampleDelta:
+    """A sample's tokens [start, end) (default: all, a finished sample whole) as a delta with `text`
+    (default: the sample's): its logprob entries from the output itself (the tokens' texts from
+    `token_texts`, Tokenizer.token_texts)."""
+    token_ids = list(c.token_ids[start:end])
     logprobs = None
     if c.logprobs is not None:
-        tops = c.top_logprobs or [[] for _ in c.token_ids]
-        logprobs = [TokenLogprob(t, text, lp, list(top))
-                    for t, text, lp, top in zip(c.token_ids, token_texts(list(c.token_ids)), c.logprobs, tops)]
-    return SampleDelta(c.index, c.text, list(c.token_ids), logprobs, c.finish_reason, c.stop_reason)
+        tops = c.top_logprobs[start:end] if c.top_logprobs else [[] for _ in token_ids]
+        logprobs = [TokenLogprob(t, token, lp, list(top))
+                    for t, token, lp, top in zip(token_ids, token_texts(token_ids), c.logprobs[start:end], tops)]
+    return SampleDelta(c.index, c.text if text is None else text, token_ids, logprobs, c.finish_reason,
+                       c.stop_reason)
 
 
 def prompt_echo(out: RequestOutput, tokenizer) -> PromptEcho:
@@ -161,8 +165,9 @@ class Submission:
 @dataclass
 class _Record:
     submission: Submission
-    seqs: list[Sequence]
-    streams: list[TextStream] = field(default_factory=list)
+    num_samples: int
+    output: RequestOutput | None = None  # a stream's DELTA outputs so far, joined (RequestOutput.add)
+    sent: dict[int, tuple[int, int]] = field(default_factory=dict)  # a stream's sample index -> (chars, tokens)
 
 
 class EngineLoop:
@@ -257,7 +262,7 @@ class EngineLoop:
             elif kind == "abort" and item in self._records:
                 record = self._records.pop(item)
                 self.engine.abort_request(item)
-                self.metrics.count_end("abort", len(record.seqs))
+                self.metrics.count_end("abort", record.num_samples)
                 num_aborted += 1
         if num_aborted:
             self._publish()  # the freed blocks show now, not after the next step
@@ -282,6 +287,8 @@ class EngineLoop:
             return
         try:
             token_ids, params = sub.prepare(self.engine)
+            if sub.is_streaming:  # each step's new tokens and text come back from the engine
+                params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
             self.engine.add_request(sub.request_id, None, params, prompt_token_ids=token_ids,
                                     sample_key=sub.sample_key)
         except APIError as exc:
@@ -295,75 +302,63 @@ class EngineLoop:
             error = APIError(500, f"cannot add the request: {exc}", code="engine_error")
             sub.sink.put(Failed(sub.request_id, error))
             return
-        seqs = self.engine.sequences(sub.request_id)
-        decode = self.engine.tokenizer.decode
-        streams = [TextStream(lambda ids, s=params.skip_special_tokens: decode(ids, s), params.stop)
-                   for _ in seqs] if sub.is_streaming else []
-        self._records[sub.request_id] = _Record(sub, seqs, streams)
+        self._records[sub.request_id] = _Record(sub, params.n)
         sub.sink.put(Admitted(sub.request_id))
 
-    def _emit(self, finished: list[RequestOutput]) -> None:
-        done = {out.request_id: out for out in finished}
-        for request_id, record in list(self._records.items()):
-            out = done.get(request_id)
-            if out is None and not record.streams:
+    def _emit(self, outputs: list[RequestOutput]) -> None:
+        """The step's outputs as events: a non-streaming request's when it finished, a stream's (DELTA)
+        each step it advanced."""
+        for out in outputs:
+            record = self._records.get(out.request_id)
+            if record is None:  # failed or aborted meanwhile
                 continue
             try:
-                if out is not None:
-                    del self._records[request_id]
-                    deltas = [self._final_delta(record, c) for c in out.outputs]
-                    prompt = None
-                    if record.submission.echo or out.prompt_logprobs is not None:
-                        prompt = prompt_echo(out, self.engine.tokenizer)
-                    self.metrics.record_finished(out, record.submission.arrival_time)
-                    record.submission.sink.put(Finished(request_id, out, deltas, prompt))
+                if record.submission.is_streaming:
+                    record.output = out if record.output is None else record.output.add(out)
+                if out.finished:
+                    self._finish(record, record.output or out)
                 else:
-                    deltas = [d for i in range(len(record.seqs)) if (d := self._progress_delta(record, i))]
-                    if deltas:
-                        record.submission.sink.put(Progress(request_id, deltas))
+                    self._progress(record, out)
             except Exception as exc:  # formatting this request failed: it alone fails
-                log.exception("cannot emit request %s", request_id)
-                self._records.pop(request_id, None)
-                self.engine.abort_request(request_id)
-                self.metrics.count_end("error", len(record.seqs))
-                record.submission.sink.put(Failed(request_id, APIError(500, f"internal error: {exc}",
-                                                                      code="internal_error")))
+                log.exception("cannot emit request %s", out.request_id)
+                self._records.pop(out.request_id, None)
+                self.engine.abort_request(out.request_id)
+                self.metrics.count_end("error", record.num_samples)
+                record.submission.sink.put(Failed(out.request_id, APIError(500, f"internal error: {exc}",
+                                                                          code="internal_error")))
 
-    def _progress_delta(self, record: _Record, index: int) -> SampleDelta | None:
-        seq, stream = record.seqs[index], record.streams[index]
-        if seq.is_finished:  # its text (a stop string cut off) comes with the request's end
-            return None
-        # The tokens read back so far (with async scheduling the newest may still be on the device).
-        token_ids = seq.output_token_ids
-        text = stream.advance(token_ids)
-        if not text and seq.params.logprobs is None:
-            return None
-        start, end = stream.take_tokens(len(token_ids))
-        if not text and start == end:
-            return None
-        return SampleDelta(index, text, token_ids[start:end], self._logprobs(seq, start, end))
+    def _finish(self, record: _Record, out: RequestOutput) -> None:
+        """The request's whole output: each sample whole, or for a stream what it has not sent yet."""
+        del self._records[out.request_id]
+        deltas = [self._unsent(record, c) if record.submission.is_streaming
+                  else completion_delta(c, self.engine.tokenizer.token_texts) for c in out.outputs]
+        prompt = None
+        if record.submission.echo or out.prompt_logprobs is not None:
+            prompt = prompt_echo(out, self.engine.tokenizer)
+        self.metrics.record_finished(out, record.submission.arrival_time)
+        record.submission.sink.put(Finished(out.request_id, out, deltas, prompt))
 
-    def _final_delta(self, record: _Record, completion) -> SampleDelta:
-        if not record.streams:  # the whole sample (a beam search's beams are not its sequences)
-            return completion_delta(completion, self.engine.tokenizer.token_texts)
-        seq = record.seqs[completion.index]
-        stream = record.streams[completion.index]
-        text = stream.finish(completion.text)
-        start, end = stream.take_tokens(len(completion.token_ids))
-        return SampleDelta(completion.index, text, completion.token_ids[start:end],
-                           self._logprobs(seq, start, end), completion.finish_reason, completion.stop_reason)
+    def _progress(self, record: _Record, delta: RequestOutput) -> None:
+        """What a stream's unfinished samples added: text (held back by the engine while a stop string
+        may still cut it), and tokens once they have text or logprobs are asked. A sample that finished
+        sends its last piece with the request's end."""
+        joined = {c.index: c for c in record.output.outputs}
+        deltas = []
+        for c in delta.outputs:
+            if c.finish_reason is None and (d := self._unsent(record, joined[c.index], is_finished=False)):
+                deltas.append(d)
+        if deltas:
+            record.submission.sink.put(Progress(delta.request_id, deltas))
 
-    def _logprobs(self, seq: Sequence, start: int, end: int) -> list[TokenLogprob] | None:
-        if seq.params.logprobs is None:
+    def _unsent(self, record: _Record, c: CompletionOutput, is_finished: bool = True) -> SampleDelta | None:
+        """The part of a stream's sample (joined so far) not sent yet; None when an unfinished one has
+        nothing worth a chunk."""
+        num_chars, num_tokens = record.sent.get(c.index, (0, 0))
+        text = c.text[num_chars:]
+        if not is_finished and not text and (c.logprobs is None or num_tokens == len(c.token_ids)):
             return None
-        chosen = seq.output_token_ids[start:end]
-        tops = seq.output_top_logprobs[start:end] if seq.params.num_top_logprobs else [[] for _ in chosen]
-        ids = chosen + [token_id for top in tops for token_id, _ in top]
-        texts = iter(self.engine.tokenizer.token_texts(ids))
-        chosen_texts = [next(texts) for _ in chosen]
-        chosen_logprobs = seq.output_logprobs[start:end]
-        return [TokenLogprob(token_id, token, logprob, [TopLogprob(t, next(texts), lp) for t, lp in top])
-                for token_id, token, logprob, top in zip(chosen, chosen_texts, chosen_logprobs, tops)]
+        record.sent[c.index] = (len(c.text), len(c.token_ids))
+        return completion_delta(c, self.engine.tokenizer.token_texts, text, num_tokens)
 
     def _fail_all(self, error: APIError) -> None:
         if self._records:
@@ -373,14 +368,14 @@ class EngineLoop:
                 self.engine.abort_request(request_id)
             except Exception:  # the engine's state may be what failed; the request ends regardless
                 log.exception("cannot abort request %s", request_id)
-            self.metrics.count_end("error", len(record.seqs))
+            self.metrics.count_end("error", record.num_samples)
             record.submission.sink.put(Failed(request_id, error))
         self._records.clear()
 
     def _publish(self) -> None:
         scheduler, manager = self.engine.scheduler, self.engine.kv_cache_manager
         pool = manager.pool
-        running = {seq.request_id for seq in scheduler.running if seq.status == SequenceStatus.RUNNING}
+        running = scheduler.running_request_ids()
         self.metrics.publish(EngineGauges(
             num_requests_running=len(running),
             num_requests_waiting=len(self._records) - len(running & self._records.keys()),

@@ -20,7 +20,7 @@ from __future__ import annotations
 import pytest
 
 from batchgen.bench import structured_quality as quality
-from batchgen.engine import LLMEngine, SamplingParams
+from batchgen.engine import LLMEngine, RequestOutputKind, SamplingParams
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.runner.decode_graphs import EagerCapturer
 from batchgen.engine.runner.device_stream import ThreadStream
@@ -132,16 +132,21 @@ def test_abort_with_a_step_in_flight_drops_its_rows(tiny_in_order):
 
 
 def test_a_streaming_caller_sees_only_tokens_read_back(tiny_in_order):
-    """Between steps a sequence's output_token_ids (what the server streams) are the tokens read back so
-    far, a prefix of its final output, while its pending token is counted in num_output_tokens."""
+    """A DELTA request's outputs (what the server streams) carry the tokens read back so far: joined they
+    are a prefix of the final output after every step, while its pending token is counted in
+    num_output_tokens."""
     engine = tiny_engine(tiny_in_order, True)
-    engine.add_request("s", [5, 6, 7], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    engine.add_request("s", [5, 6, 7], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
+                                                      output_kind=RequestOutputKind.DELTA))
     seq = engine.sequences("s")[0]
-    seen, outputs = [], []
+    joined, seen = [], []
     while engine.has_unfinished():
-        outputs += engine.step()
-        seen.append((list(seq.output_token_ids), seq.num_output_tokens))
-    final = outputs[0].outputs[0].token_ids
+        for out in engine.step():
+            joined += out.outputs[0].token_ids
+        seen.append((list(joined), seq.num_output_tokens))
+    final = run_requests(tiny_engine(tiny_in_order, True), {"s": ([5, 6, 7], SamplingParams(
+        temperature=0, max_tokens=8, ignore_eos=True))})["s"].outputs[0].token_ids
+    assert joined == final and len(final) == 8
     assert all(final[:len(ids)] == ids for ids, _ in seen)
     assert any(count == len(ids) + 1 for ids, count in seen)  # a token pending on the device, not shown
 

@@ -17,7 +17,7 @@ from batchgen.engine.config import EngineConfig, SettingError, SpeculativeConfig
 from batchgen.engine.kv.kv_cache_manager import KVCacheManager
 from batchgen.engine.llm import _speculative_alias
 from batchgen.engine.core.sequence import Sequence
-from batchgen.engine.decoding.speculative import num_accepted
+from batchgen.engine.core.scheduler import num_accepted
 from batchgen.engine.decoding.speculative.ngram import propose_ngram
 from tests.conftest import MODEL
 from tests.engine.helpers import run_requests

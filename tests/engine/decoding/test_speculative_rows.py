@@ -113,8 +113,8 @@ def plain_decode(num_decodes: int):
     rows = {seq.request_id: [] for seq in seqs}
     for _ in range(num_decodes):
         results = runner.execute(decode(seqs))
-        for s, token, logprob, top in results:
-            rows[s.seq.request_id].append((token, logprob, top))
+        for r in results:
+            rows[r.scheduled.seq.request_id].append((r.token_id, r.logprob, r.top_logprobs))
         advance(results)
     return runner, seqs, rows
 
@@ -137,14 +137,14 @@ def test_a_verify_chunk_keeps_what_plain_decoding_emits_and_rolls_back(num_right
     results = runner.execute(scheduled)
     assert len(results) == len(seqs) * (num_right + 2)
     for seq in seqs:
-        rows = [r for r in results if r[0].seq is seq]
+        rows = [r for r in results if r.scheduled.seq is seq]
         expected = plain_rows[seq.request_id][:num_right + 1]  # the accepted drafts, then plain's own token
-        assert [r[1] for r in rows[:num_right + 1]] == [t for t, _, _ in expected]
-        for (_, _, logprob, top), (_, plain_logprob, plain_top) in zip(rows, expected):
-            assert logprob == pytest.approx(plain_logprob, abs=1e-4)
-            assert (top is None) == (plain_top is None)
-            if top is not None:
-                assert [t for t, _ in top] == [t for t, _ in plain_top]
+        assert [r.token_id for r in rows[:num_right + 1]] == [t for t, _, _ in expected]
+        for r, (_, plain_logprob, plain_top) in zip(rows, expected):
+            assert r.logprob == pytest.approx(plain_logprob, abs=1e-4)
+            assert (r.top_logprobs is None) == (plain_top is None)
+            if r.top_logprobs is not None:
+                assert [t for t, _ in r.top_logprobs] == [t for t, _ in plain_top]
         # What the engine does: keep num_right drafts + the target's token, roll back the rest.
         num_rejected = len(seq.draft_token_ids) - num_right
         seq.num_computed_tokens += 1 + len(seq.draft_token_ids) - num_rejected
@@ -156,7 +156,7 @@ def test_a_verify_chunk_keeps_what_plain_decoding_emits_and_rolls_back(num_right
             kept = torch.bincount(torch.tensor(seq.output_token_ids), minlength=TINY_VOCAB).to(torch.int32)
             assert torch.equal(runner.penalties.output_counts[row], kept)
     results = runner.execute(decode(seqs))
-    for s, token, _, _ in results:
-        assert token == plain_rows[s.seq.request_id][num_right + 1][0]
-        s.seq.token_ids.append(token)
+    for r in results:
+        assert r.token_id == plain_rows[r.scheduled.seq.request_id][num_right + 1][0]
+        r.scheduled.seq.token_ids.append(r.token_id)
     assert [seq.output_token_ids for seq in seqs] == [p.output_token_ids for p in plain_seqs]

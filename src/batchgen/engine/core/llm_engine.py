@@ -1,12 +1,17 @@
-"""LLMEngine: add_request / step / has_unfinished, the loop the pipeline drives."""
+"""LLMEngine: add_request / step / has_unfinished, the loop the pipeline drives.
+
+A step, as vLLM v1 splits it: the scheduler picks the chunks (`Scheduler.schedule`), the executor runs
+them and samples (a StepResult per sampled row), the scheduler applies the rows to the sequences
+(`Scheduler.update_from_output`: tokens, speculative acceptance, grammar acceptance, pending tokens),
+and the output processor turns that into outputs (output_processor.py: stop rules, finishing, beams,
+scores, detokenizing, RequestOutput / ScoreOutput).
+"""
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import logging
 import time
-from dataclasses import dataclass
 
 import torch
 
@@ -21,14 +26,13 @@ from batchgen.engine.kv.gpu_memory import GpuMemoryPlan
 from batchgen.engine.kv.kv_cache_manager import KVCacheManager
 from batchgen.engine.loader.model_loader import LoadedModel
 from batchgen.engine.runner.model_runner import LaunchedStep, ModelRunner, StepResult
-from batchgen.engine.core.outputs import CompletionOutput, RequestMetrics, RequestOutput, ScoreOutput, TopLogprob
-from batchgen.engine.decoding.prompt_logprobs import prompt_logprobs_output
+from batchgen.engine.core.output_processor import OutputProcessor, RequestState
+from batchgen.engine.core.outputs import RequestOutput, ScoreOutput
 from batchgen.engine.sampling.sampling_params import SamplingParams
-from batchgen.engine.core.scheduler import Scheduler
-from batchgen.engine.decoding.score_group import ScoreGroup
+from batchgen.engine.core.scheduler import Scheduler, SchedulerOutput
+from batchgen.engine.decoding.score_group import ScoreGroup, check_score_request
 from batchgen.engine.core.sequence import Sequence
-from batchgen.engine.decoding.speculative import SpecDecoder, num_accepted
-from batchgen.engine.decoding.stop_strings import IncrementalText, find_stop_string
+from batchgen.engine.decoding.speculative import SpecDecoder
 from batchgen.engine.decoding.structured.manager import StructuredOutputManager
 from batchgen.engine.text.tokenizer import Messages, Tokenizer
 
@@ -37,18 +41,7 @@ log = logging.getLogger("batchgen.engine")
 PromptInput = str | Messages | list[int]
 
 
-@dataclass
-class _RequestState:
-    request_id: str
-    prompt_token_ids: list[int]
-    seqs: list[Sequence]  # its live sequences (a beam search's beams, a scored context's parts)
-    arrival_time: float
-    prompt: str | None
-    beam: BeamGroup | None = None
-    score: ScoreGroup | None = None
-
-
-def needs_tokens_on_host(state: _RequestState) -> bool:
+def needs_tokens_on_host(state: RequestState) -> bool:
     """Whether a request's next step depends on its last step's results on the host, so that steps must
     run in order while it is unfinished: a grammar's next mask on the token just sampled, a beam
     search's next beams on its candidates, a scored context's forks on its end, the next prefill
@@ -143,10 +136,13 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.kv_cache_manager)
         self.executor.start(loaded, num_blocks, self.eos_token_ids, self.max_model_len)
         self.timings = self.runner.timings  # host time per step, by part (bench --workload overhead)
-        self.requests: dict[str, _RequestState] = {}
         self.num_generated_tokens = 0  # tokens appended to sequences since start (progress rates)
         # Speculative decoding (off: None). A draft model loads here, after the target's KV pool.
-        self.spec = SpecDecoder(config.speculative, self) if config.speculative is not None else None
+        self.spec = None if config.speculative is None else SpecDecoder(config.speculative, self, LLMEngine)
+        self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self.scheduler,
+                                                self.kv_cache_manager, self.max_model_len, self._release,
+                                                is_speculative=self.spec is not None)
+        self.requests = self.output_processor.requests  # the unfinished requests, by id
         # Async scheduling: the step launched last, collected by the next call (None: none in flight),
         # and the unfinished requests that need each step's results on the host (steps run in order
         # while there is one: needs_tokens_on_host).
@@ -210,12 +206,13 @@ class LLMEngine:
         for seq, grammar in zip(seqs, grammars or ()):
             seq.grammar = grammar
         for seq in seqs[1:]:  # the n samples share one prompt: sample 0 computes its log-probabilities
-            seq.num_prompt_top_logprobs = None
-        state = _RequestState(request_id, token_ids, seqs, now, prompt if isinstance(prompt, str) else None)
+            seq.prompt_logprobs = None
+        state = RequestState(request_id, token_ids, seqs, now, prompt if isinstance(prompt, str) else None,
+                             params.output_kind)
         if params.is_beam_search:
             state.beam = BeamGroup(params, self.eos_token_ids, beams=list(seqs))
             seqs[0].beam = state.beam
-        self.requests[request_id] = state
+        self.output_processor.add(state)
         if self.is_async and needs_tokens_on_host(state):
             self.in_order_requests.add(request_id)
         for seq in seqs:
@@ -246,33 +243,13 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in the engine")
         self.check_tensor_parallel_support(None)
-        if not context_token_ids:
-            raise ValueError("the context is empty")
-        if not continuation_token_ids:
-            raise ValueError("there are no continuations to score")
-        for i, ids in enumerate(continuation_token_ids):
-            if not ids:
-                raise ValueError(f"continuation {i} is empty (no token after the context)")
-            if len(context_token_ids) + len(ids) > self.max_model_len:
-                raise ValueError(f"the context ({len(context_token_ids)} tokens) and continuation {i} "
-                                 f"({len(ids)}) exceed max_model_len {self.max_model_len}")
-        if any(t < 0 or t >= self.model_cfg.vocab_size for ids in (context_token_ids, *continuation_token_ids)
-               for t in ids):
-            raise ValueError(f"a token id is outside the vocabulary [0, {self.model_cfg.vocab_size})")
+        check_score_request(context_token_ids, continuation_token_ids, self.max_model_len,
+                            self.model_cfg.vocab_size)
         now = time.monotonic()
-        params = SamplingParams(temperature=0.0, max_tokens=1)  # never sampled: the parts are prompt-only
         group = ScoreGroup(request_id, list(context_token_ids), [list(c) for c in continuation_token_ids], now)
-        state = _RequestState(request_id, group.context_token_ids, [], now, None, score=group)
-        if len(context_token_ids) > 1:
-            context = Sequence(request_id, 0, group.context_token_ids[:-1], params, now, self.max_model_len,
-                               sample_key)
-            context.is_prompt_only = True
-            group.context = context
-            state.seqs = [context]
-        else:  # nothing to share before the continuations' own first position
-            state.seqs = [group.continuation(i, params, self.max_model_len, sample_key)
-                          for i in range(len(continuation_token_ids))]
-        self.requests[request_id] = state
+        seqs = group.first_sequences(self.max_model_len, sample_key)
+        state = RequestState(request_id, group.context_token_ids, seqs, now, None, score=group)
+        self.output_processor.add(state)
         if self.is_async:
             self.in_order_requests.add(request_id)
         for seq in state.seqs:
@@ -282,7 +259,7 @@ class LLMEngine:
         """Drop an unfinished request: its sequences leave the waiting and running queues and their
         KV blocks go back to the pool (full blocks keep their prefix-cache hashes, as on finishing).
         No output is made. False when the id is not in the engine (finished, aborted or never added)."""
-        state = self.requests.pop(request_id, None)
+        state = self.output_processor.remove(request_id)
         if state is None:
             return False
         for seq in state.seqs:
@@ -293,7 +270,8 @@ class LLMEngine:
 
     def sequences(self, request_id: str) -> list[Sequence]:
         """The live sequences of an unfinished request (its n samples, a beam search's beams, a scored
-        context's parts), for callers that stream tokens as they come."""
+        context's parts), for tests and diagnostics; a stream asks for its outputs instead
+        (SamplingParams.output_kind)."""
         return self.requests[request_id].seqs
 
     def has_unfinished(self) -> bool:
@@ -304,19 +282,23 @@ class LLMEngine:
         return len(self.requests)
 
     # ---- the loop -------------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
-        """Schedule, run the model once, sample; returns the requests that finished in this step.
+    def step(self) -> list[RequestOutput | ScoreOutput]:
+        """Schedule, run the model once, sample; returns the step's outputs, per request as its
+        SamplingParams.output_kind asks (outputs.py RequestOutputKind): FINAL_ONLY (the default) and
+        scored contexts its output when it finished in this step; DELTA and CUMULATIVE also one each step
+        it advanced (`finished` False until its last). A caller that adds FINAL_ONLY requests only gets
+        finished outputs, as before output kinds existed.
 
         With async scheduling (`EngineConfig.is_async_scheduling`) a call launches the next step, then
-        collects the one the previous call launched: the requests it returns are those that step
-        finished (one call later than in order). While a request needs each step's results on the host
+        collects the one the previous call launched: the outputs it returns are that step's (one call
+        later than in order). While a request needs each step's results on the host
         (needs_tokens_on_host) or the decode graphs wait for their first step, the call collects the
         step in flight and runs an in-order step."""
         if self.is_async:
             return self._step_async()
         return self._step_in_order()
 
-    def _step_in_order(self) -> list[RequestOutput]:
+    def _step_in_order(self) -> list[RequestOutput | ScoreOutput]:
         start = time.perf_counter()
         if self.spec is not None:
             self.spec.propose(self.scheduler.running)  # drafts for the sequences about to decode
@@ -332,56 +314,13 @@ class LLMEngine:
         num_live = min(len(self.scheduler.running) + len(self.scheduler.waiting), self.config.max_num_seqs)
         results = self.executor.execute(out.scheduled, num_live, out.blocks_to_copy)
         executed = time.perf_counter()
-        for s in out.scheduled:
-            s.seq.num_computed_tokens += s.num_new_tokens
-        finished: list[RequestOutput | ScoreOutput] = []
-        num_verifies = 0
-        reported: dict[int, BeamGroup] = {}  # beam groups with candidates from this step
-        for _, group in itertools.groupby(results, key=lambda r: id(r[0])):  # a verify chunk: 1 + k rows
-            rows = list(group)
-            s = rows[0][0]
-            seq = s.seq
-            if seq.beam is not None:  # its next token is chosen with the rest of its group
-                seq.beam_candidates = rows[0][3]
-                reported[id(seq.beam)] = seq.beam
-                continue
-            if s.num_draft_tokens:
-                # Keep the drafts plain decoding agrees with, then its own token there; the KV of the
-                # rejected drafts' positions is overwritten by later steps.
-                drafts = seq.draft_token_ids
-                accepted = num_accepted(drafts, [r[1] for r in rows])
-                seq.num_computed_tokens -= len(drafts) - accepted
-                rows = rows[:accepted + 1]
-                seq.num_accepted_tokens += accepted
-                self.spec.stats.count(len(drafts), accepted)
-                num_verifies += 1
-                seq.draft_token_ids = []
-            for _, token, logprob, top in rows:
-                seq.append_token(token, logprob, top)
-                self.num_generated_tokens += 1
-                if seq.grammar is not None and not seq.grammar.accept_token(token):
-                    raise RuntimeError(f"request {seq.request_id!r} sampled token {token}, which its grammar's "
-                                       "mask did not allow")
-                if self._check_stop(seq):  # inside an accepted run: where plain decoding stops
-                    self._finish(seq, finished)
-                    break
-            else:
-                if s.num_draft_tokens:  # blocks only rejected drafts reached go back
-                    self.kv_cache_manager.trim(seq)
-        for s in out.scheduled:  # prompt-only sequences whose prompt is now computed
-            if s.seq.is_prompt_only and s.seq.num_computed_tokens == s.seq.num_tokens:
-                self._prompt_done(s.seq, finished)
-        for beams in reported.values():
-            if beams.is_ready and beams.beams[0].request_id in self.requests:
-                self._advance_beams(self.requests[beams.beams[0].request_id], finished)
-        if num_verifies:
-            self.spec.stats.num_spec_steps += 1
+        outputs = self._process(out, results)
         timings = self.timings
         timings.num_steps += 1
         timings.add(schedule=scheduled - start, process=time.perf_counter() - executed)
-        return finished
+        return outputs
 
-    def _step_async(self) -> list[RequestOutput]:
+    def _step_async(self) -> list[RequestOutput | ScoreOutput]:
         """Schedule and launch step N+1 with step N still on the device (its sampled tokens counted as
         pending: the scheduler needs only how many there are, and N+1 reads their ids on the device),
         then wait for step N alone and process it. The host's schedule and prepare of N+1 overlap N."""
@@ -389,11 +328,11 @@ class LLMEngine:
             self.in_order_requests = {rid for rid in self.in_order_requests
                                       if rid in self.requests and needs_tokens_on_host(self.requests[rid])}
         if self.in_order_requests or self.runner.is_capture_pending:
-            finished: list[RequestOutput] = []
+            outputs: list[RequestOutput | ScoreOutput] = []
             if self.in_flight is not None:
                 previous, self.in_flight = self.in_flight, None
-                self._resolve(self.executor.collect(previous), finished)
-            return finished + self._step_in_order()
+                outputs = self._process(None, self.executor.collect(previous))
+            return outputs + self._step_in_order()
         start = time.perf_counter()
         out = self.scheduler.schedule()
         scheduled = time.perf_counter()
@@ -402,199 +341,42 @@ class LLMEngine:
             num_live = min(len(self.scheduler.running) + len(self.scheduler.waiting),
                            self.config.max_num_seqs)
             launched = self.executor.launch(out.scheduled, num_live, out.blocks_to_copy)
-            for s in out.scheduled:
-                s.seq.num_computed_tokens += s.num_new_tokens
-            for s in launched.sampling:
-                s.seq.add_pending_token()
+            self.scheduler.update_after_launch(out, launched.sampling)
         elif self.in_flight is None:
             if self.scheduler.waiting:
                 raise RuntimeError("the scheduler cannot admit any waiting request: the KV cache is too "
                                    "small")
             return []
         previous, self.in_flight = self.in_flight, launched
-        finished = []
+        outputs = []
         collected = time.perf_counter()
         if previous is not None:
             results = self.executor.collect(previous)  # its wait and unpacking are the runner's timings
             collected = time.perf_counter()
-            self._resolve(results, finished)
+            outputs = self._process(None, results)
         timings = self.timings
         timings.num_steps += 1
         timings.add(schedule=scheduled - start, process=time.perf_counter() - collected)
-        return finished
+        return outputs
 
-    def _resolve(self, results: list[StepResult], finished: list) -> None:
-        """A collected step's tokens replace their sequences' oldest pending placeholders, then the stop
-        checks, exactly as an in-order step's tokens are appended (a plain step: one row per sequence)."""
-        cache = self.kv_cache_manager
-        for s, token, logprob, top in results:
-            seq = s.seq
-            if seq.is_finished:  # finished or aborted with this row in flight: the row is dropped
-                continue
-            later = seq.resolve_pending_token(token, logprob, top)
-            self.num_generated_tokens += 1
-            if self._check_stop(seq):  # a later row of this sequence, in flight, is dropped with it
-                self._finish(seq, finished)
-            else:
-                cache.cache_computed_blocks(seq)  # a block this token completed, as in order
-                seq.restore_pending_tokens(later)
-
-    def _prompt_done(self, seq: Sequence, finished: list) -> None:
-        """A scored context's part computed its prompt: the context forks its continuations (holding its
-        blocks), a continuation's score is recorded; the last one finishes the request."""
-        state = self.requests[seq.request_id]
-        group = state.score
-        if seq is group.context:
-            group.num_cached_tokens = seq.num_cached_tokens or 0
-            group.first_scheduled_time = seq.first_scheduled_time
-            children = [group.continuation(i, seq.params, self.max_model_len, seq.sample_key)
-                        for i in range(len(group.continuation_token_ids))]
-            for child in children:
-                self.kv_cache_manager.fork(seq, child)
-                child.num_cached_tokens = seq.num_cached_tokens
-                child.first_scheduled_time = seq.first_scheduled_time
-                self.scheduler.add_running(child)
-            # The forks hold the context's blocks now; its own references go back (below).
-            group.context = None
-            state.seqs = children
-        else:
-            group.record(seq)
-        self.scheduler.finish(seq)
-        self._release(seq)
-        if group.is_done:
-            finished.append(group.output())
-            del self.requests[seq.request_id]
-
-    def _advance_beams(self, state: _RequestState, finished: list) -> None:
-        """Every live beam reported its candidates: HF's selection, then the next beams as sequences
-        (beam_search.py `BeamGroup.advance`): forks hold their parent's blocks, ended beams give theirs back."""
-        group = state.beam
-
-        def fork(parent: Sequence, sample_index: int) -> Sequence:
-            child = parent.fork(sample_index)
-            self.kv_cache_manager.fork(parent, child)
-            return child
-
-        def end(seq: Sequence) -> None:
-            self.scheduler.finish(seq)
-            self._release(seq)
-
-        if group.advance(fork, self.scheduler.add_running, end):
-            decode = None if self.tokenizer is None else self.tokenizer.decode
-            finished.append(group.output(state.request_id, state.prompt_token_ids, state.arrival_time,
-                                         state.prompt, decode))
-            del self.requests[state.request_id]
-        else:
-            state.seqs = list(group.beams)
-
-    def _finish(self, seq: Sequence, finished: list[RequestOutput]) -> None:
-        self.scheduler.finish(seq)
-        self._release(seq)
-        state = self.requests[seq.request_id]
-        if all(x.is_finished for x in state.seqs):
-            finished.append(self._make_output(state))
-            del self.requests[seq.request_id]
+    def _process(self, out: SchedulerOutput | None,
+                 results: list[StepResult]) -> list[RequestOutput | ScoreOutput]:
+        """A finished step's rows: the scheduler applies them (the output processor's stop rules ending
+        samples where they stop), the output processor makes the outputs. `out`: the step when it ran in
+        order, None for one launched ahead."""
+        update = self.scheduler.update_from_output(out, results, self.output_processor.is_stopped)
+        self.num_generated_tokens += update.num_new_tokens
+        if update.verifies:
+            for num_drafts, num_accepted in update.verifies:
+                self.spec.stats.count(num_drafts, num_accepted)
+            self.spec.stats.num_spec_steps += 1
+        return self.output_processor.process(update)
 
     def _release(self, seq: Sequence) -> None:
         """What the runner and the draft proposer keep for a finished or aborted sequence goes back."""
         self.executor.release(seq)
         if self.spec is not None:
             self.spec.release(seq)
-
-    def _check_stop(self, seq: Sequence) -> bool:
-        """vLLM's stops: EOS and stop tokens once past min_tokens; stop strings that end in text made once
-        past min_tokens; then max_tokens and max_model_len."""
-        p = seq.params
-        token = seq.token_ids[-1]
-        is_past_min = seq.num_output_tokens > p.min_tokens
-        if not p.ignore_eos and token in self.eos_token_ids and is_past_min:
-            seq.finish_reason, seq.stop_reason = "stop", None
-        elif token in p.stop_token_ids and is_past_min:
-            seq.finish_reason, seq.stop_reason = "stop", token
-        elif p.stop and self._check_stop_strings(seq):
-            seq.finish_reason = "stop"
-        elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= seq.max_total_tokens:
-            seq.finish_reason = "length"
-        return seq.finish_reason is not None
-
-    def _check_stop_strings(self, seq: Sequence) -> bool:
-        """Decode the newest tokens only (stop_strings.py) and search the new text (and the few
-        characters before it a stop string may start in).
-
-        Up to min_tokens tokens only the text grows, and that text is marked as searched: as in vLLM, a
-        stop string counts only when it ends in text made after min_tokens, so what the first min_tokens
-        tokens say can never cut the output short of them.
-        """
-        params = seq.params
-        state = seq.text_state
-        if state is None:
-            state = seq.text_state = IncrementalText()
-        state.update(lambda ids: self.tokenizer.decode(ids, params.skip_special_tokens), seq.token_ids,
-                     seq.num_prompt_tokens)
-        start = state.num_checked_chars
-        state.num_checked_chars = len(state.text)
-        if seq.num_output_tokens <= params.min_tokens:
-            return False
-        hit = find_stop_string(state.text, params.stop, start)
-        if hit is None:
-            return False
-        # Found: cut the whole output's text once (as the output will be decoded), else the window's.
-        text = self.tokenizer.decode(seq.output_token_ids, params.skip_special_tokens)
-        full_hit = find_stop_string(text, params.stop, start)
-        if full_hit is None:
-            text, full_hit = state.text, hit
-        cut, stop = full_hit
-        seq.output_text = text[:cut + len(stop) if params.include_stop_str_in_output else cut]
-        seq.stop_reason = stop
-        return True
-
-    def _make_output(self, state: _RequestState) -> RequestOutput:
-        completions = []
-        for seq in state.seqs:
-            text = seq.output_text
-            if text is None and self.tokenizer is None:
-                text = ""
-            elif text is None:
-                text = self.tokenizer.decode(self._text_token_ids(seq), seq.params.skip_special_tokens)
-            completions.append(CompletionOutput(
-                index=seq.sample_index, text=text, token_ids=seq.output_token_ids,
-                cumulative_logprob=seq.cumulative_logprob,
-                logprobs=list(seq.output_logprobs) if seq.params.logprobs is not None else None,
-                top_logprobs=self._top_logprobs(seq) if seq.params.num_top_logprobs else None,
-                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
-                num_accepted_tokens=seq.num_accepted_tokens if self.spec is not None else None,
-                first_scheduled_time=seq.first_scheduled_time, first_token_time=seq.first_token_time,
-                last_token_time=seq.last_token_time))
-        first = state.seqs[0]
-        metrics = RequestMetrics(
-            arrival_time=state.arrival_time,
-            first_scheduled_time=min(s.first_scheduled_time for s in state.seqs),
-            first_token_time=min(s.first_token_time for s in state.seqs),
-            last_token_time=max(s.last_token_time for s in state.seqs))
-        prompt_logprobs = None
-        if first.params.prompt_logprobs is not None:
-            texts = self.tokenizer.token_texts if self.tokenizer is not None else (lambda ids: [""] * len(ids))
-            prompt_logprobs = prompt_logprobs_output(first, texts)
-        return RequestOutput(state.request_id, state.prompt_token_ids, completions,
-                             first.num_cached_tokens or 0, metrics, prompt=state.prompt,
-                             prompt_logprobs=prompt_logprobs)
-
-    @staticmethod
-    def _text_token_ids(seq: Sequence) -> list[int]:
-        """The output tokens the text is decoded from: as in vLLM, all of them but a stop token (EOS or
-        one of stop_token_ids) that ended the sample, unless include_stop_str_in_output. (A stop string
-        sets the text itself: _check_stop_strings.)"""
-        ids = seq.output_token_ids
-        is_stop_token = seq.finish_reason == "stop" and not isinstance(seq.stop_reason, str)
-        if is_stop_token and ids and not seq.params.include_stop_str_in_output:
-            return ids[:-1]
-        return ids
-
-    def _top_logprobs(self, seq: Sequence) -> list[list[TopLogprob]]:
-        ids = [token_id for position in seq.output_top_logprobs for token_id, _ in position]
-        texts = iter(self.tokenizer.token_texts(ids))
-        return [[TopLogprob(token_id, next(texts), logprob) for token_id, logprob in position]
-                for position in seq.output_top_logprobs]
 
     # ---- counters -------------------------------------------------------------------------------
     @property

@@ -1,9 +1,34 @@
-"""What the engine hands back: vLLM's RequestOutput / CompletionOutput shapes."""
+"""What the engine hands back: vLLM's RequestOutput / CompletionOutput shapes.
+
+`LLMEngine.step()` returns, for each request, what its `SamplingParams.output_kind` asks (vLLM's
+RequestOutputKind): FINAL_ONLY (the default here) one RequestOutput when the request finishes;
+DELTA one each step the request advanced, holding what is new since its last one (`finished` on the
+last; `RequestOutput.add` joins them into the whole output); CUMULATIVE one each step it advanced,
+holding everything so far.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 from dataclasses import dataclass
 from typing import NamedTuple
+
+
+class RequestOutputKind(enum.Enum):
+    """vLLM's: which RequestOutputs `LLMEngine.step()` returns for a request.
+
+    FINAL_ONLY: one, when it finishes (batch jobs, LLM.generate). DELTA: one each step it advanced, its
+    CompletionOutputs holding only what is new since the request's previous output (token ids, text,
+    logprobs; the samples with nothing new left out; `prompt_logprobs` in the first), `finished` set on
+    the last; the text of an unfinished sample is held back while it ends in an incomplete character,
+    and by one character less than the longest stop string, so no text sent is cut away later.
+    CUMULATIVE: one each step it advanced, every sample's output so far (its text held back likewise).
+    """
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 class TopLogprob(NamedTuple):
@@ -57,6 +82,8 @@ class RequestMetrics:
 
 @dataclass
 class RequestOutput:
+    """One request's samples (whole, or what is new: RequestOutputKind); `finished` once it is done."""
+
     request_id: str
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
@@ -65,6 +92,43 @@ class RequestOutput:
     finished: bool = True
     prompt: str | None = None
     prompt_logprobs: PromptLogprobs | None = None  # SamplingParams.prompt_logprobs not None
+
+    def add(self, delta: RequestOutput) -> RequestOutput:
+        """vLLM's `add(next_output, aggregate=True)`: join the request's next DELTA output into this one
+        (each sample's token ids, text and logprobs extended; its other fields, the request's metrics
+        and `finished` taken from the later one). Returns self: the joined DELTA outputs of a request
+        equal its FINAL_ONLY output."""
+        self.finished = delta.finished
+        self.metrics = delta.metrics
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
+        by_index = {c.index: c for c in self.outputs}
+        for new in delta.outputs:
+            old = by_index.get(new.index)
+            if old is None:  # its lists copied: the joined output is extended in place, the delta stays as sent
+                self.outputs.append(dataclasses.replace(
+                    new, token_ids=list(new.token_ids), logprobs=_copy(new.logprobs),
+                    top_logprobs=_copy(new.top_logprobs)))
+                continue
+            old.text += new.text
+            old.token_ids.extend(new.token_ids)
+            if new.logprobs is not None:
+                old.logprobs.extend(new.logprobs)
+            if new.top_logprobs is not None:
+                old.top_logprobs.extend(new.top_logprobs)
+            for name in _LATEST_FIELDS:
+                setattr(old, name, getattr(new, name))
+        self.outputs.sort(key=lambda c: c.index)
+        return self
+
+
+def _copy(values: list | None) -> list | None:
+    return None if values is None else list(values)
+
+
+# A sample's fields that a later DELTA output restates rather than extends.
+_LATEST_FIELDS = ("cumulative_logprob", "finish_reason", "stop_reason", "first_scheduled_time",
+                  "first_token_time", "last_token_time", "num_accepted_tokens", "score")
 
 
 @dataclass

@@ -2,18 +2,24 @@
 
 No prefill/decode phases: running sequences get their next token (or next prefill chunk), then
 waiting sequences are admitted with their cached prefix skipped. When blocks run out the newest
-running sequence is preempted (blocks freed, recomputed later).
+running sequence is preempted (blocks freed, recomputed later). After the step, `update_from_output`
+applies its sampled rows to the sequences (vLLM v1's split: the output processor does the rest).
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.kv.kv_cache_manager import KVCacheManager
 from batchgen.engine.core.sequence import Sequence, SequenceStatus
+
+if TYPE_CHECKING:
+    from batchgen.engine.runner.model_runner import StepResult
 
 
 @dataclass
@@ -54,6 +60,31 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
+
+
+@dataclass
+class StepUpdate:
+    """What a step's sampled rows did to the sequences (Scheduler.update_from_output), for the output
+    processor."""
+
+    # Got tokens, each once in row order (stopped ones too).
+    advanced: list[Sequence] = field(default_factory=list)
+    # Stopped by a token of this step (the stop rules said so): already out of the scheduler.
+    finished: list[Sequence] = field(default_factory=list)
+    # A beam's most likely next tokens (token id, logprob), for its group to choose from.
+    beam_candidates: list[tuple[Sequence, list[tuple[int, float]]]] = field(default_factory=list)
+    # Prompt-only sequences (a scored context's parts) whose prompt is now computed.
+    prompts_done: list[Sequence] = field(default_factory=list)
+    verifies: list[tuple[int, int]] = field(default_factory=list)  # (drafts, accepted) per verifying sequence
+    num_new_tokens: int = 0  # tokens appended (or resolved) in all
+
+
+def num_accepted(draft_token_ids: list[int], sampled: list[int]) -> int:
+    """How many leading drafts equal the tokens sampled at their positions (len(sampled) = 1 + drafts)."""
+    accepted = 0
+    while accepted < len(draft_token_ids) and draft_token_ids[accepted] == sampled[accepted]:
+        accepted += 1
+    return accepted
 
 
 @dataclass
@@ -131,8 +162,8 @@ class Scheduler:
             if seq.num_cached_tokens is None:
                 seq.num_cached_tokens = num_cached
                 self.stats.num_cached_tokens += num_cached
-            if seq.first_scheduled_time is None:
-                seq.first_scheduled_time = now
+            if seq.times.first_scheduled_time is None:
+                seq.times.first_scheduled_time = now
             seq.status = SequenceStatus.RUNNING
             out.scheduled.append(ScheduledSeq(seq, num_new))
             running_next.append(seq)
@@ -142,6 +173,103 @@ class Scheduler:
         self.stats.num_block_copies += len(out.blocks_to_copy)
         self._count(out)
         return out
+
+    def update_after_launch(self, out: SchedulerOutput, sampling: list[ScheduledSeq]) -> None:
+        """A step launched ahead (async scheduling): its chunks count as computed now, and each sampling
+        sequence's token as pending (a placeholder) until update_from_output reads it back."""
+        for s in out.scheduled:
+            s.seq.num_computed_tokens += s.num_new_tokens
+        for s in sampling:
+            s.seq.add_pending_token()
+
+    def update_from_output(self, out: SchedulerOutput | None, results: list[StepResult],
+                           is_stopped: Callable[[Sequence], bool]) -> StepUpdate:
+        """Apply a step's sampled rows to their sequences. `out`: the step, when it ran in order (its
+        chunks count as computed now); None for one launched ahead (counted at launch, its rows resolve
+        the oldest pending tokens).
+
+        A verify chunk keeps the drafts plain decoding agrees with, then its own token there; its
+        rejected drafts' positions go back from num_computed_tokens (their KV is overwritten later) and
+        the blocks only they reached are freed. Each appended token advances the sample's grammar, then
+        `is_stopped` (the output processor's stop rules) says whether the sample ends there: a stopped
+        sequence drops the rest of its rows and leaves the scheduler. A beam's row is its candidates,
+        for its group to choose from."""
+        update = StepUpdate()
+        if out is not None:
+            for s in out.scheduled:
+                s.seq.num_computed_tokens += s.num_new_tokens
+        advanced = update.advanced
+        num_later_rows = 0
+        for i, row in enumerate(results):
+            if num_later_rows:  # a verify chunk's rows after its first: taken with it
+                num_later_rows -= 1
+                continue
+            s = row.scheduled
+            seq = s.seq
+            if seq.status is SequenceStatus.FINISHED:  # finished or aborted with this launched-ahead row in flight
+                continue
+            if seq.beam is not None:
+                update.beam_candidates.append((seq, row.top_logprobs))
+                continue
+            advanced.append(seq)
+            if seq.num_pending_tokens:
+                self._resolve(seq, row, is_stopped, update)
+            elif s.num_draft_tokens:
+                num_later_rows = s.num_draft_tokens
+                self._verify(seq, results[i:i + 1 + num_later_rows], is_stopped, update)
+            elif self._append(seq, row, is_stopped, update):
+                self._stop(seq, update)
+        if out is not None:
+            update.prompts_done = [s.seq for s in out.scheduled
+                                   if s.seq.is_prompt_only and s.seq.num_computed_tokens == s.seq.num_tokens]
+        return update
+
+    @staticmethod
+    def _append(seq: Sequence, row: StepResult, is_stopped: Callable[[Sequence], bool],
+                update: StepUpdate) -> bool:
+        """The row's token joins the sequence and advances its grammar; whether the sample stops there."""
+        seq.append_token(row.token_id, row.logprob, row.top_logprobs)
+        update.num_new_tokens += 1
+        if seq.grammar is not None and not seq.grammar.accept_token(row.token_id):
+            raise RuntimeError(f"request {seq.request_id!r} sampled token {row.token_id}, which its grammar's "
+                               "mask did not allow")
+        return is_stopped(seq)
+
+    def _verify(self, seq: Sequence, rows: list[StepResult], is_stopped: Callable[[Sequence], bool],
+                update: StepUpdate) -> None:
+        """A verify chunk's 1 + k rows: the drafts plain decoding agrees with, then its own token there,
+        each as a plain row (a stop inside the run ends it where plain decoding would)."""
+        drafts = seq.draft_token_ids
+        accepted = num_accepted(drafts, [r.token_id for r in rows])
+        seq.num_computed_tokens -= len(drafts) - accepted
+        seq.num_accepted_tokens += accepted
+        update.verifies.append((len(drafts), accepted))
+        seq.draft_token_ids = []
+        for row in rows[:accepted + 1]:
+            if self._append(seq, row, is_stopped, update):
+                self._stop(seq, update)
+                return
+        self.kv_cache_manager.trim(seq)  # blocks only rejected drafts reached go back
+
+    def _resolve(self, seq: Sequence, row: StepResult, is_stopped: Callable[[Sequence], bool],
+                 update: StepUpdate) -> None:
+        """A launched-ahead row replaces the sequence's oldest pending placeholder; the stop rules then see
+        it as an in-order step's token (a later row of a stopped sequence, in flight, is dropped)."""
+        later = seq.resolve_pending_token(row.token_id, row.logprob, row.top_logprobs)
+        update.num_new_tokens += 1
+        if is_stopped(seq):
+            self._stop(seq, update)
+        else:
+            self.kv_cache_manager.cache_computed_blocks(seq)  # a block this token completed, as in order
+            seq.restore_pending_tokens(later)
+
+    def _stop(self, seq: Sequence, update: StepUpdate) -> None:
+        self.finish(seq)
+        update.finished.append(seq)
+
+    def running_request_ids(self) -> set[str]:
+        """The requests with a sequence in the running batch."""
+        return {seq.request_id for seq in self.running if seq.status == SequenceStatus.RUNNING}
 
     def _preempt(self, seq: Sequence) -> None:
         self.kv_cache_manager.free(seq)

@@ -1,12 +1,24 @@
-"""Sequence: one sample of one request, the unit the scheduler and KV cache work on."""
+"""Sequence: one sample of one request, the unit the scheduler and KV cache work on.
+
+Its core state is the tokens, the progress through them, the KV blocks, the status and the sampled
+result; each optional feature keeps its state in one slot (None when the sample does not use it):
+`text_state` (stop strings, streamed text), `grammar` (structured output), `prompt_logprobs`, `beam`.
+"""
 
 from __future__ import annotations
 
 import enum
 import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from batchgen.engine.sampling.keyed_random import sequence_key
 from batchgen.engine.sampling.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from batchgen.engine.decoding.beam_search import BeamGroup
+    from batchgen.engine.decoding.stop_strings import IncrementalText
+    from batchgen.engine.decoding.structured.grammar_state import GrammarState
 
 
 class SequenceStatus(enum.Enum):
@@ -18,8 +30,37 @@ class SequenceStatus(enum.Enum):
 PENDING_TOKEN = -1  # a sampled token still on the device (never a vocabulary id)
 
 
+@dataclass(slots=True)
+class SequenceTimes:
+    """Monotonic seconds: see the design's latency definitions (RequestMetrics has the same names)."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+
+
+@dataclass(slots=True)
+class PromptLogprobState:
+    """The prompt log-probabilities a sequence owes (params.prompt_logprobs, or the continuation of a
+    scored context): one entry per prompt token from token index `start`, filled by the prefill chunks
+    as they run (prompt_logprobs.py), with the `num_top` most likely tokens per position when > 0."""
+
+    num_top: int
+    start: int = 1
+    logprobs: list[float] = field(default_factory=list)
+    ranks: list[int] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # (token id, logprob)
+
+    @property
+    def position(self) -> int:
+        """The first position whose logits still have to give a prompt log-probability (that of the token
+        after it)."""
+        return self.start - 1 + len(self.logprobs)
+
+
 class Sequence:
-    """Prompt + output token ids, progress (`num_computed_tokens`), block table and timestamps.
+    """Prompt + output token ids, progress (`num_computed_tokens`), block table, status and result.
 
     The scheduler only moves `num_computed_tokens` toward `num_tokens`; a preempted sequence
     drops its blocks and recomputes everything it had (prompt and output alike).
@@ -29,59 +70,58 @@ class Sequence:
     first; `num_pending_tokens` of them end `token_ids` at any time (none when steps run in order).
     """
 
+    __slots__ = ("request_id", "sample_key", "sample_index", "params", "random_key",
+                 "prompt_token_ids", "token_ids", "num_prompt_tokens", "max_total_tokens", "num_computed_tokens",
+                 "num_pending_tokens", "num_cached_tokens", "draft_token_ids", "is_prompt_only",
+                 "block_ids", "block_hashes", "num_registered_blocks",
+                 "status", "finish_reason", "stop_reason", "cumulative_logprob", "output_logprobs",
+                 "output_top_logprobs", "num_accepted_tokens",
+                 "times", "text_state", "grammar", "prompt_logprobs", "beam")
+
     def __init__(self, request_id: str, sample_index: int, prompt_token_ids: list[int],
                  params: SamplingParams, arrival_time: float, max_total_tokens: int,
                  sample_key: str | None = None):
+        # Which sample of which request; its key for every random draw (with the output position:
+        # keyed_random.py).
         self.request_id = request_id
-        self.sample_key = request_id if sample_key is None else sample_key  # keys the random draws
+        self.sample_key = request_id if sample_key is None else sample_key
         self.sample_index = sample_index
+        self.params = params
+        self.random_key = sequence_key(params.seed or 0, self.sample_key, sample_index)
+        # Tokens and progress (the scheduler's).
         self.prompt_token_ids = prompt_token_ids
         self.token_ids: list[int] = list(prompt_token_ids)
-        self.params = params
         self.num_prompt_tokens = len(prompt_token_ids)
         self.max_total_tokens = max_total_tokens  # max_model_len cap
         self.num_computed_tokens = 0
         self.num_pending_tokens = 0  # trailing placeholders of tokens sampled but not read back
         self.num_cached_tokens: int | None = None  # set at first scheduling
+        # Speculative decoding: this step's proposals, verified with the sequence's next token (the
+        # scheduler's update_from_output keeps those the target agrees with, then clears them).
+        self.draft_token_ids: list[int] = []
+        # Computes its prompt's KV (and prompt log-probabilities) and samples nothing: the parts of a
+        # scored context (score_group.py); the output processor ends it when its prompt is computed.
+        self.is_prompt_only = False
+        # KV blocks (the KV cache manager's).
         self.block_ids: list[int] = []
         self.block_hashes: list[tuple] = []  # chained keys of this sequence's full blocks (memo)
         self.num_registered_blocks = 0  # leading blocks already offered to the prefix cache
+        # Status and result.
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
+        self.cumulative_logprob = 0.0
         self.output_logprobs: list[float] = []
         self.output_top_logprobs: list[list[tuple[int, float]]] = []  # (token id, logprob), most likely first
-        self.cumulative_logprob = 0.0
-        self.output_text: str | None = None  # set when a stop string cut the text
-        self.text_state = None  # stop_strings.IncrementalText, made when stop strings are first checked
-        self.arrival_time = arrival_time
-        self.first_scheduled_time: float | None = None
-        self.first_token_time: float | None = None
-        self.last_token_time: float | None = None
-        # Speculative decoding: this step's proposals (verified in the step, then cleared) and the
-        # drafts accepted over the sample's life.
-        self.draft_token_ids: list[int] = []
-        self.num_accepted_tokens = 0
-        # Structured output: the sample's place in its grammar (structured/grammar_state.py), advanced
-        # with each emitted token; None when unconstrained.
-        self.grammar = None
-        # Keys every random draw of this sample (with the output position): see keyed_random.py.
-        self.random_key = sequence_key(params.seed or 0, self.sample_key, sample_index)
-        # Prompt log-probabilities (params.prompt_logprobs, or the continuation of a scored context): one
-        # entry per prompt token from token index `prompt_logprobs_start`, filled by the prefill chunks
-        # as they run (prompt_logprobs.py); None: not asked. The top N per position when N > 0.
-        self.num_prompt_top_logprobs: int | None = params.prompt_logprobs
-        self.prompt_logprobs_start = 1
-        self.prompt_token_logprobs: list[float] = []
-        self.prompt_token_ranks: list[int] = []
-        self.prompt_top_logprobs: list[list[tuple[int, float]]] = []
-        # A sequence that computes its prompt's KV (and prompt log-probabilities) and samples nothing: the
-        # parts of a scored context (score_group.py). The engine ends it when its prompt is computed.
-        self.is_prompt_only = False
-        # Beam search: the group this beam belongs to (beam_search.py) and, once this beam's next-token
-        # distribution is computed, its most likely continuations, waiting for the group's selection.
-        self.beam = None
-        self.beam_candidates: list[tuple[int, float]] | None = None
+        self.num_accepted_tokens = 0  # drafts accepted over the sample's life
+        self.times = SequenceTimes(arrival_time)
+        # Feature slots (None: not used by this sample).
+        self.text_state: IncrementalText | None = None  # made by the output processor: stop strings, streams
+        self.grammar: GrammarState | None = None  # its place in its grammar, advanced with each token
+        self.prompt_logprobs = PromptLogprobState(params.prompt_logprobs) if params.prompt_logprobs is not None \
+            else None
+        # Beam search: the group this beam belongs to (beam_search.py), which collects its candidates.
+        self.beam: BeamGroup | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -118,17 +158,13 @@ class Sequence:
         return self.beam is None and not self.is_prompt_only
 
     @property
-    def prompt_logprob_position(self) -> int:
-        """The first position whose logits still have to give a prompt log-probability (that of the token
-        after it); prompt_logprobs.py computes rows while it is below num_prompt_tokens - 1."""
-        return self.prompt_logprobs_start - 1 + len(self.prompt_token_logprobs)
-
-    @property
     def num_prompt_logprob_rows(self) -> int:
-        """Prompt positions still to compute (0 when none are asked)."""
-        if self.num_prompt_top_logprobs is None:
+        """Prompt positions still to compute (0 when none are asked); prompt_logprobs.py computes rows
+        while the state's position is below num_prompt_tokens - 1."""
+        state = self.prompt_logprobs
+        if state is None:
             return 0
-        return max(0, self.num_prompt_tokens - 1 - self.prompt_logprob_position)
+        return max(0, self.num_prompt_tokens - 1 - state.position)
 
     @property
     def is_finished(self) -> bool:
@@ -138,18 +174,19 @@ class Sequence:
         """A copy of this sequence's tokens and progress under another sample index (no blocks: the KV
         cache manager's `fork` shares them): a beam's sibling, or (with `token_ids`, this sequence's
         tokens followed by more, all prompt) the continuation of a scored context."""
+        times = self.times
         if token_ids is None:
-            child = Sequence(self.request_id, sample_index, self.prompt_token_ids, self.params, self.arrival_time,
-                             self.max_total_tokens, self.sample_key)
+            child = Sequence(self.request_id, sample_index, self.prompt_token_ids, self.params,
+                             times.arrival_time, self.max_total_tokens, self.sample_key)
             child.token_ids = list(self.token_ids)
             child.output_logprobs = list(self.output_logprobs)
             child.cumulative_logprob = self.cumulative_logprob
         else:
-            child = Sequence(self.request_id, sample_index, token_ids, self.params, self.arrival_time,
+            child = Sequence(self.request_id, sample_index, token_ids, self.params, times.arrival_time,
                              self.max_total_tokens, self.sample_key)
         child.num_cached_tokens = self.num_cached_tokens
-        child.first_scheduled_time = self.first_scheduled_time
-        child.first_token_time, child.last_token_time = self.first_token_time, self.last_token_time
+        child.times = SequenceTimes(times.arrival_time, times.first_scheduled_time, times.first_token_time,
+                                    times.last_token_time)
         child.beam = self.beam
         return child
 
@@ -177,9 +214,10 @@ class Sequence:
     def append_token(self, token_id: int, logprob: float | None,
                      top_logprobs: list[tuple[int, float]] | None = None) -> None:
         now = time.monotonic()
-        if self.first_token_time is None:
-            self.first_token_time = now
-        self.last_token_time = now
+        times = self.times
+        if times.first_token_time is None:
+            times.first_token_time = now
+        times.last_token_time = now
         self.token_ids.append(token_id)
         if logprob is not None:
             self.cumulative_logprob += logprob

@@ -13,10 +13,10 @@ does (transformers 5's vectorised version):
   otherwise (false, HF's default) once W are kept and the best running beam's score at its current
   length (`"never"` with length_penalty > 0: at max_tokens) cannot beat the worst kept one; and it ends
   when every one of the K candidates ends (max_tokens reached).
-`BeamGroup.advance` turns the selection into sequences through the engine's callbacks (llm_engine.py):
-a beam that continues more than once is forked, its copies holding the same KV blocks (the prompt's and every full block since; the last,
-partial block is copied when a fork first writes into it: kv_cache_manager.py), and a beam with no
-continuation gives its blocks back.
+`BeamGroup.advance` turns the selection into sequences through the output processor's callbacks:
+a beam that continues more than once is forked, its copies holding the same KV blocks (the prompt's
+and every full block since; the last, partial block is copied when a fork first writes into it:
+kv_cache_manager.py), and a beam with no continuation gives its blocks back.
 """
 
 from __future__ import annotations
@@ -110,6 +110,8 @@ class BeamGroup:
     eos_token_ids: tuple[int, ...]
     beams: list[Sequence] = field(default_factory=list)  # live beams
     finished: list[Hypothesis] = field(default_factory=list)  # best first, at most beam_width
+    # id(live beam) -> its most likely next tokens (token id, logprob), reported by this step's row.
+    candidates: dict[int, list[tuple[int, float]]] = field(default_factory=dict)
     is_improvable: bool = True  # HF's is_early_stop_heuristic_unsatisfied
     num_forks: int = 0  # sample indices handed to forked beams
 
@@ -123,10 +125,14 @@ class BeamGroup:
         num_eos = 0 if self.params.ignore_eos else len(self.eos_token_ids)
         return max(2, 1 + num_eos) * self.width
 
+    def report(self, seq: Sequence, candidates: list[tuple[int, float]]) -> None:
+        """A live beam's next-token distribution is computed: its candidates wait for the group's selection."""
+        self.candidates[id(seq)] = candidates
+
     @property
     def is_ready(self) -> bool:
         """Every live beam has reported its candidates for the next position."""
-        return all(seq.beam_candidates is not None for seq in self.beams)
+        return all(id(seq) in self.candidates for seq in self.beams)
 
     def _ends(self, seq: Sequence, token_id: int) -> str | None:
         params = self.params
@@ -140,7 +146,7 @@ class BeamGroup:
         """One iteration of HF's beam search over the live beams' candidates (see the module docstring)."""
         width = self.width
         candidates = [Candidate(seq.cumulative_logprob + logprob, seq, token_id, logprob)
-                      for seq in self.beams for token_id, logprob in seq.beam_candidates]
+                      for seq in self.beams for token_id, logprob in self.candidates[id(seq)]]
         candidates.sort(key=lambda c: -c.score)
         top = candidates[:self.num_candidates]
         endings = [self._ends(c.beam, c.token_id) for c in top]
@@ -175,8 +181,7 @@ class BeamGroup:
         k - 1, which `start` hands to the scheduler; a beam not continued, or every beam once the search
         is done, goes to `end`. True when the search is done."""
         selection = self.select()
-        for seq in self.beams:
-            seq.beam_candidates = None
+        self.candidates.clear()
         if selection.is_done:
             for seq in self.beams:
                 end(seq)
@@ -206,9 +211,10 @@ class BeamGroup:
         """The finished search: the n best hypotheses, best first, each with its score."""
         params = self.params
         now = time.monotonic()
-        first_scheduled = min((s.first_scheduled_time for s in self.beams if s.first_scheduled_time is not None),
+        times = [s.times for s in self.beams]
+        first_scheduled = min((t.first_scheduled_time for t in times if t.first_scheduled_time is not None),
                               default=None)
-        first_token = min((s.first_token_time for s in self.beams if s.first_token_time is not None), default=None)
+        first_token = min((t.first_token_time for t in times if t.first_token_time is not None), default=None)
         completions = [CompletionOutput(
             index=rank, text="" if decode is None else decode(h.token_ids, params.skip_special_tokens),
             token_ids=list(h.token_ids), cumulative_logprob=h.cumulative_logprob,

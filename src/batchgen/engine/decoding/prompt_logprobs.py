@@ -1,11 +1,12 @@
 """Prompt log-probabilities, computed in the prefill chunks that run anyway.
 
 A sequence that asks (SamplingParams.prompt_logprobs, or the continuation of a scored context) owes one
-value per prompt token from its `prompt_logprobs_start`: the log-probability of token i given the
-tokens before it, read from the logits at position i - 1. Each step, every chunk that covers such
-positions keeps those rows: the model hands back their final (normed) hidden states, and the logits are
-made here a slice of rows at a time, so a long prompt never holds a (tokens, vocabulary) tensor. The
-values go back to the host in the step's one read-back, beside the sampled tokens.
+value per prompt token from its state's `start` (sequence.py PromptLogprobState): the log-probability
+of token i given the tokens before it, read from the logits at position i - 1. Each step, every chunk
+that covers such positions keeps those rows: the model hands back their final (normed) hidden states,
+and the logits are made here a slice of rows at a time, so a long prompt never holds a (tokens,
+vocabulary) tensor. The values go back to the host in the step's one read-back, beside the sampled
+tokens.
 
 A chunk only computes positions it runs, and a sequence only records positions in order: a chunked
 prefill records its rows chunk by chunk, and a preempted sequence skips the rows it already has when it
@@ -61,7 +62,7 @@ def add_prompt_logprob_sections(packer: StepPacker, order: list[ScheduledSeq], q
         seq = s.seq
         if seq.num_prompt_logprob_rows:
             start = seq.num_computed_tokens
-            first = seq.prompt_logprob_position
+            first = seq.prompt_logprobs.position
             assert first >= start, f"{seq.request_id}: prompt position {first} owed but already computed"
             end = min(start + num_tokens, seq.num_prompt_tokens - 1)
             if first < end:
@@ -69,7 +70,7 @@ def add_prompt_logprob_sections(packer: StepPacker, order: list[ScheduledSeq], q
                 sections.prompt_targets.extend(seq.token_ids[first + 1:end + 1])
                 plan.seqs.append(seq)
                 plan.counts.append(end - first)
-                plan.num_top = max(plan.num_top, seq.num_prompt_top_logprobs)
+                plan.num_top = max(plan.num_top, seq.prompt_logprobs.num_top)
         flat_start += num_tokens
     if not plan.seqs:
         return None
@@ -105,29 +106,30 @@ def record_prompt_logprobs(host: np.ndarray, plan: PromptLogprobPlan) -> None:
     k = (host.shape[1] - 2) // 2
     row = 0
     for seq, count in zip(plan.seqs, plan.counts):
-        seq.prompt_token_logprobs.extend(logprobs[row:row + count])
-        seq.prompt_token_ranks.extend(ranks[row:row + count])
-        n = seq.num_prompt_top_logprobs
+        state = seq.prompt_logprobs
+        state.logprobs.extend(logprobs[row:row + count])
+        state.ranks.extend(ranks[row:row + count])
+        n = state.num_top
         if n:
             ids = host[row:row + count, 2:2 + n].tolist()
             values = floats[row:row + count, 2 + k:2 + k + n].tolist()
-            seq.prompt_top_logprobs.extend([list(zip(i, v)) for i, v in zip(ids, values)])
+            state.top_logprobs.extend([list(zip(i, v)) for i, v in zip(ids, values)])
         row += count
 
 
 def prompt_logprobs_output(seq: Sequence, token_texts) -> PromptLogprobs:
     """vLLM's RequestOutput.prompt_logprobs for a finished sequence: None for the first prompt token (and
-    any before prompt_logprobs_start), then {token id: Logprob}, the prompt's token first, then the top N.
+    any before its state's start), then {token id: Logprob}, the prompt's token first, then the top N.
 
     `token_texts`: ids -> each token's text decoded alone (Tokenizer.token_texts)."""
     prompt = seq.prompt_token_ids
-    start = seq.prompt_logprobs_start
-    tops = seq.prompt_top_logprobs or [[] for _ in seq.prompt_token_logprobs]
+    state = seq.prompt_logprobs
+    start = state.start
+    tops = state.top_logprobs or [[] for _ in state.logprobs]
     ids = prompt[start:] + [token_id for top in tops for token_id, _ in top]
     texts = dict(zip(ids, token_texts(ids))) if ids else {}
     out: PromptLogprobs = [None] * start
-    for token_id, logprob, rank, top in zip(prompt[start:], seq.prompt_token_logprobs, seq.prompt_token_ranks,
-                                            tops):
+    for token_id, logprob, rank, top in zip(prompt[start:], state.logprobs, state.ranks, tops):
         entry = {token_id: Logprob(logprob, rank, texts[token_id])}
         for r, (top_id, top_logprob) in enumerate(top, start=1):
             entry.setdefault(top_id, Logprob(top_logprob, r, texts[top_id]))

@@ -19,7 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from batchgen.engine.core.outputs import ContinuationScore, RequestMetrics, ScoreOutput
-from batchgen.engine.core.sequence import Sequence
+from batchgen.engine.core.sequence import PromptLogprobState, Sequence
+from batchgen.engine.sampling.sampling_params import SamplingParams
 
 
 def encode_continuations(encode: Callable[[str], list[int]], context: str, continuations: list[str]
@@ -31,6 +32,24 @@ def encode_continuations(encode: Callable[[str], list[int]], context: str, conti
     context = context[:len(context) - num_spaces]
     context_ids = encode(context)
     return context_ids, [encode(context + moved + c)[len(context_ids):] for c in continuations]
+
+
+def check_score_request(context_token_ids: list[int], continuation_token_ids: list[list[int]], max_model_len: int,
+                        vocab_size: int) -> None:
+    """ValueError for an empty context or continuation, one past max_model_len, or a token id outside the
+    vocabulary."""
+    if not context_token_ids:
+        raise ValueError("the context is empty")
+    if not continuation_token_ids:
+        raise ValueError("there are no continuations to score")
+    for i, ids in enumerate(continuation_token_ids):
+        if not ids:
+            raise ValueError(f"continuation {i} is empty (no token after the context)")
+        if len(context_token_ids) + len(ids) > max_model_len:
+            raise ValueError(f"the context ({len(context_token_ids)} tokens) and continuation {i} "
+                             f"({len(ids)}) exceed max_model_len {max_model_len}")
+    if any(t < 0 or t >= vocab_size for ids in (context_token_ids, *continuation_token_ids) for t in ids):
+        raise ValueError(f"a token id is outside the vocabulary [0, {vocab_size})")
 
 
 @dataclass
@@ -49,24 +68,36 @@ class ScoreGroup:
     def __post_init__(self) -> None:
         self.scores = [None] * len(self.continuation_token_ids)
 
+    def first_sequences(self, max_model_len: int, sample_key: str | None) -> list[Sequence]:
+        """What runs first: the context but its last token (the continuations fork from it once it is
+        computed), or with a one-token context, nothing to share, the continuations themselves."""
+        params = SamplingParams(temperature=0.0, max_tokens=1)  # never sampled: the parts are prompt-only
+        if len(self.context_token_ids) > 1:
+            self.context = Sequence(self.request_id, 0, self.context_token_ids[:-1], params, self.arrival_time,
+                                    max_model_len, sample_key)
+            self.context.is_prompt_only = True
+            return [self.context]
+        return [self.continuation(i, params, max_model_len, sample_key)
+                for i in range(len(self.continuation_token_ids))]
+
     def continuation(self, index: int, params, max_model_len: int, sample_key: str | None) -> Sequence:
         """The prompt-only sequence of continuation `index`: the context then the continuation, owing the
         log-probability of every continuation token."""
         seq = Sequence(self.request_id, index, self.context_token_ids + self.continuation_token_ids[index],
                        params, self.arrival_time, max_model_len, sample_key)
         seq.is_prompt_only = True
-        seq.num_prompt_top_logprobs = 0
-        seq.prompt_logprobs_start = len(self.context_token_ids)
+        seq.prompt_logprobs = PromptLogprobState(num_top=0, start=len(self.context_token_ids))
         return seq
 
     def record(self, seq: Sequence) -> None:
         """A continuation's prompt is computed: its score."""
         index = seq.sample_index
-        if seq.first_scheduled_time is not None and (self.first_scheduled_time is None
-                                                     or seq.first_scheduled_time < self.first_scheduled_time):
-            self.first_scheduled_time = seq.first_scheduled_time
+        scheduled = seq.times.first_scheduled_time
+        if scheduled is not None and (self.first_scheduled_time is None
+                                      or scheduled < self.first_scheduled_time):
+            self.first_scheduled_time = scheduled
         self.scores[index] = ContinuationScore(index, list(self.continuation_token_ids[index]),
-                                               list(seq.prompt_token_logprobs), list(seq.prompt_token_ranks))
+                                               list(seq.prompt_logprobs.logprobs), list(seq.prompt_logprobs.ranks))
 
     @property
     def is_done(self) -> bool:

@@ -39,7 +39,7 @@ class KVCacheManager:
         if seq.num_prompt_logprob_rows:
             # Cached positions give no logits: a sequence still owing prompt log-probabilities takes only
             # the blocks before the first position it owes (none at first, as vLLM: it recomputes them).
-            max_blocks = min(max_blocks, seq.prompt_logprob_position // self.block_size)
+            max_blocks = min(max_blocks, seq.prompt_logprobs.position // self.block_size)
         hits = []
         for key in self._block_keys(seq, max_blocks):
             block_id = self.pool.lookup(key)

@@ -20,9 +20,11 @@ verify chunk: those need each step's results on the host first); `execute` is th
 
 from __future__ import annotations
 
+import functools
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -54,9 +56,18 @@ from batchgen.engine.runner.step_inputs import (
 from batchgen.engine.runner.step_timings import StepTimings
 from batchgen.engine.decoding.structured.step_bitmask import StepBitmask
 
-# (scheduled seq, token, raw logprob, top logprobs or None): one per sampled row. A verify chunk
-# (speculative decoding) gives 1 + k consecutive results for its sequence, in position order.
-StepResult = tuple[ScheduledSeq, int, float, list[tuple[int, float]] | None]
+class StepResult(NamedTuple):
+    """One sampled row of a step. A verify chunk (speculative decoding) gives 1 + k consecutive rows for
+    its sequence, in position order."""
+
+    scheduled: ScheduledSeq
+    token_id: int
+    logprob: float  # raw: the model's log-probability of the token, before penalties and filters
+    top_logprobs: list[tuple[int, float]] | None  # (token id, raw logprob), most likely first; None: not asked
+
+
+# StepResult from a tuple in C: a NamedTuple's own constructor is a Python call, 4x the cost per row.
+_make_step_result = functools.partial(tuple.__new__, StepResult)
 
 
 @dataclass
@@ -217,9 +228,9 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq], num_live_seqs: int = 0,
                 blocks_to_copy: list[tuple[int, int]] | None = None) -> list[StepResult]:
-        """Run one step; returns (scheduled seq, token, raw logprob, top logprobs or None) for each
-        sampled row: one per sampling sequence, 1 + k in position order for a verify chunk (each
-        sampled as plain decoding would there; the engine keeps the accepted prefix). Prompt
+        """Run one step; returns a StepResult for each sampled row: one per sampling sequence, 1 + k in
+        position order for a verify chunk (each sampled as plain decoding would there; the scheduler's
+        update_from_output keeps the accepted prefix). Prompt
         log-probabilities are recorded into their sequences (prompt_logprobs.py).
         `num_live_seqs`: unfinished sequences that may decode soon (the backend may plan for them);
         `blocks_to_copy`: (source, destination) blocks copied before the forward (copy on write)."""
@@ -444,4 +455,4 @@ def unpack_results(host: np.ndarray, sampling: list[ScheduledSeq], top_counts: l
         for row, n in enumerate(top_counts):
             if n:
                 tops[row] = list(zip(host[row, 2:2 + n].tolist(), floats[row, 2 + k:2 + k + n].tolist()))
-    return list(zip(sampling, tokens, logprobs, tops))
+    return list(map(_make_step_result, zip(sampling, tokens, logprobs, tops)))

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 from batchgen.engine.config import check_settings
+from batchgen.engine.core.outputs import RequestOutputKind
 from batchgen.engine.decoding.structured.params import StructuredOutputError, StructuredOutputsParams
 
 MAX_TEMPERATURE = 100.0  # far past any useful value (near-uniform long before): keeps inf and typos out
@@ -44,6 +45,10 @@ class SamplingParams:
     checked to be finite and in range (NaN fails every range). `stop_token_ids` are checked against
     the vocabulary and `max_tokens` against max_model_len where those are known (the engine's
     add_request, the pipeline's preflight).
+
+    `output_kind` (vLLM's RequestOutputKind) says what `LLMEngine.step()` returns for the request:
+    FINAL_ONLY (here the default: a batch job reads finished outputs only) its output once finished,
+    DELTA what is new each step (a stream), CUMULATIVE everything so far each step.
 
     `structured_outputs` constrains the output (a JSON schema, a regex, a choice list, a grammar:
     StructuredOutputsParams, or a mapping of its fields); `guided_decoding` is vLLM's older name
@@ -102,6 +107,9 @@ class SamplingParams:
     early_stopping: bool | str = False
     """Beam search (HF's): false stops when no running beam can beat the worst finished one, true when
     beam_width beams finished, "never" when none could at max_tokens."""
+    output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY
+    """What step() returns for this request (vLLM's RequestOutputKind): FINAL_ONLY, one output when it
+    finishes; DELTA, what is new each step it advanced; CUMULATIVE, all of it so far each step."""
 
     def __post_init__(self) -> None:
         self._take_structured_outputs()
@@ -137,6 +145,8 @@ class SamplingParams:
             ("length_penalty", math.isfinite(self.length_penalty), "must be finite"),
             ("early_stopping", self.early_stopping is False or self.early_stopping is True
              or self.early_stopping == "never", "must be false, true or never"),
+            ("output_kind", isinstance(self.output_kind, RequestOutputKind),
+             "must be a RequestOutputKind (FINAL_ONLY, DELTA or CUMULATIVE)"),
         ])
         if self.is_beam_search:
             check_settings(self, self._beam_checks())
@@ -169,6 +179,8 @@ class SamplingParams:
             ("prompt_logprobs", self.prompt_logprobs is None, "must be None with beam search (beam_width > 1)"),
             ("structured_outputs", self.structured_outputs is None,
              "must be None with beam search (beam_width > 1): beams are not constrained"),
+            ("output_kind", self.output_kind == RequestOutputKind.FINAL_ONLY,
+             "must be FINAL_ONLY with beam search (beam_width > 1): the beams are ranked at the end"),
         ]
 
     def _take_structured_outputs(self) -> None:

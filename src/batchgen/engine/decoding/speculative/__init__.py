@@ -3,9 +3,10 @@
 A proposer (n-gram lookup or a draft model) drafts up to k tokens for each running sequence that is
 about to decode; the scheduler gives such a sequence a (1 + k)-token chunk over its cached context,
 which the model runner runs like any prefill chunk and samples at all 1 + k positions, each with the
-processed distribution plain decoding would use there and that position's keyed draw. The engine
-keeps the drafts that equal the sampled tokens, then the first sampled token that differs (or the
-bonus token after k accepted drafts): exactly the tokens plain decoding emits, one per position.
+processed distribution plain decoding would use there and that position's keyed draw. The scheduler
+(update_from_output) keeps the drafts that equal the sampled tokens, then the first sampled token that
+differs (or the bonus token after k accepted drafts): exactly the tokens plain decoding emits, one per
+position.
 """
 
 from __future__ import annotations
@@ -39,18 +40,11 @@ class SpecStats:
         }
 
 
-def num_accepted(draft_token_ids: list[int], sampled: list[int]) -> int:
-    """How many leading drafts equal the tokens sampled at their positions (len(sampled) = 1 + drafts)."""
-    accepted = 0
-    while accepted < len(draft_token_ids) and draft_token_ids[accepted] == sampled[accepted]:
-        accepted += 1
-    return accepted
-
-
 class SpecDecoder:
     """The engine's speculative half: which sequences draft this step, the proposer, the counters."""
 
-    def __init__(self, spec: SpeculativeConfig, engine):
+    def __init__(self, spec: SpeculativeConfig, engine, engine_class: type):
+        """`engine`: the LLMEngine speculating; `engine_class`: LLMEngine, for a draft model's own engine."""
         self.spec = spec
         if spec.method == "ngram":
             from batchgen.engine.decoding.speculative.ngram import NgramProposer
@@ -59,7 +53,7 @@ class SpecDecoder:
         else:
             from batchgen.engine.decoding.speculative.draft_model import DraftModelProposer
 
-            self.proposer = DraftModelProposer(engine, spec)
+            self.proposer = DraftModelProposer(engine, spec, engine_class)
         self.stats = SpecStats()
 
     def propose(self, running: list[Sequence]) -> None:

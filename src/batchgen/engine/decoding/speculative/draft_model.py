@@ -1,8 +1,9 @@
 """Draft-model proposals: a smaller model with the same vocabulary drafts k tokens autoregressively.
 
-The draft runs through the engine's own pieces (an LLMEngine of its own: loader, KV cache manager,
-model runner, sampler) on its own KV pool. Each target sequence has a mirror sequence in the draft
-engine that holds the draft's KV for the target's tokens plus its own last proposals; after a verify
+The draft runs through the engine's own pieces (an LLMEngine of its own, made by the class the target
+hands over: loader, KV cache manager, model runner, sampler) on its own KV pool. Each target sequence
+has a mirror sequence in the draft engine that holds the draft's KV for the target's tokens plus its
+own last proposals; after a verify
 step the mirror keeps the KV of the common prefix (num_computed_tokens rolled back) and catches up
 with the target's new tokens in its next round's first chunk. The mirror samples with the target
 sequence's key, so at each position the draft's token comes from the same keyed draw as the
@@ -21,10 +22,9 @@ log = logging.getLogger("batchgen.engine")
 
 
 class DraftModelProposer:
-    def __init__(self, target, spec: SpeculativeConfig):
-        """`target`: the LLMEngine whose sequences are drafted for."""
-        from batchgen.engine.core.llm_engine import LLMEngine  # the draft is an engine itself
-
+    def __init__(self, target, spec: SpeculativeConfig, engine_class: type):
+        """`target`: the LLMEngine whose sequences are drafted for; `engine_class`: LLMEngine, which the
+        draft is (handed over: the engine imports this module, not the other way)."""
         config: EngineConfig = target.config
         # The draft's quantization: as asked (fp8: the FP8 weight path, e.g. the target itself perturbed);
         # else the target's for the target's own model (its weights are then shared), auto for another.
@@ -40,9 +40,11 @@ class DraftModelProposer:
         # A tensor-parallel target's weights are shards: the draft loads its own copy.
         is_same_model = (draft_config.model == config.model and draft_config.quantization == config.quantization
                          and not config.quantize_lm_head and config.tensor_parallel_size == 1)
-        self.engine = LLMEngine(draft_config, weights_from=target if is_same_model else None)
+        self.engine = engine_class(draft_config, weights_from=target if is_same_model else None)
         check_same_vocabulary(target, self.engine)
         self.mirrors: dict[int, Sequence] = {}  # id(target sequence) -> its mirror
+        # id(mirror) -> its target's token count at the last sync: what follows are the mirror's proposals.
+        self.base_lens: dict[int, int] = {}
 
     def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> list[list[int]]:
         """Per sequence, up to num_tokens[i] draft tokens: k forward passes of the draft for the batch."""
@@ -61,25 +63,25 @@ class DraftModelProposer:
                     scheduled.append(ScheduledSeq(mirror, num_new))
             if not scheduled:
                 break
-            for s, token, _, _ in self.engine.runner.execute(scheduled):  # one row each: no drafts here
-                s.seq.num_computed_tokens += s.num_new_tokens
-                s.seq.token_ids.append(token)
+            for row in self.engine.runner.execute(scheduled):  # one row each: no drafts here
+                row.scheduled.seq.num_computed_tokens += row.scheduled.num_new_tokens
+                row.scheduled.seq.token_ids.append(row.token_id)
             active = [s.seq for s in scheduled
-                      if s.seq.num_tokens - s.seq.base_len < wanted[id(s.seq)]]
-        return [m.token_ids[m.base_len:] for m in mirrors]
+                      if s.seq.num_tokens - self.base_lens[id(s.seq)] < wanted[id(s.seq)]]
+        return [m.token_ids[self.base_lens[id(m)]:] for m in mirrors]
 
     def _synced_mirror(self, seq: Sequence) -> Sequence:
         """The mirror of `seq` with the target's tokens and the KV of their common prefix kept."""
         mirror = self.mirrors.get(id(seq))
         if mirror is None:
             mirror = Sequence(seq.request_id, seq.sample_index, seq.prompt_token_ids, seq.params,
-                              seq.arrival_time, seq.max_total_tokens, seq.sample_key)
+                              seq.times.arrival_time, seq.max_total_tokens, seq.sample_key)
             mirror.random_key = seq.random_key
             self.mirrors[id(seq)] = mirror
         else:
             # The mirror's tokens are the target's of the last round plus its proposals; the common
             # prefix is at least the last round's tokens, so compare only what follows them.
-            common = mirror.base_len
+            common = self.base_lens[id(mirror)]
             end = min(mirror.num_tokens, seq.num_tokens)
             while common < end and mirror.token_ids[common] == seq.token_ids[common]:
                 common += 1
@@ -93,7 +95,7 @@ class DraftModelProposer:
                 # tokens when it next samples.
                 self.engine.runner.release(mirror)
         mirror.token_ids.extend(seq.token_ids[mirror.num_tokens:])
-        mirror.base_len = seq.num_tokens
+        self.base_lens[id(mirror)] = seq.num_tokens
         return mirror
 
     def retain(self, running: list[Sequence]) -> None:
@@ -109,6 +111,7 @@ class DraftModelProposer:
             self._free(mirror)
 
     def _free(self, mirror: Sequence) -> None:
+        self.base_lens.pop(id(mirror), None)
         self.engine.kv_cache_manager.free(mirror)
         self.engine.runner.release(mirror)
 
