@@ -4,7 +4,7 @@
 Decode: SDPA's CPU flash kernel is built for long query blocks; a decode step has 1 query per
 sequence (a GQA group of `group` query heads per KV head), and there it reads K/V well below the
 rate of a plain streaming read, and it needs the keys dense, so the SDPA path keeps a staged copy
-of every decoding row (engine/decode_staging.py). The decode kernel walks each row's block table
+of every decoding row (engine/attention/decode_staging.py). The decode kernel walks each row's block table
 instead: it reads each token's (Hkv, D) record of K once for all the row's query heads, runs an
 exact two-pass softmax in float32 over the row's own length (no padding, no mask), then reads V the
 same way, prefetching the next block. No staging copy: no fills, appends or first-touch page

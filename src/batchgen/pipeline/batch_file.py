@@ -3,7 +3,7 @@
 A batch file is checked whole before anything runs, as OpenAI validates one on upload: a line that is
 not a JSON object, has no `custom_id` (a non-empty string) or repeats one makes the job bad (JobError,
 exit 2) naming every such line. What is wrong inside a line with a custom_id (method, url, body) is
-that request's error row instead (batch_requests.py).
+that request's error row instead (batch_lines.py).
 
 To the rest of the pipeline a batch file is an input file like a Parquet shard: rows are its
 non-blank lines, in order, with two columns: `custom_id` (string: the output's id) and `line` (binary:

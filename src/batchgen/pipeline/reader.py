@@ -3,7 +3,7 @@
 Never the whole dataset, nor a whole row group, in memory: a read walks the row groups that overlap its
 range page by page (a buffered stream, no pre-buffering of column chunks) and yields batches whose row
 count is chosen from the footer's bytes per row, so a file of huge rows reads in small batches.
-Columns come back in their stored types; rows.py casts the text it decodes to binary first
+Columns come back in their stored types; parquet_rows.py casts the text it decodes to binary first
 (`binary_type`), so one row of invalid UTF-8 becomes that row's error instead of sinking the column.
 """
 

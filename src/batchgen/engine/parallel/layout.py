@@ -8,7 +8,7 @@ Megatron-style, as vLLM, SGLang and nano-vllm split a Llama block:
 - vocabulary-parallel: the embedding and lm_head, a slice of the vocabulary rows each. A token's
   embedding is one rank's row (the others add zeros: the all-reduce is exact), and rank 0 gathers
   the logits' column slices. `is_vocab_parallel=False` keeps both whole on every rank instead
-  (bench/tp_vocab.py measures the two).
+  (bench/tensor_parallel.py measures the two).
 
 Heads go in whole KV groups (a KV head with the query heads that read it), as evenly as they split:
 a model whose head counts do not divide by the rank count (the bundled SmolLM2: 9 query heads over
