@@ -1,6 +1,6 @@
 """The documentation site: `mkdocs build --strict` passes (every link and anchor resolves, every page is in
-the nav), the reference pages in it are the ones generated from the code, and the module paths the pages
-name exist."""
+the nav), the reference pages in it are the ones generated from the code, the module paths the pages
+name exist, and the architecture page's layout lists the package's folders as they are."""
 
 from __future__ import annotations
 
@@ -88,3 +88,20 @@ def test_module_paths_named_in_the_docs_exist():
             if not any(k == path or k.endswith("/" + path) for k in known):
                 missing.append(f"{page.relative_to(ROOT)}: {path}")
     assert missing == []
+
+
+def test_the_architecture_layout_lists_every_package_folder():
+    """The "Layout" tree on the architecture page names each folder under src/batchgen/ (nested by its
+    indent, two spaces a level), and only folders that are there."""
+    page = (DOCS / "design" / "architecture.md").read_text()
+    tree = re.search(r"## Layout\n.*?```\n(src/batchgen/\n.*?)```", page, re.S).group(1)
+    listed, parents = set(), []
+    for line in tree.splitlines()[1:]:
+        entry = re.match(r"( +)([\w.-]+/)", line)
+        if entry is None:  # a module (`__init__.py ...`) or a description's continuation line
+            continue
+        depth = len(entry.group(1)) // 2 - 1
+        parents[depth:] = [entry.group(2).rstrip("/")]
+        listed.add("/".join(parents))
+    folders = {p.relative_to(SRC).as_posix() for p in SRC.rglob("*") if p.is_dir() and p.name != "__pycache__"}
+    assert listed == folders
