@@ -7,6 +7,7 @@ import subprocess
 import sys
 import weakref
 
+import pytest
 import torch
 
 from batchgen.bench import gpu_check
@@ -60,6 +61,7 @@ def test_tiny_run_on_cpu(tmp_path):
     assert "decode attention S=2 at 64" in table and "sampler N=8" in table
 
 
+@pytest.mark.subprocess
 def test_it_imports_without_pydantic_polars_or_gguf():
     """`pip install --no-deps -e .` on a GPU image: torch, triton and transformers only."""
     code = ("import sys\n"

@@ -46,6 +46,7 @@ def stand_in_config(tmp_path: Path, **kwargs) -> VllmPeerConfig:
     return VllmPeerConfig(model_dir=model_dir, python=Path(sys.executable), driver=driver, **kwargs)
 
 
+@pytest.mark.subprocess
 def test_the_peer_gets_the_workload_and_vllm_settings_and_its_fastest_rep_is_reported(tmp_path, monkeypatch):
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)

@@ -19,6 +19,8 @@ from batchgen.engine import SamplingParams
 from tests.hub_cache import make_hub_cache
 from tests.serve.server_process import ServerProcess
 
+pytestmark = pytest.mark.server
+
 TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
             "{% if add_generation_prompt %}{{ greeting | default('') }}assistant:{% endif %}")
 GENERATION_CONFIG = {"temperature": 0.0, "repetition_penalty": 1.3, "max_new_tokens": 6, "do_sample": True}
