@@ -18,7 +18,7 @@ def pytest_configure(config):
     if os.environ.get("PYTEST_XDIST_WORKER"):
         import torch
 
-        torch.set_num_threads(1)
+        torch.set_num_threads(int(os.environ.get("BATCHGEN_TEST_WORKER_THREADS", "1")))
 
 
 @pytest.hookimpl(optionalhook=True)
