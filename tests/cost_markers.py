@@ -26,9 +26,9 @@ _seen: dict[str, str] = {}  # kind -> one example (a command line or a kernel na
 
 def kind_of_command(args) -> str | None:
     """The costly kind of a child process, from its command line; None for other tools (a C compiler, git)."""
-    argv = [os.fspath(a) for a in args] if isinstance(args, (list, tuple)) else [os.fspath(args)]
-    if any(f"{os.sep}ray{os.sep}" in a for a in argv):
-        return "ray"  # its GCS, raylet, workers and monitors live under the ray package
+    argv = [os.fsdecode(a) for a in args] if isinstance(args, (list, tuple)) else [os.fsdecode(args)]
+    if any(f"{os.sep}ray{os.sep}" in a for a in argv[:3]):
+        return "ray"  # its GCS and raylet binaries, and the scripts of its Python processes: in the ray package
     program = os.path.basename(argv[0].split()[0]) if argv and argv[0] else ""
     if "chrom" in program:
         return "browser"
@@ -46,7 +46,10 @@ _popen_init = subprocess.Popen.__init__
 
 
 def _watched_popen_init(self, args, *rest, **kwargs):
-    _record(kind_of_command(args), " ".join(map(str, args)) if isinstance(args, (list, tuple)) else str(args))
+    try:
+        _record(kind_of_command(args), " ".join(map(str, args)) if isinstance(args, (list, tuple)) else str(args))
+    except (TypeError, ValueError, IndexError):  # a command line this reading does not know: Popen judges it
+        pass
     _popen_init(self, args, *rest, **kwargs)
 
 
