@@ -42,6 +42,7 @@ def test_max_cuda_graph_size_caps_the_captured_sizes():
     assert capturer.num_replays == 1
 
 
+@pytest.mark.triton
 def test_fp8_kv_scales_come_from_the_first_real_prefill_not_the_capture():
     """calculate_kv_scales: the capture's warm-up runs padding rows (token 0 at position 0), so a runner
     that captured at start would take its scales from them. The capture waits for the first real step:
