@@ -26,6 +26,7 @@ class TickClock:
         return self.now
 
 
+@pytest.mark.triton
 def test_tiny_run_on_cpu(tmp_path):
     out = tmp_path / "gpu_check.json"
     args = gpu_check.parse_args(["--tiny", "--quiet", "--device", "cpu", "--out", str(out),
