@@ -4,7 +4,8 @@ The markers are registered in pyproject.toml ([tool.pytest.ini_options] markers)
 (module-level `pytestmark` or a decorator) so that a reader sees them; docs/development.md says how to run
 the fast tier. This guard keeps them honest: while a test sets up and runs, it watches for the child
 processes it starts (`subprocess.Popen`, `multiprocessing` processes) and for Triton kernel launches under
-the interpreter, and fails the test if it lacks the marker of what it did. Work done by a module or
+the interpreter, and fails the test if it lacks the marker of what it did (a plain Python child is
+allowed to a test already marked with another process kind). Work done by a module or
 session fixture counts for the test that set it up first, which is the one that pays for it; a test
 that only reuses it is caught when it runs without that test (as in the fast tier).
 """
@@ -20,6 +21,9 @@ import pytest
 
 # What this guard watches for; `slow` (registered beside them) is put on by hand from --durations.
 COSTLY_KINDS = ("server", "ray", "browser", "triton", "subprocess")
+# A test of one of these kinds may also start a plain Python child without the `subprocess` marker (a
+# library's own, such as lm-eval's `pip list`): it is out of the fast tier already.
+PROCESS_KINDS = {"server", "ray", "browser", "subprocess"}
 
 _seen: dict[str, str] = {}  # kind -> one example (a command line or a kernel name) in the current test
 
@@ -100,7 +104,9 @@ def pytest_runtest_makereport(item, call):
     report = outcome.get_result()
     if call.when != "call" or not report.passed:
         return
-    missing = {kind: example for kind, example in _seen.items() if item.get_closest_marker(kind) is None}
+    markers = {mark.name for mark in item.iter_markers()}
+    missing = {kind: example for kind, example in _seen.items()
+               if kind not in markers and not (kind == "subprocess" and markers & PROCESS_KINDS)}
     if missing:
         report.outcome = "failed"
         report.longrepr = ("this test (or a fixture it set up) did costly work without its marker: "
