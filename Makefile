@@ -22,12 +22,14 @@ $(INSTALLED): pyproject.toml
 quickstart: $(INSTALLED)
 	$(BIN)/batchgen run jobs/quickstart.yaml
 
-# `make test`: every test. `make test-fast`: the fast tier, without the costly kinds' markers
-# (pyproject.toml; docs/development.md).
+# `make test`: every test, on two pytest-xdist workers, a module at a time to each (its server or Ray
+# cluster starts once): the server, Ray and CLI tests wait on their child processes, and two workers
+# overlap them (docs/development.md has the figures). `make test-fast`: the fast tier, without the
+# costly kinds' markers (pyproject.toml), in one process: two workers do not shorten it.
 FAST_TIER := not (server or ray or browser or triton or subprocess or slow)
 
 test: $(INSTALLED)
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n 2 --dist loadscope
 
 test-fast: $(INSTALLED)
 	$(BIN)/python -m pytest -m "$(FAST_TIER)"
