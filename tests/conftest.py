@@ -6,6 +6,10 @@ import os
 
 import pytest
 
+# The costly kinds' guard (tests/cost_markers.py): a test that starts a server, Ray, Chromium, a Python
+# child or a Triton kernel fails unless it carries that marker.
+pytest_plugins = ("tests.cost_markers",)
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # OpenMP threads sleep between parallel regions instead of spinning. On a CPU shared with other

@@ -8,6 +8,10 @@ import sys
 import zipfile
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.subprocess
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = REPO_ROOT / "src" / "batchgen"
 SHIPPED_SUFFIXES = {".py", ".c", ".h", ".j2", ".txt", ".sh"}

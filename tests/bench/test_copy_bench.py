@@ -5,11 +5,14 @@ here."""
 
 from __future__ import annotations
 
+import pytest
+
 from batchgen.bench.copy_bench import copy_workload, format_copy_report, run_copy_bench
 from batchgen.bench.copy_prompts import copy_prompts
 from tests.conftest import MODEL
 
 
+@pytest.mark.slow
 def test_copy_bench_runs_every_mode_and_the_peer_with_identical_outputs(llm, hf_model):
     engine = llm.with_engine_settings(max_model_len=1024).engine
     result = run_copy_bench(engine, hf_model, num_speculative_tokens=3, draft_model=MODEL, max_tokens=12,

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import weakref
 
+import pytest
 import torch
 
 from batchgen.bench import gpu_check
@@ -28,6 +29,7 @@ class TickClock:
         return self.now
 
 
+@pytest.mark.triton
 def test_tiny_run_on_cpu(tmp_path):
     out = tmp_path / "gpu_check.json"
     args = gpu_check.parse_args(["--tiny", "--quiet", "--device", "cpu", "--out", str(out),
@@ -63,6 +65,7 @@ def test_tiny_run_on_cpu(tmp_path):
     assert "decode attention S=2 at 64" in table and "sampler N=8" in table
 
 
+@pytest.mark.subprocess
 def test_it_imports_without_pydantic_polars_or_gguf():
     """`pip install --no-deps -e .` on a GPU image: torch, triton and transformers only."""
     code = ("import sys\n"

@@ -46,6 +46,7 @@ def stand_in_config(tmp_path: Path, **kwargs) -> VllmPeerConfig:
     return VllmPeerConfig(model_dir=model_dir, python=Path(sys.executable), driver=driver, **kwargs)
 
 
+@pytest.mark.subprocess
 def test_the_peer_gets_the_workload_and_vllm_settings_and_its_fastest_rep_is_reported(tmp_path, monkeypatch):
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
@@ -69,6 +70,7 @@ def test_the_peer_gets_the_workload_and_vllm_settings_and_its_fastest_rep_is_rep
     assert run_vllm_peer(config, WORKLOAD).details["env"]["VLLM_CPU_OMP_THREADS_BIND"] == "0"
 
 
+@pytest.mark.subprocess
 def test_a_missing_environment_or_model_or_output_is_a_clear_error(tmp_path, monkeypatch):
     config = stand_in_config(tmp_path)
     with pytest.raises(VllmPeerUnavailable, match="no vLLM environment at .*make vllm-peer"):

@@ -102,6 +102,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.subprocess
 @pytest.mark.skipif(cpu_isa.detect_isa() not in cpu_isa.ISA_LEVELS[1:],
                     reason="forcing AVX2 is a change only on a CPU above AVX2 (asking for more is refused above)")
 def test_the_forced_avx2_build_computes_what_the_native_build_does(tmp_path):

@@ -17,6 +17,8 @@ from batchgen.kernels.fp8_matmul import fp8_w8a16_matmul
 from batchgen.kernels.reference import fp8_w8a16_matmul_ref
 from batchgen.kernels.triton_tuning import GemmTiles
 
+pytestmark = pytest.mark.triton
+
 
 def quantized(n: int, k: int, per_channel: bool, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)

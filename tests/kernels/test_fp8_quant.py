@@ -22,6 +22,7 @@ def rows(m: int, k: int, dtype: torch.dtype) -> torch.Tensor:
     return x.to(dtype)
 
 
+@pytest.mark.triton
 @pytest.mark.parametrize("m, k, dtype", [(1, 64, torch.float32), (5, 130, torch.float16),
                                          (3, MAX_BLOCK_K + 52, torch.float32)])  # K past one block: the loop
 def test_matches_the_reference_within_one_fp8_step(m, k, dtype):

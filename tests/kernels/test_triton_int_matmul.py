@@ -17,6 +17,8 @@ from batchgen.kernels.reference import int_weight_matmul_ref
 from batchgen.kernels.triton_int_matmul import int_weight_matmul, pack_codes
 from batchgen.kernels.triton_tuning import gemm_candidates
 
+pytestmark = pytest.mark.triton
+
 
 def weight(n: int, k: int, bits: int, group_size: int, seed: int, act_order: bool = False,
            symmetric: bool = False):

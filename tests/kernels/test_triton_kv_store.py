@@ -11,6 +11,8 @@ from batchgen.kernels.reference import kv_store_reference
 from batchgen.kernels.triton_kv_store import FP8_KV_MAX, store_kv
 from tests.kernels.helpers import assert_within_one_fp8_step, bits
 
+pytestmark = pytest.mark.triton
+
 
 def sentinel_cache(num_slots: int, num_kv_heads: int, head_size: int, dtype: torch.dtype) -> torch.Tensor:
     return torch.full((num_slots, num_kv_heads, head_size), float("nan")).to(dtype)

@@ -19,6 +19,8 @@ from batchgen.kernels.triton_kv_store import store_kv
 from batchgen.kernels.triton_paged_attention import paged_attention, workspace_shape
 from batchgen.kernels.triton_tuning import AttentionTiles
 
+pytestmark = pytest.mark.triton
+
 
 @dataclass
 class Step:

@@ -16,6 +16,8 @@ from batchgen.kernels.triton_int_matmul import int_weight_matmul, pack_codes
 from batchgen.kernels.triton_tuning import AttentionTiles, attention_candidates, gemm_candidates
 from tests.kernels.test_triton_paged_attention import assert_close_to_reference, make_step
 
+pytestmark = pytest.mark.triton
+
 
 def distinct(candidates, *fields):
     """One candidate per distinct value of `fields` (what the interpreter computes with)."""

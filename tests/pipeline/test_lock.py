@@ -77,6 +77,7 @@ def test_a_second_run_is_refused_naming_the_holder_and_touches_nothing(tmp_path,
     assert not temp_files(out)
 
 
+@pytest.mark.subprocess
 def test_the_command_line_exits_2_naming_the_holder(tmp_path):
     write_parquet(tmp_path / "in.parquet", {"id": [1], "prompt": ["p"]})
     job_file = tmp_path / "job.yaml"

@@ -10,6 +10,9 @@ import textwrap
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
+import pytest
+
+pytestmark = pytest.mark.subprocess
 
 NUM_ROWS = 1_000_000
 CHUNK = 100_000

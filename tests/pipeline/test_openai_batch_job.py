@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from collections import Counter
 
+import pytest
 import yaml
 from openai.types import Completion
 from openai.types.chat import ChatCompletion
@@ -18,6 +19,8 @@ from tests.conftest import MODEL
 from tests.pipeline.cli_process import batchgen, part_files, sigkill_after_first_part
 from tests.pipeline.conftest import engine_sections, read_output
 from tests.pipeline.test_openai_batch import CHAT, COMPLETIONS, line, read_jsonl, write_lines
+
+pytestmark = pytest.mark.subprocess
 
 NUM_LINES, NUM_UNITS = 40, 10
 BAD = {  # custom_id -> (the line, the field its error names, words of its message)

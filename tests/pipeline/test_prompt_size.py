@@ -90,6 +90,7 @@ RUN_ONE_ROW = textwrap.dedent("""
 """)
 
 
+@pytest.mark.subprocess
 def test_a_10_mb_prompt_is_refused_without_tokenizing_it(tmp_path, hf_tokenizer):
     model = write_tiny_model(tmp_path / "model", hf_tokenizer)
     big = "Tell me everything about the history of tea, in detail. " * (10 * MIB // 56)

@@ -28,6 +28,8 @@ from tests.pipeline.scale_helpers import (
     write_job,
 )
 
+pytestmark = pytest.mark.ray
+
 
 @pytest.fixture(scope="module")
 def ray_cluster():

@@ -17,6 +17,9 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
+
+pytestmark = [pytest.mark.ray, pytest.mark.subprocess]
 
 NUM_ROWS = 1_000_000
 REPO = Path(__file__).resolve().parents[2]

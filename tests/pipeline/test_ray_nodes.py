@@ -21,6 +21,8 @@ from tests.pipeline.ray_helpers import num_committed
 from tests.pipeline.scale_helpers import assert_each_row_once, row_key, run_locally, write_job
 from tests.pipeline.slow_replica import SlowReplica
 
+pytestmark = pytest.mark.ray
+
 
 @pytest.fixture(scope="module")
 def cluster():

@@ -17,6 +17,7 @@ from tests.pipeline.conftest import FakeEngine, make_job, read_output, write_par
 NUM_ROWS, N = 5, 2
 
 
+@pytest.mark.subprocess
 def test_sigkill_mid_job_then_rerun_finishes_only_the_missing_units(tmp_path, tiny_model):
     ids = [f"row-{i}" for i in range(NUM_ROWS)]
     write_parquet(tmp_path / "data" / "in.parquet", {"id": ids, "prompt": [f"Question {i}?" for i in ids]})

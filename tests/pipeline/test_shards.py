@@ -34,6 +34,7 @@ def shard_cmd(job_file, shard: str, *extra: str) -> list[str]:
     return batchgen("run", str(job_file), "--shard", shard, "--no-progress", *extra)
 
 
+@pytest.mark.subprocess
 def test_three_shard_processes_give_the_local_rows_and_one_success(tmp_path, tiny_model, local_rows):
     rows, local_record = local_rows
     job_file = write_job(tmp_path, tiny_model, engine=NGRAM)  # speculation changes no row
@@ -69,6 +70,7 @@ def test_three_shard_processes_give_the_local_rows_and_one_success(tmp_path, tin
     assert shard2["units_run"] == [f"part-{k:05d}.parquet" for k in range(2, NUM_ROWS, 3)]
 
 
+@pytest.mark.subprocess
 def test_sigkilled_shard_rerun_and_refusals(tmp_path, tiny_model, local_rows):
     rows, _ = local_rows
     job_file = write_job(tmp_path, tiny_model, sampling={"max_tokens": 24})

@@ -12,11 +12,14 @@ import subprocess
 import time
 from collections import Counter
 
+import pytest
 import yaml
 
 from tests.pipeline.cli_process import batchgen, part_files, sigkill_worker_after_first_part
 from tests.pipeline.conftest import read_output, write_parquet
 from tests.pipeline.tiny_model import write_tiny_model
+
+pytestmark = pytest.mark.subprocess
 
 NUM_ROWS = 24
 

@@ -23,6 +23,8 @@ from tests.report.conftest import (
     table_by_key,
 )
 
+pytestmark = pytest.mark.browser
+
 COMPARE_PLOTS = ["ttft", "tpot", "e2e", "lengths", "throughput", "finish", "first_token", "categories"]
 WARM_POSITIONS = (1, 4)  # the rows sampled at temperature 2
 NUM_SHORT = 6  # rows of the limited run

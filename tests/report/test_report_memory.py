@@ -5,8 +5,12 @@ imports, and the page still counts every row. (1M rows: docs/benchmarks/history/
 
 from __future__ import annotations
 
+import pytest
+
 from batchgen.bench.report_memory import run_measured, write_synthetic_run
 from tests.report.html_cells import keyed_cells
+
+pytestmark = pytest.mark.subprocess
 
 NUM_ROWS = 400_000
 MAX_GROWTH_MB = 300

@@ -13,6 +13,8 @@ from batchgen.report import ReportConfig, write_report
 from tests.pipeline.conftest import read_output
 from tests.report.conftest import ROWS, assert_plots_drawn, column_texts, open_page, table_by_key
 
+pytestmark = pytest.mark.browser
+
 SINGLE_RUN_PLOTS = ["ttft", "tpot", "e2e", "lengths", "throughput", "finish", "categories"]
 
 

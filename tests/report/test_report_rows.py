@@ -20,6 +20,7 @@ CATEGORY = (pa.field("category", pa.string()),)
 ANSWER = (pa.field("answer", pa.string()),)
 
 
+@pytest.mark.browser
 def test_markup_in_rows_reaches_the_page_as_text(tmp_path, browser):
     script = "<script>window.pwned = 1</script>"
     image = '<img src="x" onerror="window.pwned = 2">'

@@ -23,6 +23,8 @@ from tests.conftest import MODEL
 from tests.engine.prompts import chat
 from tests.serve.server_process import ServerProcess
 
+pytestmark = pytest.mark.server
+
 KEY = "hostile-key"
 MAX_BODY = 32 << 20  # the default --max-request-body-bytes
 CHAT_URL = "/v1/chat/completions"

@@ -20,6 +20,8 @@ from batchgen.engine import BeamSearchParams, SamplingParams
 from tests.conftest import MODEL
 from tests.serve.server_process import ServerProcess
 
+pytestmark = pytest.mark.server
+
 MC_ITEMS = [
     ("The capital of France is", ["Paris", "London", "Rome", "Madrid"], 0),
     ("Two plus two equals", ["four", "five", "seven", "ten"], 0),

@@ -21,6 +21,8 @@ from tests.conftest import MODEL
 from tests.engine.prompts import CHAT_PROMPTS, QUESTIONS, chat
 from tests.serve.server_process import ServerProcess
 
+pytestmark = pytest.mark.server
+
 KEY = "test-key-123"
 MAX_NUM_SEQS = 16
 MAX_QUEUED = 4  # the server holds at most MAX_NUM_SEQS + MAX_QUEUED requests

@@ -16,6 +16,8 @@ from tests.conftest import MODEL
 from tests.engine.prompts import QUESTIONS, chat
 from tests.serve.server_process import ServerProcess
 
+pytestmark = pytest.mark.server
+
 SHUTDOWN_TIMEOUT_S = 8.0
 # The HTTP side must be done within the grace period plus uvicorn's margin (2 s) and a step's time;
 # the process exit (the engine thread, the interpreter's teardown) gets more on a busy machine.

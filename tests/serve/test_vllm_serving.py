@@ -17,7 +17,10 @@ import pytest
 
 from batchgen.engine import SamplingParams
 from tests.hub_cache import make_hub_cache
+from tests.pipeline.tiny_model import write_tiny_model
 from tests.serve.server_process import ServerProcess
+
+pytestmark = pytest.mark.server
 
 TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
             "{% if add_generation_prompt %}{{ greeting | default('') }}assistant:{% endif %}")
@@ -139,10 +142,14 @@ def test_streamed_text_equals_the_whole_text_under_min_tokens_and_stops(server, 
     assert streamed_text(server, "completions", **body) == expected.text
 
 
-def test_a_server_seed_reproduces_unseeded_requests_across_restarts(tmp_path):
+def test_a_server_seed_reproduces_unseeded_requests_across_restarts(tmp_path, llm):
     body = {"messages": [{"role": "user", "content": "Tell me a story."}], "temperature": 1.0, "max_tokens": 8}
-    # Two starts from scratch with the same --seed (side by side: their loads overlap).
-    starts = [ServerProcess(tmp_path / f"seed-{i}.log", "--seed", "7", "--max-num-seqs", "4") for i in range(2)]
+    # Two starts from scratch with the same --seed (side by side: their loads overlap), on a tiny
+    # random-weight model with the bundled tokenizer: the seed's keys are the server's, not the model's,
+    # and near-uniform logits make two unseeded draws of 8 tokens from one prompt differ.
+    model = write_tiny_model(tmp_path / "tiny", llm.get_tokenizer())
+    starts = [ServerProcess(tmp_path / f"seed-{i}.log", "--seed", "7", "--max-num-seqs", "4",
+                            "--max-model-len", "256", model=str(model)) for i in range(2)]
     try:
         answers = [[post(start.wait_ready(), "chat/completions", **body).json()["choices"][0]["message"]["content"]
                     for _ in range(2)] for start in starts]

@@ -22,6 +22,8 @@ from batchgen.engine import EngineConfig, LLMEngine, SamplingParams
 from tests.engine.helpers import captured_logits, run_requests
 from tests.pipeline.tiny_model import write_tiny_model
 
+pytestmark = pytest.mark.triton
+
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 SHAPE = dict(hidden=128, intermediate=256, num_layers=2, num_heads=4, num_kv_heads=1)  # head_dim 32, GQA 4
 # A pool of 12 blocks of 16 tokens for up to 8 sequences of up to ~60 tokens: the batch preempts;

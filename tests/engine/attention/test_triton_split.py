@@ -19,6 +19,8 @@ from batchgen.engine.sampling.sampling_params import SamplingParams
 from tests.engine.step_fixtures import TINY, advance, decode, make_seq, prefill, tiny_runner
 from tests.engine.runner.test_decode_graphs import record_sampled_logits
 
+pytestmark = pytest.mark.triton
+
 CPU = torch.device("cpu")
 
 

@@ -198,6 +198,7 @@ def test_on_a_stand_in_gpu_the_next_step_is_queued_before_this_one_ends(tiny_in_
     assert sum(gap == 0 for gap in gaps) >= len(gaps) // 2, gaps  # queued before the previous step ended
 
 
+@pytest.mark.triton
 def test_decode_graphs_replay_the_fed_tokens_and_wait_in_order_for_the_fp8_kv_scales(tiny_in_order):
     """Triton attention (the interpreter) with decode graphs (an eager stand-in for the capture): the graphs
     read the pending tokens the device fed into the step. With calculate_kv_scales the capture waits for

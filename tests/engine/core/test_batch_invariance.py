@@ -81,6 +81,7 @@ def test_32_prompts_together_equal_each_alone(tiny_uncached_llm):
     assert num_real_samples(together) == (32, 32)
 
 
+@pytest.mark.slow
 def test_real_model_together_equal_alone_at_block_boundaries(uncached_llm):
     together = run_together_then_alone(uncached_llm.engine, alone=REAL_MODEL_ALONE)
     # The samples are real samples: on most prompts the two differ, and differ from greedy. (A trained

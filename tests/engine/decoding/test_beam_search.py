@@ -60,6 +60,7 @@ def run_with_block_count(engine, prompt_ids, params):
     return outputs, peak
 
 
+@pytest.mark.slow
 def test_sixteen_prompts_equal_hf_generate_num_beams_4(llm, hf_model, prompt_ids):
     engine = llm.engine
     eos = engine.eos_token_ids

@@ -48,6 +48,7 @@ def greedy_reference(llm):
     return greedy_outputs(llm.with_engine_settings(max_num_seqs=16).engine)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec, settings", [
     (NGRAM, {}),
     (SELF_DRAFT, {"num_kv_blocks": 24, "max_model_len": 384}),  # a pool 16 sequences overflow: preemption

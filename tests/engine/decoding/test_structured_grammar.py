@@ -274,6 +274,7 @@ def test_missing_library_names_the_extra(tok, monkeypatch):
         GrammarCompiler(tok, VOCAB, [tok.eos_token_id]).compile(StructuredOutputsParams(regex="a"))
 
 
+@pytest.mark.subprocess
 def test_importing_the_layer_does_not_import_the_library():
     code = ("import sys; from batchgen.engine.decoding.structured import StructuredOutputsParams; "
             "StructuredOutputsParams(json={'type': 'object'}); print('llguidance' in sys.modules)")

@@ -46,6 +46,7 @@ def token_ids(outputs) -> list[list[list[int]]]:
     return [[c.token_ids for c in out.outputs] for out in outputs]
 
 
+@pytest.mark.slow
 def test_shared_system_prompt_is_computed_once(llm):
     prompts = [chat(user_message(i)) for i in range(128)]
     outputs, stats = generate(llm, prompts, SamplingParams(temperature=0.8, seed=3, n=2, max_tokens=4))

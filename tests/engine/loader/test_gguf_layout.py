@@ -137,6 +137,7 @@ READ_BOMB = textwrap.dedent("""
 """)
 
 
+@pytest.mark.subprocess
 def test_the_refusal_does_not_grow_memory(tmp_path):
     path = array_bomb(tmp_path / "bomb.gguf")
     result = subprocess.run([sys.executable, "-c", READ_BOMB, str(path)], capture_output=True, text=True,

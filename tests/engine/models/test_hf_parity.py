@@ -8,6 +8,7 @@ step budget that forces chunked prefill and steps mixing prefill chunks with dec
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from batchgen.engine import SamplingParams
@@ -71,6 +72,7 @@ def assert_matches_hf(outputs: list[list[int]], reference: list[list[int]], prom
     assert not mismatches, "\n".join(mismatches)
 
 
+@pytest.mark.slow
 def test_greedy_continuations_match_hf_generate(llm_chat_greedy, hf_chat_greedy, chat_prompt_ids, hf_model):
     assert len(llm_chat_greedy) >= 20
     assert_matches_hf(llm_chat_greedy, hf_chat_greedy, chat_prompt_ids, hf_model)
@@ -79,6 +81,7 @@ def test_greedy_continuations_match_hf_generate(llm_chat_greedy, hf_chat_greedy,
     assert len({tuple(t) for t in llm_chat_greedy}) >= len(llm_chat_greedy) - 3
 
 
+@pytest.mark.slow
 def test_chunked_prefill_and_mixed_steps_match_hf_generate(chunked_llm, hf_chat_greedy, chat_prompt_ids,
                                                            hf_model):
     engine = chunked_llm.engine

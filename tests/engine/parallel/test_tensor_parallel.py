@@ -23,6 +23,8 @@ from tests.engine.helpers import captured_logits, relative_error, run_requests
 from tests.engine.prefix_prompts import OTHER_SYSTEM, chat, user_message
 from tests.engine.prompts import QUESTIONS
 
+pytestmark = pytest.mark.subprocess
+
 NUM_TOKENS = 32
 # 8 prompts behind one system prompt (~127 tokens, 7 shared blocks) and 8 short ones (~37 tokens): 71
 # blocks at the end with the prefix cached once; 40 blocks preempt. 128 tokens a step admit the

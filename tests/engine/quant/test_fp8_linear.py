@@ -99,6 +99,7 @@ def test_unknown_mode_is_refused():
         Fp8Linear.from_linear(random_linear()).set_mode("w4a16")
 
 
+@pytest.mark.triton
 def test_w8a16_through_the_triton_kernel_equals_the_torch_path():
     """The kernel runs under TRITON_INTERPRET=1 here (tests/conftest.py); tests/kernels/ checks it alone."""
     torch.manual_seed(0)

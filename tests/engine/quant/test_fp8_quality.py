@@ -8,9 +8,12 @@ decode step per token through every model, so 9 steps instead of 24.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from batchgen.engine.kv.capacity import weight_bytes
+
+pytestmark = pytest.mark.slow
 
 NUM_PROMPTS, MAX_TOKENS = 16, 9
 

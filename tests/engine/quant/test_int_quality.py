@@ -7,9 +7,12 @@ activation_aware (the default) and none (round to nearest).
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from batchgen.engine.kv.capacity import weight_bytes
+
+pytestmark = pytest.mark.slow
 
 # The bars: measured activation-aware 0.979 / 0.0022 (round to nearest 0.967 / 0.0039).
 INT8_TOP1_FLOOR, INT8_KL_CEILING = 0.97, 0.01

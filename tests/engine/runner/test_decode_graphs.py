@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import pytest
 
 from batchgen.engine.runner.decode_graphs import EagerCapturer, graph_batch_sizes, padded_batch_size
 from batchgen.engine.sampling.sampling_params import SamplingParams
@@ -41,6 +42,7 @@ def test_max_cuda_graph_size_caps_the_captured_sizes():
     assert capturer.num_replays == 1
 
 
+@pytest.mark.triton
 def test_fp8_kv_scales_come_from_the_first_real_prefill_not_the_capture():
     """calculate_kv_scales: the capture's warm-up runs padding rows (token 0 at position 0), so a runner
     that captured at start would take its scales from them. The capture waits for the first real step:
@@ -128,6 +130,7 @@ def test_steps_that_are_not_decode_only_or_too_large_run_eagerly():
     assert capturer.num_replays == 1
 
 
+@pytest.mark.triton
 def test_triton_decode_graphs_read_the_static_buffers_like_the_eager_step():
     """The Triton backend's metadata is views of the packed step (no tensor of its own), so a graph
     captured over the static buffers replays a step of fewer rows (padding: slot -1, one key) with
