@@ -27,6 +27,7 @@ def page_html(site: Path, src_uri: str) -> Path:
 
 @pytest.fixture(scope="module")
 def site(tmp_path_factory) -> Path:
+    """The site built by `mkdocs build --strict` in a child process (its tests carry the subprocess mark)."""
     out = tmp_path_factory.mktemp("site")
     env = {**os.environ, "NO_MKDOCS_2_WARNING": "1",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))}
@@ -37,6 +38,7 @@ def site(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.mark.subprocess
 def test_the_strict_build_renders_every_page(site):
     pages = [p.relative_to(DOCS).as_posix() for p in DOCS.rglob("*.md") if "hooks" not in p.parts]
     assert len(pages) > 20
@@ -44,6 +46,7 @@ def test_the_strict_build_renders_every_page(site):
         assert page_html(site, src_uri).is_file(), src_uri
 
 
+@pytest.mark.subprocess
 def test_the_reference_pages_are_generated_not_written(site):
     generated = render_reference_pages()
     assert set(generated) == {"reference/job-file.md", "reference/engine.md", "reference/server.md",
