@@ -14,7 +14,6 @@ import typer
 from typer.testing import CliRunner
 
 from batchgen.bench import gemm_rate
-from batchgen.cli.bench import bench_command
 from batchgen.bench.engine_side import parse_engine_overrides
 from batchgen.bench.gemm_rate import measure_gemm_rate
 from batchgen.bench.harness import run_bench
@@ -35,6 +34,7 @@ from batchgen.bench.workloads import (
     shared_prefix_workload,
     special_token_ids,
 )
+from batchgen.cli.bench import bench_command
 from batchgen.engine.models.config import ModelConfig
 
 TINY = ModelConfig(model_type="llama", vocab_size=10, hidden_size=4, intermediate_size=8, num_layers=2,

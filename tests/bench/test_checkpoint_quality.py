@@ -15,8 +15,8 @@ import torch
 import typer
 from typer.testing import CliRunner
 
-from batchgen.cli.bench import bench_command
 from batchgen.bench.quality import dequantized_float_model, run_quality_bench
+from batchgen.cli.bench import bench_command
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.loader.model_loader import load_model
 from tests.engine.int_tiny import write_int_checkpoint

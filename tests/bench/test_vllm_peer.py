@@ -11,11 +11,11 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from batchgen.cli.bench import bench_command
 from batchgen.bench.options import BenchOptions
 from batchgen.bench.peers import vllm_cpu
 from batchgen.bench.peers.vllm_cpu import VllmPeerConfig, VllmPeerUnavailable, request_document, run_vllm_peer
 from batchgen.bench.workloads import BenchRequest, Workload
+from batchgen.cli.bench import bench_command
 
 # Writes what vllm_driver.py writes, from the request it was given: output token = prompt's first id + i.
 STAND_IN = r'''

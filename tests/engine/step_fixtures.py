@@ -15,13 +15,13 @@ import torch
 from batchgen.engine.attention.base import AttentionBackend, AttentionMetadata, AttentionMetadataBuilder
 from batchgen.engine.capabilities import Capabilities
 from batchgen.engine.config import EngineConfig
-from batchgen.engine.loader.model_loader import build_empty_model
-from batchgen.engine.runner.model_runner import ModelRunner
-from batchgen.engine.models.config import ModelConfig
-from batchgen.engine.models.layers.rotary import RotaryEmbedding
-from batchgen.engine.sampling.sampling_params import SamplingParams
 from batchgen.engine.core.scheduler import ScheduledSeq
 from batchgen.engine.core.sequence import Sequence
+from batchgen.engine.loader.model_loader import build_empty_model
+from batchgen.engine.models.config import ModelConfig
+from batchgen.engine.models.layers.rotary import RotaryEmbedding
+from batchgen.engine.runner.model_runner import ModelRunner
+from batchgen.engine.sampling.sampling_params import SamplingParams
 
 VOCAB = 96
 EOS = 95

@@ -9,8 +9,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from typer.testing import CliRunner
 
-from batchgen.engine import LLM, SamplingParams
 from batchgen.cli.main import app
+from batchgen.engine import LLM, SamplingParams
 from tests.engine.fp8_tiny import write_tiny_llama
 
 PROMPTS = ["t5 t17 t33 t9", "t7 t7 t120", "t200 t41"]

@@ -13,9 +13,9 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
+from batchgen.cli.main import app
 from batchgen.engine import LLM, SamplingParams
 from batchgen.engine.loader.source import resolve_model
-from batchgen.cli.main import app
 from batchgen.pipeline.errors import JobError
 from batchgen.pipeline.job import run_job
 from tests.engine.prompts import chat

@@ -13,10 +13,10 @@ import pyarrow.parquet as pq
 import torch
 from typer.testing import CliRunner
 
+from batchgen.cli.main import app
 from batchgen.engine import LLM, SamplingParams
 from batchgen.engine.kv.capacity import weight_bytes
 from batchgen.engine.quant.int_linear import IntLinear
-from batchgen.cli.main import app
 from tests.engine.fp8_tiny import write_tiny_llama
 
 PROMPTS = ["t5 t17 t33 t9", "t7 t7 t120", "t200 t41"]

@@ -15,9 +15,9 @@ import yaml
 from pydantic import BaseModel, create_model
 from typer.testing import CliRunner
 
+from batchgen.cli import main as cli
 from batchgen.engine import EngineConfig, SamplingParams
 from batchgen.engine.config import check_settings
-from batchgen.cli import main as cli
 from batchgen.pipeline.config import (
     EngineSection,
     ModelSection,

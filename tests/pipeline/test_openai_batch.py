@@ -11,12 +11,12 @@ from openai.types import Completion
 from openai.types.chat import ChatCompletion
 from typer.testing import CliRunner
 
-from batchgen.engine import SamplingParams
 from batchgen.cli import main as cli
+from batchgen.engine import SamplingParams
+from batchgen.pipeline.batch_lines import decode_line
 from batchgen.pipeline.config import JobConfig, validate_job
 from batchgen.pipeline.errors import JobError
 from batchgen.pipeline.job import run_job
-from batchgen.pipeline.batch_lines import decode_line
 from tests.pipeline.conftest import (
     FailingEngine,
     FakeEngine,

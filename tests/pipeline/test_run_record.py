@@ -23,7 +23,6 @@ from batchgen.pipeline.run_record_text import format_summary, summary_rows
 from batchgen.pipeline.shards import ShardSpec, run_shard
 from tests.pipeline.conftest import FakeEngine, make_job, write_parquet
 
-
 # The keys of the first batchgen's _SUCCESS (design.md): every record has them.
 FIRST_KEYS = ("job", "config_hash", "num_requests", "num_rows", "num_errors", "prompt_tokens", "cached_tokens",
               "completion_tokens", "generation_seconds", "completion_tokens_per_s", "ttft_s", "tpot_s", "resumed")

@@ -14,10 +14,10 @@ from functools import partial
 import torch
 
 from batchgen.bench.sampling_rate import language_model_logits
+from batchgen.engine.core.sequence import Sequence
 from batchgen.engine.sampling.sampler import Sampler
 from batchgen.engine.sampling.sampling_batch import PenaltyState, sampling_batch_for
 from batchgen.engine.sampling.sampling_params import SamplingParams
-from batchgen.engine.core.sequence import Sequence
 
 
 @dataclass(frozen=True)

@@ -30,9 +30,9 @@ import torch
 
 from batchgen.engine import EngineConfig, LLMEngine, SamplingParams
 from batchgen.engine.capabilities import detect_capabilities
-from batchgen.engine.runner.device_stream import ThreadStream
 from batchgen.engine.loader.model_loader import LoadedModel
 from batchgen.engine.models.config import ModelConfig
+from batchgen.engine.runner.device_stream import ThreadStream
 
 BATCH_SIZES = (1, 64, 256)
 NULL_VOCAB = 2048  # the logits' width: sampler work, not host work, so kept small

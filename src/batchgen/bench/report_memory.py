@@ -33,8 +33,8 @@ def write_synthetic_run(folder: str, num_rows: int, num_parts: int = 100, seed: 
     """A complete output folder of `num_rows` rows (ids 0..num_rows-1): `changed_share` of the rows get
     another token at a random position, `dropped_share` are left out. Returns its _SUCCESS record and
     the numbers of changed (and kept) and dropped rows."""
-    from batchgen.pipeline.schema import output_schema
     from batchgen.pipeline.run_record import EngineReport, RunRecord
+    from batchgen.pipeline.schema import output_schema
     from batchgen.pipeline.summary import Totals
 
     os.makedirs(folder, exist_ok=True)

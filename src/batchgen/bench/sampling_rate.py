@@ -25,11 +25,11 @@ import time
 
 import torch
 
+from batchgen.engine.core.sequence import Sequence
 from batchgen.engine.runner.cpu_allocator import keep_freed_memory
 from batchgen.engine.sampling.sampler import Sampler
 from batchgen.engine.sampling.sampling_batch import PenaltyState, sampling_batch_for
 from batchgen.engine.sampling.sampling_params import SamplingParams
-from batchgen.engine.core.sequence import Sequence
 
 SAMPLED = {"temperature": 0.8, "top_k": 50, "top_p": 0.9}
 SETTINGS = {

@@ -80,8 +80,8 @@ def run(
 def _run_shard(config, shard: str | None, num_shards: int | None, limit: int | None, overwrite: bool,
                json_out: bool, progress: bool) -> bool:
     """Run one shard; True when the job is complete (_SUCCESS written by this shard or another)."""
-    from batchgen.pipeline.shards import parse_shard, run_shard
     from batchgen.pipeline.run_record_text import format_summary
+    from batchgen.pipeline.shards import parse_shard, run_shard
 
     if shard is None:
         raise JobError("--num-shards goes with --shard auto")
@@ -114,8 +114,8 @@ def finalize(
     Exit 0 with _SUCCESS written or already there; 1 when units are missing (they are named).
     """
     from batchgen.pipeline.output import finalize_folder
-    from batchgen.pipeline.storage import Storage
     from batchgen.pipeline.run_record_text import format_summary
+    from batchgen.pipeline.storage import Storage
 
     try:
         storage = Storage(output)

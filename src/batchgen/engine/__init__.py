@@ -1,8 +1,6 @@
 """batchgen.engine: the generation engine (no Parquet, no YAML in here)."""
 
-from batchgen.engine.decoding.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from batchgen.engine.config import EngineConfig
-from batchgen.engine.llm import LLM
 from batchgen.engine.core.llm_engine import LLMEngine
 from batchgen.engine.core.outputs import (
     CompletionOutput,
@@ -14,6 +12,8 @@ from batchgen.engine.core.outputs import (
     ScoreOutput,
     TopLogprob,
 )
+from batchgen.engine.decoding.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
+from batchgen.engine.llm import LLM
 from batchgen.engine.sampling.sampling_params import SamplingParams
 
 __all__ = [

@@ -8,13 +8,13 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from batchgen.engine.decoding.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
-from batchgen.engine.text.chat_template import ChatTemplateOptions
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.core.llm_engine import LLMEngine
 from batchgen.engine.core.outputs import RequestOutput, RequestOutputKind, ScoreOutput
-from batchgen.engine.sampling.sampling_params import SamplingParams
+from batchgen.engine.decoding.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from batchgen.engine.decoding.score_group import encode_continuations
+from batchgen.engine.sampling.sampling_params import SamplingParams
+from batchgen.engine.text.chat_template import ChatTemplateOptions
 
 # vLLM's prompt dicts: TextPrompt {"prompt": str} and TokensPrompt {"prompt_token_ids": [int, ...]}
 # (which may carry the text as "prompt" too). Their other keys are multimodal inputs.

@@ -18,9 +18,9 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict, ValidationError
 
 from batchgen.engine import SamplingParams
-from batchgen.engine.text.chat_template import ChatTemplateOptions
 from batchgen.engine.config import SettingError
 from batchgen.engine.decoding.structured import StructuredOutputsParams
+from batchgen.engine.text.chat_template import ChatTemplateOptions
 from batchgen.openai.api_error import bad_request
 from batchgen.openai.json_body import check_json_value, load_json_body
 from batchgen.openai.structured_fields import STRUCTURED_FIELDS, structured_constraint

@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from batchgen.engine.capabilities import cpu_report
-from batchgen.engine.kv.capacity import KV_FRAGMENTATION_FRACTION, CapacityPlan, plan_capacity
 from batchgen.engine.config import EngineConfig, parse_memory_size
+from batchgen.engine.kv.capacity import KV_FRAGMENTATION_FRACTION, CapacityPlan, plan_capacity
 from batchgen.engine.models.config import ModelConfig
 from batchgen.engine.quant.methods import DeclaredQuantization, declared_quantization, resolve_quantization
 from batchgen.pipeline.errors import JobError

@@ -6,10 +6,10 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 
+from batchgen.pipeline.batch_file import BATCH_SUFFIX, inspect_batch_files
 from batchgen.pipeline.column_types import unify_column_types
 from batchgen.pipeline.config import JobConfig
 from batchgen.pipeline.input_file import InputFile
-from batchgen.pipeline.batch_file import BATCH_SUFFIX, inspect_batch_files
 from batchgen.pipeline.output import FileFingerprint, fingerprint_files
 from batchgen.pipeline.reader import inspect_file, list_input_files
 from batchgen.pipeline.schema import check_input_schema, output_schema

@@ -25,7 +25,13 @@ from batchgen.pipeline.job_sections import (
     SamplingSection,
     Section,
 )
-from batchgen.pipeline.job_settings import HASHED_WHEN_SET, KV_CACHE_HASH_KEYS, MODEL_KEYS, MODEL_PATH_FIELD, SAMPLING_RENAMED
+from batchgen.pipeline.job_settings import (
+    HASHED_WHEN_SET,
+    KV_CACHE_HASH_KEYS,
+    MODEL_KEYS,
+    MODEL_PATH_FIELD,
+    SAMPLING_RENAMED,
+)
 
 CONTINUATION_KEYS = ("continuations_column", "continuation_column")
 

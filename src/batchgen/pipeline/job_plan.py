@@ -10,13 +10,13 @@ from dataclasses import dataclass
 import fsspec
 
 from batchgen.engine.config import SettingError
+from batchgen.engine.loader.source import BUNDLED_ALIASES, ModelSource, bundled_model_path, resolve_model
 from batchgen.engine.text.generation_config import FILE_NAME as GENERATION_FILE
 from batchgen.engine.text.generation_config import (
     GenerationDefaults,
     parse_generation_config,
     read_generation_defaults,
 )
-from batchgen.engine.loader.source import BUNDLED_ALIASES, ModelSource, bundled_model_path, resolve_model
 from batchgen.pipeline.config import JobConfig, max_tokens_rule
 from batchgen.pipeline.errors import JobError
 from batchgen.pipeline.id_scan import Position, scan_ids

@@ -10,10 +10,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from batchgen.engine import SamplingParams
-from batchgen.engine.text.chat_template import ChatTemplateOptions
 from batchgen.engine.decoding.structured import StructuredOutputError
-from batchgen.pipeline.config import JobConfig
+from batchgen.engine.text.chat_template import ChatTemplateOptions
 from batchgen.openai.structured_fields import error_param
+from batchgen.pipeline.config import JobConfig
 from batchgen.pipeline.score_tokens import encode_scored
 from batchgen.pipeline.structured_job import row_constraint
 

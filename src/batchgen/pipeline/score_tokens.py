@@ -8,8 +8,8 @@ of its messages (which ends where the assistant's answer starts). The continuati
 
 from __future__ import annotations
 
-from batchgen.engine.text.chat_template import DEFAULT_CHAT, ChatTemplateOptions
 from batchgen.engine.decoding.score_group import encode_continuations
+from batchgen.engine.text.chat_template import DEFAULT_CHAT, ChatTemplateOptions
 
 
 def encode_scored(tokenizer, prompt: str | list[dict], continuations: list[str], allow_special_tokens: bool,

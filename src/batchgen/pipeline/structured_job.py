@@ -113,8 +113,8 @@ def check_job_constraint_before_load(job) -> None:
 def tokenizer_compiler(model_path: str, revision: str | None = None):
     """A grammar compiler over the model's tokenizer and vocabulary, without its weights (`batchgen
     validate`): the tokenizer and the config's EOS ids, as the engine builds them."""
-    from batchgen.engine.loader.source import resolve_model
     from batchgen.engine.decoding.structured import GrammarCompiler
+    from batchgen.engine.loader.source import resolve_model
     from batchgen.engine.text.tokenizer import Tokenizer
     from batchgen.pipeline.capacity_plan import read_model
 

@@ -13,11 +13,11 @@ from dataclasses import dataclass
 import pyarrow as pa
 
 from batchgen.engine import LLMEngine, RequestOutput, ScoreOutput
+from batchgen.pipeline.batch_lines import decode_batch_lines
+from batchgen.pipeline.batch_output import OpenAILines
 from batchgen.pipeline.config import JobConfig
 from batchgen.pipeline.feeder import Feeder
 from batchgen.pipeline.id_scan import Position, repeat_key
-from batchgen.pipeline.batch_lines import decode_batch_lines
-from batchgen.pipeline.batch_output import OpenAILines
 from batchgen.pipeline.output import CommitContext, WorkUnit, contiguous_runs
 from batchgen.pipeline.parquet_rows import decode_batch
 from batchgen.pipeline.progress import Progress

@@ -16,8 +16,8 @@ from batchgen.engine.attention import triton as triton_backend
 from batchgen.engine.attention.triton import TritonAttention
 from batchgen.engine.runner.decode_graphs import EagerCapturer
 from batchgen.engine.sampling.sampling_params import SamplingParams
-from tests.engine.step_fixtures import TINY, advance, decode, make_seq, prefill, tiny_runner
 from tests.engine.runner.test_decode_graphs import record_sampled_logits
+from tests.engine.step_fixtures import TINY, advance, decode, make_seq, prefill, tiny_runner
 
 pytestmark = pytest.mark.triton
 

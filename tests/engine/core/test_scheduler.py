@@ -10,10 +10,10 @@ from __future__ import annotations
 import random
 
 from batchgen.engine.config import EngineConfig
-from batchgen.engine.kv.kv_cache_manager import KVCacheManager
-from batchgen.engine.sampling.sampling_params import SamplingParams
 from batchgen.engine.core.scheduler import Scheduler
 from batchgen.engine.core.sequence import Sequence, SequenceStatus
+from batchgen.engine.kv.kv_cache_manager import KVCacheManager
+from batchgen.engine.sampling.sampling_params import SamplingParams
 
 BLOCK_SIZE = 4
 

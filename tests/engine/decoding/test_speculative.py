@@ -14,15 +14,15 @@ import pytest
 
 from batchgen.engine import SamplingParams
 from batchgen.engine.config import EngineConfig, SettingError, SpeculativeConfig
+from batchgen.engine.core.scheduler import num_accepted
+from batchgen.engine.core.sequence import Sequence
+from batchgen.engine.decoding.speculative.ngram import propose_ngram
 from batchgen.engine.kv.kv_cache_manager import KVCacheManager
 from batchgen.engine.llm import _speculative_alias
-from batchgen.engine.core.sequence import Sequence
-from batchgen.engine.core.scheduler import num_accepted
-from batchgen.engine.decoding.speculative.ngram import propose_ngram
 from tests.conftest import MODEL
+from tests.engine.core.test_stop_conditions import SHORT_ANSWER
 from tests.engine.helpers import run_requests
 from tests.engine.prompts import CHAT_PROMPTS, LONG_INDEX
-from tests.engine.core.test_stop_conditions import SHORT_ANSWER
 
 GREEDY_32 = SamplingParams(temperature=0, max_tokens=32)
 NGRAM = {"method": "ngram"}

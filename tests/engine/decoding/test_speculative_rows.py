@@ -9,17 +9,22 @@ from __future__ import annotations
 import pytest
 import torch
 
+from batchgen.engine.core.scheduler import ScheduledSeq
+from batchgen.engine.runner.step_inputs import StepPacker
 from batchgen.engine.sampling import sampler as sampler_module
 from batchgen.engine.sampling.sampler import Sampler, apply_penalties
 from batchgen.engine.sampling.sampling_batch import PenaltyState, add_sampling_sections
 from batchgen.engine.sampling.sampling_params import SamplingParams
-from batchgen.engine.core.scheduler import ScheduledSeq
-from batchgen.engine.runner.step_inputs import StepPacker
-from tests.engine.step_fixtures import VOCAB as TINY_VOCAB
-from tests.engine.step_fixtures import advance, decode, make_seq, prefill, tiny_runner
-from tests.engine.sampling.test_keyed_random import TEMPERATURE, TOP_P, chi_square_p_value, processed_distribution
+from tests.engine.sampling.test_keyed_random import (
+    TEMPERATURE,
+    TOP_P,
+    chi_square_p_value,
+    processed_distribution,
+)
 from tests.engine.sampling.test_sampler import EOS, VOCAB
 from tests.engine.sampling.test_sampler import make_seq as sampler_seq
+from tests.engine.step_fixtures import VOCAB as TINY_VOCAB
+from tests.engine.step_fixtures import advance, decode, make_seq, prefill, tiny_runner
 
 DRAFTS = [5, 9, 5]
 

@@ -17,7 +17,11 @@ import pytest
 from batchgen.bench import structured_quality as quality
 from batchgen.engine import LLM, SamplingParams
 from batchgen.engine.config import SettingError
-from batchgen.engine.decoding.structured import GuidedDecodingParams, StructuredOutputError, StructuredOutputsParams
+from batchgen.engine.decoding.structured import (
+    GuidedDecodingParams,
+    StructuredOutputError,
+    StructuredOutputsParams,
+)
 from tests.engine.helpers import run_requests
 from tests.engine.prompts import CHAT_PROMPTS
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from batchgen.engine.core.sequence import Sequence
 from batchgen.engine.kv.block_pool import NO_PARENT, BlockPool, hash_block
 from batchgen.engine.kv.kv_cache_manager import KVCacheManager
 from batchgen.engine.sampling.sampling_params import SamplingParams
-from batchgen.engine.core.sequence import Sequence
 
 BLOCK_SIZE = 4
 

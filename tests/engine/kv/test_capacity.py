@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from batchgen.engine.config import parse_memory_size
 from batchgen.engine.kv import capacity
 from batchgen.engine.kv.capacity import KV_FRAGMENTATION_FRACTION, num_kv_blocks, plan_capacity
-from batchgen.engine.config import parse_memory_size
 from batchgen.engine.loader.model_loader import read_model_config
 from batchgen.engine.loader.source import resolve_model
 from batchgen.engine.models.config import ModelConfig

@@ -11,8 +11,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from batchgen.engine import LLM, SamplingParams
-from batchgen.engine.kv.capacity import weight_bytes
 from batchgen.engine.config import EngineConfig
+from batchgen.engine.kv.capacity import weight_bytes
 from batchgen.engine.loader.model_loader import load_model
 from batchgen.engine.quant import fp8_checkpoint
 from batchgen.engine.quant.calibrate.sequence_runner import SequenceRunner, teacher_forced_logits

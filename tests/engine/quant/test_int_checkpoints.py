@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from batchgen.engine import LLM, SamplingParams
-from batchgen.engine.kv.capacity import weight_bytes
 from batchgen.engine.config import EngineConfig
+from batchgen.engine.kv.capacity import weight_bytes
 from batchgen.engine.loader.model_loader import load_model
 from batchgen.engine.quant.int_checkpoint import IntLinearParts
 from batchgen.engine.quant.int_linear import IntLinear

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import torch
 import pytest
+import torch
 
 from batchgen.engine.runner.decode_graphs import EagerCapturer, graph_batch_sizes, padded_batch_size
 from batchgen.engine.sampling.sampling_params import SamplingParams

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from batchgen.engine.decoding.stop_strings import IncrementalText, find_stop_string
 from batchgen.engine.sampling.sampler import apply_penalties
 from batchgen.engine.sampling.sampling_params import SamplingParams
-from batchgen.engine.decoding.stop_strings import IncrementalText, find_stop_string
 from tests.engine.step_fixtures import advance, decode, make_seq, prefill, tiny_runner
 
 CPU = torch.device("cpu")

@@ -12,10 +12,10 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from batchgen.engine.core.scheduler import ScheduledSeq
 from batchgen.engine.runner.decode_graphs import EagerCapturer
 from batchgen.engine.sampling.sampler import Sampler
 from batchgen.engine.sampling.sampling_params import SamplingParams
-from batchgen.engine.core.scheduler import ScheduledSeq
 from tests.engine.step_fixtures import EOS, advance, decode, make_seq, prefill, tiny_runner
 
 META = torch.device("meta")

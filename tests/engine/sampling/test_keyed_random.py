@@ -7,10 +7,21 @@ from __future__ import annotations
 import torch
 
 from batchgen.engine.sampling import sampler as sampler_module
-from batchgen.engine.sampling.keyed_random import keyed_exponential, keyed_exponential_at, keyed_uniform, sequence_key
+from batchgen.engine.sampling.keyed_random import (
+    keyed_exponential,
+    keyed_exponential_at,
+    keyed_uniform,
+    sequence_key,
+)
 from batchgen.engine.sampling.sampler import Sampler, race
 from batchgen.engine.sampling.sampling_params import SamplingParams
-from tests.engine.sampling.test_sampler import EOS, VOCAB, allowed_tokens, draws_at_successive_positions, make_seq
+from tests.engine.sampling.test_sampler import (
+    EOS,
+    VOCAB,
+    allowed_tokens,
+    draws_at_successive_positions,
+    make_seq,
+)
 
 NUM_SAMPLES, NUM_POSITIONS = 200, 100  # 20,000 draws
 TEMPERATURE, TOP_P = 0.8, 0.9

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from batchgen.engine.config import SettingError
+from batchgen.engine.core.sequence import Sequence
 from batchgen.engine.sampling.sampler import Sampler, apply_min_tokens, apply_penalties, filter_logits
 from batchgen.engine.sampling.sampling_params import MAX_N, SamplingParams
-from batchgen.engine.core.sequence import Sequence
 
 VOCAB = 64
 EOS = 63

@@ -30,8 +30,8 @@ from typing import ClassVar
 import torch
 
 from batchgen.engine.attention.kv_cache import LayerKVCache
-from batchgen.engine.kv.kv_cache_manager import cache_slots
 from batchgen.engine.core.sequence import Sequence
+from batchgen.engine.kv.kv_cache_manager import cache_slots
 from batchgen.engine.runner.step_inputs import StepInputs
 
 

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from batchgen.engine.kv.kv_cache_manager import cache_slots
 from batchgen.engine.core.sequence import Sequence
+from batchgen.engine.kv.kv_cache_manager import cache_slots
 
 
 @dataclass

@@ -15,25 +15,25 @@ import time
 
 import torch
 
-from batchgen.engine.decoding.beam_search import BeamGroup
-from batchgen.engine.kv.capacity import kv_cache_budget_bytes
-from batchgen.engine.text.chat_template import DEFAULT_CHAT, ChatTemplateOptions
 from batchgen.engine.config import EngineConfig
-from batchgen.engine.runner.cpu_allocator import keep_freed_memory
-from batchgen.engine.runner.executor import UniprocExecutor, make_executor
-from batchgen.engine.text.generation_config import read_generation_defaults
+from batchgen.engine.core.output_processor import OutputProcessor, RequestState
+from batchgen.engine.core.outputs import RequestOutput, ScoreOutput
+from batchgen.engine.core.scheduler import Scheduler, SchedulerOutput
+from batchgen.engine.core.sequence import Sequence
+from batchgen.engine.decoding.beam_search import BeamGroup
+from batchgen.engine.decoding.score_group import ScoreGroup, check_score_request
+from batchgen.engine.decoding.speculative import SpecDecoder
+from batchgen.engine.decoding.structured.manager import StructuredOutputManager
+from batchgen.engine.kv.capacity import kv_cache_budget_bytes
 from batchgen.engine.kv.gpu_memory import GpuMemoryPlan
 from batchgen.engine.kv.kv_cache_manager import KVCacheManager
 from batchgen.engine.loader.model_loader import LoadedModel
+from batchgen.engine.runner.cpu_allocator import keep_freed_memory
+from batchgen.engine.runner.executor import UniprocExecutor, make_executor
 from batchgen.engine.runner.model_runner import LaunchedStep, ModelRunner, StepResult
-from batchgen.engine.core.output_processor import OutputProcessor, RequestState
-from batchgen.engine.core.outputs import RequestOutput, ScoreOutput
 from batchgen.engine.sampling.sampling_params import SamplingParams
-from batchgen.engine.core.scheduler import Scheduler, SchedulerOutput
-from batchgen.engine.decoding.score_group import ScoreGroup, check_score_request
-from batchgen.engine.core.sequence import Sequence
-from batchgen.engine.decoding.speculative import SpecDecoder
-from batchgen.engine.decoding.structured.manager import StructuredOutputManager
+from batchgen.engine.text.chat_template import DEFAULT_CHAT, ChatTemplateOptions
+from batchgen.engine.text.generation_config import read_generation_defaults
 from batchgen.engine.text.tokenizer import Messages, Tokenizer
 
 log = logging.getLogger("batchgen.engine")

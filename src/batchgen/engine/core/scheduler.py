@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from batchgen.engine.config import EngineConfig
-from batchgen.engine.kv.kv_cache_manager import KVCacheManager
 from batchgen.engine.core.sequence import Sequence, SequenceStatus
+from batchgen.engine.kv.kv_cache_manager import KVCacheManager
 
 if TYPE_CHECKING:
     from batchgen.engine.runner.model_runner import StepResult

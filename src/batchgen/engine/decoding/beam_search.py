@@ -26,8 +26,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from batchgen.engine.core.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from batchgen.engine.sampling.sampling_params import SamplingParams
 from batchgen.engine.core.sequence import Sequence
+from batchgen.engine.sampling.sampling_params import SamplingParams
 
 
 @dataclass

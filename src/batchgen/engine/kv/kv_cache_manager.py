@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from batchgen.engine.kv.block_pool import NO_PARENT, BlockPool, hash_block
 from batchgen.engine.core.sequence import Sequence
+from batchgen.engine.kv.block_pool import NO_PARENT, BlockPool, hash_block
 
 
 def cache_slots(block_ids: list[int], start: int, end: int, block_size: int) -> list[int]:

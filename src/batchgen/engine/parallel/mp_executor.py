@@ -37,13 +37,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from batchgen.engine.kv.capacity import kv_bytes_per_token
 from batchgen.engine.config import EngineConfig
+from batchgen.engine.core.scheduler import ScheduledSeq
+from batchgen.engine.core.sequence import Sequence
+from batchgen.engine.kv.capacity import kv_bytes_per_token
 from batchgen.engine.kv.gpu_memory import GpuMemoryPlan, plan_gpu_kv_cache
 from batchgen.engine.loader.model_loader import LoadedModel, load_model, read_model_config
 from batchgen.engine.loader.source import resolve_model
-from batchgen.engine.runner.decode_graphs import decode_graph_profiler
-from batchgen.engine.runner.model_runner import ModelRunner, StepResult
 from batchgen.engine.parallel import TensorParallel, TensorParallelGroup
 from batchgen.engine.parallel.group import STORE_TIMEOUT
 from batchgen.engine.parallel.layout import all_layouts
@@ -57,8 +57,8 @@ from batchgen.engine.parallel.worker import (
     rank_report,
     run_worker,
 )
-from batchgen.engine.core.scheduler import ScheduledSeq
-from batchgen.engine.core.sequence import Sequence
+from batchgen.engine.runner.decode_graphs import decode_graph_profiler
+from batchgen.engine.runner.model_runner import ModelRunner, StepResult
 from batchgen.engine.runner.step_inputs import StepInputs, model_section_sizes
 
 log = logging.getLogger("batchgen.engine")

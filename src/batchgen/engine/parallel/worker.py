@@ -94,10 +94,10 @@ def run_worker(spec: WorkerSpec, conn) -> None:
 class Worker:
     def __init__(self, spec: WorkerSpec, conn):
         from batchgen.engine.kv.capacity import kv_bytes_per_token
-        from batchgen.engine.runner.cpu_allocator import keep_freed_memory
         from batchgen.engine.loader.model_loader import load_model, read_model_config
         from batchgen.engine.loader.source import resolve_model
         from batchgen.engine.parallel import TensorParallel, TensorParallelGroup, TensorParallelLayout
+        from batchgen.engine.runner.cpu_allocator import keep_freed_memory
 
         self.spec, self.conn, self.config = spec, conn, spec.config
         device = spec.config.torch_device
@@ -157,8 +157,8 @@ class Worker:
     def profile(self, max_model_len: int) -> None:
         """This rank's side of the GPU pool sizing: the profiling step rank 0 sends next, on a
         one-block runner, measured here; the blocks this rank's memory holds go back to rank 0."""
-        from batchgen.engine.runner.decode_graphs import decode_graph_profiler
         from batchgen.engine.kv.gpu_memory import plan_gpu_kv_cache
+        from batchgen.engine.runner.decode_graphs import decode_graph_profiler
 
         config = self.config
         runner = self.make_runner(1)

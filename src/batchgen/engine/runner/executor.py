@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import torch
 
-from batchgen.engine.kv.capacity import kv_bytes_per_token
 from batchgen.engine.config import EngineConfig
-from batchgen.engine.runner.decode_graphs import decode_graph_profiler
-from batchgen.engine.kv.gpu_memory import GpuMemoryPlan, plan_gpu_kv_cache
-from batchgen.engine.loader.model_loader import LoadedModel, load_model
-from batchgen.engine.runner.model_runner import LaunchedStep, ModelRunner, StepResult
 from batchgen.engine.core.scheduler import ScheduledSeq
 from batchgen.engine.core.sequence import Sequence
+from batchgen.engine.kv.capacity import kv_bytes_per_token
+from batchgen.engine.kv.gpu_memory import GpuMemoryPlan, plan_gpu_kv_cache
+from batchgen.engine.loader.model_loader import LoadedModel, load_model
+from batchgen.engine.runner.decode_graphs import decode_graph_profiler
+from batchgen.engine.runner.model_runner import LaunchedStep, ModelRunner, StepResult
 
 
 class UniprocExecutor:

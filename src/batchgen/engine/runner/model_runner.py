@@ -32,19 +32,18 @@ import torch
 from batchgen.engine.attention import allocate_kv_caches, copy_blocks
 from batchgen.engine.capabilities import Capabilities
 from batchgen.engine.config import EngineConfig
-from batchgen.engine.runner.decode_graphs import DecodeGraphs
-from batchgen.engine.runner.device_stream import ImmediateStream
-from batchgen.engine.models.config import ModelConfig
-from batchgen.engine.models.layers.causal_lm import CausalLM
+from batchgen.engine.core.scheduler import ScheduledSeq
+from batchgen.engine.core.sequence import Sequence
 from batchgen.engine.decoding.prompt_logprobs import (
     add_prompt_logprob_sections,
     compute_prompt_logprobs,
     record_prompt_logprobs,
 )
-from batchgen.engine.sampling.sampler import SampledTokens, Sampler
-from batchgen.engine.sampling.sampling_batch import PenaltyState, add_sampling_sections, attach_sampling_tensors
-from batchgen.engine.core.scheduler import ScheduledSeq
-from batchgen.engine.core.sequence import Sequence
+from batchgen.engine.decoding.structured.step_bitmask import StepBitmask
+from batchgen.engine.models.config import ModelConfig
+from batchgen.engine.models.layers.causal_lm import CausalLM
+from batchgen.engine.runner.decode_graphs import DecodeGraphs
+from batchgen.engine.runner.device_stream import ImmediateStream
 from batchgen.engine.runner.step_inputs import (
     BlockCopySections,
     StepInputs,
@@ -54,7 +53,13 @@ from batchgen.engine.runner.step_inputs import (
     make_step_inputs,
 )
 from batchgen.engine.runner.step_timings import StepTimings
-from batchgen.engine.decoding.structured.step_bitmask import StepBitmask
+from batchgen.engine.sampling.sampler import SampledTokens, Sampler
+from batchgen.engine.sampling.sampling_batch import (
+    PenaltyState,
+    add_sampling_sections,
+    attach_sampling_tensors,
+)
+
 
 class StepResult(NamedTuple):
     """One sampled row of a step. A verify chunk (speculative decoding) gives 1 + k consecutive rows for

@@ -21,9 +21,13 @@ from dataclasses import dataclass
 
 import torch
 
-from batchgen.engine.sampling.keyed_random import keyed_exponential, keyed_exponential_at, keyed_exponential_rows
-from batchgen.engine.sampling.sampling_batch import PenaltyState, SamplingBatch, sampling_batch_for
 from batchgen.engine.core.sequence import Sequence
+from batchgen.engine.sampling.keyed_random import (
+    keyed_exponential,
+    keyed_exponential_at,
+    keyed_exponential_rows,
+)
+from batchgen.engine.sampling.sampling_batch import PenaltyState, SamplingBatch, sampling_batch_for
 from batchgen.kernels import cpu_sampling
 
 

@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 import torch
 
 from batchgen.engine.core.sequence import Sequence
-from batchgen.engine.runner.step_inputs import StepPacker, float_section, int_section
 from batchgen.engine.decoding.structured.step_bitmask import GrammarFill
+from batchgen.engine.runner.step_inputs import StepPacker, float_section, int_section
 
 # The widest candidate set the sampler takes per random row: a bounded top-k up to this is drawn from
 # its k largest logits; rows filtered by top-p / min-p alone take this many and fall back to the whole

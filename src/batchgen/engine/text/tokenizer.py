@@ -9,10 +9,10 @@ from __future__ import annotations
 import copy
 import logging
 
-from batchgen.engine.text.chat_template import DEFAULT_CHAT, PROBE_CONVERSATION, ChatTemplateOptions
-from batchgen.engine.text.control_tokens import ControlTokens
 from batchgen.engine.loader.gguf_layout import check_gguf_layout
 from batchgen.engine.loader.source import ModelSource
+from batchgen.engine.text.chat_template import DEFAULT_CHAT, PROBE_CONVERSATION, ChatTemplateOptions
+from batchgen.engine.text.control_tokens import ControlTokens
 
 Messages = list[dict]
 

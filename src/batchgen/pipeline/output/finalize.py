@@ -15,14 +15,13 @@ from dataclasses import dataclass
 
 import pyarrow.parquet as pq
 
+from batchgen.pipeline.batch_output import LINE_COLUMN, write_batch_outputs
 from batchgen.pipeline.errors import JobError
 from batchgen.pipeline.input_file import InputFile
-from batchgen.pipeline.batch_output import LINE_COLUMN, write_batch_outputs
 from batchgen.pipeline.output.commits import CommitRecord, read_records, verify_part
 from batchgen.pipeline.output.create_once import create_text_once
 from batchgen.pipeline.output.folder import MANIFEST_NAME, SUCCESS_NAME, WORKERS_DIR
 from batchgen.pipeline.output.units import WorkUnit, unit_file_name
-from batchgen.pipeline.storage import Storage
 from batchgen.pipeline.run_record import (
     EngineReport,
     GenerationDefaults,
@@ -32,6 +31,7 @@ from batchgen.pipeline.run_record import (
     StructuredFigures,
     Workers,
 )
+from batchgen.pipeline.storage import Storage
 from batchgen.pipeline.summary import Totals, merge_speculative, merge_structured, read_summary_table
 
 

@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 
 import fsspec.utils
 
-from batchgen.pipeline.errors import JobError
 from batchgen.pipeline.batch_output import ERRORS_JSONL, OUTPUT_JSONL
+from batchgen.pipeline.errors import JobError
 from batchgen.pipeline.output.commits import COMMITS_DIR, read_records, record_name, verify_part
 from batchgen.pipeline.output.fingerprint import FileFingerprint, describe_changes, to_manifest
 from batchgen.pipeline.output.units import WorkUnit

@@ -9,7 +9,11 @@ The grammar library (llguidance, the `batchgen[structured]` extra) is imported w
 compiled, never by importing this package.
 """
 
-from batchgen.engine.decoding.structured.bitmask import allocate_token_bitmask, apply_token_bitmask, bitmask_to_allowed
+from batchgen.engine.decoding.structured.bitmask import (
+    allocate_token_bitmask,
+    apply_token_bitmask,
+    bitmask_to_allowed,
+)
 from batchgen.engine.decoding.structured.compiler import CompiledGrammar, GrammarCompiler
 from batchgen.engine.decoding.structured.grammar_state import GrammarState
 from batchgen.engine.decoding.structured.library import INSTALL_HINT, StructuredOutputUnavailable
