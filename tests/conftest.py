@@ -8,7 +8,7 @@ import pytest
 
 # The costly kinds' guard (tests/cost_markers.py): a test that starts a server, Ray, Chromium, a Python
 # child or a Triton kernel fails unless it carries that marker.
-pytest_plugins = ("tests.cost_markers",)
+pytest_plugins = ("tests.cost_markers", "pytester")  # pytester: the guard's own test
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -38,3 +38,24 @@ def test_the_fast_tier_leaves_out_every_registered_costly_kind():
     fast_tier = re.search(r"^FAST_TIER := not \((.*)\)$", (ROOT / "Makefile").read_text(), re.M)[1]
     assert fast_tier.split(" or ") == registered
     assert f'-m "not ({fast_tier})"' in (ROOT / "docs" / "development.md").read_text()
+
+
+@pytest.mark.subprocess
+def test_the_guard_fails_a_test_that_starts_a_process_without_its_marker(pytester, monkeypatch):
+    """End to end, in a pytest of its own with the guard loaded: the same child process passes under the
+    marker and fails without it, naming the marker to add."""
+    pytester.makepyfile(test_children="""
+        import subprocess, sys
+        import pytest
+
+        def test_unmarked():
+            subprocess.run([sys.executable, "-c", "pass"], check=True)
+
+        @pytest.mark.subprocess
+        def test_marked():
+            subprocess.run([sys.executable, "-c", "pass"], check=True)
+    """)
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))  # the child pytest imports tests.cost_markers
+    result = pytester.runpytest_subprocess("-p", "tests.cost_markers", "-W", "ignore::pytest.PytestUnknownMarkWarning")
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(["*test_unmarked*", "*did costly work without its marker: subprocess*"])

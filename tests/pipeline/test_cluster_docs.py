@@ -26,7 +26,8 @@ def options_of(command: str) -> set[str]:
 
 def test_the_docs_document_the_cluster_section_and_the_flags():
     reference = job_reference_page()
-    assert [key for key in ["cluster", *ClusterSection.model_fields] if not names_key(reference, key)] == []
+    assert "## `cluster`" in reference
+    assert [key for key in ClusterSection.model_fields if not names_key(reference, "cluster", key)] == []
     section = (DOCS / "guides" / "scale-out.md").read_text()
     for key in ClusterSection.model_fields:
         assert f"`{key}`" in section, key
