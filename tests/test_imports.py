@@ -347,7 +347,7 @@ def test_each_package_imports_only_below_it(package):
 
 
 def test_the_top_level_package_loads_the_engine_only_on_demand():
-    """`import batchgen` (and so `import batchgen.openai`, the CLI's --help) does not pay for torch."""
+    """`import batchgen` (the package every `batchgen.X` import runs first) does not pay for torch."""
     eager = [f"{i.target}:{i.line}" for i in IMPORTS
              if i.module == PACKAGE and not (i.is_lazy or i.is_type_only)]
     assert eager == []

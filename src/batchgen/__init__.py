@@ -6,8 +6,8 @@ The public Python face, with vLLM's names:
     llm = LLM("smollm2-135m-instruct")
     outs = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=32))
 
-`LLM` and `SamplingParams` load on first use, so `import batchgen.openai` or the command line's
-`--help` do not pay for torch.
+`LLM` and `SamplingParams` load on first use, so `import batchgen` itself (the version, a subpackage
+that needs no engine) does not pay for torch.
 """
 
 from __future__ import annotations

@@ -25,6 +25,7 @@ def fail(exc: BaseException) -> typer.Exit:
 
 
 def setup_logging() -> None:
+    """The engine's and the pipeline's log lines on stderr, prefixed `batchgen:`."""
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="batchgen: %(message)s")
 
 

@@ -112,6 +112,8 @@ class ServeCommand(TyperCommand):
     variadic_flags = (flag_name("served_model_name"),)
 
     def parse_args(self, ctx: typer.Context, args: list[str]) -> list[str]:
+        """vLLM's `--served-model-name A B` (several values after one flag) spread into click's
+        repeated form before click parses."""
         return super().parse_args(ctx, spread_variadic(args, self.variadic_flags))
 
 

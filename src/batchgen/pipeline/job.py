@@ -6,7 +6,7 @@ import logging
 
 from batchgen.engine import LLMEngine
 from batchgen.pipeline.config import JobConfig
-from batchgen.pipeline.job_engine import engine_reports, start_engine
+from batchgen.pipeline.job_engine import engine_report, start_engine
 from batchgen.pipeline.job_finish import RunResult, finish_job
 from batchgen.pipeline.job_plan import JobPlan, plan_job
 from batchgen.pipeline.output import (
@@ -72,7 +72,7 @@ def _run_held(plan: JobPlan, run: OutputRun, engine: LLMEngine | None, progress:
     ran = run_units(source, plan.input_storage, run.storage, pending, engine, run.commit_context(),
                     progress=progress)
     after = engine.stats
-    record = finish_job(job, run, ran.totals, ran.generation_seconds, engine=engine_reports(engine),
+    record = finish_job(job, run, ran.totals, ran.generation_seconds, engine=engine_report(engine),
                         speculative=speculative_summary(spec_before, after.get("speculative")),
                         structured=structured_summary(structured_before, after.get("structured")))
     return RunResult(record, success_path, len(pending), len(skipped), dict(run.redo))

@@ -63,7 +63,7 @@ def check_engine_can_run(job: JobConfig, engine: LLMEngine) -> None:
             raise JobError(f"{key}: {exc}") from None
 
 
-def engine_reports(engine: LLMEngine) -> EngineReport:
+def engine_report(engine: LLMEngine) -> EngineReport:
     """What `_SUCCESS` says of the engine that ran: its model, kernels, KV cache and weight format."""
     stats = engine.stats
     return EngineReport(model=engine.config.model, kernels=stats.get("kernels", {}),

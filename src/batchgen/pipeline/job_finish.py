@@ -21,6 +21,8 @@ from batchgen.pipeline.summary import Totals, read_summary_table
 
 @dataclass
 class RunResult:
+    """What a finished job run returns: its run record and how much of the work this run did."""
+
     record: RunRecord  # the _SUCCESS contents
     success_path: str
     num_units_run: int

@@ -17,7 +17,7 @@ import pyarrow as pa
 
 from batchgen.pipeline.config import JobConfig
 from batchgen.pipeline.id_scan import Position
-from batchgen.pipeline.job_engine import check_engine_can_run, engine_for, engine_reports
+from batchgen.pipeline.job_engine import check_engine_can_run, engine_for, engine_report
 from batchgen.pipeline.output import CommitContext, WorkUnit
 from batchgen.pipeline.storage import Storage
 from batchgen.pipeline.summary import speculative_summary, structured_summary
@@ -38,7 +38,7 @@ class EngineReplica:
 
     def ready(self) -> dict:
         """Where this replica runs and what its engine loaded (answered once the engine is loaded)."""
-        return {"host": socket.gethostname(), "pid": os.getpid(), "engine": engine_reports(self.engine)}
+        return {"host": socket.gethostname(), "pid": os.getpid(), "engine": engine_report(self.engine)}
 
     def run_unit(self, unit: WorkUnit, repeats: dict[Position, int]) -> dict:
         """Generate one unit and commit its part; its figures (a Totals) and this process's id."""

@@ -235,6 +235,7 @@ class Workers(_Part):
 
     @classmethod
     def local(cls) -> Workers:
+        """A run in one process (no shards, no replicas)."""
         return cls(backend="local")
 
     def to_dict(self) -> dict[str, Any]:
@@ -361,6 +362,7 @@ class RunRecord(_Part):
 
     @classmethod
     def from_json(cls, text: str) -> RunRecord:
+        """A `_SUCCESS` file's text read back (RecordError when it is not JSON or lacks a required key)."""
         try:
             data = json.loads(text)
         except ValueError as exc:

@@ -20,7 +20,9 @@ from batchgen.pipeline.run_record import (
     Workers,
 )
 
-NONE = "-"
+NONE = "-"  # an absent figure
+# Each number of a run record formatted once, here: the terminal summary and the report's page both
+# call these, so a figure reads the same in both.
 
 
 def count(value: int | None) -> str:
@@ -118,6 +120,8 @@ def cached(record: RunRecord) -> str:
 
 
 class SummaryRow(NamedTuple):
+    """One line of the end-of-run summary: a _SUCCESS key, its label and its value as text."""
+
     key: str  # the _SUCCESS key it shows
     label: str
     text: str

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from batchgen.pipeline.config import JobConfig
 from batchgen.pipeline.errors import JobError
-from batchgen.pipeline.job_engine import engine_reports, start_engine
+from batchgen.pipeline.job_engine import engine_report, start_engine
 from batchgen.pipeline.job_plan import JobPlan, plan_job
 from batchgen.pipeline.output import (
     Finalized,
@@ -125,7 +125,7 @@ def run_shard(job: JobConfig, shard: ShardSpec, *, engine=None, limit: int | Non
             source = UnitSource(job, plan.inputs.output_schema(job), plan.repeats)
             ran = run_units(source, plan.input_storage, run.storage, pending, engine, run.commit_context(),
                             progress=progress)
-            totals, seconds, reports = ran.totals, ran.generation_seconds, engine_reports(engine)
+            totals, seconds, reports = ran.totals, ran.generation_seconds, engine_report(engine)
             spec = speculative_summary(spec_before, engine.stats.get("speculative"))
             structured = structured_summary(structured_before, engine.stats.get("structured"))
         summary = _shard_summary(plan, run, totals, seconds, reports, started)
@@ -165,6 +165,6 @@ def _shard_summary(plan: JobPlan, run: OutputRun, totals: Totals, seconds: float
         "generated_completion_tokens": totals.completion_tokens, "generation_seconds": seconds,
         "completion_tokens_per_s": totals.completion_tokens / seconds if seconds > 0 else 0.0,
         "ttft_s": Percentiles.of(totals.ttft_s).to_dict(), "tpot_s": Percentiles.of(totals.tpot_s).to_dict(),
-        "engine": reports.to_dict(),  # engine_reports(): model, kernels, KV cache, weights
+        "engine": reports.to_dict(),  # engine_report(): model, kernels, KV cache, weights
         "generation_config": plan.job.generation_config_record,
     }

@@ -240,12 +240,12 @@ class EngineLoop:
             self._wake.clear()
             return
         try:
-            finished = self.engine.step()
+            outputs = self.engine.step()  # finished requests, and streams' DELTA outputs
         except Exception as exc:
             log.exception("engine step failed")
             self._fail_all(APIError(500, f"the engine failed: {type(exc).__name__}: {exc}", code="engine_error"))
             return
-        self._emit(finished)
+        self._emit(outputs)
         self._publish()
 
     def _take_inbox(self) -> None:

@@ -60,6 +60,10 @@ RUNTIME_SETTINGS = ("block_size", "max_num_seqs", "max_num_batched_tokens", "ena
 
 
 class LLMEngine:
+    """The engine loop (vLLM's names): `add_request` queues a request, `step` schedules, runs the model
+    once and hands the step's rows to the scheduler (update_from_output) and the output processor,
+    `has_unfinished` says whether to step again. Outputs per request follow its SamplingParams.output_kind."""
+
     def __init__(self, config: EngineConfig, *, weights_from: LLMEngine | None = None,
                  loaded: LoadedModel | None = None):
         """Load the model named by `config`, or share the loaded weights and tokenizer of `weights_from`
@@ -305,19 +309,12 @@ class LLMEngine:
         out = self.scheduler.schedule()
         scheduled = time.perf_counter()
         if out.is_empty:
-            # Nothing ran: what waits cannot get blocks, and what runs (beams waiting for their group)
-            # will not give any back.
-            if self.scheduler.waiting:
-                raise RuntimeError("the scheduler cannot admit any waiting request: the KV cache is too small")
+            self._check_not_stuck()
             return []
-        # Sequences that may decode soon: the runner sizes its decode staging for them at once.
-        num_live = min(len(self.scheduler.running) + len(self.scheduler.waiting), self.config.max_num_seqs)
-        results = self.executor.execute(out.scheduled, num_live, out.blocks_to_copy)
+        results = self.executor.execute(out.scheduled, self._num_live_seqs(), out.blocks_to_copy)
         executed = time.perf_counter()
         outputs = self._process(out, results)
-        timings = self.timings
-        timings.num_steps += 1
-        timings.add(schedule=scheduled - start, process=time.perf_counter() - executed)
+        self._count_step(scheduled - start, executed)
         return outputs
 
     def _step_async(self) -> list[RequestOutput | ScoreOutput]:
@@ -338,14 +335,10 @@ class LLMEngine:
         scheduled = time.perf_counter()
         launched = None
         if not out.is_empty:
-            num_live = min(len(self.scheduler.running) + len(self.scheduler.waiting),
-                           self.config.max_num_seqs)
-            launched = self.executor.launch(out.scheduled, num_live, out.blocks_to_copy)
+            launched = self.executor.launch(out.scheduled, self._num_live_seqs(), out.blocks_to_copy)
             self.scheduler.update_after_launch(out, launched.sampling)
         elif self.in_flight is None:
-            if self.scheduler.waiting:
-                raise RuntimeError("the scheduler cannot admit any waiting request: the KV cache is too "
-                                   "small")
+            self._check_not_stuck()
             return []
         previous, self.in_flight = self.in_flight, launched
         outputs = []
@@ -354,10 +347,23 @@ class LLMEngine:
             results = self.executor.collect(previous)  # its wait and unpacking are the runner's timings
             collected = time.perf_counter()
             outputs = self._process(None, results)
-        timings = self.timings
-        timings.num_steps += 1
-        timings.add(schedule=scheduled - start, process=time.perf_counter() - collected)
+        self._count_step(scheduled - start, collected)
         return outputs
+
+    def _num_live_seqs(self) -> int:
+        """Sequences that may decode soon: the runner sizes its decode staging for them at once."""
+        return min(len(self.scheduler.running) + len(self.scheduler.waiting), self.config.max_num_seqs)
+
+    def _check_not_stuck(self) -> None:
+        """Nothing could be scheduled and nothing is in flight: requests that wait cannot get blocks, and
+        what runs (beams waiting for their group) will not give any back."""
+        if self.scheduler.waiting:
+            raise RuntimeError("the scheduler cannot admit any waiting request: the KV cache is too small")
+
+    def _count_step(self, schedule_seconds: float, processed_from: float) -> None:
+        """The step's host time: scheduling, and processing its results from `processed_from` to now."""
+        self.timings.num_steps += 1
+        self.timings.add(schedule=schedule_seconds, process=time.perf_counter() - processed_from)
 
     def _process(self, out: SchedulerOutput | None,
                  results: list[StepResult]) -> list[RequestOutput | ScoreOutput]:

@@ -53,6 +53,8 @@ class Reported:
 
 @dataclass
 class RequestState:
+    """One unfinished request: its sequences, what it asked for and what its outputs already said."""
+
     request_id: str
     prompt_token_ids: list[int]
     seqs: list[Sequence]  # its live sequences (a beam search's beams, a scored context's parts)
@@ -67,6 +69,11 @@ class RequestState:
 
 
 class OutputProcessor:
+    """Everything a step's results become on the host once the scheduler applied them: the stop rules,
+    finished samples released, beams advanced, scored contexts forked and recorded, prompt
+    log-probabilities, detokenized text and the RequestOutputs / ScoreOutputs per output_kind. It holds
+    the unfinished requests (`requests`, the engine's registry)."""
+
     def __init__(self, tokenizer: Tokenizer | None, eos_token_ids: tuple[int, ...], scheduler: Scheduler,
                  kv_cache_manager: KVCacheManager, max_model_len: int, release: Callable[[Sequence], None],
                  is_speculative: bool):
@@ -83,6 +90,7 @@ class OutputProcessor:
         self.num_streamed_requests = 0  # unfinished requests whose output_kind is not FINAL_ONLY
 
     def add(self, state: RequestState) -> None:
+        """Register a request the engine just queued."""
         self.requests[state.request_id] = state
         if state.output_kind is not FINAL_ONLY:
             self.num_streamed_requests += 1
@@ -230,10 +238,10 @@ class OutputProcessor:
         return state
 
     # ---- outputs ------------------------------------------------------------------------------------
-    def _make_output(self, state: RequestState) -> RequestOutput:
+    def _make_output(self, state: RequestState, is_finished: bool = True) -> RequestOutput:
         """The request's whole output so far (finished: FINAL_ONLY's and CUMULATIVE's last)."""
         completions = [self._completion(seq) for seq in state.seqs]
-        return self._request_output(state, completions, self._prompt_logprobs(state))
+        return self._request_output(state, completions, self._prompt_logprobs(state), is_finished)
 
     def _delta_output(self, state: RequestState, is_finished: bool) -> RequestOutput:
         """What is new in each sample since the request's last output (DELTA)."""
@@ -263,9 +271,7 @@ class OutputProcessor:
             if state.output_kind is DELTA:
                 outputs.append(self._delta_output(state, is_finished=False))
             else:
-                out = self._make_output(state)
-                out.finished = False
-                outputs.append(out)
+                outputs.append(self._make_output(state, is_finished=False))
 
     def _request_output(self, state: RequestState, completions: list[CompletionOutput],
                         prompt_logprobs: PromptLogprobs | None, is_finished: bool = True) -> RequestOutput:

@@ -311,7 +311,8 @@ class Scheduler:
         self.kv_cache_manager.free(seq)
 
     def finish(self, seq: Sequence) -> None:
-        """Called by the engine when `seq` is done: its blocks go back (keeping their hashes)."""
+        """`seq` is done (a stop rule, a beam ended, a scored part computed): its blocks go back (keeping
+        their hashes)."""
         if seq.status == SequenceStatus.WAITING:  # a beam or prompt-only part preempted before its end
             self.waiting.remove(seq)
         else:

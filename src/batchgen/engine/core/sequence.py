@@ -208,6 +208,8 @@ class Sequence:
         return later
 
     def restore_pending_tokens(self, later: list[int]) -> None:
+        """Put back the placeholders of later steps still in flight (async scheduling), taken off by
+        `resolve_pending_token` while it wrote the oldest one's token."""
         self.token_ids.extend(later)
         self.num_pending_tokens = len(later)
 

@@ -186,7 +186,7 @@ class PenaltyState:
     def record(self, tokens: torch.Tensor, batch: SamplingBatch) -> None:
         """Add this step's sampled tokens (N,) to their rows' output counts (device ops). A verify
         chunk's row counts only when every earlier row of its sequence sampled its draft (the tokens
-        the engine keeps: the accepted drafts, then the first token that differs or the bonus)."""
+        Scheduler.update_from_output keeps: the accepted drafts, then the first token that differs or the bonus)."""
         if batch.penalty_index is None:
             return
         chosen = tokens.index_select(0, batch.penalty_index.long())  # (P,)

@@ -37,6 +37,8 @@ class CausalLM(DecoderModel):
             self.lm_head.weight = self.embed_tokens.weight
 
     def is_tied_checkpoint_name(self, target: str) -> bool:
+        """A checkpoint tensor this model does not load because it shares another's storage (lm_head
+        tied to the embeddings)."""
         return target == "lm_head.weight" and self.cfg.tie_word_embeddings
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple],
