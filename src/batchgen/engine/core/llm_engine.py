@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -144,7 +145,8 @@ class LLMEngine:
         # Speculative decoding (off: None). A draft model loads here, after the target's KV pool.
         self.spec = None if config.speculative is None else SpecDecoder(config.speculative, self, LLMEngine)
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self.scheduler,
-                                                self.kv_cache_manager, self.max_model_len, self._release,
+                                                self.kv_cache_manager, self.max_model_len,
+                                                _release_callback(self.executor, self.spec),
                                                 is_speculative=self.spec is not None)
         self.requests = self.output_processor.requests  # the unfinished requests, by id
         # Async scheduling: the step launched last, collected by the next call (None: none in flight),
@@ -380,9 +382,7 @@ class LLMEngine:
 
     def _release(self, seq: Sequence) -> None:
         """What the runner and the draft proposer keep for a finished or aborted sequence goes back."""
-        self.executor.release(seq)
-        if self.spec is not None:
-            self.spec.release(seq)
+        self.output_processor.release(seq)
 
     # ---- counters -------------------------------------------------------------------------------
     @property
@@ -424,3 +424,18 @@ def _check_shares_weights(other: LLMEngine, config: EngineConfig) -> None:
     if config.max_model_len is not None and config.max_model_len > other.loaded.max_model_len:
         raise ValueError(f"max_model_len {config.max_model_len} exceeds the shared model's "
                          f"{other.loaded.max_model_len}")
+
+
+def _release_callback(executor, spec: SpecDecoder | None) -> Callable[[Sequence], None]:
+    """`release(seq)` for the output processor: the runner's (and the draft proposer's) state for a
+    finished sequence goes back. Built from the parts rather than bound to the engine, so that the
+    engine -> output processor -> engine cycle does not keep a dropped engine's KV pool alive until the
+    cycle collector happens to run (seven engines built one after another in one process were killed
+    for memory)."""
+    if spec is None:
+        return executor.release
+
+    def release(seq: Sequence) -> None:
+        executor.release(seq)
+        spec.release(seq)
+    return release
