@@ -1,0 +1,150 @@
+"""A job's `metrics:` section: per-row verdict columns in every part, their aggregates in `_SUCCESS`
+(lm-eval's mean and mean_stderr), counted again over a resumed run's skipped parts, thresholds, and the
+job file's impossible combinations refused naming the key."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import typer
+from lm_eval.api.metrics import mean_stderr
+
+from batchgen.cli.console import EXIT_BELOW_MINIMUM, check_metric_minimums
+from batchgen.pipeline.errors import JobError
+from batchgen.pipeline.job import run_job
+from tests.pipeline.conftest import make_job, read_output, write_parquet
+
+PROMPTS = [f"What is {a} plus {b}? Answer with the number." for a, b in
+           [(2, 3), (10, 5), (7, 7), (1, 1), (20, 22), (3, 4), (9, 0), (6, 2)]]
+
+
+@pytest.fixture(scope="module")
+def completions(tmp_path_factory, engine):
+    """Each prompt's greedy completion, from a job without metrics (the references are planted from it)."""
+    tmp = tmp_path_factory.mktemp("plain")
+    path = write_parquet(tmp / "in.parquet", {"id": list(range(len(PROMPTS))), "prompt": PROMPTS})
+    run_job(make_job(tmp, str(path), sampling={"max_tokens": 12, "temperature": 0}), engine=engine, progress=False)
+    return read_output(tmp / "out").column("completion").to_pylist()
+
+
+def metrics_job(tmp, path, **metrics):
+    return make_job(tmp, str(path), sampling={"max_tokens": 12, "temperature": 0},
+                    input={"rows_per_unit": 3}, metrics=metrics)
+
+
+@pytest.fixture(scope="module")
+def scored_run(tmp_path_factory, engine, completions):
+    """References planted: even rows hold the completion itself (upper-cased, padded), odd rows a wrong
+    answer; `needle` is a word of the completion on rows 0-3 and absent after."""
+    tmp = tmp_path_factory.mktemp("metrics")
+    references = [f"  {c.upper()} " if i % 2 == 0 else "certainly not this" for i, c in enumerate(completions)]
+    needles = [c.split()[0] if i < 4 and c.split() else "zzzz-absent" for i, c in enumerate(completions)]
+    path = write_parquet(tmp / "in.parquet", {"id": list(range(len(PROMPTS))), "prompt": PROMPTS,
+                                              "answer": references, "needle": needles})
+    job = metrics_job(tmp, path,
+                      em={"type": "exact_match", "reference_column": "answer", "ignore_case": True},
+                      strict={"type": "exact_match", "reference_column": "answer"},
+                      has={"type": "contains", "reference_column": "needle"},
+                      any_digit={"type": "regex_match", "pattern": r"\d"})
+    result = run_job(job, engine=engine, progress=False)
+    return tmp, path, job, result, completions
+
+
+def test_verdict_columns_and_aggregates(scored_run):
+    tmp, _, job, result, completions = scored_run
+    out = read_output(tmp / "out")
+    assert out.column("metric_em").to_pylist() == [float(i % 2 == 0) for i in range(len(PROMPTS))]
+    assert out.column("metric_strict").to_pylist() == [float(i % 2 == 0 and c == c.upper())
+                                                       for i, c in enumerate(completions)]
+    assert out.column("metric_has").to_pylist() == [float(i < 4 and bool(c.split())) for i, c in enumerate(completions)]
+    assert out.column("metric_any_digit").to_pylist() == [float(any(ch.isdigit() for ch in c)) for c in completions]
+    # The columns the metrics read are kept, and the field metadata says how each aggregates.
+    assert {"answer", "needle"} <= set(out.column_names)
+    assert json.loads(out.schema.field("metric_em").metadata[b"batchgen.metric"]) == {"type": "exact_match"}
+    success = json.loads((tmp / "out" / "_SUCCESS").read_text())
+    for name in ("em", "strict", "has", "any_digit"):
+        verdicts = out.column(f"metric_{name}").to_pylist()
+        assert success["metrics"][name] == pytest.approx(
+            {"value": float(np.mean(verdicts)), "stderr": mean_stderr(verdicts), "n": len(PROMPTS)})
+    assert result.record.metrics["em"].value == 0.5
+
+
+def test_resumed_run_counts_the_skipped_parts(scored_run, engine):
+    tmp, _, job, first, _ = scored_run
+    (tmp / "out" / "part-00001.parquet").unlink()  # the rerun redoes one unit and reads the others' verdicts
+    (tmp / "out" / "_SUCCESS").unlink()
+    again = run_job(job, engine=engine, progress=False)
+    assert again.num_units_run == 1 and again.num_units_skipped == 2
+    assert again.record.metrics == first.record.metrics
+
+
+def test_metric_changes_change_the_config_hash(scored_run):
+    tmp, path, job, _, _ = scored_run
+    other = metrics_job(tmp, path, em={"type": "exact_match", "reference_column": "answer"})
+    plain = make_job(tmp, str(path), sampling={"max_tokens": 12, "temperature": 0}, input={"rows_per_unit": 3})
+    assert len({job.config_hash(), other.config_hash(), plain.config_hash()}) == 3
+
+
+def test_choice_accuracy_in_a_loglikelihood_job(tmp_path, engine):
+    contexts = ["The cat sat on the", "I drank a cup of", "The sun rises in the", "Two plus two is"]
+    choices = [[" mat", " moon landing", " idea"], [" tea", " concrete", " yesterday"],
+               [" east", " west", " refrigerator"], [" four", " seven hundred", " blue"]]
+    path = write_parquet(tmp_path / "in.parquet", {
+        "id": [0, 1, 2, 3], "prompt": contexts, "choices": choices, "label": [0, 0, 0, 0],
+        "answer_text": [c[0] for c in choices]})
+    job = make_job(tmp_path, str(path), task="loglikelihood",
+                   input={"continuations_column": "choices", "apply_chat_template": False},
+                   metrics={"acc": {"type": "choice_accuracy", "label_column": "label"},
+                            "acc_norm": {"type": "choice_accuracy_norm", "label_column": "label"},
+                            "acc_text": {"type": "choice_accuracy", "label_column": "answer_text"}})
+    run_job(job, engine=engine, progress=False)
+    out = read_output(tmp_path / "out")
+    logprobs = out.column("continuation_logprob").to_pylist()
+    expected = [float(np.argmax(lp) == 0) for lp in logprobs]
+    expected_norm = [float(np.argmax(np.array(lp) / [len(c) for c in ch]) == 0) for lp, ch in zip(logprobs, choices)]
+    assert out.column("metric_acc").to_pylist() == expected
+    assert out.column("metric_acc_text").to_pylist() == expected
+    assert out.column("metric_acc_norm").to_pylist() == expected_norm
+    assert "choices" in out.column_names  # kept: the report needs the continuations' texts
+
+
+def test_a_metric_below_its_minimum_exits_3(scored_run):
+    _, _, _, result, _ = scored_run
+    specs = {"em": make_spec({"type": "exact_match", "reference_column": "a", "min": 0.75})}
+    with pytest.raises(typer.Exit) as stopped:
+        check_metric_minimums(specs, result.record.metrics)  # em is 0.5
+    assert stopped.value.exit_code == EXIT_BELOW_MINIMUM
+    check_metric_minimums({"em": make_spec({"type": "exact_match", "reference_column": "a", "min": 0.5})},
+                          result.record.metrics)  # at the minimum: passes
+
+
+def make_spec(raw: dict):
+    from pydantic import TypeAdapter
+
+    from batchgen.metrics import MetricSpec
+
+    return TypeAdapter(MetricSpec).validate_python(raw)
+
+
+@pytest.mark.parametrize("metrics, key, words", [
+    ({"acc": {"type": "choice_accuracy", "label_column": "answer"}}, "metrics.acc.type", "needs task: loglikelihood"),
+    ({"p": {"type": "pass_at_k", "test_column": "answer", "k": 2}}, "metrics.p.k", "at most sampling.n"),
+    ({"2bad": {"type": "contains", "reference_column": "answer"}}, "metrics", "letters, digits"),
+    ({"em": {"type": "exact_match", "reference_column": "answer", "regex": "("}}, "metrics.em", "not a regular"),
+    ({"em": {"type": "exact_match"}}, "metrics.em.exact_match.reference_column", "required key is missing"),
+    ({"x": {"type": "bleu"}}, "metrics.x", "exact_match"),
+])
+def test_impossible_metrics_are_refused_naming_the_key(tmp_path, metrics, key, words):
+    path = write_parquet(tmp_path / "in.parquet", {"id": [0], "prompt": ["x"], "answer": ["y"]})
+    with pytest.raises(JobError) as refused:
+        make_job(tmp_path, str(path), metrics=metrics)
+    assert key in str(refused.value) and words in str(refused.value)
+
+
+def test_a_missing_reference_column_names_the_metric(tmp_path, engine):
+    path = write_parquet(tmp_path / "in.parquet", {"id": [0], "prompt": ["x"]})
+    job = make_job(tmp_path, str(path), metrics={"em": {"type": "exact_match", "reference_column": "gold"}})
+    with pytest.raises(JobError, match=r"column 'gold' \(metrics.em\) is missing"):
+        run_job(job, engine=engine, progress=False)
