@@ -85,6 +85,8 @@ def test_metric_changes_change_the_config_hash(scored_run):
     other = metrics_job(tmp, path, em={"type": "exact_match", "reference_column": "answer"})
     plain = make_job(tmp, str(path), sampling={"max_tokens": 12, "temperature": 0}, input={"rows_per_unit": 3})
     assert len({job.config_hash(), other.config_hash(), plain.config_hash()}) == 3
+    gated = metrics_job(tmp, path, em={"type": "exact_match", "reference_column": "answer", "min": 0.9})
+    assert gated.config_hash() == other.config_hash()  # a threshold changes no verdict
 
 
 def test_choice_accuracy_in_a_loglikelihood_job(tmp_path, engine):

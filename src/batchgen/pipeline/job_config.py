@@ -260,7 +260,8 @@ class JobConfig(Section):
         if self.writes_batch_output:  # its parts carry the openai_line column
             payload["output_format"] = self.output.format
         if self.metrics:  # its parts carry the verdict columns
-            payload["metrics"] = {name: spec.model_dump() for name, spec in sorted(self.metrics.items())}
+            payload["metrics"] = {name: spec.model_dump(exclude={"min"})  # a threshold changes no verdict
+                                  for name, spec in sorted(self.metrics.items())}
         if limit is not None:  # a limited run covers different rows: its units must not pass for complete
             payload["limit"] = limit
         blob = json.dumps(payload, sort_keys=True, separators=(",", ":"))

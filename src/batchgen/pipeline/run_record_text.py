@@ -106,10 +106,11 @@ def structured(s: StructuredFigures | None) -> str:
 
 
 def metric_score(m: MetricFigures) -> str:
-    """A metric's value with its 95% interval (normal approximation, value +- 1.96 stderr) and n."""
+    """A metric's value with its 95% interval (normal approximation, value +- 1.96 stderr, within the
+    verdicts' range 0 to 1) and n."""
     if m.value is None:
         return f"{NONE} (n 0)"
-    low, high = m.value - 1.96 * m.stderr, m.value + 1.96 * m.stderr
+    low, high = max(0.0, m.value - 1.96 * m.stderr), min(1.0, m.value + 1.96 * m.stderr)
     return f"{m.value:.4f} (95% CI {low:.4f} to {high:.4f}, n {m.n:,})"
 
 
