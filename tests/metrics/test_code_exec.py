@@ -287,13 +287,15 @@ def test_writing_outside_the_scratch_folder_is_not_prevented(tmp_path):
     assert verdict.is_passed and outside.read_text() == "written"
 
 
-def test_a_failing_program_reports_its_error_and_exit_status(tmp_path):
+def test_a_failing_or_crashing_program_reports_its_error(tmp_path):
     verdict, _ = _run_hostile("import sys\nprint('to stdout')\nsys.exit(3)\n", tmp_path)
     assert (verdict.is_passed, verdict.reason) == (False, "failed")
     verdict, _ = _run_hostile("def f():\n    raise ValueError('wrong answer')\nf()\n", tmp_path)
     assert (verdict.is_passed, verdict.reason) == (False, "failed")
     assert verdict.detail.startswith("Traceback") and verdict.detail.endswith("ValueError: wrong answer")
     assert "code_sandbox" not in verdict.detail and "runpy" not in verdict.detail
+    verdict, _ = _run_hostile("import signal\nos.kill(os.getpid(), signal.SIGTERM)\n", tmp_path)
+    assert (verdict.is_passed, verdict.reason, verdict.detail) == (False, "crashed", "killed by SIGTERM")
 
 
 def test_limits_are_checked():

@@ -46,6 +46,11 @@ _READ_CHUNK = 1 << 16
 _EXIT_POLL_S = 0.05
 # The wait for the pipes to close once the process group has been killed.
 _DRAIN_AFTER_KILL_S = 1.0
+# How long the child has to end on SIGTERM before its process group is killed.
+_TERM_GRACE_S = 0.5
+# The longest wait for the killed processes to be gone (a SIGKILL takes effect when the process is next
+# scheduled, and an orphan's zombie waits for the system's init to reap it).
+_GROUP_END_WAIT_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -85,24 +90,25 @@ class CodeVerdict:
 
 
 def run_program(source: str, limits: CodeLimits) -> CodeVerdict:
-    """Run `source` as a Python program (`python program.py` in a fresh scratch folder) under `limits`;
-    nothing it started is left running when this returns."""
+    """Run `source` as a Python program (`python program.py` in a fresh scratch folder) under `limits`.
+    When this returns, nothing it started is left running: its process group is killed, and with a PID
+    namespace (probe_isolation) so is any process of it that left the group."""
     with tempfile.TemporaryDirectory(prefix="batchgen-code-") as scratch:
         program_path = os.path.join(scratch, _PROGRAM_NAME)
         with open(program_path, "w", encoding="utf-8") as file:
             file.write(source)
-        settings = _child_settings(limits)
         process = subprocess.Popen(
-            [sys.executable, "-I", "-B", _SANDBOX_SCRIPT, json.dumps(settings), program_path],
-            cwd=scratch, env=_child_environment(scratch), stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+            _child_command(_child_settings(limits), program_path), cwd=scratch,
+            env=_child_environment(scratch), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, start_new_session=True)
         try:
             has_timed_out, stderr_tail = _watch(process, limits)
         finally:
-            _kill_group(process.pid)  # before reaping: the unreaped leader keeps its group id taken
+            _stop(process.pid)
             process.stdout.close()
             process.stderr.close()
             returncode = process.wait()
+            _wait_for_group_to_end(process.pid)
     return _verdict(returncode, has_timed_out, stderr_tail, limits)
 
 
@@ -126,10 +132,15 @@ def probe_isolation(limits: CodeLimits | None = None) -> tuple[str, ...]:
     settings = {**_child_settings(limits or CodeLimits()), "probe": True}
     with tempfile.TemporaryDirectory(prefix="batchgen-code-") as scratch:
         completed = subprocess.run(
-            [sys.executable, "-I", "-B", _SANDBOX_SCRIPT, json.dumps(settings), "-"],
-            cwd=scratch, env=_child_environment(scratch), stdin=subprocess.DEVNULL,
-            capture_output=True, text=True, timeout=60, check=True)
+            _child_command(settings, "-"), cwd=scratch, env=_child_environment(scratch),
+            stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60, check=True)
     return tuple(json.loads(completed.stdout)["namespaces"])
+
+
+def _child_command(settings: dict, program_path: str) -> list[str]:
+    """This Python, isolated from the user's site and PYTHON* variables (-I: the standard library and
+    this environment's packages stay importable), writing no bytecode (-B), running the sandbox script."""
+    return [sys.executable, "-I", "-B", _SANDBOX_SCRIPT, json.dumps(settings), program_path]
 
 
 def _child_settings(limits: CodeLimits) -> dict:
@@ -205,6 +216,34 @@ def _has_exited(pid: int) -> bool:
         return True
 
 
+def _wait_for_group_to_end(pgid: int) -> None:
+    """Wait until no process of the group is left (not even a zombie), or _GROUP_END_WAIT_S has passed
+    (an init that does not reap orphans)."""
+    deadline = time.monotonic() + _GROUP_END_WAIT_S
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except (ProcessLookupError, PermissionError):
+            return
+        time.sleep(0.005)
+
+
+def _stop(pid: int) -> None:
+    """End the child and its process group. SIGTERM first, which the sandbox answers (with a PID
+    namespace) by killing the namespace and reaping its init, so that no orphan is left for the
+    system's init to reap (slowly, on some systems); then SIGKILL to the whole group, while the child
+    is not yet reaped (its pid, the group's id, stays taken)."""
+    if not _has_exited(pid):
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        deadline = time.monotonic() + _TERM_GRACE_S
+        while not _has_exited(pid) and time.monotonic() < deadline:
+            time.sleep(0.002)
+    _kill_group(pid)
+
+
 def _kill_group(pgid: int) -> None:
     try:
         os.killpg(pgid, signal.SIGKILL)
@@ -213,25 +252,28 @@ def _kill_group(pgid: int) -> None:
 
 
 def _verdict(returncode: int, has_timed_out: bool, stderr_tail: str, limits: CodeLimits) -> CodeVerdict:
-    detail = stderr_tail.strip()
+    stderr_tail = stderr_tail.strip()
+
+    def stopped(reason: str, what: str = "") -> CodeVerdict:
+        return CodeVerdict(False, reason, "\n".join(part for part in (what, stderr_tail) if part))
+
     if has_timed_out:
-        return CodeVerdict(False, "timeout", f"killed after the {limits.timeout_s:g} s time limit\n{detail}")
+        return stopped("timeout", f"killed after the {limits.timeout_s:g} s time limit")
     if returncode == 0:
-        return CodeVerdict(True, "passed", detail)
+        return CodeVerdict(True, "passed", stderr_tail)
     if returncode == code_sandbox.EXIT_MEMORY:
-        return CodeVerdict(False, "memory", detail)
+        return stopped("memory")
     if returncode == code_sandbox.EXIT_FORBIDDEN:
-        return CodeVerdict(False, "forbidden", detail)
-    if returncode < 0:
-        signal_number = -returncode
-        try:
-            name = signal.Signals(signal_number).name
-        except ValueError:  # a real-time signal
-            name = f"signal {signal_number}"
-        if signal_number in (signal.SIGXCPU, signal.SIGKILL):  # RLIMIT_CPU's soft, then hard, limit
-            return CodeVerdict(False, "timeout",
-                               f"killed by {name}: CPU time limit (or the kernel's OOM killer)\n{detail}")
-        if "MemoryError" in detail:  # Python aborted on a failed allocation it could not raise
-            return CodeVerdict(False, "memory", f"killed by {name}\n{detail}")
-        return CodeVerdict(False, "crashed", f"killed by {name}\n{detail}")
-    return CodeVerdict(False, "failed", detail)
+        return stopped("forbidden")
+    if returncode > 0:
+        return stopped("failed")
+    signal_number = -returncode
+    try:
+        name = signal.Signals(signal_number).name
+    except ValueError:  # a real-time signal
+        name = f"signal {signal_number}"
+    if signal_number in (signal.SIGXCPU, signal.SIGKILL):  # RLIMIT_CPU's soft, then hard, limit
+        return stopped("timeout", f"killed by {name}: CPU time limit (or the kernel's OOM killer)")
+    if "MemoryError" in stderr_tail:  # Python aborted on a failed allocation it could not raise
+        return stopped("memory", f"killed by {name}")
+    return stopped("crashed", f"killed by {name}")

@@ -195,10 +195,13 @@ def _enter_pid_namespace(libc) -> None:
     the namespace's init (PID 1), whose end makes the kernel kill every process left in the namespace;
     the init's child returns from here to run the program as PID 2, where signals behave as usual (an
     init ignores those it has no handler for, SIGXCPU included). The program's wait status travels from
-    the init to this process through a pipe, since an init cannot end itself by a signal."""
+    the init to this process through a pipe, since an init cannot end itself by a signal. SIGTERM to
+    this process (code_exec at the time limit) kills the init, and so the namespace, and this process
+    reaps it before it ends: no orphan is left for the system's init to reap."""
     status_read, status_write = os.pipe()
     init_pid = os.fork()
     if init_pid != 0:  # outside
+        signal.signal(signal.SIGTERM, lambda number, frame: os.kill(init_pid, signal.SIGKILL))
         os.close(status_write)
         _, init_status = os.waitpid(init_pid, 0)
         program_status = os.read(status_read, 32)
