@@ -1,8 +1,9 @@
 """Run untrusted programs (model-written code and its tests) in a limited child process, one verdict each.
 
 What it guards against, and how (the child's side, code_sandbox.py, says which layer holds where):
-- a program that never ends: a wall-clock timeout in this process, after which the child's whole
-  process group is killed (SIGKILL), and RLIMIT_CPU in the child as a backstop;
+- a program that never ends: a wall-clock timeout in this process, after which the child is stopped
+  (SIGTERM, which the sandbox turns into the end of its PID namespace, then SIGKILL to its whole
+  process group) and this call returns only once they are gone; RLIMIT_CPU in the child as a backstop;
 - a program that allocates without bound: RLIMIT_AS (`CodeLimits.memory_bytes`);
 - a program that prints without bound: its stdout and stderr are drained as they come and only the
   last `max_output_bytes` of each kept;
@@ -17,8 +18,9 @@ What it guards against, and how (the child's side, code_sandbox.py, says which l
   variables, no bytecode written), its own session.
 
 NOT guarded: reading files the user can read, writing where the user can write (the scratch folder is
-only the working directory), other processes of the same user (signals), the host's CPU and memory as
-a whole (limits are per process). Run it where that is acceptable: a container or a throwaway user.
+only the working directory), other processes of the same user (signals) where there is no PID
+namespace, the host's CPU and memory as a whole (limits are per process). Run it where that is
+acceptable: a container or a throwaway user.
 """
 
 from __future__ import annotations

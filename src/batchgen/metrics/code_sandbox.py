@@ -33,7 +33,7 @@ Started by code_exec.run_program, never imported by batchgen's own code but for 
 
 NOT guarded: reading any file the user may read, and writing outside the scratch folder where the
 user may (no mount namespace or chroot); CPU and memory of the host as a whole (limits are per
-process); signals to other processes of the same user (root's, for root).
+process); without a PID namespace, signals to other processes of the same user (root's, for root).
 """
 
 from __future__ import annotations
@@ -190,6 +190,13 @@ def _end_as(status: int) -> None:
     os._exit(os.waitstatus_to_exitcode(status))
 
 
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:  # ended meanwhile
+        pass
+
+
 def _enter_pid_namespace(libc) -> None:
     """Fork twice after unshare(CLONE_NEWPID): this process waits outside the namespace; its child is
     the namespace's init (PID 1), whose end makes the kernel kill every process left in the namespace;
@@ -201,7 +208,7 @@ def _enter_pid_namespace(libc) -> None:
     status_read, status_write = os.pipe()
     init_pid = os.fork()
     if init_pid != 0:  # outside
-        signal.signal(signal.SIGTERM, lambda number, frame: os.kill(init_pid, signal.SIGKILL))
+        signal.signal(signal.SIGTERM, lambda number, frame: _kill(init_pid))
         os.close(status_write)
         _, init_status = os.waitpid(init_pid, 0)
         program_status = os.read(status_read, 32)
