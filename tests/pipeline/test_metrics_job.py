@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pyarrow.parquet as pq
 import pytest
 import typer
 from lm_eval.api.metrics import mean_stderr
@@ -189,3 +190,20 @@ def test_pass_at_k_in_a_job_equals_running_the_programs_by_hand(tmp_path, engine
     expected = float(np.mean(estimate_pass_at_k(3, num_correct, 2)))
     assert result.record.metrics["pass2"].value == pytest.approx(expected)
     assert result.record.metrics["pass2"].n == 3
+
+
+def test_worker_totals_merge_into_the_whole_outputs_scores(scored_run):
+    """A Ray driver merges its replicas' Totals: the scores equal those of every part counted at once."""
+    from batchgen.pipeline.summary import Totals
+
+    tmp = scored_run[0]
+    parts = sorted((tmp / "out").glob("part-*.parquet"))
+    at_once, merged = Totals(), Totals()
+    for part in parts:
+        table = pq.read_table(part)
+        at_once.add_table(table)
+        worker = Totals()
+        worker.add_table(table)
+        merged.merge(worker)
+    assert len(parts) == 3 and merged.metric_scores() == at_once.metric_scores()
+    assert (merged.num_rows, merged.num_requests) == (at_once.num_rows, at_once.num_requests) == (8, 8)

@@ -57,6 +57,18 @@ class Totals:
             if kind["type"] == "pass_at_k":
                 self.metric_ids.setdefault(name, []).append(table["id"].to_pylist())
 
+    def merge(self, other: Totals) -> None:
+        """Add another worker's counts, latency figures and metric verdicts (a Ray replica's unit)."""
+        for name in ("num_requests", "num_rows", "num_errors", "prompt_tokens", "cached_tokens", "completion_tokens"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.ttft_s.extend(other.ttft_s)
+        self.tpot_s.extend(other.tpot_s)
+        self.metric_kinds.update(other.metric_kinds)
+        for name, chunks in other.metric_verdicts.items():
+            self.metric_verdicts.setdefault(name, []).extend(chunks)
+        for name, chunks in other.metric_ids.items():
+            self.metric_ids.setdefault(name, []).extend(chunks)
+
     def metric_scores(self) -> dict[str, MetricFigures]:
         """Each metric's aggregate over the rows added (pass@k: over ids)."""
         scores = {}
