@@ -8,6 +8,7 @@
 
       cli -> bench -> serve, report -> pipeline -> openai -> engine -> kernels
       (serve: openai, engine, kernels, never pipeline; report: pipeline, engine, kernels)
+      metrics (the eval metrics: numpy, pyarrow and pydantic only) below pipeline, report and cli
 
   with config_docs (the field-docstring reader, standard library only) below them all;
 
@@ -33,7 +34,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1] / "src" / "batchgen"
 PACKAGE = "batchgen"
-PACKAGES = ("kernels", "engine", "openai", "pipeline", "serve", "report", "bench", "cli")
+PACKAGES = ("kernels", "engine", "openai", "metrics", "pipeline", "serve", "report", "bench", "cli")
 TOP = "batchgen"  # batchgen/__init__.py, in the direction table
 # Top-level modules below every package: the config field-docstring reader (stdlib only), which the
 # engine's, the job's and the server's configs and the CLI all read.
@@ -44,13 +45,14 @@ ALLOWED = {
     TOP: {"engine"},
     "config_docs": set(),
     "kernels": set(),
+    "metrics": set(),
     "engine": {"kernels", *LEAF_MODULES},
     "openai": {"engine", "kernels", *LEAF_MODULES},
-    "pipeline": {"openai", "engine", "kernels", *LEAF_MODULES},
+    "pipeline": {"openai", "metrics", "engine", "kernels", *LEAF_MODULES},
     "serve": {"openai", "engine", "kernels", *LEAF_MODULES},
-    "report": {"pipeline", "engine", "kernels", *LEAF_MODULES},
-    "bench": {TOP, "serve", "report", "openai", "pipeline", "engine", "kernels", *LEAF_MODULES},
-    "cli": {TOP, "bench", "serve", "report", "openai", "pipeline", "engine", "kernels", *LEAF_MODULES},
+    "report": {"pipeline", "metrics", "engine", "kernels", *LEAF_MODULES},
+    "bench": {TOP, "serve", "report", "openai", "pipeline", "metrics", "engine", "kernels", *LEAF_MODULES},
+    "cli": {TOP, "bench", "serve", "report", "openai", "pipeline", "metrics", "engine", "kernels", *LEAF_MODULES},
 }
 CALIBRATION = "batchgen.engine.quant.calibrate"
 OUTPUT_LAYER = "batchgen.pipeline.output"
