@@ -90,7 +90,7 @@ def two_runs(tmp_path_factory):
 
 
 def test_scores_lead_the_page_from_the_parts_or_success(tmp_path):
-    verdicts = [1.0, 0.0, 1.0, 1.0, None, 0.0, 1.0]  # a null verdict: not scored
+    verdicts = [1.0, 0.0, 1.0, 0.0, None, 0.0, 1.0, 0.0, 1.0, 0.0]  # a null verdict: not scored
     rows = [row(i, "a", answer="a", topic=f"t{i % 2}", metric_em=v) for i, v in enumerate(verdicts)]
     write_run(str(tmp_path / "parts"), rows, keep=(*ANSWER, TOPIC), metrics={"em": EM})
     assert pq.read_schema(tmp_path / "parts" / "part-00000.parquet").field("metric_em").metadata  # how it aggregates
@@ -105,12 +105,12 @@ def test_scores_lead_the_page_from_the_parts_or_success(tmp_path):
     html = report.html
     assert html.index('id="scores"') < html.index('id="summary"') < html.index('id="plots"')
     cells = keyed_cells(html, "scores-table")["em"]
-    assert cells[2:4] == [f"{scored.mean():.4f}", f"{scored.mean() - 1.96 * stderr:.4f} to "
-                                                   f"{scored.mean() + 1.96 * stderr:.4f}"]
+    low, high = scored.mean() - 1.96 * stderr, scored.mean() + 1.96 * stderr
+    assert cells[2:4] == [f"{scored.mean():.4f}", f"{low:.4f} to {high:.4f}"]
     assert cells[5] == str(scored.size)
-    # By topic: t0 holds rows 0, 2, 4 (unscored), 6 -> 3 of 3 right; t1 rows 1, 3, 5 -> 1 of 3.
+    # By topic: t0 holds rows 0, 2, 4 (unscored), 6, 8 -> 4 of 4 right; t1 rows 1, 3, 5, 7, 9 -> none.
     assert '<th class="num">em</th>' in html
-    assert {name: figures[-1] for name, figures in _category_cells(html).items()} == {"t0": "1.0000", "t1": "0.3333"}
+    assert {name: figures[-1] for name, figures in _category_cells(html).items()} == {"t0": "1.0000", "t1": "0.0000"}
 
     recorded = {"em": {"value": 0.25, "stderr": 0.125, "n": 6}}  # not the parts' mean: _SUCCESS wins
     write_run(str(tmp_path / "recorded"), rows, keep=ANSWER, metrics={"em": EM}, success_metrics=recorded)
@@ -190,8 +190,8 @@ def test_a_post_hoc_metric_equals_score_table_on_the_whole_table(tmp_path):
     write_run(str(tmp_path / "run"), rows, rows_per_part=6, keep=ANSWER)
     whole = read_output(tmp_path / "run")
     specs = dict(parse_metric_option(text) for text in (
-        "em={type: exact_match, reference_column: answer, ignore_case: true, ignore_punctuation: true, "
-        "regex: '(?i)answer: (\\d+)|(paris)', group_select: -1}",
+        ("em={type: exact_match, reference_column: answer, ignore_case: true, ignore_punctuation: true, "
+         "regex: '(?i)answer: (\\d+)|(paris)', group_select: -1}"),
         "has={type: contains, reference_column: answer, ignore_case: true}",
         "num={type: numeric_match, reference_column: answer}"))
     scores = RunScores(RunFolder(str(tmp_path / "run")), ReportConfig(out="", metrics=specs))
