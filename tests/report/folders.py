@@ -35,7 +35,7 @@ def write_run(url: str, rows: list[dict], rows_per_part: int = 4, id_type: pa.Da
               success_metrics: dict | None = None, is_scoring: bool = False) -> RunRecord | None:
     """Parts of `rows_per_part` rows and a `_SUCCESS` counted from them under `url` (any fsspec URL);
     returns the `_SUCCESS` record. `metrics`: verdict columns `metric_<name>` as a job's `metrics:` section
-    writes them (the rows hold their values); `success_metrics`: `_SUCCESS`'s `metrics` key;
+    writes them (the rows hold their values); `success_metrics`: `_SUCCESS`'s `metrics` key (None: none);
     `is_scoring`: a loglikelihood job's columns."""
     metric_fields = [metric_field(name, spec) for name, spec in (metrics or {}).items()]
     schema = output_schema(pa.field("id", id_type), [*keep, *metric_fields], False, is_scoring=is_scoring)
@@ -52,7 +52,9 @@ def write_run(url: str, rows: list[dict], rows_per_part: int = 4, id_type: pa.Da
         return None
     record = RunRecord.of_run(job, "ab" * 32, whole=totals, this_run=totals, generation_seconds=2.0, resumed=False,
                               engine=EngineReport(model=model, kernels={"device": "cpu"}))
-    success = record.to_dict() if success_metrics is None else {**record.to_dict(), "metrics": success_metrics}
+    success = {k: v for k, v in record.to_dict().items() if k != "metrics"}  # only the metrics asked for
+    if success_metrics is not None:
+        success["metrics"] = success_metrics
     with fs.open(f"{root}/_SUCCESS", "w") as f:
         f.write(json.dumps(success, indent=2))
     return record

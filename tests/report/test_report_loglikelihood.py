@@ -1,7 +1,7 @@
-"""`batchgen report` on a real `task: loglikelihood` output (the bundled model scoring 3 continuations of 4
-contexts): exit 0, no latency column assumed (its rows have no token times), choice accuracy scored post
-hoc equal to the argmax taken by hand; and `--against` a copy with one row's log-probabilities changed
-lists that row as flipped, with both runs' answers."""
+"""The report of a real `task: loglikelihood` output (the bundled model scoring 3 continuations of 4
+contexts): `batchgen run --report` and `batchgen report` exit 0 with no latency column assumed (its rows
+have no token times), choice accuracy scored post hoc equals the argmax taken by hand, and `--against` a
+copy with one row's log-probabilities changed lists that row as flipped, with both runs' answers."""
 
 from __future__ import annotations
 
@@ -13,12 +13,12 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
+import yaml
 from typer.testing import CliRunner
 
 from batchgen.cli import main as cli
-from batchgen.pipeline.job import run_job
-from tests.pipeline.conftest import read_output, write_parquet
-from tests.report.conftest import report_job
+from tests.pipeline.conftest import engine_sections, read_output, write_parquet
+from tests.report.conftest import REPORT_ENGINE_KWARGS
 from tests.report.html_cells import keyed_cells
 
 CONTEXTS = ["The cat sat on the", "My neighbour waited near the", "A small boat sailed across the",
@@ -30,14 +30,23 @@ ACC_NORM = "acc_norm={type: choice_accuracy_norm, label_column: label}"
 
 @pytest.fixture(scope="module")
 def scored_run(tmp_path_factory, report_engine):
+    """The job run by `batchgen run --report` (on the session's engine): it exits 0 and writes the page."""
+    from batchgen.pipeline import job_engine
+
     tmp = tmp_path_factory.mktemp("loglikelihood-run")
-    path = write_parquet(tmp / "in.parquet", {"id": list(range(len(CONTEXTS))), "prompt": CONTEXTS,
-                                             "choices": [CHOICES] * len(CONTEXTS),
-                                             "label": [i % 3 for i in range(len(CONTEXTS))]})
-    job = report_job(tmp, str(path), task="loglikelihood",
-                     input={"continuations_column": "choices", "apply_chat_template": False, "rows_per_unit": 2},
-                     output={"path": str(tmp / "out"), "keep_columns": ["label", "choices"]})
-    run_job(job, engine=report_engine, progress=False)
+    write_parquet(tmp / "in.parquet", {"id": list(range(len(CONTEXTS))), "prompt": CONTEXTS,
+                                       "choices": [CHOICES] * len(CONTEXTS),
+                                       "label": [i % 3 for i in range(len(CONTEXTS))]})
+    raw = {"name": "mc", "task": "loglikelihood", **engine_sections(REPORT_ENGINE_KWARGS),
+           "input": {"path": "in.parquet", "continuations_column": "choices", "apply_chat_template": False,
+                     "rows_per_unit": 2},
+           "output": {"path": "out", "keep_columns": ["label", "choices"]}}
+    (tmp / "job.yaml").write_text(yaml.safe_dump(raw))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(job_engine, "engine_for", lambda job, engine: report_engine)
+        done = CliRunner().invoke(cli.app, ["run", str(tmp / "job.yaml"), "--report", "--no-progress"])
+    assert done.exit_code == 0, done.output
+    assert "its report failed" not in done.output and (tmp / "out" / "report.html").exists()
     return tmp / "out"
 
 
