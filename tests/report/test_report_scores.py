@@ -247,3 +247,23 @@ def test_unknown_columns_and_wrong_tasks_are_named(tmp_path):
                                     "--metric", "m={type: regex_match, pattern: b}", "-o", str(tmp_path / "p.html")])
     assert twice.exit_code == 2 and "--metric m is given twice" in twice.output
     assert not (tmp_path / "p.html").exists()
+
+
+def test_pass_at_k_columns_aggregate_by_id(tmp_path):
+    """The unbiased pass@k of each id's samples (1 - C(n - c, k) / C(n, k), the HumanEval paper's), averaged
+    over ids, from rows spread over parts; n counts ids. Needs batchgen.metrics.pass_at_k (the code metric)."""
+    from math import comb
+
+    from batchgen.metrics.spec import PassAtK
+
+    spec = PassAtK(type="pass_at_k", test_column="tests", k=2)
+    passed = {"a": [1, 0, 0, 0], "b": [0, 0, 0, 0], "c": [1, 1, 1, 1]}
+    rows = [row(key, "code", sample_index=s, tests="assert True", metric_code=float(v))
+            for key, verdicts in passed.items() for s, v in enumerate(verdicts)]
+    write_run(str(tmp_path / "run"), rows, rows_per_part=5, id_type=pa.string(),
+              keep=(pa.field("tests", pa.string()),), metrics={"code": spec})
+    [shown] = scores_of(ReportConfig(out=str(tmp_path / "run")))
+    per_id = [1 - comb(4 - sum(v), 2) / comb(4, 2) for v in passed.values()]
+    assert (shown.type, shown.k, shown.score.n) == ("pass_at_k", 2, 3)
+    assert shown.score.value == pytest.approx(np.mean(per_id))
+    assert shown.score.stderr == pytest.approx(np.std(per_id, ddof=1) / np.sqrt(3))
