@@ -125,8 +125,13 @@ def test_exact_match_against_a_reference_column(tmp_path):
                                       for i, t in new.items()], keep=ANSWER)
     c = compare_runs(RunFolder(str(tmp_path / "new")), RunFolder(str(tmp_path / "old")),
                      ReportConfig(out="", reference="answer"))
-    assert (c.new.exact_match, c.old.exact_match) == (2 / 4, 3 / 4)  # id 4 has no reference: not scored
-    assert (c.match.num_scored, c.match.num_newly_right, c.match.num_newly_wrong) == (4, 1, 2)
+    [new_score], [old_score] = c.new.scores, c.old.scores  # --reference: the metric exact_match
+    assert (new_score.name, new_score.source, new_score.type) == ("exact_match", "--reference", "exact_match")
+    assert (new_score.score.value, old_score.score.value) == (2 / 4, 3 / 4)  # id 4 has no reference: not scored
+    assert new_score.score.n == old_score.score.n == 4
+    [change] = c.score_changes
+    assert (change.num_paired, change.num_wrong_to_right, change.num_right_to_wrong) == (4, 1, 2)
+    assert {(r.id, r.is_now_right) for r in change.flipped} == {(2, True), (3, False), (5, False)}
 
 
 def test_runs_of_different_prompts_are_refused(tmp_path):

@@ -1,9 +1,12 @@
 """Two runs of one prompt set, row by row: identical, different, missing; where tokens part; what changed.
 
-`compare_runs` reads each run once (its figures and its join partitions from the same batches), then
-joins partition by partition (join.py). Two runs are of one prompt set when their ids are of one kind,
-they share at least one (id, sample_index), and (when both `_SUCCESS` name the same model, so one
-tokenizer counted both) every shared row that ran in both has the same prompt length.
+`compare_runs` reads each run once (its figures, its verdicts and its join partitions from the same
+batches), then joins partition by partition (join.py). Two runs are of one prompt set when their ids are
+of one kind, they share at least one (id, sample_index), and (when both `_SUCCESS` name the same model,
+so one tokenizer counted both) every shared row that ran in both has the same prompt length. A row's
+output is its completion's tokens and text, or for a loglikelihood run its continuations'
+log-probabilities; both runs must be of one task. The metrics both runs have are compared on the paired
+rows (score_changes.py).
 """
 
 from __future__ import annotations
@@ -15,17 +18,21 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from batchgen.metrics import metric_column
 from batchgen.report.config import ReportConfig, ReportError
 from batchgen.report.join import KEYS, PartitionWriter, common_id_type, joined_pairs, num_partitions
-from batchgen.report.run_stats import Codes, RunFigures, RunStats, clip, exact_match
+from batchgen.report.run_stats import Codes, RunFigures, RunStats, clip
+from batchgen.report.score_changes import TEXT, TOKENS, ChangeCounter, ScoreChange, answer_text
 from batchgen.report.source import RunFolder
 from batchgen.report.text_diff import Segment, diff_texts
 from batchgen.report.token_diff import SAME, first_difference
 
-_BASE_JOIN_COLUMNS = ["id", "sample_index", "completion", "completion_token_ids", "finish_reason", "prompt_tokens"]
 # _SUCCESS keys that are results, compared in the figures table rather than listed as configuration.
 FIGURE_KEYS = ("num_requests", "num_rows", "num_errors", "prompt_tokens", "cached_tokens", "completion_tokens",
-               "generation_seconds", "completion_tokens_per_s", "ttft_s", "tpot_s", "resumed", "speculative")
+               "generation_seconds", "completion_tokens_per_s", "ttft_s", "tpot_s", "resumed", "speculative",
+               "metrics")
+# A run's output columns by task: (its tokens, its text), joined as TOKENS and TEXT.
+_OUTPUT_COLUMNS = {"generate": ("completion_token_ids", "completion"), "loglikelihood": ("continuation_logprob", None)}
 _NUM_PROMPT_EXAMPLES = 5
 
 
@@ -70,17 +77,6 @@ class CategoryCounts:
 
 
 @dataclass
-class MatchChange:
-    """Exact match against the reference, on the rows both runs have."""
-
-    num_scored: int = 0
-    num_right_new: int = 0
-    num_right_old: int = 0
-    num_newly_right: int = 0
-    num_newly_wrong: int = 0
-
-
-@dataclass
 class Comparison:
     new: RunFigures
     old: RunFigures
@@ -94,7 +90,8 @@ class Comparison:
     first_token_counts: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # [position] -> rows
     diffs: list[InlineDiff] = field(default_factory=list)
     categories: list[CategoryCounts] = field(default_factory=list)
-    match: MatchChange | None = None
+    score_changes: list[ScoreChange] = field(default_factory=list)  # the metrics both runs have
+    is_scoring: bool = False  # loglikelihood runs: outputs are log-probabilities, not tokens
     config_differences: list[tuple[str, object, object]] = field(default_factory=list)
     num_partitions: int = 1
 
@@ -104,28 +101,32 @@ def compare_runs(new: RunFolder, old: RunFolder, config: ReportConfig) -> Compar
     if new.schema is None or old.schema is None:
         raise ReportError(f"{new.url if new.schema is None else old.url} holds no part files: nothing to compare")
     id_type = common_id_type(new.schema.field("id").type, old.schema.field("id").type, new.url, old.url)
+    task = _common_task(new, old)
+    if config.by is not None:
+        old.check_column(config.by, "--by")
     stats_new, stats_old = RunStats(new, config), RunStats(old, config)
-    join_columns = _join_columns(new, old, config)
-    count = num_partitions(max(new.arrow_bytes([c for c in join_columns if c in new.column_names]),
-                               old.arrow_bytes([c for c in join_columns if c in old.column_names])),
-                           config.partition_bytes)
+    shared = [name for name in stats_new.scores.names if name in stats_old.scores.names]
+    count = num_partitions(max(new.arrow_bytes(_read_columns(new, task, config)),
+                               old.arrow_bytes(_read_columns(old, task, config))), config.partition_bytes)
     with tempfile.TemporaryDirectory(prefix="batchgen-report-") as folder:
         paths = {}
         for side, run, stats in (("new", new, stats_new), ("old", old, stats_old)):
-            schema = pa.schema([run.schema.field(c) if c in run.column_names else pa.field(c, pa.null())
-                                for c in join_columns])
+            schema = _partition_schema(run, task, config, shared)
             writer = PartitionWriter(folder, side, count, schema, id_type)
             try:
-                for part_index, batch in run.iter_batches(list(dict.fromkeys(stats.columns + [
-                        c for c in join_columns if c in run.column_names])), config.batch_rows):
-                    stats.add(part_index, batch.select(stats.columns))
-                    writer.write(_with_columns(batch, schema))
+                columns = list(dict.fromkeys(stats.columns + _read_columns(run, task, config)))
+                for part_index, batch in run.iter_batches(columns, config.batch_rows):
+                    verdicts = stats.add(part_index, batch.select(stats.columns))
+                    writer.write(_partition_batch(batch, schema, task, verdicts))
             finally:
                 writer.close()
             paths[side] = writer.paths
             pa.default_memory_pool().release_unused()  # the allocator keeps freed pages otherwise
-        comparison = Comparison(stats_new.figures(), stats_old.figures(), num_partitions=count)
-        builder = _Builder(comparison, config, check_prompts=_same_model(new, old), names=(new.url, old.url))
+        comparison = Comparison(stats_new.figures(), stats_old.figures(), num_partitions=count,
+                                is_scoring=task == "loglikelihood")
+        changes = ChangeCounter(shared, config, comparison.is_scoring)
+        builder = _Builder(comparison, config, check_prompts=_same_model(new, old), names=(new.url, old.url),
+                           changes=changes)
         for new_rows, old_rows, new_index, old_index in joined_pairs(paths["new"], paths["old"]):
             builder.add(new_rows, old_rows, new_index, old_index)
             del new_rows, old_rows
@@ -133,27 +134,66 @@ def compare_runs(new: RunFolder, old: RunFolder, config: ReportConfig) -> Compar
     if comparison.num_identical + comparison.num_different == 0 and new.num_rows and old.num_rows:
         raise ReportError(f"different prompt sets: no (id, sample_index) of {new.url} is in {old.url}")
     builder.finish()
+    comparison.score_changes = changes.changes(comparison.new.scores, comparison.old.scores)
     comparison.config_differences = config_differences(new, old)
     return comparison
 
 
-def _join_columns(new: RunFolder, old: RunFolder, config: ReportConfig) -> list[str]:
-    extra = []
-    if config.by is not None:
-        extra.append(config.by)
-    if config.reference is not None:
-        old.check_column(config.reference, "--reference")
-        extra.append(config.reference)
-    if config.by is not None:
-        old.check_column(config.by, "--by")
-    return list(dict.fromkeys(_BASE_JOIN_COLUMNS + extra))
+def output_task(run: RunFolder) -> str:
+    """generate or loglikelihood, from the run's columns."""
+    for task, (tokens, _) in _OUTPUT_COLUMNS.items():
+        if tokens in run.column_names:
+            return task
+    raise ReportError(f"{run.url} has neither completion_token_ids nor continuation_logprob: not the output of a "
+                      "batchgen job")
 
 
-def _with_columns(batch: pa.RecordBatch, schema: pa.Schema) -> pa.RecordBatch:
-    """The batch's columns in the schema's order (a column the run lacks: all null)."""
-    return pa.RecordBatch.from_arrays(
-        [batch.column(f.name) if f.name in batch.schema.names else pa.nulls(batch.num_rows, f.type)
-         for f in schema], names=schema.names)
+def _common_task(new: RunFolder, old: RunFolder) -> str:
+    task_new, task_old = output_task(new), output_task(old)
+    if task_new != task_old:
+        raise ReportError(f"different tasks: {new.url} is a {task_new} run and {old.url} a {task_old} run; their "
+                          "rows cannot be compared")
+    return task_new
+
+
+def _read_columns(run: RunFolder, task: str, config: ReportConfig) -> list[str]:
+    """The run's columns the partitions take (those it has)."""
+    wanted = ["id", "sample_index", *(c for c in _OUTPUT_COLUMNS[task] if c), "finish_reason", "prompt_tokens"]
+    if config.by is not None:
+        wanted.append(config.by)
+    return [c for c in dict.fromkeys(wanted) if c in run.column_names]
+
+
+def _partition_schema(run: RunFolder, task: str, config: ReportConfig, metrics: list[str]) -> pa.Schema:
+    """id, sample_index, TOKENS, TEXT, finish_reason, prompt_tokens, the --by column, a verdict per metric."""
+    tokens, text = _OUTPUT_COLUMNS[task]
+
+    def field_of(name: str | None, as_name: str, default: pa.DataType) -> pa.Field:
+        return pa.field(as_name, run.schema.field(name).type if name in run.column_names else default)
+
+    fields = [field_of("id", "id", pa.null()), field_of("sample_index", "sample_index", pa.int32()),
+              field_of(tokens, TOKENS, pa.list_(pa.int32())), field_of(text, TEXT, pa.string()),
+              field_of("finish_reason", "finish_reason", pa.string()),
+              field_of("prompt_tokens", "prompt_tokens", pa.int64())]
+    if config.by is not None:
+        fields.append(run.schema.field(config.by))
+    return pa.schema(fields + [pa.field(metric_column(name), pa.float64()) for name in metrics])
+
+
+def _partition_batch(batch: pa.RecordBatch, schema: pa.Schema, task: str,
+                     verdicts: dict[str, np.ndarray]) -> pa.RecordBatch:
+    """The batch as the partition schema has it (a column the run lacks: all null)."""
+    renamed = dict(zip((TOKENS, TEXT), _OUTPUT_COLUMNS[task]))
+    arrays = []
+    for f in schema:
+        name = renamed.get(f.name, f.name)
+        if f.name.startswith("metric_"):
+            arrays.append(pa.array(verdicts[f.name.removeprefix("metric_")], pa.float64()))
+        elif name is not None and name in batch.schema.names:
+            arrays.append(batch.column(name))
+        else:
+            arrays.append(pa.nulls(batch.num_rows, f.type))
+    return pa.RecordBatch.from_arrays(arrays, schema=schema)
 
 
 def _same_model(new: RunFolder, old: RunFolder) -> bool:
@@ -165,16 +205,16 @@ def _same_model(new: RunFolder, old: RunFolder) -> bool:
 class _Builder:
     """Folds joined partitions into the Comparison, keeping every list bounded."""
 
-    def __init__(self, comparison: Comparison, config: ReportConfig, check_prompts: bool, names: tuple[str, str]):
+    def __init__(self, comparison: Comparison, config: ReportConfig, check_prompts: bool, names: tuple[str, str],
+                 changes: ChangeCounter):
         self.c = comparison
         self.config = config
         self.check_prompts = check_prompts
         self.names = names
+        self.changes = changes
         self.categories = Codes(config.max_categories) if config.by else None
         self.category_counts: dict[int, CategoryCounts] = {}
         self.first_counts = np.zeros(0, np.int64)
-        if config.reference is not None:
-            self.c.match = MatchChange()
 
     def add(self, new: pa.Table, old: pa.Table, new_index: np.ndarray, old_index: np.ndarray) -> None:
         _refuse_repeated_keys(new, self.names[0])
@@ -190,14 +230,14 @@ class _Builder:
         b = old.take(pa.array(old_index[both]))  # (matched rows,) the baseline, row for row
         if self.check_prompts:
             self._check_prompts(a, b)
-        first = first_difference(a.column("completion_token_ids"), b.column("completion_token_ids"))
-        same_text = _equal(a.column("completion"), b.column("completion"))
+        first = first_difference(a.column(TOKENS), b.column(TOKENS))
+        same_text = _equal(a.column(TEXT), b.column(TEXT))
         same_finish = _equal(a.column("finish_reason"), b.column("finish_reason"))
         identical = (first == SAME) & same_text & same_finish
         self.c.num_identical += int(identical.sum())
         self.c.num_different += int((~identical).sum())
         positions = first[~identical & (first != SAME)]
-        if positions.size:
+        if positions.size and not self.c.is_scoring:  # a loglikelihood row has no generated tokens
             counts = np.bincount(positions)
             if counts.size > self.first_counts.size:
                 self.first_counts = np.pad(self.first_counts, (0, counts.size - self.first_counts.size))
@@ -205,8 +245,7 @@ class _Builder:
         self._keep_different(a, b, first, ~identical)
         if self.categories is not None:
             self._count_categories(new, old, new_index, old_index, both, identical)
-        if self.c.match is not None:
-            self._count_matches(a, b)
+        self.changes.add(a, b)
 
     def finish(self) -> None:
         self.c.first_token_counts = self.first_counts
@@ -239,19 +278,26 @@ class _Builder:
             i = int(i)
             pos = int(first[i])
             candidates.append(DiffRow(
-                a.column("id")[i].as_py(), a.column("sample_index")[i].as_py(), None if pos == SAME else pos,
-                len(a.column("completion_token_ids")[i].values or []),
-                len(b.column("completion_token_ids")[i].values or []),
+                a.column("id")[i].as_py(), a.column("sample_index")[i].as_py(),
+                None if pos == SAME or self.c.is_scoring else pos,
+                len(a.column(TOKENS)[i].values or []), len(b.column(TOKENS)[i].values or []),
                 a.column("finish_reason")[i].as_py(), b.column("finish_reason")[i].as_py()))
             if len(self.c.diffs) < self.config.num_inline_diffs or (
                     (candidates[-1].id, candidates[-1].sample_index) < (self.c.diffs[-1].id, self.c.diffs[-1].sample_index)):
-                self._add_inline(candidates[-1], a.column("completion")[i].as_py(), b.column("completion")[i].as_py())
+                self._add_inline(candidates[-1], self._text(a, i), self._text(b, i))
         merged = sorted(self.c.different + candidates, key=lambda r: (r.id, r.sample_index))
         self.c.different = merged[:self.config.num_listed_ids]
 
-    def _add_inline(self, row: DiffRow, new_text: str | None, old_text: str | None) -> None:
+    def _text(self, rows: pa.Table, i: int) -> str:
+        """The row's completion, or a loglikelihood row's answer, as the side-by-side diff shows it."""
+        if not self.c.is_scoring:
+            return rows.column(TEXT)[i].as_py() or ""
+        return answer_text(rows.column(TOKENS)[i].as_py(), None, rows.column("finish_reason")[i].as_py(), True,
+                           self.config.max_shown_chars)
+
+    def _add_inline(self, row: DiffRow, new_text: str, old_text: str) -> None:
         limit = self.config.max_shown_chars
-        new_segments, old_segments = diff_texts(clip(new_text or "", limit), clip(old_text or "", limit))
+        new_segments, old_segments = diff_texts(clip(new_text, limit), clip(old_text, limit))
         self.c.diffs.append(InlineDiff(row.id, row.sample_index, row.first_token, new_segments, old_segments))
         self.c.diffs.sort(key=lambda d: (d.id, d.sample_index))
         del self.c.diffs[self.config.num_inline_diffs:]
@@ -273,16 +319,6 @@ class _Builder:
             row.num_identical += int(counts[0])
             row.num_different += int(counts[1])
             row.num_missing += int(counts[2])
-
-    def _count_matches(self, a: pa.Table, b: pa.Table) -> None:
-        m_new, m_old = exact_match(a, self.config.reference), exact_match(b, self.config.reference)
-        scored = (m_new >= 0) & (m_old >= 0)
-        m = self.c.match
-        m.num_scored += int(scored.sum())
-        m.num_right_new += int((m_new[scored] == 1).sum())
-        m.num_right_old += int((m_old[scored] == 1).sum())
-        m.num_newly_right += int(((m_new == 1) & (m_old == 0) & scored).sum())
-        m.num_newly_wrong += int(((m_new == 0) & (m_old == 1) & scored).sum())
 
 
 def _take_or_null(column: pa.ChunkedArray, index: np.ndarray) -> pa.Array:

@@ -5,10 +5,12 @@ milliseconds), so the page, its test and `batchgen run`'s table agree on what a 
 from __future__ import annotations
 
 import json
+import math
 
 from batchgen.pipeline.run_record_text import NONE, count, ms, rate, seconds, share
 
-__all__ = ["FILTERS", "NONE", "count", "delta", "ms", "rate", "seconds", "share", "value"]
+__all__ = ["FILTERS", "NONE", "count", "delta", "ms", "p_value", "rate", "score", "score_delta", "score_source",
+           "seconds", "share", "value"]
 
 
 def value(v: object) -> str:
@@ -29,4 +31,26 @@ def delta(new: float | None, old: float | None, unit: str = "", scale: float = 1
     return text
 
 
-FILTERS = {"number": count, "ms": ms, "seconds": seconds, "rate": rate, "share": share, "value": value}
+def score(v: float | None) -> str:
+    """A metric's value, interval bound or standard error: 4 decimals (a share of rows, or pass@k)."""
+    return NONE if v is None or not math.isfinite(v) else f"{v:.4f}"
+
+
+def score_delta(v: float | None) -> str:
+    return NONE if v is None or not math.isfinite(v) else f"{v:+.4f}"
+
+
+def p_value(p: float) -> str:
+    """A p-value to 3 significant digits (1e-12, not 0.0000)."""
+    return f"{p:.3g}"
+
+
+def score_source(s) -> str:
+    """Where a ShownScore comes from: the job (its _SUCCESS, or its verdict columns) or this report."""
+    if s.source == "job":
+        return "job (_SUCCESS)" if s.is_from_success else "job (verdict columns)"
+    return s.source
+
+
+FILTERS = {"number": count, "ms": ms, "seconds": seconds, "rate": rate, "share": share, "value": value,
+           "score": score}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import os
+from dataclasses import dataclass, field
 
 import jinja2
 import numpy as np
@@ -18,9 +19,11 @@ import batchgen.report.formatting as fmt
 import batchgen.report.plots as plots
 from batchgen.pipeline.run_record import RunRecord
 from batchgen.pipeline.run_record_text import SummaryRow
-from batchgen.report.compare import Comparison, compare_runs
+from batchgen.report.compare import Comparison, compare_runs, output_task
 from batchgen.report.config import ReportConfig
-from batchgen.report.run_stats import LATENCY_COLUMNS, RunFigures, RunStats
+from batchgen.report.metric_scores import ShownScore
+from batchgen.report.run_stats import RunFigures, RunStats
+from batchgen.report.score_changes import ScoreChange
 from batchgen.report.source import RunFolder
 
 _LATENCY_TITLES = {"queue_s": "queue", "ttft_s": "time to first token", "tpot_s": "time per output token",
@@ -35,8 +38,30 @@ def _environment() -> jinja2.Environment:
     return env
 
 
+@dataclass
+class Report:
+    """A rendered page and the scores it leads with (what `batchgen report` prints)."""
+
+    html: str
+    scores: list[ShownScore]
+    score_changes: list[ScoreChange] = field(default_factory=list)  # with --against: the metrics both runs have
+    path: str | None = None  # where write_report put the page
+
+    def scores_dict(self) -> dict:
+        """The scores as `batchgen report --json` prints them."""
+        out: dict = {"scores": {s.name: s.to_dict() for s in self.scores}}
+        if self.score_changes:
+            out["against"] = {c.name: c.to_dict() for c in self.score_changes}
+        return out
+
+
 def build_report(config: ReportConfig) -> str:
     """The page's HTML for `config.out` (and `config.against`)."""
+    return render_report(config).html
+
+
+def render_report(config: ReportConfig) -> Report:
+    """The page for `config.out` (and `config.against`) with the scores it shows."""
     new = RunFolder(config.out, config.storage_options)
     comparison: Comparison | None = None
     if config.against is not None:
@@ -56,7 +81,8 @@ def build_report(config: ReportConfig) -> str:
         "figures": figures,
         "summary": summary_rows(new.success),
         "warnings": folder_warnings(new, figures) + (folder_warnings(old, comparison.old) if old else []),
-        "latency": [(name, _LATENCY_TITLES[name], figures.latency[name]) for name in LATENCY_COLUMNS],
+        "latency": [(name, _LATENCY_TITLES[name], figures.latency[name]) for name in figures.latency_columns],
+        "is_scoring": new.schema is not None and output_task(new) == "loglikelihood",
         "batch_files": {name: new.count_lines(name) for name in new.batch_files},
         "comparison": comparison,
         "compare_rows": compare_rows(new, old, comparison) if comparison else [],
@@ -64,17 +90,24 @@ def build_report(config: ReportConfig) -> str:
         "generated": datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"),
         "fmt": fmt,
     }
-    return _environment().get_template("report.html.j2").render(**context)
+    html = _environment().get_template("report.html.j2").render(**context)
+    return Report(html, figures.scores, comparison.score_changes if comparison else [])
 
 
 def write_report(config: ReportConfig) -> str:
     """Build the page and write it to `config.output` (a path or a URI) whole; returns where it went."""
+    return publish_report(config).path
+
+
+def publish_report(config: ReportConfig) -> Report:
+    """Build the page, write it to `config.output` (a path or a URI) whole; the report with its path."""
     from batchgen.report.source import Storage
 
-    html = build_report(config)
+    report = render_report(config)
     folder, _, name = config.output.replace("\\", "/").rpartition("/")
     storage = Storage(folder or os.curdir, config.storage_options)
-    return storage.write_text_atomic(name, html)
+    report.path = storage.write_text_atomic(name, report.html)
+    return report
 
 
 def summary_rows(success: RunRecord | None) -> list[SummaryRow]:
@@ -113,15 +146,14 @@ def compare_rows(new: RunFolder, old: RunFolder, c: Comparison) -> list[tuple[st
     add("mean_completion_tokens", "mean completion tokens", _mean(c.new), _mean(c.old), fmt.rate)
     add("completion_tokens_per_s", "completion tokens/s", _speed(new), _speed(old), fmt.rate)
     for name, label in (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("e2e_s", "end to end")):
+        if name not in c.new.latency_columns or name not in c.old.latency_columns:
+            continue
         for q in ("p50", "p90", "p99"):
             add(f"{name}.{q}", f"{label} {q}", getattr(c.new.latency[name], q), getattr(c.old.latency[name], q),
                 fmt.ms, " ms", 1000.0)
     for reason in sorted({r for r, _ in c.new.finish_reasons} | {r for r, _ in c.old.finish_reasons}):
         add(f"finish.{reason}", f"finish reason {reason}", dict(c.new.finish_reasons).get(reason, 0),
             dict(c.old.finish_reasons).get(reason, 0), fmt.count, digits=0)
-    if c.new.exact_match is not None or c.old.exact_match is not None:
-        add("exact_match", "exact match (all scored rows)", c.new.exact_match, c.old.exact_match, fmt.share,
-            " points", 100.0)
     return rows
 
 
@@ -138,7 +170,7 @@ def make_plots(run: RunFolder, figures: RunFigures, c: Comparison | None,
     """Every plot of the page, in order (the per-row arrays come with the figures)."""
     series = _latency_series(figures, c)
     made = [plots.histogram(name.removesuffix("_s"), f"{_LATENCY_TITLES[name]} (ms)", "milliseconds",
-                            series[name], scale=1000.0) for name in ("ttft_s", "tpot_s", "e2e_s")]
+                            series[name], scale=1000.0) for name in ("ttft_s", "tpot_s", "e2e_s") if name in series]
     lengths = [("this run", figures.lengths)] + ([("baseline", c.old.lengths)] if c else [])
     if c is None:
         made.append(plots.stacked_lengths("lengths", "completion lengths by finish reason", figures.lengths,
@@ -155,6 +187,7 @@ def make_plots(run: RunFolder, figures: RunFigures, c: Comparison | None,
                                [dict(figures.finish_reasons).get(r, 0) for r in reasons], "rows",
                                second=("baseline", [dict(c.old.finish_reasons).get(r, 0) for r in reasons]),
                                first_label="this run"))
+    if c is not None and not c.is_scoring:
         made.append(plots.position_histogram(
             "first_token", "where differing rows first differ", c.first_token_counts,
             "For greedy runs: the first token the two runs' models disagree on; for sampled runs, where the "
@@ -166,9 +199,9 @@ def make_plots(run: RunFolder, figures: RunFigures, c: Comparison | None,
 
 def _latency_series(figures: RunFigures, c: Comparison | None) -> dict[str, list[tuple[str, np.ndarray]]]:
     out = {}
-    for name in LATENCY_COLUMNS:
+    for name in figures.latency_columns:  # a loglikelihood run's rows have no token times
         out[name] = [("this run", figures.latency_values[name])]
-        if c is not None:
+        if c is not None and name in c.old.latency_columns:
             out[name].append(("baseline", c.old.latency_values[name]))
     return out
 

@@ -1,7 +1,9 @@
 """One run's figures, gathered part by part in bounded memory.
 
 Per row the run keeps only numbers (float32 latencies, int32 lengths, small codes: 4 x 4 + 9 bytes,
-about 25 MB for 1M rows); text is kept only for the slowest rows (a heap) and the first failed ones.
+about 25 MB for 1M rows, and a float64 verdict per metric); text is kept only for the slowest rows (a
+heap) and the first failed ones. No column beyond id and sample_index is assumed: a loglikelihood run's
+rows have no completion and no token times, and what a run lacks is shown as absent.
 """
 
 from __future__ import annotations
@@ -14,12 +16,14 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from batchgen.report.config import ReportConfig, ReportError
+from batchgen.report.config import ReportConfig
+from batchgen.report.metric_scores import RunScores, ShownScore
 from batchgen.report.source import RunFolder
 
 LATENCY_COLUMNS = ("queue_s", "ttft_s", "tpot_s", "e2e_s")
 _BASE_COLUMNS = ["id", "sample_index", "completion", "finish_reason", "prompt_tokens", "cached_tokens",
                  "completion_tokens", *LATENCY_COLUMNS, "error"]
+SHOWN_ROW_KEYS = ("id", "sample_index", "completion", "finish_reason", "completion_tokens", *LATENCY_COLUMNS, "error")
 OTHER_CATEGORY = "(other)"
 NULL_CATEGORY = "(null)"
 
@@ -81,7 +85,7 @@ class CategoryRow:
     mean_completion_tokens: float
     length_share: float  # rows that stopped at max_tokens / max_model_len
     e2e: LatencyFigures
-    exact_match: float | None
+    scores: dict[str, float | None] = field(default_factory=dict)  # metric name -> mean verdict of the scored rows
 
 
 @dataclass
@@ -100,8 +104,8 @@ class RunFigures:
     failed: list[dict]  # the first failed rows, in folder order
     num_failed_rows: int
     categories: list[CategoryRow] = field(default_factory=list)
-    exact_match: float | None = None  # share of scored rows whose completion equals the reference
-    num_scored: int = 0
+    scores: list[ShownScore] = field(default_factory=list)  # the run's metrics, in the order listed
+    latency_columns: list[str] = field(default_factory=list)  # the LATENCY_COLUMNS the run's rows have
     part_times: list[float | None] = field(default_factory=list)
     part_tokens: list[int] = field(default_factory=list)
     # The per-row arrays the plots draw (shared with RunStats, not copies).
@@ -125,8 +129,7 @@ class RunStats:
         self.by = config.by
         self.category = Codes(config.max_categories)
         self.category_code = np.zeros(n, np.int32) if config.by else None
-        self.reference = config.reference
-        self.is_match = np.full(n, -1, np.int8) if config.reference else None  # -1: no reference
+        self.scores = RunScores(folder, config)
         self.part_tokens = np.zeros(len(folder.parts), np.int64)
         self.num_requests = self.num_error_requests = self.prompt_tokens = self.cached_tokens = 0
         self._slowest: list[tuple[float, int, dict]] = []
@@ -134,42 +137,43 @@ class RunStats:
         self.failed: list[dict] = []
         self.num_failed_rows = 0
         self._filled = 0
-        for name, flag in ((config.by, "--by"), (config.reference, "--reference")):
-            if name is not None:
-                folder.check_column(name, flag)
+        if config.by is not None:
+            folder.check_column(config.by, "--by")
 
     @property
     def columns(self) -> list[str]:
-        extra = [c for c in (self.by, self.reference) if c is not None and c not in _BASE_COLUMNS]
+        extra = [c for c in [self.by, *self.scores.columns] if c is not None and c not in _BASE_COLUMNS]
         return [c for c in _BASE_COLUMNS if c in self.folder.column_names] + list(dict.fromkeys(extra))
 
-    def add(self, part_index: int, batch: pa.RecordBatch) -> None:
+    def add(self, part_index: int, batch: pa.RecordBatch) -> dict[str, np.ndarray]:
+        """Count one batch (of `columns`); returns its verdicts per metric (RunScores.add)."""
         n = batch.num_rows
         rows = slice(self._filled, self._filled + n)
         self._filled += n
         for name in LATENCY_COLUMNS:
-            self.latency[name][rows] = batch.column(name).to_numpy(zero_copy_only=False)  # nulls -> nan
-        tokens = batch.column("completion_tokens").fill_null(0).to_numpy(zero_copy_only=False)
+            if name in batch.schema.names:
+                self.latency[name][rows] = batch.column(name).to_numpy(zero_copy_only=False)  # nulls -> nan
+        tokens = _column(batch, "completion_tokens", pa.int64()).fill_null(0).to_numpy(zero_copy_only=False)
         self.completion_tokens[rows] = tokens
         self.part_tokens[part_index] += int(tokens.sum())
-        self.finish_code[rows] = self.finish.encode(batch.column("finish_reason"))
+        finish_reason = _column(batch, "finish_reason", pa.string())
+        self.finish_code[rows] = self.finish.encode(finish_reason)
         first = pc.equal(batch.column("sample_index"), 0).fill_null(False)
-        failed = pc.equal(batch.column("finish_reason"), "error").fill_null(False)
+        failed = pc.equal(finish_reason, "error").fill_null(False)
         self.num_requests += pc.sum(first).as_py() or 0
         self.num_error_requests += pc.sum(pc.and_(first, failed)).as_py() or 0
-        self.prompt_tokens += pc.sum(pc.filter(batch.column("prompt_tokens"), first)).as_py() or 0
-        self.cached_tokens += pc.sum(pc.filter(batch.column("cached_tokens"), first)).as_py() or 0
+        self.prompt_tokens += pc.sum(pc.filter(_column(batch, "prompt_tokens", pa.int64()), first)).as_py() or 0
+        self.cached_tokens += pc.sum(pc.filter(_column(batch, "cached_tokens", pa.int64()), first)).as_py() or 0
         if self.category_code is not None:
             self.category_code[rows] = self.category.encode(batch.column(self.by))
-        if self.is_match is not None:
-            self.is_match[rows] = exact_match(batch, self.reference)
+        verdicts = self.scores.add(batch)
         self._keep_slowest(batch)
         self._keep_failed(batch, failed)
+        return verdicts
 
     def figures(self) -> RunFigures:
         counts = np.bincount(self.finish_code, minlength=len(self.finish.names))
         finish = sorted(((name, int(c)) for name, c in zip(self.finish.names, counts) if c), key=lambda x: -x[1])
-        scored = self.is_match[self.is_match >= 0] if self.is_match is not None else np.array([])
         return RunFigures(
             num_rows=self._filled, num_requests=self.num_requests, num_error_requests=self.num_error_requests,
             prompt_tokens=self.prompt_tokens, cached_tokens=self.cached_tokens,
@@ -178,8 +182,8 @@ class RunStats:
             finish_reasons=finish,
             slowest=[row for _, _, row in sorted(self._slowest, reverse=True)],
             failed=self.failed, num_failed_rows=self.num_failed_rows,
-            categories=self._category_rows(),
-            exact_match=float(scored.mean()) if scored.size else None, num_scored=int(scored.size),
+            categories=self._category_rows(), scores=self.scores.results(),
+            latency_columns=[c for c in LATENCY_COLUMNS if c in self.folder.column_names],
             part_times=[p.committed_at for p in self.folder.parts], part_tokens=self.part_tokens.tolist(),
             latency_values=self.latency, lengths=self.completion_tokens, finish_codes=self.finish_code,
             finish_names=self.finish.names,
@@ -200,18 +204,18 @@ class RunStats:
             if group.size == 0:
                 continue
             finish = self.finish_code[group]
-            match = self.is_match[group] if self.is_match is not None else np.array([], np.int8)
-            match = match[match >= 0]
             rows.append(CategoryRow(
                 name=self.category.names[self.category_code[group[0]]], num_rows=int(group.size),
                 num_errors=int((finish == error).sum()) if error is not None else 0,
                 mean_completion_tokens=float(self.completion_tokens[group].mean()),
                 length_share=float((finish == length).mean()) if length is not None else 0.0,
                 e2e=latency_figures(self.latency["e2e_s"][group]),
-                exact_match=float(match.mean()) if match.size else None))
+                scores={name: _mean_scored(self.scores.verdicts[name][group]) for name in self.scores.names}))
         return sorted(rows, key=lambda r: (-r.num_rows, r.name))
 
     def _keep_slowest(self, batch: pa.RecordBatch) -> None:
+        if "e2e_s" not in batch.schema.names:
+            return
         e2e = batch.column("e2e_s").to_numpy(zero_copy_only=False)
         valid = np.flatnonzero(~np.isnan(e2e))
         k = min(self.config.num_slowest, valid.size)
@@ -233,8 +237,9 @@ class RunStats:
             self.failed.append(self._row(batch, int(i)))
 
     def _row(self, batch: pa.RecordBatch, i: int) -> dict:
-        """One row as the page shows it (long text cut)."""
-        row = {name: batch.column(name)[i].as_py() for name in batch.schema.names}
+        """One row as the page shows it (long text cut; what the run's rows lack is None)."""
+        row = dict.fromkeys(SHOWN_ROW_KEYS)
+        row.update({name: batch.column(name)[i].as_py() for name in batch.schema.names})
         for name in ("completion", "error"):
             if isinstance(row.get(name), str):
                 row[name] = clip(row[name], self.config.max_shown_chars)
@@ -247,25 +252,11 @@ def clip(text: str, max_chars: int) -> str:
     return text if len(text) <= max_chars else text[:max_chars] + f" [... {len(text) - max_chars:,} more characters]"
 
 
-def reference_text(column: pa.Array | pa.ChunkedArray, name: str) -> pa.Array:
-    """A reference column as strings (text as is, numbers as written)."""
-    t = column.type
-    if pa.types.is_string(t) or pa.types.is_large_string(t):
-        return column
-    if pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t) or pa.types.is_binary(t) \
-            or pa.types.is_large_binary(t) or pa.types.is_string_view(t):
-        try:
-            return pc.cast(column, pa.string())
-        except pa.ArrowInvalid as exc:
-            raise ReportError(f"--reference {name}: the column cannot be read as text ({exc})") from None
-    raise ReportError(f"--reference {name}: the column has type {t}; expected text or a number")
+def _column(batch: pa.RecordBatch, name: str, type_: pa.DataType) -> pa.Array:
+    """The batch's column, or nulls where the run's rows lack it."""
+    return batch.column(name) if name in batch.schema.names else pa.nulls(batch.num_rows, type_)
 
 
-def exact_match(batch: pa.RecordBatch | pa.Table, reference: str, completion: str = "completion") -> np.ndarray:
-    """Per row: 1 when the completion equals the reference (surrounding whitespace ignored), 0 when it does
-    not (an error row's null completion included), -1 when the row has no reference."""
-    ref = reference_text(batch.column(reference), reference)
-    same = pc.equal(pc.utf8_trim_whitespace(batch.column(completion)), pc.utf8_trim_whitespace(ref))
-    scored = pc.is_valid(ref).to_numpy(zero_copy_only=False)
-    hit = same.fill_null(False).to_numpy(zero_copy_only=False)
-    return np.where(scored, hit.astype(np.int8), np.int8(-1)).astype(np.int8)
+def _mean_scored(verdicts: np.ndarray) -> float | None:
+    scored = verdicts[~np.isnan(verdicts)]
+    return float(scored.mean()) if scored.size else None

@@ -51,7 +51,9 @@ class RunFolder:
         entries = self.storage.list_entries()
         if not entries:
             raise ReportError(f"{url}: no such folder, or it is empty")
-        self.success = self._read_record() if SUCCESS_NAME in entries else None
+        success = self._read_json(SUCCESS_NAME) if SUCCESS_NAME in entries else None
+        self.success = self._record(success) if success is not None else None
+        self.success_metrics = _metric_entries(success.get("metrics")) if success is not None else {}
         self.success_at = _modified_at(entries[SUCCESS_NAME]) if SUCCESS_NAME in entries else None
         self.manifest = self._read_json(MANIFEST_NAME) if MANIFEST_NAME in entries else None
         names = sorted(n for n in entries if PART_RE.fullmatch(n))
@@ -105,10 +107,10 @@ class RunFolder:
                 count += chunk.count(b"\n")
         return count
 
-    def _read_record(self) -> RunRecord:
+    def _record(self, success: dict) -> RunRecord:
         """`_SUCCESS` as the run record (ReportError naming the file when it is not one)."""
         try:
-            return RunRecord.from_dict(self._read_json(SUCCESS_NAME))
+            return RunRecord.from_dict(success)
         except RecordError as exc:
             raise ReportError(f"{self.storage.join(SUCCESS_NAME)}: {exc}") from None
 
@@ -135,6 +137,19 @@ class RunFolder:
             raise ReportError(f"{path} has the columns {', '.join(schema.names)}; the folder's first part has "
                               f"{', '.join(self.schema.names)}: not the parts of one job")
         return Part(name, meta.num_rows, _modified_at(info))
+
+
+def _metric_entries(metrics: object) -> dict[str, dict]:
+    """`_SUCCESS`'s `metrics` ({name: {value, stderr, n}}) as far as it holds numbers; {} when absent. Read
+    from the JSON itself: the report reads folders of any batchgen that wrote the key."""
+    if not isinstance(metrics, dict):
+        return {}
+    entries = {}
+    for name, entry in metrics.items():
+        if isinstance(entry, dict) and all(isinstance(entry.get(k), (int, float)) and not isinstance(entry.get(k), bool)
+                                           for k in ("value", "stderr", "n")):
+            entries[str(name)] = entry
+    return entries
 
 
 def _modified_at(info: dict) -> float | None:
