@@ -27,6 +27,7 @@ def lm_eval_samples(tmp_path_factory, hf_model, hf_tokenizer):
 
         @functools.cache
         def samples(task: str) -> list[dict]:
-            results = lm_eval.simple_evaluate(model=model, tasks=[task], task_manager=manager, log_samples=True)
+            results = lm_eval.simple_evaluate(model=model, tasks=[task], task_manager=manager,
+                                              log_samples=True)
             return sorted(results["samples"][task], key=lambda s: (s["filter"], s["doc_id"]))
         yield samples

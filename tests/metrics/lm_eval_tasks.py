@@ -22,22 +22,26 @@ MC_PROMPT = "Question: {question}\nAnswer:"  # lm-eval adds its target_delimiter
 # (question, [the right answer, then three wrong ones]).
 _MC_QUESTIONS = [
     ("What is the capital of France?", ["Paris", "Lyon", "Marseille, on the southern coast", "Nice"]),
-    ("Which animal is known as man's best friend?", ["the dog", "a small grey elephant", "cat", "the goldfish"]),
+    ("Which animal is known as man's best friend?",
+     ["the dog", "a small grey elephant", "cat", "the goldfish"]),
     ("What color is fresh grass?", ["green", "bright purple with yellow dots", "red", "blue"]),
     ("How many legs does a spider have?", ["eight", "six", "four legs and a long tail", "two"]),
     ("What do bees make?", ["honey", "milk from flowers and leaves", "silk", "bread"]),
     ("Which planet is closest to the Sun?", ["Mercury", "Jupiter, the largest gas giant", "Mars", "Neptune"]),
     ("What is frozen water called?", ["ice", "steam rising from a kettle", "sand", "fog"]),
     ("Which is the largest ocean on Earth?", ["the Pacific Ocean", "the Arctic", "a small lake", "Indian"]),
-    ("What gas do plants take in from the air?", ["carbon dioxide", "helium", "pure oxygen from the sea", "neon"]),
+    ("What gas do plants take in from the air?",
+     ["carbon dioxide", "helium", "pure oxygen from the sea", "neon"]),
     ("Who wrote Romeo and Juliet?", ["William Shakespeare", "Charles Dickens", "Mark Twain", "Jane Austen"]),
     ("How many days are in a week?", ["seven", "ten", "five", "twelve days and twelve nights"]),
     ("What is the opposite of up?", ["down", "the left side of the road", "over", "in"]),
     ("Which fruit is yellow and curved?", ["banana", "a round red apple", "grape", "plum"]),
-    ("At what temperature in Celsius does water boil at sea level?", ["100", "50", "a thousand degrees", "0"]),
+    ("At what temperature in Celsius does water boil at sea level?",
+     ["100", "50", "a thousand degrees", "0"]),
     ("What do cows drink?", ["water", "milk", "orange juice with ice cubes", "tea"]),
     ("Which instrument has black and white keys?", ["piano", "drum", "a violin with four strings", "flute"]),
-    ("What is the color of the sky on a clear day?", ["blue", "green", "a deep orange like a sunset", "black"]),
+    ("What is the color of the sky on a clear day?",
+     ["blue", "green", "a deep orange like a sunset", "black"]),
     ("What is two plus two?", ["four", "five", "twenty-two", "three"]),
     ("Which month comes after January?", ["February", "March", "December of the year before", "June"]),
     ("Where do fish live?", ["in water", "in trees", "in the dunes of a sandy desert", "in clouds"]),
@@ -45,24 +49,31 @@ _MC_QUESTIONS = [
     ("What shape has three sides?", ["a triangle", "circle", "a square with four equal sides", "line"]),
     ("What do we call a baby cat?", ["a kitten", "a puppy", "a calf that lives on a dairy farm", "foal"]),
     ("Which sense do we use our ears for?", ["hearing", "sight", "the sense of smell and of taste", "touch"]),
-    ("What is the main language spoken in Spain?", ["Spanish", "German", "Japanese as spoken in Tokyo", "Thai"]),
+    ("What is the main language spoken in Spain?",
+     ["Spanish", "German", "Japanese as spoken in Tokyo", "Thai"]),
     ("How many hours are in a day?", ["twenty-four", "ten", "one hundred", "sixty"]),
-    ("What falls from clouds when it rains?", ["water", "small stones", "leaves from the tallest trees", "ash"]),
-    ("Which organ pumps blood through the body?", ["the heart", "the lungs", "the skin on the hands", "liver"]),
+    ("What falls from clouds when it rains?",
+     ["water", "small stones", "leaves from the tallest trees", "ash"]),
+    ("Which organ pumps blood through the body?",
+     ["the heart", "the lungs", "the skin on the hands", "liver"]),
     ("Which season is the coldest?", ["winter", "summer", "the warm days of late spring", "autumn"]),
-    ("What do you use to write on a blackboard?", ["chalk", "a spoon", "a wet paintbrush full of glue", "soap"]),
-    ("Which star is at the center of our solar system?", ["the Sun", "the Moon", "Sirius, the dog star", "Vega"]),
+    ("What do you use to write on a blackboard?",
+     ["chalk", "a spoon", "a wet paintbrush full of glue", "soap"]),
+    ("Which star is at the center of our solar system?",
+     ["the Sun", "the Moon", "Sirius, the dog star", "Vega"]),
     ("What is the largest land animal?", ["the African elephant", "mouse", "a tiny ant", "the rabbit"]),
     ("What do caterpillars turn into?", ["butterflies", "frogs", "large snakes of the rainforest", "birds"]),
     ("Which metal is liquid at room temperature?", ["mercury", "iron", "gold coins from a treasure", "tin"]),
-    ("What is the freezing point of water in Celsius?", ["zero", "fifty", "minus one hundred degrees", "ten"]),
+    ("What is the freezing point of water in Celsius?",
+     ["zero", "fifty", "minus one hundred degrees", "ten"]),
     ("Which bird cannot fly and lives in Antarctica?", ["the penguin", "eagle", "a small sparrow", "crow"]),
     ("What is the primary ingredient of bread?", ["flour", "sugar", "melted chocolate and cream", "salt"]),
     ("How many continents are there?", ["seven", "three", "twenty of them in total", "one"]),
-    ("What do you call a house made of ice?", ["an igloo", "a castle", "a wooden cabin in the forest", "tent"]),
+    ("What do you call a house made of ice?",
+     ["an igloo", "a castle", "a wooden cabin in the forest", "tent"]),
     ("Which vehicle travels on rails?", ["a train", "a boat", "a bicycle with two wheels", "a plane"]),
 ]
-TEXT_LABEL_EVERY = 5  # items 0, 5, 10, ...: the label is the right answer's text
+TEXT_LABEL_EVERY = 5  # items 0, 5, 10, ...: the label is the right answer's text (never digits: lm-eval reads "2" as an index)
 
 
 def mc_items() -> list[dict]:
@@ -81,10 +92,12 @@ def mc_items() -> list[dict]:
 
 # Arithmetic with a worked answer: the shots teach "... #### <number>"; the questions' answers are
 # written the same way, so gold goes through regexes_to_ignore as GSM8K's does.
-_SHOTS = [("3+4", "3 plus 4 is 7. #### 7"), ("10-6", "10 minus 6 is 4. #### 4"), ("5*3", "5 times 3 is 15. #### 15")]
+_SHOTS = [("3+4", "3 plus 4 is 7. #### 7"), ("10-6", "10 minus 6 is 4. #### 4"),
+          ("5*3", "5 times 3 is 15. #### 15")]
 _QUESTIONS = [(12, "+", 7), (8, "+", 5), (20, "-", 9), (6, "*", 7), (15, "+", 15), (9, "-", 13), (4, "*", 4),
-              (30, "-", 12), (7, "+", 8), (11, "*", 3), (100, "-", 1), (25, "+", 17), (3, "*", 9), (14, "-", 20),
-              (50, "+", 50), (8, "*", 8), (19, "+", 23), (40, "-", 15), (12, "*", 12), (2, "-", 7)]
+              (30, "-", 12), (7, "+", 8), (11, "*", 3), (100, "-", 1), (25, "+", 17), (3, "*", 9),
+              (14, "-", 20), (50, "+", 50), (8, "*", 8), (19, "+", 23), (40, "-", 15), (12, "*", 12),
+              (2, "-", 7)]
 _OPERATIONS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
 GEN_REGEXES_TO_IGNORE = [",", "\\$", "(?s).*#### ", "\\.$"]  # lm-eval's gsm8k exact_match options
 STRICT_REGEX = "#### (\\-?[0-9\\.\\,]+)"

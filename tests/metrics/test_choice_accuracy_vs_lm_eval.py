@@ -24,7 +24,8 @@ SPECS = {lm_eval_name: TypeAdapter(MetricSpec).validate_python({"type": kind, "l
 LOGLIK_TOLERANCE = 1e-4
 
 
-def verdicts_of(spec, items: list[dict], logprobs: list[list[float]], continuations: list[list[str]]) -> np.ndarray:
+def verdicts_of(spec, items: list[dict], logprobs: list[list[float]],
+                continuations: list[list[str]]) -> np.ndarray:
     """score_table's verdicts in item order. A column holds one type, so the items labelled by index and
     those labelled by text go in a table each."""
     verdicts = np.full(len(items), np.nan)
@@ -60,7 +61,8 @@ def lm_eval_logliks(samples: list[dict]) -> list[list[float]]:
 @pytest.mark.parametrize("name", SPECS)
 def test_on_lm_evals_logliks_the_verdicts_equal_lm_evals_item_for_item(reference, name):
     items = mc_items()
-    verdicts = verdicts_of(SPECS[name], items, lm_eval_logliks(reference), [item["choices"] for item in items])
+    choices = [item["choices"] for item in items]
+    verdicts = verdicts_of(SPECS[name], items, lm_eval_logliks(reference), choices)
     expected = np.array([s[name] for s in reference])
     differing = [int(i) for i in np.flatnonzero(verdicts != expected)]
     print(f"{name}: {len(items) - len(differing)}/{len(items)} equal to lm-eval's")

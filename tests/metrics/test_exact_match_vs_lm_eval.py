@@ -13,7 +13,13 @@ from pydantic import TypeAdapter
 
 from batchgen.metrics import MetricSpec, score_table
 from batchgen.metrics.normalize import extract_answer
-from tests.metrics.lm_eval_tasks import FLEXIBLE_REGEX, GEN_REGEXES_TO_IGNORE, GEN_TASK, STRICT_REGEX, gen_items
+from tests.metrics.lm_eval_tasks import (
+    FLEXIBLE_REGEX,
+    GEN_REGEXES_TO_IGNORE,
+    GEN_TASK,
+    STRICT_REGEX,
+    gen_items,
+)
 
 pytestmark = pytest.mark.subprocess  # lm-eval's simple_evaluate lists the installed packages in a child
 
@@ -56,4 +62,5 @@ def test_exact_match_on_lm_evals_responses_equals_lm_evals_item_for_item(referen
     print(f"{filter_name}: {len(samples) - len(differing)}/{len(samples)} equal to lm-eval's exact_match")
     assert not differing, f"{filter_name}: differs from lm-eval's on items {differing}"
     # The answer taken out of each response is lm-eval's filtered response.
-    assert [extract_answer(s["resps"][0][0], metric) for s in samples] == [s["filtered_resps"][0] for s in samples]
+    extracted = [extract_answer(s["resps"][0][0], metric) for s in samples]
+    assert extracted == [s["filtered_resps"][0] for s in samples]

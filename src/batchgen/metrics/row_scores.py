@@ -97,8 +97,9 @@ def _choice_verdicts(name: str, spec: ChoiceAccuracy, table: pa.Table,
     for i, (row_logprobs, label) in enumerate(zip(logprobs, labels)):
         if row_logprobs is None or label is None:
             continue
-        choices = None if texts is None else [_choice_text(c, spec.target_delimiter) for c in texts[i]]
-        gold = _label_index(name, spec, label, choices, None if texts is None else texts[i], len(row_logprobs))
+        continuations = None if texts is None else texts[i]
+        choices = None if texts is None else [_choice_text(c, spec.target_delimiter) for c in continuations]
+        gold = _label_index(name, spec, label, choices, continuations, len(row_logprobs))
         scores = np.asarray(row_logprobs, np.float64)
         if spec.is_normalised:
             lengths = [len(c.encode("utf-8")) if spec.length_unit == "bytes" else len(c) for c in choices]
@@ -124,7 +125,8 @@ def _label_index(name: str, spec: ChoiceAccuracy, label: object, choices: list |
             if label in texts:
                 return texts.index(label)
         raise MetricError(f"metric {name}: {spec.label_column} {label!r} is none of the row's continuations "
-                          f"{continuations!r} (nor one without its target_delimiter {spec.target_delimiter!r})")
+                          f"{continuations!r} (nor one without its target_delimiter "
+                          f"{spec.target_delimiter!r})")
     if isinstance(label, bool) or not isinstance(label, int) or not 0 <= label < num_choices:
         raise MetricError(f"metric {name}: {spec.label_column} {label!r} is not the index of one of the "
                           f"row's {num_choices} continuations")
