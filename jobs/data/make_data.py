@@ -114,6 +114,21 @@ EVAL = [  # (question, reference answer, max_tokens for this row)
     ("Who painted the Mona Lisa?", "Leonardo da Vinci", 16),
 ]
 
+MULTIPLE_CHOICE = [  # (question, choices, the right choice's index)
+    ("Question: What is the capital of France?\nAnswer:", [" Paris", " Berlin", " Madrid", " Rome"], 0),
+    ("Question: How many legs does a spider have?\nAnswer:", [" six", " eight", " ten", " four"], 1),
+    ("Question: Which planet is closest to the sun?\nAnswer:", [" Venus", " Earth", " Mercury", " Mars"], 2),
+    ("Question: What do bees make?\nAnswer:", [" milk", " silk", " wax only", " honey"], 3),
+    ("Question: What is frozen water called?\nAnswer:", [" ice", " steam", " sand", " glass"], 0),
+    ("Question: Which animal barks?\nAnswer:", [" a cat", " a dog", " a fish", " a bird"], 1),
+    ("Question: What colour is the sky on a clear day?\nAnswer:", [" green", " red", " blue", " black"], 2),
+    ("Question: How many days are in a week?\nAnswer:", [" five", " ten", " three", " seven"], 3),
+    ("Question: What is 2 plus 2?\nAnswer:", [" 4", " 22", " 5", " 0"], 0),
+    ("Question: Which season comes after winter?\nAnswer:", [" autumn", " spring", " summer", " night"], 1),
+    ("Question: What do cows drink?\nAnswer:", [" milk", " oil", " water", " juice"], 2),
+    ("Question: Which is the largest ocean on Earth?\nAnswer:", [" Atlantic", " Indian", " Arctic", " Pacific"], 3),
+]
+
 
 def chat_line(custom_id: str, messages: list[dict], **fields) -> dict:
     return {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",
@@ -166,6 +181,11 @@ def main() -> None:
                              "answer": [a for _, a, _ in EVAL],
                              "max_tokens": pa.array([m for _, _, m in EVAL], pa.int32())}),
                    HERE / "eval_questions.parquet")
+    pq.write_table(pa.table({"id": pa.array(range(len(MULTIPLE_CHOICE)), pa.int32()),
+                             "question": [q for q, _, _ in MULTIPLE_CHOICE],
+                             "choices": [c for _, c, _ in MULTIPLE_CHOICE],
+                             "label": pa.array([g for _, _, g in MULTIPLE_CHOICE], pa.int32())}),
+                   HERE / "multiple_choice.parquet")
     write_batch_file()
 
 

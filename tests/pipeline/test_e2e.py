@@ -19,11 +19,12 @@ from tests.pipeline.conftest import engine_sections, make_job, read_output, writ
 # design.md's _SUCCESS keys and those added since, in the file's order (users read them: they do not change).
 SUCCESS_KEYS = ("job", "config_hash", "model", "generation_config", "num_requests", "num_rows", "num_errors",
                 "prompt_tokens", "cached_tokens", "completion_tokens", "generation_seconds", "completion_tokens_per_s",
-                "ttft_s", "tpot_s", "resumed", "kernels", "kv_cache", "weights", "workers", "speculative", "structured")
+                "ttft_s", "tpot_s", "resumed", "kernels", "kv_cache", "weights", "workers", "speculative", "structured",
+                "metrics")
 
 REPO = Path(__file__).resolve().parents[2]
 CHAT_PROMPTS = REPO / "jobs" / "data" / "chat_prompts.parquet"
-EXAMPLE_JOBS = ["quickstart", "sft_synthesis", "dpo_pairs", "nightly_eval"]
+EXAMPLE_JOBS = ["quickstart", "sft_synthesis", "dpo_pairs", "nightly_eval", "multiple_choice"]
 
 
 def engine_alone(engine, requests: list[tuple[str, list[dict]]], params: SamplingParams) -> dict:

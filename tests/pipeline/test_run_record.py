@@ -11,6 +11,7 @@ from batchgen.pipeline.job import run_job
 from batchgen.pipeline.run_record import (
     EngineReport,
     GenerationDefaults,
+    MetricFigures,
     Percentiles,
     RecordError,
     ReplicaPlacement,
@@ -75,7 +76,9 @@ def _full_record() -> RunRecord:
         speculative=SpeculativeFigures.of_counts(10, 6, 4),
         structured=StructuredFigures.of_counts({"num_constrained_requests": 3, "num_masked_steps": 4,
                                                 "num_masked_rows": 6, "mask_seconds": 0.002, "num_compiles": 1,
-                                                "compile_seconds": 0.5}))
+                                                "compile_seconds": 0.5}),
+        metrics={"acc": MetricFigures(value=0.625, stderr=0.05, n=40),
+                 "none_scored": MetricFigures(value=None, stderr=None, n=0)})
 
 
 def test_every_part_round_trips_and_keeps_its_values_as_written():
@@ -87,6 +90,7 @@ def test_every_part_round_trips_and_keeps_its_values_as_written():
                                      "units_retried", "replicas"]
     assert data["speculative"]["acceptance_rate"] == 0.6 and data["speculative"]["mean_accepted_length"] == 2.5
     assert data["structured"]["mask_ms_per_step"] == pytest.approx(0.5)
+    assert data["metrics"]["acc"] == {"value": 0.625, "stderr": 0.05, "n": 40}
 
 
 def test_a_record_of_the_first_batchgen_still_reads():
@@ -119,7 +123,7 @@ def test_a_record_without_a_required_key_is_refused_naming_it():
 
 
 def test_keys_a_later_version_adds_are_ignored():
-    data = {**_full_record().to_dict(), "metrics": {"acc": {"value": 1.0}}}
+    data = {**_full_record().to_dict(), "rewards": {"rm": {"mean": 1.0}}}
     assert RunRecord.from_dict(data) == _full_record()
 
 
@@ -137,6 +141,7 @@ def test_the_summary_shows_every_key_once_in_the_files_order():
     assert shown["workers"] == "ray, 2 replica(s); 1 replica failure(s), 1 unit(s) retried"
     assert shown["speculative"] == "6 of 10 draft tokens accepted (60%), 2.50 tokens per verify"
     assert shown["structured"] == "3 constrained requests; token mask 0.50 ms per step (1.5 rows)"
+    assert shown["metrics"] == "acc 0.6250 (95% CI 0.5270 to 0.7230, n 40); none_scored - (n 0)"
     lines = format_summary(record, "/out/_SUCCESS").splitlines()
     assert lines[-1].split() == ["success", "file", "/out/_SUCCESS"]
     assert [line.split(None, len(row.label.split()))[-1] for line, row in zip(lines, rows)] == [r.text for r in rows]

@@ -12,6 +12,18 @@ from batchgen.pipeline.errors import JobError
 
 EXIT_FAILURE = 1
 EXIT_BAD_JOB = 2  # also click's code for usage errors
+EXIT_BELOW_MINIMUM = 3  # the run finished (_SUCCESS written) but a metric is below its `min`
+
+
+def check_metric_minimums(metrics: dict, scores: dict) -> None:
+    """Exit 3 naming each metric whose value is below the job's `metrics.<name>.min` (`scores`: the run
+    record's metrics), so that a scheduler sees a regression; the output stays complete."""
+    below = [f"{name} {scores[name].value:.4f} < min {spec.min}" for name, spec in metrics.items()
+             if spec.min is not None and name in scores
+             and (scores[name].value is None or scores[name].value < spec.min)]
+    if below:
+        typer.echo(f"batchgen: below the job's minimum: {'; '.join(below)} (exit {EXIT_BELOW_MINIMUM})", err=True)
+        raise typer.Exit(EXIT_BELOW_MINIMUM)
 
 
 def fail(exc: BaseException) -> typer.Exit:

@@ -1,5 +1,5 @@
 """The job commands: `batchgen run`, `batchgen validate` and `batchgen finalize`. Exit codes: 0 done,
-2 bad job or usage, 1 failure."""
+2 bad job or usage, 1 failure, 3 done with a metric below the job's `metrics.<name>.min`."""
 
 from __future__ import annotations
 
@@ -9,10 +9,11 @@ from typing import Annotated
 
 import typer
 
-from batchgen.cli.console import EXIT_BAD_JOB, EXIT_FAILURE, fail, setup_logging
+from batchgen.cli.console import EXIT_BAD_JOB, EXIT_FAILURE, check_metric_minimums, fail, setup_logging
 from batchgen.cli.report import check_report_extra, write_run_report
 from batchgen.pipeline.errors import JobError
 from batchgen.pipeline.output import REPORT_NAME
+from batchgen.pipeline.run_record import RunRecord
 
 JobArg = Annotated[Path, typer.Argument(help="The job file (YAML); see the job file reference.",
                                         show_default=False)]
@@ -57,14 +58,16 @@ def run(
         config = load_job(job, set_ or [])
         is_shard = shard is not None or num_shards is not None
         if is_shard:
-            is_complete = _run_shard(config, shard, num_shards, limit, overwrite, json_out, progress)
+            complete_record = _run_shard(config, shard, num_shards, limit, overwrite, json_out, progress)
         else:
             result = run_job(config, limit=limit, overwrite=overwrite, progress=progress)
     except Exception as exc:
         raise fail(exc) from None
     if is_shard:
-        if report and is_complete:  # the shard that finds the job complete writes the page
+        if report and complete_record is not None:  # the shard that finds the job complete writes the page
             write_run_report(config)
+        if complete_record is not None:
+            check_metric_minimums(config.metrics, complete_record.metrics)
         return
     if json_out:
         typer.echo(json.dumps(result.record.to_dict(), indent=2))
@@ -75,11 +78,13 @@ def run(
         typer.echo(format_summary(result.record, result.success_path))
     if report:
         write_run_report(config)
+    check_metric_minimums(config.metrics, result.record.metrics)
 
 
 def _run_shard(config, shard: str | None, num_shards: int | None, limit: int | None, overwrite: bool,
-               json_out: bool, progress: bool) -> bool:
-    """Run one shard; True when the job is complete (_SUCCESS written by this shard or another)."""
+               json_out: bool, progress: bool) -> RunRecord | None:
+    """Run one shard; the run record when the job is complete (_SUCCESS written by this shard or
+    another), else None."""
     from batchgen.pipeline.run_record_text import format_summary
     from batchgen.pipeline.shards import parse_shard, run_shard
 
@@ -93,7 +98,7 @@ def _run_shard(config, shard: str | None, num_shards: int | None, limit: int | N
     done = result.finalized
     if json_out:
         typer.echo(json.dumps(done.record.to_dict() if done.record else result.summary, indent=2))
-        return done.record is not None
+        return done.record
     typer.echo(f"batchgen: {config.name} shard {spec.index}/{spec.count} (from {spec.source}) done: "
                f"{result.num_units_run} unit(s) run, {result.num_units_skipped} already done")
     if done.record is not None:
@@ -102,7 +107,7 @@ def _run_shard(config, shard: str | None, num_shards: int | None, limit: int | N
     else:
         typer.echo(f"waiting for other shards: {len(done.missing)} unit(s) not committed yet; the shard that "
                    "commits the last one writes _SUCCESS (or run `batchgen finalize OUT` once all are done)")
-    return done.record is not None
+    return done.record
 
 
 def finalize(

@@ -46,6 +46,8 @@ def type_name(annotation: Any) -> str:
     if annotation is Any:
         return "any"
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is typing.Annotated:  # a discriminated union: its members
+        return type_name(args[0])
     if origin in (typing.Union, types.UnionType):
         return " | ".join(type_name(a) for a in args)
     if origin is typing.Literal:

@@ -17,6 +17,7 @@ from batchgen.cli.serve_flags import ENGINE_PANEL, SERVER_FLAG_DETAILS, flag_nam
 from batchgen.config_docs import field_docs
 from batchgen.engine.config import EngineConfig, SpeculativeConfig
 from batchgen.engine.sampling.sampling_params import SamplingParams
+from batchgen.metrics import MetricSpec
 from batchgen.pipeline.config import JobConfig
 from batchgen.pipeline.job_settings import (
     ENGINE_ONLY,
@@ -56,7 +57,20 @@ def job_file_page() -> str:
                              "[engine settings](engine.md)), with its checks.")
             parts.append(_model_table(info.annotation, list(info.annotation.model_fields.items()), name + "."))
             parts += _section_notes(name)
-    return _page(parts)
+    return _page(parts + metrics_reference())
+
+
+def metrics_reference() -> list[str]:
+    """`metrics.<name>`: each metric type's keys (besides `type`), from the spec classes' docstrings."""
+    parts = ["## `metrics`",
+             "Each metric is `metrics.<name>: {type: <type>, <keys below>}`; its verdicts are the output column "
+             "`metric_<name>`, its aggregate `_SUCCESS`'s `metrics.<name>` (value, stderr, n). See the "
+             "[metrics guide](../guides/metrics.md) for how each matches lm-evaluation-harness."]
+    for spec in typing.get_args(typing.get_args(MetricSpec)[0]):
+        types = typing.get_args(spec.model_fields["type"].annotation)
+        parts += [f"### {' / '.join(f'`{t}`' for t in types)} ({spec.__name__})", cell(" ".join(spec.__doc__.split())),
+                  _model_table(spec, _required_first(spec), "metrics.<name>.")]
+    return parts
 
 
 def _section_notes(section: str) -> list[str]:
@@ -196,6 +210,12 @@ def _dataclass_table(cls: type, prefix: str = "", extra: tuple[str, Any] | None 
         rows.append((*row, *((extra[1](f.name),) if extra else ()), cell(docs.get(f.name, ""))))
     header = ("Key" if prefix else "Field", "Type", "Default", *((extra[0],) if extra else ()), "Description")
     return table(header, rows)
+
+
+def _required_first(spec: type[BaseModel]) -> list[tuple[str, Any]]:
+    """A metric's keys but `type`: the required ones first, `min` (every metric's) last."""
+    keys = [(k, v) for k, v in spec.model_fields.items() if k != "type"]
+    return sorted(keys, key=lambda item: (not item[1].is_required(), item[0] == "min"))
 
 
 def _reasons(reasons: dict[str, str]) -> str:

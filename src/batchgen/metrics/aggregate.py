@@ -28,8 +28,8 @@ class MetricScore:
     n: int
 
     def interval(self, z: float = 1.96) -> tuple[float, float]:
-        """The normal-approximation 95% interval (z = 1.96)."""
-        return self.value - z * self.stderr, self.value + z * self.stderr
+        """The normal-approximation 95% interval (z = 1.96), within the verdicts' range 0 to 1."""
+        return max(0.0, self.value - z * self.stderr), min(1.0, self.value + z * self.stderr)
 
 
 def mean_with_stderr(values: np.ndarray) -> MetricScore:

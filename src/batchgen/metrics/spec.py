@@ -47,7 +47,8 @@ class _Normalised(_Metric):
     """Surrounding whitespace removed from both sides first (lm-eval's regex filter strips its match;
     without a filter lm-eval tasks add a `strip` filter or compare as is)."""
     regexes_to_ignore: list[str] = Field(default_factory=list)
-    """Patterns deleted from both sides before comparing (e.g. [",", "\\\\$"])."""
+    """Regular expressions whose matches are deleted from both sides before comparing (GSM8K's lm-eval
+    task deletes commas, dollar signs and a final full stop)."""
     ignore_case: bool = False
     """Compare lower-cased."""
     ignore_punctuation: bool = False

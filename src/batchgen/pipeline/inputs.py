@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 
+from batchgen.metrics import metric_field
 from batchgen.pipeline.batch_file import BATCH_SUFFIX, inspect_batch_files
 from batchgen.pipeline.column_types import unify_column_types
 from batchgen.pipeline.config import JobConfig
@@ -24,12 +25,14 @@ class JobInputs:
     column_types: dict[str, pa.DataType]  # the id column and the kept columns, one type across files
 
     def output_schema(self, job: JobConfig) -> pa.Schema:
-        """Every part's schema: id (the input's one id type), the generated columns, the kept columns."""
+        """Every part's schema: id (the input's one id type), the generated columns, the metrics' verdict
+        columns, the kept columns."""
         keep = [pa.field(name, self.column_types[name]) for name in job.output.keep_columns]
         # A batch file's lines each ask for logprobs or not: both columns are there, null where not asked.
         logprobs = 1 if job.input.is_batch_file else job.sampling.logprobs
         return output_schema(pa.field("id", self.column_types[job.input.id_column]), keep, logprobs,
-                             with_openai_line=job.writes_batch_output, is_scoring=job.is_scoring)
+                             with_openai_line=job.writes_batch_output, is_scoring=job.is_scoring,
+                             metric_fields=[metric_field(name, spec) for name, spec in job.metrics.items()])
 
 
 def read_inputs(job: JobConfig) -> JobInputs:

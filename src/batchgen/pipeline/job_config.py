@@ -12,6 +12,8 @@ from pydantic_core import InitErrorDetails, PydanticCustomError
 from batchgen.engine.config import EngineConfig, SettingError
 from batchgen.engine.decoding.structured import StructuredOutputError
 from batchgen.engine.sampling.sampling_params import SamplingParams
+from batchgen.metrics import MetricSpec, check_metric_name
+from batchgen.metrics.spec import ChoiceAccuracy, PassAtK
 from batchgen.pipeline import structured_job
 from batchgen.pipeline.batch_file import BATCH_FORMAT
 from batchgen.pipeline.job_sections import (
@@ -62,6 +64,11 @@ class JobConfig(Section):
     """Where and how the results are written."""
     cluster: ClusterSection = Field(default_factory=ClusterSection)
     """Where the job runs: this process or engine replicas on Ray."""
+    metrics: dict[str, MetricSpec] = Field(default_factory=dict)
+    """Eval metrics scored on every output row, by name: {name: {type: <metric>, <options>}} (types:
+    exact_match, contains, regex_match, numeric_match, choice_accuracy, choice_accuracy_norm, pass_at_k;
+    see the metrics guide). Each writes a `metric_<name>` column (1.0 right, 0.0 wrong; a failed row 0);
+    `_SUCCESS` holds each one's value, stderr and n; the columns a metric reads are kept in the output."""
     # What model.generation_config filled into the sampling section (set by job_plan.plan_job).
     _generation_config: dict | None = PrivateAttr(default=None)
 
@@ -74,6 +81,13 @@ class JobConfig(Section):
                              f"{', '.join(OVERRIDABLE_SAMPLING_KEYS)}")
         return value
 
+    @field_validator("metrics")
+    @classmethod
+    def _check_metric_names(cls, value: dict[str, MetricSpec]) -> dict[str, MetricSpec]:
+        for name in value:
+            check_metric_name(name)
+        return value
+
     @model_validator(mode="after")
     def _check_formats(self) -> JobConfig:
         if self.output.format == "auto":
@@ -83,6 +97,7 @@ class JobConfig(Section):
             errors.append(_key_error(("sampling_columns",), "does not apply to input.format openai_batch: "
                                      "each line's body sets its own sampling fields", self.sampling_columns))
         errors += self._task_errors()
+        errors += self._metric_errors()
         if self.input.is_batch_file and self.output.keep_columns:
             errors.append(_key_error(("output", "keep_columns"), "does not apply to input.format "
                                      "openai_batch: a batch file has no columns besides custom_id (the output's id)",
@@ -140,6 +155,30 @@ class JobConfig(Section):
                                      inp.schema_column))
         return errors
 
+    def _metric_errors(self) -> list[InitErrorDetails]:
+        """Each metric fits the task; the columns the metrics read join output.keep_columns (the report
+        reads them too)."""
+        errors = []
+        for name, spec in self.metrics.items():
+            if spec.is_choice != self.is_scoring:
+                needs = "task: loglikelihood" if spec.is_choice else "task: generate (it scores a completion)"
+                errors.append(_key_error(("metrics", name, "type"), f"{spec.type} needs {needs}", spec.type))
+            if isinstance(spec, PassAtK) and spec.k > self.sampling.n:
+                errors.append(_key_error(("metrics", name, "k"), f"must be at most sampling.n ({self.sampling.n}): "
+                                         "pass@k draws k of each prompt's n samples", spec.k))
+            if self.input.is_batch_file and spec.input_columns:
+                errors.append(_key_error(("metrics", name), "reads input columns, which a batch file does not "
+                                         "have (its lines are the only input)", spec.type))
+        if errors or self.input.is_batch_file:
+            return errors
+        needed = [c for spec in self.metrics.values() for c in spec.input_columns]
+        if any(isinstance(spec, ChoiceAccuracy) for spec in self.metrics.values()):
+            needed.append(self.input.scored_column)  # labels as text, lengths for acc_norm
+        for column in needed:
+            if column is not None and column != self.input.id_column and column not in self.output.keep_columns:
+                self.output.keep_columns.append(column)
+        return errors
+
     @property
     def is_scoring(self) -> bool:
         """task: loglikelihood: rows score given continuations instead of generating."""
@@ -191,7 +230,7 @@ class JobConfig(Section):
     def config_hash(self, limit: int | None = None) -> str:
         """sha256 over what changes outputs: model, input, sampling, sampling_columns, the KV cache's
         format when not the default (engine.kv_cache_dtype, engine.calculate_kv_scales: FP8 KV changes
-        the numbers) and --limit, if set.
+        the numbers), the metrics when there are any (their verdict columns) and --limit, if set.
 
         Engine knobs other than the KV cache's, batching, cluster, output and storage options
         (credentials) are left out; a job with the default KV cache keeps the hash it had before
@@ -220,6 +259,9 @@ class JobConfig(Section):
             payload["kv_cache"] = kv_cache
         if self.writes_batch_output:  # its parts carry the openai_line column
             payload["output_format"] = self.output.format
+        if self.metrics:  # its parts carry the verdict columns
+            payload["metrics"] = {name: spec.model_dump(exclude={"min"})  # a threshold changes no verdict
+                                  for name, spec in sorted(self.metrics.items())}
         if limit is not None:  # a limited run covers different rows: its units must not pass for complete
             payload["limit"] = limit
         blob = json.dumps(payload, sort_keys=True, separators=(",", ":"))

@@ -3,7 +3,6 @@ A local run and the Ray driver both finish here."""
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 
 from batchgen.pipeline.config import JobConfig
@@ -35,7 +34,7 @@ def finish_job(job: JobConfig, run: OutputRun, this_run: Totals, generation_seco
                structured: StructuredFigures | None = None) -> RunRecord:
     """The run's `_SUCCESS`, written last (after output.jsonl/errors.jsonl for openai_batch output) while
     the run still holds its folder: counts over the whole output, speed and latency over this run."""
-    whole = dataclasses.replace(this_run, ttft_s=[], tpot_s=[])  # latency figures: this run only
+    whole = this_run.copy_counts()  # latency figures: this run only
     skipped = run.skipped_units
     for unit in skipped:  # counts cover the whole output, also what an earlier run wrote
         with run.storage.fs.open(run.storage.join(unit.output_name), "rb") as f:

@@ -258,7 +258,7 @@ class _Driver:
             self.started.append(replica.where)
             return
         unit = replica.in_flight.pop(ref)
-        _merge(totals, result["totals"])
+        totals.merge(result["totals"])
         self.speculative.append(result.get("speculative"))
         self.structured.append(result.get("structured"))
         bar.update(unit.num_rows)
@@ -306,11 +306,3 @@ def _replica_lost(ray) -> tuple[type[BaseException], ...]:
     Ray's memory monitor (OOM). The units it held are run again elsewhere."""
     errors = ray.exceptions
     return (errors.RayActorError, errors.OutOfMemoryError, errors.WorkerCrashedError, errors.NodeDiedError)
-
-
-def _merge(into: Totals, other: Totals) -> None:
-    counts = ("num_requests", "num_rows", "num_errors", "prompt_tokens", "cached_tokens", "completion_tokens")
-    for name in counts:
-        setattr(into, name, getattr(into, name) + getattr(other, name))
-    into.ttft_s.extend(other.ttft_s)
-    into.tpot_s.extend(other.tpot_s)

@@ -8,7 +8,7 @@ Counts cover the whole output; speed and latency figures cover the last run.
 
 The first batchgen wrote 13 keys (job ... resumed): a record without one of them is refused
 (`RecordError`). The keys added since (model, generation_config, kernels, kv_cache, weights, workers,
-speculative, structured) read as their defaults when absent: a folder finished by an older batchgen
+speculative, structured, metrics) read as their defaults when absent: a folder finished by an older batchgen
 still reads. Keys this version does not know are ignored. Values are kept as written (an integer
 stays an integer), so `from_dict(d).to_dict() == d` for every record this version writes.
 """
@@ -31,11 +31,13 @@ class RecordError(ValueError):
 
 
 def _plain(value: object) -> object:
-    """A field's JSON value: nested records as their dicts, lists item by item."""
+    """A field's JSON value: nested records as their dicts, lists and dicts item by item."""
     if dataclasses.is_dataclass(value):
         return value.to_dict()
     if isinstance(value, list):
         return [_plain(item) for item in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
     return value
 
 
@@ -139,6 +141,20 @@ class SpeculativeFigures(_Part):
         return cls(num_draft_tokens=drafted, num_accepted_tokens=accepted, num_verifies=verifies,
                    acceptance_rate=accepted / drafted if drafted else None,
                    mean_accepted_length=1 + accepted / verifies if verifies else None)
+
+
+@dataclass(frozen=True, kw_only=True)
+class MetricFigures(_Part):
+    """One eval metric over the whole output (the job's `metrics:`; batchgen.metrics.aggregate)."""
+
+    WHAT = "metrics"
+
+    value: float | None
+    """The mean verdict over rows (pass@k: the mean pass@k over ids); None when nothing was scored."""
+    stderr: float | None
+    """Its standard error (lm-eval's: sample standard deviation / sqrt(n)); None when nothing was scored."""
+    n: int
+    """Rows scored (pass@k: ids)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -323,6 +339,8 @@ class RunRecord(_Part):
     """The last run's draft and accepted tokens; None with speculation off."""
     structured: StructuredFigures | None = None
     """The last run's constrained requests and mask time; None when no request was constrained."""
+    metrics: dict[str, MetricFigures] = field(default_factory=dict)
+    """The job's eval metrics over the whole output, by name: value, stderr, n (empty without metrics)."""
 
     @classmethod
     def of_run(cls, job: str, config_hash: str, *, whole: Totals, this_run: Totals, generation_seconds: float,
@@ -340,7 +358,7 @@ class RunRecord(_Part):
             ttft_s=Percentiles.of(this_run.ttft_s), tpot_s=Percentiles.of(this_run.tpot_s), resumed=resumed,
             kernels=engine.kernels, kv_cache=engine.kv_cache, weights=engine.weights,
             workers=workers if workers is not None else Workers.local(), speculative=speculative,
-            structured=structured)
+            structured=structured, metrics=whole.metric_scores())
 
     def to_json(self) -> str:
         """The `_SUCCESS` file's text."""
@@ -358,6 +376,9 @@ class RunRecord(_Part):
         for name, part in optional.items():
             if values.get(name) is not None:
                 values[name] = part.from_dict(values[name])
+        if isinstance(values.get("metrics"), dict):
+            values["metrics"] = {name: MetricFigures.from_dict(v, f"metrics.{name}")
+                                 for name, v in values["metrics"].items()}
         return _construct(cls, values, cls.WHAT)
 
     @classmethod

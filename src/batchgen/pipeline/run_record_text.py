@@ -13,6 +13,7 @@ from typing import NamedTuple
 
 from batchgen.pipeline.run_record import (
     GenerationDefaults,
+    MetricFigures,
     Percentiles,
     RunRecord,
     SpeculativeFigures,
@@ -104,6 +105,19 @@ def structured(s: StructuredFigures | None) -> str:
     return f"{s.num_constrained_requests:,} constrained requests; token mask {mask}"
 
 
+def metric_score(m: MetricFigures) -> str:
+    """A metric's value with its 95% interval (normal approximation, value +- 1.96 stderr, within the
+    verdicts' range 0 to 1) and n."""
+    if m.value is None:
+        return f"{NONE} (n 0)"
+    low, high = max(0.0, m.value - 1.96 * m.stderr), min(1.0, m.value + 1.96 * m.stderr)
+    return f"{m.value:.4f} (95% CI {low:.4f} to {high:.4f}, n {m.n:,})"
+
+
+def metrics(scores: Mapping[str, MetricFigures]) -> str:
+    return "; ".join(f"{name} {metric_score(m)}" for name, m in scores.items()) or NONE
+
+
 def generation_defaults(g: GenerationDefaults | None) -> str:
     if g is None:
         return NONE
@@ -152,6 +166,7 @@ def summary_rows(record: RunRecord) -> list[SummaryRow]:
         ("workers", "workers", workers(r.workers)),
         ("speculative", "speculative", speculative(r.speculative)),
         ("structured", "structured", structured(r.structured)),
+        ("metrics", "metrics", metrics(r.metrics)),
     ]
     return [SummaryRow(*row) for row in rows]
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pyarrow as pa
 
 from batchgen.engine.sampling.sampling_params import as_num_logprobs
+from batchgen.metrics import metric_column
 from batchgen.pipeline.config import OVERRIDABLE_SAMPLING_KEYS, JobConfig
 from batchgen.pipeline.errors import JobError
 from batchgen.pipeline.input_file import InputFile
@@ -75,11 +76,12 @@ def score_fields(logprobs: int | bool | None) -> list[pa.Field]:
 
 
 def output_schema(id_field: pa.Field, keep_fields: list[pa.Field], with_logprobs: int | bool | None,
-                  with_openai_line: bool = False, is_scoring: bool = False) -> pa.Schema:
-    """id (the input's type), the generated (or, task: loglikelihood, the score) columns, then the kept
-    input columns."""
+                  with_openai_line: bool = False, is_scoring: bool = False,
+                  metric_fields: list[pa.Field] = ()) -> pa.Schema:
+    """id (the input's type), the generated (or, task: loglikelihood, the score) columns, the metrics'
+    verdict columns, then the kept input columns."""
     fields = score_fields(with_logprobs) if is_scoring else generated_fields(with_logprobs, with_openai_line)
-    return pa.schema([pa.field("id", id_field.type), *fields, *keep_fields])
+    return pa.schema([pa.field("id", id_field.type), *fields, *metric_fields, *keep_fields])
 
 
 def is_text_list(t: pa.DataType) -> bool:
@@ -150,7 +152,13 @@ def check_input_schema(file: InputFile, job: JobConfig) -> None:
         kind = OVERRIDABLE_SAMPLING_KEYS[key]
         if not _is_kind(t, kind):
             raise wrong(name, f"sampling_columns.{key}", t, _KIND_NAMES[kind])
+    for metric, spec in job.metrics.items():  # before keep_columns, which they joined: name the metric
+        for name in spec.input_columns:
+            column(name, f"metrics.{metric}")
     for name in job.output.keep_columns:
         column(name, "output.keep_columns")
         if name in RESERVED_NAMES:
             raise JobError(f"output.keep_columns: {name!r} clashes with an output column of the same name")
+        if name in {metric_column(m) for m in job.metrics}:
+            raise JobError(f"output.keep_columns: {name!r} clashes with the verdict column of metric "
+                           f"{name[len(metric_column('')):]!r}")

@@ -3,6 +3,7 @@ the engine's speculative and structured counters between two readings, and merge
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -10,7 +11,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from batchgen.pipeline.run_record import SpeculativeFigures, StructuredFigures
+from batchgen.metrics import aggregate, metric_column, metric_fields_of
+from batchgen.pipeline.run_record import MetricFigures, SpeculativeFigures, StructuredFigures
 
 SUMMARY_COLUMNS = ["sample_index", "finish_reason", "prompt_tokens", "cached_tokens", "completion_tokens",
                    "ttft_s", "tpot_s"]
@@ -32,6 +34,11 @@ class Totals:
     completion_tokens: int = 0  # over rows
     ttft_s: list[np.ndarray] = field(default_factory=list)
     tpot_s: list[np.ndarray] = field(default_factory=list)
+    # The metrics' verdicts, by metric: how each aggregates (its column's metadata), the verdict chunks
+    # and, for pass@k, each row's id (its samples are grouped by id).
+    metric_kinds: dict[str, dict] = field(default_factory=dict)
+    metric_verdicts: dict[str, list[np.ndarray]] = field(default_factory=dict)
+    metric_ids: dict[str, list[list]] = field(default_factory=dict)
 
     def add_table(self, table: pa.Table) -> None:
         first = table.filter(pc.equal(table["sample_index"], 0))
@@ -44,13 +51,53 @@ class Totals:
         for name in ("ttft_s", "tpot_s"):  # a loglikelihood job's rows have no token times
             if name in table.column_names:
                 getattr(self, name).append(table[name].drop_null().to_numpy())
+        for name, kind in metric_fields_of(table.schema).items():
+            self.metric_kinds[name] = kind
+            self.metric_verdicts.setdefault(name, []).append(table[metric_column(name)].fill_null(0.0).to_numpy())
+            if kind["type"] == "pass_at_k":
+                self.metric_ids.setdefault(name, []).append(table["id"].to_pylist())
+
+    def merge(self, other: Totals) -> None:
+        """Add another worker's counts, latency figures and metric verdicts (a Ray replica's unit)."""
+        for name in ("num_requests", "num_rows", "num_errors", "prompt_tokens", "cached_tokens", "completion_tokens"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.ttft_s.extend(other.ttft_s)
+        self.tpot_s.extend(other.tpot_s)
+        self.metric_kinds.update(other.metric_kinds)
+        for name, chunks in other.metric_verdicts.items():
+            self.metric_verdicts.setdefault(name, []).extend(chunks)
+        for name, chunks in other.metric_ids.items():
+            self.metric_ids.setdefault(name, []).extend(chunks)
+
+    def metric_scores(self) -> dict[str, MetricFigures]:
+        """Each metric's aggregate over the rows added (pass@k: over ids)."""
+        scores = {}
+        for name, kind in self.metric_kinds.items():
+            ids = [i for chunk in self.metric_ids.get(name, []) for i in chunk] or None
+            score = aggregate(kind, np.concatenate(self.metric_verdicts[name]), ids)
+            scores[name] = (MetricFigures(value=score.value, stderr=score.stderr, n=score.n) if score.n
+                            else MetricFigures(value=None, stderr=None, n=0))
+        return scores
+
+    def copy_counts(self) -> Totals:
+        """A Totals with these counts and metric verdicts (their lists copied, so adding to one leaves
+        the other as it was) and no latency figures."""
+        return dataclasses.replace(
+            self, ttft_s=[], tpot_s=[], metric_kinds=dict(self.metric_kinds),
+            metric_verdicts={k: list(v) for k, v in self.metric_verdicts.items()},
+            metric_ids={k: list(v) for k, v in self.metric_ids.items()})
 
 
 def read_summary_table(f) -> pa.Table:
-    """The columns Totals counts, of an open part file (a loglikelihood job's parts have no token times)."""
-    names = pq.read_schema(f).names
+    """The columns Totals counts, of an open part file (a loglikelihood job's parts have no token times;
+    a job with metrics adds their verdicts, and the ids for pass@k)."""
+    schema = pq.read_schema(f)
     f.seek(0)
-    return pq.read_table(f, columns=[c for c in SUMMARY_COLUMNS if c in names])
+    metrics = metric_fields_of(schema)
+    extra = [metric_column(name) for name in metrics]
+    if any(kind["type"] == "pass_at_k" for kind in metrics.values()):
+        extra.append("id")
+    return pq.read_table(f, columns=[c for c in SUMMARY_COLUMNS if c in schema.names] + extra)
 
 
 _SPECULATIVE_COUNTS = ("num_draft_tokens", "num_accepted_tokens", "num_verifies")

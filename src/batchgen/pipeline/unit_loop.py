@@ -18,6 +18,7 @@ from batchgen.pipeline.batch_output import OpenAILines
 from batchgen.pipeline.config import JobConfig
 from batchgen.pipeline.feeder import Feeder
 from batchgen.pipeline.id_scan import Position, repeat_key
+from batchgen.pipeline.metric_columns import job_metric_scorer
 from batchgen.pipeline.output import CommitContext, WorkUnit, contiguous_runs
 from batchgen.pipeline.parquet_rows import decode_batch
 from batchgen.pipeline.progress import Progress
@@ -56,7 +57,8 @@ def run_units(source: UnitSource, input_storage: Storage, output_storage: Storag
     n = 1 if job.input.is_batch_file else job.sampling.n
     writer = UnitWriter(output_storage, source.output_schema, [job.input.id_column, *job.output.keep_columns],
                         n, commit, on_rows=this_run.add_table, on_committed=on_committed,
-                        openai_lines=openai_lines, is_scoring=job.is_scoring)
+                        openai_lines=openai_lines, is_scoring=job.is_scoring,
+                        score_metrics=job_metric_scorer(job))
     bar = Progress(engine, sum(u.num_rows for u in units), job.name, enabled=progress)
 
     def on_output(task: RowTask, out: RequestOutput | ScoreOutput) -> None:

@@ -17,6 +17,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchgen.engine import RequestOutput, ScoreOutput
+from batchgen.metrics import metric_column, metric_fields_of
+from batchgen.pipeline.metric_columns import MetricScorer
 from batchgen.pipeline.output import CommitContext, IdChecksum, WorkUnit
 from batchgen.pipeline.request_builder import RowTask
 from batchgen.pipeline.schema import GENERATED_FIELDS, SCORE_FIELDS, generated_fields
@@ -106,12 +108,15 @@ def _set_line(rows: list[dict], line: str) -> None:
 class UnitPart:
     """One unit on its way to its part file: input-side columns, finished rows, the open Parquet writer."""
 
-    def __init__(self, unit: WorkUnit, file: PartFile, schema: pa.Schema):
+    def __init__(self, unit: WorkUnit, file: PartFile, schema: pa.Schema, score_metrics: MetricScorer | None = None):
         self.unit = unit
         self.file = file
         self.schema = schema
+        self.score_metrics = score_metrics
         generated = {f.name for f in GENERATED_FIELDS} | {f.name for f in SCORE_FIELDS}
-        self.sources_schema = pa.schema([f for f in schema if f.name not in generated])  # id, then kept
+        metric_columns = {metric_column(name) for name in metric_fields_of(schema)}
+        self.sources_schema = pa.schema([f for f in schema if f.name not in generated | metric_columns])  # id, kept
+        self.rows_schema = pa.schema([f for f in schema if f.name not in metric_columns])  # without verdicts
         self.writer: pq.ParquetWriter | None = None
         self.sources: deque[pa.RecordBatch] = deque()  # id + kept columns of unwritten rows, input order
         self.ready: dict[int, list[dict]] = {}  # rows that finished before an earlier row of the unit
@@ -149,8 +154,12 @@ class UnitPart:
         taken = source.take(pa.array(np.repeat(np.arange(len(counts)), counts)))
         rows = [row for result in self.pending for row in result]
         arrays = [taken.column(f.name) if f.name in taken.column_names
-                  else pa.array([row[f.name] for row in rows], type=f.type) for f in self.schema]
-        table = pa.Table.from_arrays(arrays, schema=self.schema)
+                  else pa.array([row[f.name] for row in rows], type=f.type) for f in self.rows_schema]
+        table = pa.Table.from_arrays(arrays, schema=self.rows_schema)
+        if self.score_metrics is not None:  # the verdicts of the rows as written, in their schema places
+            verdicts = self.score_metrics(table)
+            table = pa.Table.from_arrays([pa.array(verdicts[f.name], f.type) if f.name in verdicts
+                                          else table.column(f.name) for f in self.schema], schema=self.schema)
         if self.writer is None:
             self.writer = pq.ParquetWriter(self.file.path, self.schema)
         self.writer.write_table(table)
@@ -192,7 +201,7 @@ class UnitWriter:
     def __init__(self, storage: Storage, schema: pa.Schema, source_columns: list[str], n: int,
                  commit: CommitContext, on_rows: Callable[[pa.Table], None] = lambda table: None,
                  on_committed: Callable[[WorkUnit], None] = lambda unit: None, openai_lines=None,
-                 is_scoring: bool = False):
+                 is_scoring: bool = False, score_metrics: MetricScorer | None = None):
         self.storage = storage
         self.schema = schema
         self.source_columns = source_columns
@@ -202,10 +211,12 @@ class UnitWriter:
         self.on_committed = on_committed
         self.openai_lines = openai_lines  # batch_output.OpenAILines: fills openai_line (openai_batch output)
         self.is_scoring = is_scoring  # task: loglikelihood: one score row per input row
+        self.score_metrics = score_metrics  # the job's metrics: verdict columns from the rows (None: none)
         self.parts: dict[int, UnitPart] = {}
 
     def open_unit(self, unit: WorkUnit) -> None:
-        self.parts[unit.index] = UnitPart(unit, self.storage.open_part(unit.output_name), self.schema)
+        self.parts[unit.index] = UnitPart(unit, self.storage.open_part(unit.output_name), self.schema,
+                                          self.score_metrics)
 
     def add_source(self, unit_index: int, batch: pa.RecordBatch) -> None:
         part = self.parts[unit_index]
