@@ -11,9 +11,10 @@ from tests.metrics.lm_eval_tasks import write_tasks
 
 
 @pytest.fixture(scope="session")
-def lm_eval_samples(tmp_path_factory, hf_model, hf_tokenizer):
-    """samples(task) -> lm-eval's logged samples of that task (each task evaluated once per session),
-    in doc order; a generate task's samples come once per filter (its "filter" key)."""
+def lm_eval_results(tmp_path_factory, hf_model, hf_tokenizer):
+    """results(task) -> lm-eval's results of that task (each task evaluated once per session), with the
+    logged samples in doc order under ["samples"][task] (a generate task's once per filter, its
+    "filter" key)."""
     folder = write_tasks(tmp_path_factory.mktemp("lm_eval_tasks"))
     with pytest.MonkeyPatch.context() as env:
         env.setenv("HF_DATASETS_OFFLINE", "1")  # the tasks' files are local: nothing is downloaded
@@ -26,8 +27,8 @@ def lm_eval_samples(tmp_path_factory, hf_model, hf_tokenizer):
         model = HFLM(pretrained=hf_model, tokenizer=hf_tokenizer, batch_size=20, device="cpu")
 
         @functools.cache
-        def samples(task: str) -> list[dict]:
-            results = lm_eval.simple_evaluate(model=model, tasks=[task], task_manager=manager,
-                                              log_samples=True)
-            return sorted(results["samples"][task], key=lambda s: (s["filter"], s["doc_id"]))
-        yield samples
+        def results(task: str) -> dict:
+            found = lm_eval.simple_evaluate(model=model, tasks=[task], task_manager=manager, log_samples=True)
+            found["samples"][task].sort(key=lambda s: (s["filter"], s["doc_id"]))
+            return found
+        yield results

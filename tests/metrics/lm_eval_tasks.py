@@ -73,7 +73,8 @@ _MC_QUESTIONS = [
      ["an igloo", "a castle", "a wooden cabin in the forest", "tent"]),
     ("Which vehicle travels on rails?", ["a train", "a boat", "a bicycle with two wheels", "a plane"]),
 ]
-TEXT_LABEL_EVERY = 5  # items 0, 5, 10, ...: the label is the right answer's text (never digits: lm-eval reads "2" as an index)
+# Items 0, 5, 10, ...: the label is the right answer's text (never digits: lm-eval reads "2" as an index).
+TEXT_LABEL_EVERY = 5
 
 
 def mc_items() -> list[dict]:

@@ -34,9 +34,9 @@ METRICS = {
 
 
 @pytest.fixture(scope="module")
-def reference(lm_eval_samples) -> dict[str, list[dict]]:
+def reference(lm_eval_results) -> dict[str, list[dict]]:
     """lm-eval's samples per filter, in item order; checked to be the items, answered by one generation."""
-    samples = lm_eval_samples(GEN_TASK)
+    samples = lm_eval_results(GEN_TASK)["samples"][GEN_TASK]
     by_filter = {name: [s for s in samples if s["filter"] == name] for name in METRICS}
     answers = [item["answer"] for item in gen_items()]
     for filtered in by_filter.values():
