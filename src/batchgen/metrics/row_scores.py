@@ -97,8 +97,9 @@ def _choice_verdicts(name: str, spec: ChoiceAccuracy, table: pa.Table,
     for i, (row_logprobs, label) in enumerate(zip(logprobs, labels)):
         if row_logprobs is None or label is None:
             continue
-        choices = None if texts is None else texts[i]
-        gold = _label_index(name, spec, label, choices, len(row_logprobs))
+        continuations = None if texts is None else texts[i]
+        choices = None if texts is None else [_choice_text(c, spec.target_delimiter) for c in continuations]
+        gold = _label_index(name, spec, label, choices, continuations, len(row_logprobs))
         scores = np.asarray(row_logprobs, np.float64)
         if spec.is_normalised:
             lengths = [len(c.encode("utf-8")) if spec.length_unit == "bytes" else len(c) for c in choices]
@@ -107,13 +108,25 @@ def _choice_verdicts(name: str, spec: ChoiceAccuracy, table: pa.Table,
     return verdicts
 
 
+def _choice_text(continuation: str, target_delimiter: str) -> str:
+    """The choice a continuation scores, as lm-eval's multiple_choice holds it (its length is acc_norm's
+    divisor, a text label names it): the continuation without its leading target delimiter."""
+    if target_delimiter and continuation.startswith(target_delimiter):
+        return continuation[len(target_delimiter):]
+    return continuation
+
+
 def _label_index(name: str, spec: ChoiceAccuracy, label: object, choices: list | None,
-                 num_choices: int) -> int:
+                 continuations: list | None, num_choices: int) -> int:
+    """The label's continuation: an index, or a text naming a choice (as lm-eval looks it up) or, failing
+    that, a continuation as written."""
     if isinstance(label, str):
-        if label not in choices:
-            raise MetricError(f"metric {name}: {spec.label_column} {label!r} is none of the row's "
-                              f"continuations {choices!r}")
-        return choices.index(label)
+        for texts in (choices, continuations):
+            if label in texts:
+                return texts.index(label)
+        raise MetricError(f"metric {name}: {spec.label_column} {label!r} is none of the row's continuations "
+                          f"{continuations!r} (nor one without its target_delimiter "
+                          f"{spec.target_delimiter!r})")
     if isinstance(label, bool) or not isinstance(label, int) or not 0 <= label < num_choices:
         raise MetricError(f"metric {name}: {spec.label_column} {label!r} is not the index of one of the "
                           f"row's {num_choices} continuations")

@@ -147,14 +147,21 @@ class NumericMatch(_Metric):
 class ChoiceAccuracy(_Metric):
     """task: loglikelihood. 1 when the continuation with the highest log-probability is the label:
     lm-eval's `acc` for multiple_choice (`choice_accuracy`), or its `acc_norm` (`choice_accuracy_norm`:
-    log-probabilities divided by each continuation's length in characters; `length_unit: bytes` gives
-    lm-eval's `acc_bytes`). Ties go to the first continuation (numpy's argmax, as lm-eval)."""
+    log-probabilities divided by each choice's length in characters; `length_unit: bytes` gives
+    lm-eval's `acc_bytes`). Ties go to the first continuation (numpy's argmax, as lm-eval).
+
+    lm-eval scores `target_delimiter + choice` after the context but measures (and looks a text label up
+    in) the choice alone: a continuation written as it is scored (" Paris") counts as the choice "Paris"."""
 
     type: Literal["choice_accuracy", "choice_accuracy_norm"]
     label_column: str
     """The input column naming the right continuation: its index (0-based integer) or its text."""
     length_unit: Literal["characters", "bytes"] = "characters"
-    """choice_accuracy_norm: what a continuation's length counts (lm-eval's acc_norm: characters)."""
+    """choice_accuracy_norm: what a choice's length counts (lm-eval's acc_norm: characters)."""
+    target_delimiter: str = " "
+    """lm-eval's name: what separates the context from a choice. A continuation that starts with it is
+    the choice without it, for its length and for a text label; "" for choices that carry their own
+    leading space (tasks that set lm-eval's target_delimiter: "")."""
 
     @property
     def is_choice(self) -> bool:
