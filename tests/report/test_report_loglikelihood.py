@@ -51,12 +51,13 @@ def scored_run(tmp_path_factory, report_engine):
 
 
 def by_hand(rows: list[dict], is_normalised: bool) -> float:
-    """lm-eval's acc / acc_norm: the argmax of the log-probabilities (per character for acc_norm)."""
+    """lm-eval's acc / acc_norm: the argmax of the log-probabilities (acc_norm: per character of the choice,
+    the continuation without lm-eval's target delimiter " ")."""
     right = []
     for r in rows:
         scores = np.array(r["continuation_logprob"])
         if is_normalised:
-            scores = scores / np.array([len(c) for c in r["choices"]])
+            scores = scores / np.array([len(c.removeprefix(" ")) for c in r["choices"]])
         right.append(int(np.argmax(scores)) == r["label"])
     return float(np.mean(right))
 
