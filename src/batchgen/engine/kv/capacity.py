@@ -87,11 +87,13 @@ def weight_bytes(cfg: ModelConfig, dtype: torch.dtype, quantization: str = "none
     has_pre_quant = quantization in ("int8", "int4") and int_calibration == "activation_aware"
     per_layer = sum(linear_bytes(n, k, True) + (k * elem if has_pre_quant else 0)
                     for n, k in cfg.linear_shapes().values())
-    per_layer += 2 * cfg.hidden_size * elem  # input and post-attention norms
+    per_layer += 2 * cfg.hidden_size * elem  # two norms a block: before attention and MLP (OLMo 2: after)
     if cfg.attention_bias:
         per_layer += (cfg.q_size + 2 * cfg.kv_size) * elem
-    if cfg.qk_norm:
-        per_layer += 2 * cfg.head_dim * elem
+    if cfg.o_proj_bias:
+        per_layer += cfg.hidden_size * elem
+    if cfg.qk_norm:  # per head (head_dim wide each) or over all heads (q_size and kv_size wide)
+        per_layer += (cfg.q_size + cfg.kv_size if cfg.qk_norm_over_heads else 2 * cfg.head_dim) * elem
     total = cfg.num_layers * per_layer + cfg.vocab_size * cfg.hidden_size * elem + cfg.hidden_size * elem
     is_lm_head_quantized = quantize_lm_head and quantization in ("fp8", "int8", "int4")
     if is_lm_head_quantized or not cfg.tie_word_embeddings:

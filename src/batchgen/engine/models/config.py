@@ -21,6 +21,9 @@ class ModelConfig:
     tie_word_embeddings: bool
     attention_bias: bool = False  # Qwen2: bias on q/k/v
     qk_norm: bool = False  # Qwen3: RMSNorm on q and k per head
+    # OLMo 2: the q/k RMSNorm spans the whole q (and k) projection, weights q_size / kv_size wide
+    qk_norm_over_heads: bool = False
+    o_proj_bias: bool = False  # OLMo 2 with attention_bias: a bias on o_proj as well as on q/k/v
     rope_scaling: dict | None = field(default=None, hash=False)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()

@@ -1,4 +1,5 @@
-"""Self-attention: fused q/k/v projection, optional per-head q/k RMSNorm, rope, the backend's call, o_proj."""
+"""Self-attention: fused q/k/v projection, optional q/k RMSNorm (per head or over all heads), rope, the
+backend's call, o_proj."""
 
 from __future__ import annotations
 
@@ -20,8 +21,10 @@ class Attention(nn.Module):
     """One layer's attention. The backend (engine/attention/, chosen by the loader) writes this
     layer's k/v into the paged KV cache and attends over it; `layer_index` names the layer to it.
 
-    From the config: `attention_bias` (bias on q/k/v: Qwen2) and `qk_norm` (RMSNorm on every q and
-    k head before rope: Qwen3).
+    From the config: `attention_bias` (bias on q/k/v: Qwen2), `qk_norm` (RMSNorm on every q and k
+    head before rope: Qwen3), `qk_norm_over_heads` (that RMSNorm over the whole q and the whole k
+    projection instead, one statistic per token across heads: OLMo 2) and `o_proj_bias` (OLMo 2 with
+    attention_bias).
     """
 
     def __init__(self, cfg: ModelConfig, layer_index: int):
@@ -29,10 +32,11 @@ class Attention(nn.Module):
         self.cfg = cfg
         self.layer_index = layer_index
         self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False)
+        self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            over_heads = cfg.qk_norm_over_heads
+            self.q_norm = RMSNorm(cfg.q_size if over_heads else cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.kv_size if over_heads else cfg.head_dim, cfg.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], backend: AttentionBackend,
                 kv_cache: tuple, meta: AttentionMetadata, ops: SimpleNamespace) -> torch.Tensor:
@@ -43,7 +47,14 @@ class Attention(nn.Module):
         num_qk_heads = cfg.num_heads + cfg.num_kv_heads
         qk = qkv[:, :cfg.q_size + cfg.kv_size].view(num_tokens, num_qk_heads, cfg.head_dim)
         v = qkv[:, cfg.q_size + cfg.kv_size:].view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
-        if cfg.qk_norm:
+        if cfg.qk_norm and cfg.qk_norm_over_heads:
+            # One mean square per token over all of q (and of k): the norms see the (T, q_size) and
+            # (T, kv_size) blocks of the fused output as rows (strided views, no copy).
+            q, k = qkv[:, :cfg.q_size], qkv[:, cfg.q_size:cfg.q_size + cfg.kv_size]
+            qk = torch.cat([ops.rms_norm(q, self.q_norm.weight, self.q_norm.eps),
+                            ops.rms_norm(k, self.k_norm.weight, self.k_norm.eps)],
+                           dim=1).view(num_tokens, num_qk_heads, cfg.head_dim)
+        elif cfg.qk_norm:
             q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
             qk = torch.cat([ops.rms_norm(q, self.q_norm.weight, self.q_norm.eps),
                             ops.rms_norm(k, self.k_norm.weight, self.k_norm.eps)], dim=1)
