@@ -41,7 +41,8 @@ def olmo2(hf_tokenizer, tmp_path_factory):
 
     config = transformers.Olmo2Config(vocab_size=len(hf_tokenizer), bos_token_id=1, eos_token_id=2,
                                       pad_token_id=0, attention_bias=True, tie_word_embeddings=False,
-                                      rope_parameters={"rope_type": "default", "rope_theta": 500000.0}, **SHAPE)
+                                      rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+                                      **SHAPE)
     config._attn_implementation = "eager"
     torch.manual_seed(0)
     model = transformers.Olmo2ForCausalLM(config).float().eval()
@@ -141,5 +142,5 @@ def test_the_capacity_plan_counts_the_wide_qk_norms_the_post_norms_and_the_o_pro
 def test_tensor_parallelism_is_refused_by_name_not_run_wrong():
     cfg = ModelConfig.from_hf_dict({"architectures": ["Olmo2ForCausalLM"], "vocab_size": 256, **SHAPE})
     check_can_split(cfg, 1)
-    with pytest.raises(ValueError, match="tensor_parallel_size 2: Olmo2ForCausalLM norms q and k over all heads"):
+    with pytest.raises(ValueError, match="tensor_parallel_size 2: Olmo2ForCausalLM norms q and k over all"):
         check_can_split(cfg, 2)

@@ -169,9 +169,10 @@ def check_can_split(cfg: ModelConfig, world_size: int) -> None:
     """ValueError, naming the counts, when a rank would get no query head or no MLP channel."""
     if world_size < 1:
         raise ValueError(f"tensor_parallel_size must be >= 1, got {world_size}")
-    if world_size > 1 and cfg.qk_norm_over_heads:  # each rank would see only its heads' share of the statistic
-        raise ValueError(f"tensor_parallel_size {world_size}: {cfg.architecture or cfg.model_type} norms q and k "
-                         "over all heads at once, which is not split over ranks yet; use tensor_parallel_size 1")
+    if world_size > 1 and cfg.qk_norm_over_heads:  # a rank would see only its heads' share of the statistic
+        raise ValueError(f"tensor_parallel_size {world_size}: {cfg.architecture or cfg.model_type} norms q "
+                         "and k over all heads at once, which is not split over ranks yet; use "
+                         "tensor_parallel_size 1")
     if cfg.num_heads % cfg.num_kv_heads:
         raise ValueError(f"{cfg.num_heads} query heads do not group evenly over {cfg.num_kv_heads} KV heads")
     # Ranks sharing one KV head split its query heads: each needs one.

@@ -41,7 +41,8 @@ class PostNormDecoderLayer(nn.Module):
                 meta: AttentionMetadata, ops: SimpleNamespace,
                 group: TensorParallelGroup | None) -> tuple[torch.Tensor, torch.Tensor]:
         """(T, hidden) output of the previous block and the residual stream (None before the first
-        block) -> this block's (normed MLP output, residual stream); `group`: tensor parallelism's, or None."""
+        block) -> this block's (normed MLP output, residual stream); `group`: tensor parallelism's,
+        or None."""
         x = hidden if residual is None else hidden + residual  # (T, hidden): this block's input
         attn = self.self_attn(x, rope, backend, kv_cache, meta, ops)
         if group is not None:
