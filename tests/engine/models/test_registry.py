@@ -29,7 +29,7 @@ def tiny_hf_model(architecture: str, vocab_size: int):
 
     config = transformers.AutoConfig.for_model(
         ARCHITECTURES[architecture].model_type, vocab_size=vocab_size, bos_token_id=1, eos_token_id=2,
-        tie_word_embeddings=False, **TINY_SHAPE)
+        pad_token_id=0, tie_word_embeddings=False, **TINY_SHAPE)  # GLM-4's default pad id is past the vocabulary
     config._attn_implementation = "eager"
     torch.manual_seed(0)
     model = getattr(transformers, architecture)(config).float().eval()
