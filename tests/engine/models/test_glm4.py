@@ -38,7 +38,8 @@ GREEDY = SamplingParams(temperature=0, max_tokens=NUM_TOKENS)
 @pytest.fixture(scope="module")
 def glm4(hf_tokenizer, tmp_path_factory):
     """(HF model, its saved folder)."""
-    hf = tiny_hf_model(ARCH, len(hf_tokenizer), head_dim=HEAD_DIM, partial_rotary_factor=0.5, attention_bias=True)
+    hf = tiny_hf_model(ARCH, len(hf_tokenizer), head_dim=HEAD_DIM, partial_rotary_factor=0.5,
+                       attention_bias=True)
     folder = tmp_path_factory.mktemp("glm4")
     hf.save_pretrained(folder)
     hf_tokenizer.save_pretrained(folder)
@@ -73,8 +74,8 @@ def test_the_config_turns_glms_differences_on(glm4):
     saved = json.loads((folder / "config.json").read_text())
     assert saved["rope_parameters"]["partial_rotary_factor"] == 0.5 and saved["attention_bias"] is True
     cfg = ModelConfig.from_hf_dict(saved)
-    assert (cfg.architecture, cfg.rotary_dim, cfg.rope_interleaved, cfg.sandwich_norms, cfg.attention_bias) == (
-        ARCH, HEAD_DIM // 2, True, True, True)
+    facts = (cfg.architecture, cfg.rotary_dim, cfg.rope_interleaved, cfg.sandwich_norms, cfg.attention_bias)
+    assert facts == (ARCH, HEAD_DIM // 2, True, True, True)
     # GLM-4-0414's own config.json states the factor at the top level; transformers' Glm4Config takes 0.5
     # (and a q/k/v bias) when it states nothing.
     glm = dict(architectures=[ARCH], model_type="glm4", head_dim=HEAD_DIM)
@@ -91,7 +92,8 @@ def test_interleaved_partial_rotary_is_hfs():
     from transformers.models.glm4.modeling_glm4 import apply_rotary_pos_emb
 
     num_positions = 300
-    rotary = RotaryEmbedding(HEAD_DIM, num_positions, 10000.0, None, rotary_dim=HEAD_DIM // 2, interleaved=True)
+    rotary = RotaryEmbedding(HEAD_DIM, num_positions, 10000.0, None, rotary_dim=HEAD_DIM // 2,
+                             interleaved=True)
     positions = torch.arange(num_positions)
     torch.manual_seed(0)
     q, k = torch.randn(num_positions, 4, HEAD_DIM), torch.randn(num_positions, 2, HEAD_DIM)
@@ -103,7 +105,8 @@ def test_interleaved_partial_rotary_is_hfs():
     ours = reference.rotary_interleaved_ref(torch.cat([q, k], dim=1), cos, sin)  # (P, 6, D)
     torch.testing.assert_close(ours[:, :4], hf_q[0].transpose(0, 1), rtol=0, atol=1e-6)
     torch.testing.assert_close(ours[:, 4:], hf_k[0].transpose(0, 1), rtol=0, atol=1e-6)
-    assert torch.equal(ours[..., HEAD_DIM // 2:], torch.cat([q, k], dim=1)[..., HEAD_DIM // 2:])  # passed through
+    passed = torch.cat([q, k], dim=1)[..., HEAD_DIM // 2:]
+    assert torch.equal(ours[..., HEAD_DIM // 2:], passed)  # the dimensions past the rotary width
     # Every op set has it (the C set runs it eager); rotate-half partial rotary is refused, not run wrong.
     assert ops.cpu_kernel_ops().rotary_interleaved is ops.eager_ops().rotary_interleaved
     with pytest.raises(ValueError, match="interleaved layout only"):
@@ -139,7 +142,8 @@ def test_sdpa_with_eager_ops_equals_hf(glm4, prompts, hf_tokens, monkeypatch):
     monkeypatch.setattr(cpu_paged_attention, "is_available", lambda: False)
     monkeypatch.setattr(cpu_elementwise, "is_available", lambda: False)
     llm = LLM(str(folder), num_kv_blocks=4 * NUM_BLOCKS, **ENGINE)
-    assert llm.engine.capabilities.attention_backend == "sdpa" and llm.engine.capabilities.elementwise_ops == "eager"
+    capabilities = llm.engine.capabilities
+    assert capabilities.attention_backend == "sdpa" and capabilities.elementwise_ops == "eager"
     outputs = greedy_batch(llm, prompts, "sdpa")
     for i in range(len(prompts)):
         assert outputs[f"sdpa-{i}"].outputs[0].token_ids == hf_tokens[i], f"prompt {i}"
@@ -165,5 +169,6 @@ def test_tensor_parallelism_refuses_the_fused_gate_up_checkpoint_tensor_by_name(
     cfg = ModelConfig.from_hf_dict(json.loads((folder / "config.json").read_text()))
     layout = TensorParallelLayout.plan(cfg, 0, 2)
     assert layout.shard("model.layers.0.mlp.down_proj.weight", (64, 128)) is not None
-    with pytest.raises(ValueError, match=r"'model\.layers\.0\.mlp\.gate_up_proj\.weight'.*tensor_parallel_size 1"):
+    fused = r"'model\.layers\.0\.mlp\.gate_up_proj\.weight'.*tensor_parallel_size 1"
+    with pytest.raises(ValueError, match=fused):
         layout.shard("model.layers.0.mlp.gate_up_proj.weight", (256, 64))

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import ClassVar
 
 from batchgen.engine.models.layers.causal_lm import CausalLM
-from batchgen.engine.models.layers.decoder import DecoderModel, SandwichNormDecoderLayer
+from batchgen.engine.models.layers.sandwich_norm_decoder import SandwichNormDecoderLayer
 
 # transformers' Glm4Config sets this when config.json does not.
 _DEFAULT_PARTIAL_ROTARY_FACTOR = 0.5
@@ -22,7 +22,7 @@ class Glm4ForCausalLM(CausalLM):
     layer_class = SandwichNormDecoderLayer
     # q/k/v apart as Llama's; gate_up_proj loads as it is, a plain tensor of the checkpoint.
     _FUSED: ClassVar[dict[str, tuple[str, int]]] = {
-        name: target for name, target in DecoderModel._FUSED.items() if target[0] == "qkv_proj"}
+        name: target for name, target in CausalLM._FUSED.items() if target[0] == "qkv_proj"}
 
     @classmethod
     def config_fields(cls, hf_config: dict) -> dict:

@@ -139,8 +139,8 @@ class TensorParallelLayout:
         module, kind = parts[-2], parts[-1]
         head_dim = self.head_dim
         if module in _FUSED_IN_CHECKPOINT:
-            raise ValueError(f"checkpoint tensor {name!r}: this checkpoint stores {module} fused, which is not "
-                             f"split over tensor-parallel ranks yet; run it with tensor_parallel_size 1")
+            raise ValueError(f"checkpoint tensor {name!r}: this checkpoint stores {module} fused, which is "
+                             f"not split over tensor-parallel ranks yet; run it with tensor_parallel_size 1")
         if module in _COLUMN_PARALLEL:
             start, end = self._range(_COLUMN_PARALLEL[module])
             if module in ("q_proj", "k_proj", "v_proj"):

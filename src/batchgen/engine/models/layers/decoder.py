@@ -1,5 +1,4 @@
-"""The pre-norm decoder block (and GLM's sandwich-norm variant) and the decoder stack (embedding,
-blocks, final norm) over flat token batches.
+"""The pre-norm decoder block and the decoder stack (embedding, blocks, final norm) over flat token batches.
 
 A step's tokens from all sequences are one flat (T,) batch: no padding in the dense layers. q/k/v and
 gate/up are fused into one matmul each; HF checkpoints keep them apart (`_FUSED` maps the names).
@@ -66,44 +65,6 @@ class DecoderLayer(nn.Module):
         if group is not None:
             group.all_reduce(hidden)  # down_proj's partial sums over the ranks' MLP channels
         return hidden, residual
-
-
-class SandwichNormDecoderLayer(DecoderLayer):
-    """GLM-4's block: the pre-norm block with the attention and MLP outputs normed too before their
-    residual adds: h = x + post_self_attn_norm(attn(norm(x))); out = h + post_mlp_norm(mlp(norm(h))).
-
-    It returns the normed MLP output and the residual stream apart, as DecoderLayer does. The names
-    are GLM's checkpoint names (its `post_attention_layernorm` is the MLP's pre-norm, as Llama's).
-    """
-
-    def __init__(self, cfg: ModelConfig, layer_index: int):
-        super().__init__(cfg, layer_index)
-        self.post_self_attn_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_mlp_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None,
-                rope: tuple[torch.Tensor, torch.Tensor], backend: AttentionBackend, kv_cache: tuple,
-                meta: AttentionMetadata, ops: SimpleNamespace,
-                group: TensorParallelGroup | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """As DecoderLayer.forward; the post-norms act on whole sums (after tensor parallelism's all-reduce)."""
-        norm = self.input_layernorm
-        if residual is None:
-            residual = hidden
-            x = ops.rms_norm(hidden, norm.weight, norm.eps)
-        else:
-            x, residual = ops.add_rms_norm(hidden, residual, norm.weight, norm.eps)
-        x = self.self_attn(x, rope, backend, kv_cache, meta, ops)  # (T, hidden)
-        if group is not None:
-            group.all_reduce(x)
-        norm = self.post_self_attn_layernorm
-        x = ops.rms_norm(x, norm.weight, norm.eps)
-        norm = self.post_attention_layernorm
-        x, residual = ops.add_rms_norm(x, residual, norm.weight, norm.eps)
-        hidden = self.mlp(x, ops)  # (T, hidden)
-        if group is not None:
-            group.all_reduce(hidden)
-        norm = self.post_mlp_layernorm
-        return ops.rms_norm(hidden, norm.weight, norm.eps), residual
 
 
 class DecoderModel(nn.Module):
