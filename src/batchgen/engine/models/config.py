@@ -22,7 +22,7 @@ class ModelConfig:
     attention_bias: bool = False  # Qwen2: bias on q/k/v
     qk_norm: bool = False  # Qwen3: RMSNorm on q and k per head
     # GLM-4: an RMSNorm on the attention output and on the MLP output too, before each residual add
-    # (layers/decoder.py's SandwichNormDecoderLayer); two more hidden-size norm weights per layer.
+    # (layers/sandwich_norm_decoder.py); two more hidden-size norm weights per layer.
     sandwich_norms: bool = False
     partial_rotary_factor: float = 1.0  # the share of each q/k head that rope rotates (its first dims)
     rope_interleaved: bool = False  # GLM-4: rope rotates pairs (2i, 2i + 1), not (i, i + rotary_dim / 2)
