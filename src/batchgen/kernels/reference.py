@@ -62,6 +62,15 @@ def rotary_ref(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> 
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)
 
 
+def rotary_interleaved_ref(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """GLM's rotary on adjacent pairs, x * cos + rotate_pairs(x) * sin (HF's interleaved rotate_half),
+    as x * cos + swap_pairs(x) * signed_sin (signed_sin: sin with each pair's first element negated;
+    partial rotary: cos 1 and sin 0 past the rotated dimensions). x: (T, heads, D); cos, signed_sin:
+    (T, 1, D). Returns a new tensor."""
+    swapped = x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)  # (T, heads, D): x[2i + 1], x[2i] side by side
+    return torch.addcmul(x * cos, swapped, signed_sin)
+
+
 def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up: (T, 2 * inter). Returns silu(gate) * up, (T, inter)."""
     gate, up = gate_up.chunk(2, dim=-1)

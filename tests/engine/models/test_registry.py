@@ -23,13 +23,15 @@ TINY_SHAPE = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 
               "num_key_value_heads": 2, "max_position_embeddings": 512, "rms_norm_eps": 1e-6}
 
 
-def tiny_hf_model(architecture: str, vocab_size: int):
-    """transformers' class named `architecture`, tiny, every weight (biases, norm gains) drawn at random."""
+def tiny_hf_model(architecture: str, vocab_size: int, **config_keys):
+    """transformers' class named `architecture`, tiny, every weight (biases, norm gains) drawn at random;
+    `config_keys` over the tiny shape."""
     import transformers
 
     config = transformers.AutoConfig.for_model(
         ARCHITECTURES[architecture].model_type, vocab_size=vocab_size, bos_token_id=1, eos_token_id=2,
-        tie_word_embeddings=False, **TINY_SHAPE)
+        pad_token_id=0,  # GLM-4's default pad id is past the vocabulary
+        tie_word_embeddings=False, **{**TINY_SHAPE, **config_keys})
     config._attn_implementation = "eager"
     torch.manual_seed(0)
     model = getattr(transformers, architecture)(config).float().eval()

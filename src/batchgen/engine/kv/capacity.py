@@ -88,6 +88,8 @@ def weight_bytes(cfg: ModelConfig, dtype: torch.dtype, quantization: str = "none
     per_layer = sum(linear_bytes(n, k, True) + (k * elem if has_pre_quant else 0)
                     for n, k in cfg.linear_shapes().values())
     per_layer += 2 * cfg.hidden_size * elem  # two norms a block: before attention and MLP (OLMo 2: after)
+    if cfg.sandwich_norms:
+        per_layer += 2 * cfg.hidden_size * elem  # GLM-4's norms on the attention and MLP outputs
     if cfg.attention_bias:
         per_layer += (cfg.q_size + 2 * cfg.kv_size) * elem
     if cfg.o_proj_bias:

@@ -24,6 +24,11 @@ class ModelConfig:
     # OLMo 2: the q/k RMSNorm spans the whole q (and k) projection, weights q_size / kv_size wide
     qk_norm_over_heads: bool = False
     o_proj_bias: bool = False  # OLMo 2 with attention_bias: a bias on o_proj as well as on q/k/v
+    # GLM-4: an RMSNorm on the attention output and on the MLP output too, before each residual add
+    # (layers/sandwich_norm_decoder.py); two more hidden-size norm weights per layer.
+    sandwich_norms: bool = False
+    partial_rotary_factor: float = 1.0  # the share of each q/k head that rope rotates (its first dims)
+    rope_interleaved: bool = False  # GLM-4: rope rotates pairs (2i, 2i + 1), not (i, i + rotary_dim / 2)
     rope_scaling: dict | None = field(default=None, hash=False)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -37,6 +42,11 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    @property
+    def rotary_dim(self) -> int:
+        """How many of a head's first dimensions rope rotates (HF: int(head_dim * partial_rotary_factor))."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     def linear_shapes(self) -> dict[str, tuple[int, int]]:
         """(out_features, in_features) of one decoder layer's linear layers, by module name.
@@ -69,9 +79,11 @@ class ModelConfig:
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
         rope_scaling = cfg.get("rope_scaling")
         rope_theta = cfg.get("rope_theta")
-        params = cfg.get("rope_parameters")  # transformers >= 5 folds both into rope_parameters
+        partial_rotary_factor = cfg.get("partial_rotary_factor")
+        params = cfg.get("rope_parameters")  # transformers >= 5 folds these into rope_parameters
         if isinstance(params, dict):
             rope_theta = rope_theta or params.get("rope_theta")
+            partial_rotary_factor = partial_rotary_factor or params.get("partial_rotary_factor")
             if rope_scaling is None and params.get("rope_type", "default") != "default":
                 rope_scaling = params
         eos = cfg.get("eos_token_id")
@@ -90,6 +102,7 @@ class ModelConfig:
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", False)),
+            partial_rotary_factor=float(partial_rotary_factor or 1.0),
             rope_scaling=rope_scaling,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,

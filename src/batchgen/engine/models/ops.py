@@ -18,9 +18,10 @@ from batchgen.kernels import reference
 rms_norm = reference.rms_norm_ref
 add_rms_norm = reference.add_rms_norm_ref
 rotary = reference.rotary_ref
+rotary_interleaved = reference.rotary_interleaved_ref
 silu_mul = reference.silu_mul_ref
 
-_NAMES = ("rms_norm", "add_rms_norm", "rotary", "silu_mul")
+_NAMES = ("rms_norm", "add_rms_norm", "rotary", "rotary_interleaved", "silu_mul")
 
 
 def eager_ops() -> SimpleNamespace:
@@ -34,11 +35,11 @@ def compiled_ops() -> SimpleNamespace:
 
 def cpu_kernel_ops() -> SimpleNamespace:
     """The C kernels of kernels/cpu_elementwise.py (CPU, float32; rotary and the residual add work
-    in place); norms of other shapes (Qwen3's per-head q/k norms) stay eager."""
+    in place); norms of other shapes (Qwen3's per-head q/k norms) and GLM's interleaved rotary stay eager."""
     from batchgen.kernels import cpu_elementwise as fused
 
     def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return fused.rms_norm(x, weight, eps) if x.dim() == 2 else rms_norm(x, weight, eps)
 
     return SimpleNamespace(rms_norm=rms_norm_rows, add_rms_norm=fused.add_rms_norm, rotary=fused.rotary,
-                           silu_mul=fused.silu_mul)
+                           rotary_interleaved=rotary_interleaved, silu_mul=fused.silu_mul)

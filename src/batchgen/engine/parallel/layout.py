@@ -37,6 +37,9 @@ from batchgen.engine.models.config import ModelConfig
 _COLUMN_PARALLEL = {"q_proj": "query", "k_proj": "kv", "v_proj": "kv", "gate_proj": "intermediate",
                     "up_proj": "intermediate"}
 _ROW_PARALLEL = {"o_proj": "query", "down_proj": "intermediate"}
+# Column-parallel layers some checkpoints store fused (GLM-4's gate_up_proj): a rank's rows of them are
+# two or three ranges, which one Shard does not describe; refused by name.
+_FUSED_IN_CHECKPOINT = ("qkv_proj", "gate_up_proj")
 _VOCABULARY = ("embed_tokens", "lm_head")
 
 
@@ -135,6 +138,9 @@ class TensorParallelLayout:
             return None
         module, kind = parts[-2], parts[-1]
         head_dim = self.head_dim
+        if module in _FUSED_IN_CHECKPOINT:
+            raise ValueError(f"checkpoint tensor {name!r}: this checkpoint stores {module} fused, which is "
+                             f"not split over tensor-parallel ranks yet; run it with tensor_parallel_size 1")
         if module in _COLUMN_PARALLEL:
             start, end = self._range(_COLUMN_PARALLEL[module])
             if module in ("q_proj", "k_proj", "v_proj"):

@@ -21,10 +21,8 @@ class Attention(nn.Module):
     """One layer's attention. The backend (engine/attention/, chosen by the loader) writes this
     layer's k/v into the paged KV cache and attends over it; `layer_index` names the layer to it.
 
-    From the config: `attention_bias` (bias on q/k/v: Qwen2), `qk_norm` (RMSNorm on every q and k
-    head before rope: Qwen3), `qk_norm_over_heads` (that RMSNorm over the whole q and the whole k
-    projection instead, one statistic per token across heads: OLMo 2) and `o_proj_bias` (OLMo 2 with
-    attention_bias).
+        self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
+        self.rotary_op = "rotary_interleaved" if cfg.rope_interleaved else "rotary"  # the name in `ops`
     """
 
     def __init__(self, cfg: ModelConfig, layer_index: int):
@@ -33,6 +31,7 @@ class Attention(nn.Module):
         self.layer_index = layer_index
         self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
+        self.rotary_op = "rotary_interleaved" if cfg.rope_interleaved else "rotary"  # the name in `ops`
         if cfg.qk_norm:
             over_heads = cfg.qk_norm_over_heads
             self.q_norm = RMSNorm(cfg.q_size if over_heads else cfg.head_dim, cfg.rms_norm_eps)
@@ -58,6 +57,7 @@ class Attention(nn.Module):
             q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
             qk = torch.cat([ops.rms_norm(q, self.q_norm.weight, self.q_norm.eps),
                             ops.rms_norm(k, self.k_norm.weight, self.k_norm.eps)], dim=1)
-        q, k = ops.rotary(qk, *rope).split([cfg.num_heads, cfg.num_kv_heads], dim=1)  # (T, H, D), (T, Hkv, D)
+        rotary = getattr(ops, self.rotary_op)
+        q, k = rotary(qk, *rope).split([cfg.num_heads, cfg.num_kv_heads], dim=1)  # (T, H, D), (T, Hkv, D)
         out = backend.forward(self.layer_index, q, k, v, kv_cache, meta)  # (T, H, D)
         return self.o_proj(out.reshape(num_tokens, cfg.q_size))

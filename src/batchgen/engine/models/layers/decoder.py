@@ -110,7 +110,8 @@ class DecoderModel(nn.Module):
         """The rotary tables for positions below max_positions (the loader rebuilds them on the real
         device after the weights are in: on the meta device they are shapes only)."""
         cfg = self.cfg
-        return RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+        return RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, cfg.rotary_dim,
+                               cfg.rope_interleaved)
 
     def enable_compile(self) -> None:
         """Fuse the elementwise passes with torch.compile (compiles on first use, once per op)."""
