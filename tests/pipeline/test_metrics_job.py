@@ -15,6 +15,7 @@ from lm_eval.api.metrics import mean_stderr
 from batchgen.cli.console import EXIT_BELOW_MINIMUM, check_metric_minimums
 from batchgen.pipeline.errors import JobError
 from batchgen.pipeline.job import run_job
+from batchgen.pipeline.run_record import MetricFigures
 from tests.pipeline.conftest import make_job, read_output, write_parquet
 
 PROMPTS = [f"What is {a} plus {b}? Answer with the number." for a, b in
@@ -122,6 +123,10 @@ def test_a_metric_below_its_minimum_exits_3(scored_run):
     assert stopped.value.exit_code == EXIT_BELOW_MINIMUM
     check_metric_minimums({"em": make_spec({"type": "exact_match", "reference_column": "a", "min": 0.5})},
                           result.record.metrics)  # at the minimum: passes
+    nothing = {"em": MetricFigures(value=None, stderr=None, n=0)}  # no row scored is below any minimum
+    with pytest.raises(typer.Exit) as stopped:
+        check_metric_minimums(specs, nothing)
+    assert stopped.value.exit_code == EXIT_BELOW_MINIMUM
 
 
 def make_spec(raw: dict):

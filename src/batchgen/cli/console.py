@@ -18,7 +18,8 @@ EXIT_BELOW_MINIMUM = 3  # the run finished (_SUCCESS written) but a metric is be
 def check_metric_minimums(metrics: dict, scores: dict) -> None:
     """Exit 3 naming each metric whose value is below the job's `metrics.<name>.min` (`scores`: the run
     record's metrics), so that a scheduler sees a regression; the output stays complete."""
-    below = [f"{name} {scores[name].value:.4f} < min {spec.min}" for name, spec in metrics.items()
+    below = [f"{name} {'nothing scored' if scores[name].value is None else f'{scores[name].value:.4f}'} "
+             f"< min {spec.min}" for name, spec in metrics.items()
              if spec.min is not None and name in scores
              and (scores[name].value is None or scores[name].value < spec.min)]
     if below:
