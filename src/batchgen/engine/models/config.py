@@ -21,6 +21,10 @@ class ModelConfig:
     tie_word_embeddings: bool
     attention_bias: bool = False  # Qwen2: bias on q/k/v
     qk_norm: bool = False  # Qwen3: RMSNorm on q and k per head
+    # Rope turns the first head_dim x this channels of each q/k head, the rest pass (Phi-4-mini: 0.75).
+    partial_rotary_factor: float = 1.0
+    # Phi-3's config.json key: keys further back than this many positions are masked (None: none).
+    sliding_window: int | None = None
     rope_scaling: dict | None = field(default=None, hash=False)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -34,6 +38,11 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    @property
+    def rotary_dim(self) -> int:
+        """The channels of each q/k head rope turns (HF: int(head_dim * partial_rotary_factor))."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     def linear_shapes(self) -> dict[str, tuple[int, int]]:
         """(out_features, in_features) of one decoder layer's linear layers, by module name.

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from batchgen.engine.models.llama import LlamaForCausalLM
+from batchgen.engine.models.phi3 import Phi3ForCausalLM
 from batchgen.engine.models.qwen2 import Qwen2ForCausalLM
 from batchgen.engine.models.qwen3 import Qwen3ForCausalLM
 
@@ -39,6 +40,7 @@ ARCHITECTURES: dict[str, Architecture] = {
     "MistralForCausalLM": Architecture(LlamaForCausalLM, "mistral", gguf_name="mistral"),
     "Qwen2ForCausalLM": Architecture(Qwen2ForCausalLM, "qwen2", gguf_name="qwen2"),
     "Qwen3ForCausalLM": Architecture(Qwen3ForCausalLM, "qwen3", gguf_name="qwen3"),
+    "Phi3ForCausalLM": Architecture(Phi3ForCausalLM, "phi3"),
 }
 
 

@@ -20,8 +20,9 @@ class Attention(nn.Module):
     """One layer's attention. The backend (engine/attention/, chosen by the loader) writes this
     layer's k/v into the paged KV cache and attends over it; `layer_index` names the layer to it.
 
-    From the config: `attention_bias` (bias on q/k/v: Qwen2) and `qk_norm` (RMSNorm on every q and
-    k head before rope: Qwen3).
+    From the config: `attention_bias` (bias on q/k/v: Qwen2), `qk_norm` (RMSNorm on every q and
+    k head before rope: Qwen3) and `partial_rotary_factor` (rope on the first channels of each head:
+    Phi-4-mini).
     """
 
     def __init__(self, cfg: ModelConfig, layer_index: int):
@@ -36,7 +37,7 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], backend: AttentionBackend,
                 kv_cache: tuple, meta: AttentionMetadata, ops: SimpleNamespace) -> torch.Tensor:
-        """(T, hidden) normed -> (T, hidden) before the residual add; `rope`: the step's cos, sin (T, 1, D)."""
+        """(T, hidden) normed -> (T, hidden) before the residual add; `rope`: the step's cos, sin (T, 1, rotary_dim)."""
         cfg = self.cfg
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)  # (T, q_size + 2 * kv_size)
@@ -47,6 +48,13 @@ class Attention(nn.Module):
             q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
             qk = torch.cat([ops.rms_norm(q, self.q_norm.weight, self.q_norm.eps),
                             ops.rms_norm(k, self.k_norm.weight, self.k_norm.eps)], dim=1)
-        q, k = ops.rotary(qk, *rope).split([cfg.num_heads, cfg.num_kv_heads], dim=1)  # (T, H, D), (T, Hkv, D)
+        rotary_dim = cfg.rotary_dim
+        if rotary_dim == cfg.head_dim:
+            qk = ops.rotary(qk, *rope)
+        else:  # partial rotary: the first rotary_dim channels of each head turn, the rest pass as they are
+            # (contiguous: the C kernel takes whole heads)
+            turned = ops.rotary(qk[..., :rotary_dim].contiguous(), *rope)  # (T, H + Hkv, rotary_dim)
+            qk = torch.cat([turned, qk[..., rotary_dim:]], dim=-1)
+        q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)  # (T, H, D), (T, Hkv, D)
         out = backend.forward(self.layer_index, q, k, v, kv_cache, meta)  # (T, H, D)
         return self.o_proj(out.reshape(num_tokens, cfg.q_size))

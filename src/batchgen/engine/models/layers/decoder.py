@@ -77,7 +77,8 @@ class DecoderModel(nn.Module):
 
     # The block every layer is.
     layer_class: ClassVar[type[nn.Module]] = DecoderLayer
-    # HF checkpoint name -> (our parameter, slice index into the fused tensor).
+    # HF checkpoint name -> (our parameter, slice index into the fused tensor). A checkpoint that is
+    # already fused (Phi-3's qkv_proj, gate_up_proj) maps nothing: its tensors load whole.
     _FUSED: ClassVar[dict[str, tuple[str, int]]] = {
         "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
@@ -110,7 +111,7 @@ class DecoderModel(nn.Module):
         """The rotary tables for positions below max_positions (the loader rebuilds them on the real
         device after the weights are in: on the meta device they are shapes only)."""
         cfg = self.cfg
-        return RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+        return RotaryEmbedding(cfg.rotary_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
 
     def enable_compile(self) -> None:
         """Fuse the elementwise passes with torch.compile (compiles on first use, once per op)."""
@@ -202,7 +203,7 @@ class DecoderModel(nn.Module):
         expected = set()
         for pname in params:
             base = pname.split(".")[-2] if "." in pname else ""
-            if base in fused_sizes and pname.endswith("weight") or (base == "qkv_proj" and pname.endswith("bias")):
+            if base in fused_sizes and (pname.endswith("weight") or (base == "qkv_proj" and pname.endswith("bias"))):
                 n = len(fused_sizes[base])
                 expected.update(f"{pname}#{i}" for i in range(n))
             elif not self.is_tied_checkpoint_name(pname):

@@ -1,0 +1,196 @@
+"""Phi-3 / Phi-4 (Phi3ForCausalLM) against transformers' own class: pre-fused qkv_proj and gate_up_proj,
+partial rotary (0.75, as Phi-4-mini) and LongRoPE in both of its regimes.
+
+One tiny model (seeded random weights, float32, eager attention, saved by transformers with the bundled
+tokenizer's vocabulary): head_dim 16 of which rope turns 12, LongRoPE with original_max_position_embeddings
+32 and max_position_embeddings 128. HF's class picks the short or long factors per forward by the sequence's
+length, the engine once by max_model_len (long when it exceeds 32): the comparisons run where the two agree,
+max_model_len 32 with every sequence within 32 tokens (short) and max_model_len 128 with every prompt longer
+than 32 tokens (long).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from batchgen.engine import LLM, SamplingParams
+from batchgen.engine.models.config import ModelConfig
+from batchgen.engine.models.layers.rotary import rope_attention_factor, rope_inv_freq
+from batchgen.engine.models.ops import eager_ops
+from tests.engine.helpers import captured_logits, relative_error, run_requests
+
+LOGITS_TOLERANCE = 1e-3
+ORIGINAL_MAX = 32
+NUM_TOKENS = 8
+SHAPE = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "rms_norm_eps": 1e-6}
+# Six frequencies (rotary width 12): short factors near 1, long ones stretching the low frequencies.
+LONGROPE = {"rope_type": "longrope", "short_factor": [1.0, 1.05, 1.1, 1.3, 1.6, 2.0],
+            "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 8.0]}
+SHORT_PROMPT_LENGTHS = (5, 13, 24)  # + 8 new tokens stay within 32: HF's short factors throughout
+LONG_PROMPT_LENGTHS = (33, 47, 70)  # longer than 32 from the first forward: HF's long factors throughout
+SHARED_PREFIX = 48  # three full blocks two prompts share (the prefix cache)
+
+
+def phi3_config(vocab_size: int, **keys):
+    from transformers import Phi3Config
+
+    config = Phi3Config(vocab_size=vocab_size, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                        max_position_embeddings=128, original_max_position_embeddings=ORIGINAL_MAX,
+                        partial_rotary_factor=0.75, rope_scaling=dict(LONGROPE), **SHAPE, **keys)
+    config._attn_implementation = "eager"
+    return config
+
+
+@pytest.fixture(scope="module")
+def phi3(hf_tokenizer, tmp_path_factory):
+    """(HF model, its saved folder)."""
+    from transformers import Phi3ForCausalLM
+
+    torch.manual_seed(0)
+    model = Phi3ForCausalLM(phi3_config(len(hf_tokenizer))).float().eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.uniform_(0.5, 1.5)
+            else:
+                param.normal_(0.0, 0.3)  # attention far from uniform: positions matter
+    folder = tmp_path_factory.mktemp("phi3")
+    model.save_pretrained(folder)
+    hf_tokenizer.save_pretrained(folder)
+    return model, folder
+
+
+def prompts_of(lengths: tuple[int, ...], vocab_size: int, seed: int) -> dict[str, list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return {f"p{n}": torch.randint(3, vocab_size, (n,), generator=gen).tolist() for n in lengths}
+
+
+@torch.no_grad()
+def hf_reference(hf, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
+    """(HF generate's greedy tokens, HF's logits (NUM_TOKENS, V) at the rows that sampled them)."""
+    out = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=NUM_TOKENS, min_new_tokens=NUM_TOKENS,
+                      pad_token_id=0)[0, len(prompt):].tolist()
+    logits = hf(torch.tensor([prompt + out])).logits[0, len(prompt) - 1:-1]
+    return out, logits
+
+
+def assert_matches_hf(hf, llm: LLM, prompts: dict[str, list[int]], references: dict | None = None) -> dict:
+    """Every prompt through the engine in one batch: greedy tokens equal HF generate's, every sampled
+    row's logits within 1e-3 of HF's. Returns the outputs."""
+    params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
+    with captured_logits(llm.engine) as records:
+        outputs = run_requests(llm.engine, {rid: (ids, params) for rid, ids in prompts.items()})
+    for rid, prompt in prompts.items():
+        tokens, logits = (references or {}).get(rid) or hf_reference(hf, prompt)
+        assert outputs[rid].outputs[0].token_ids == tokens, rid
+        for j in range(NUM_TOKENS):
+            error = relative_error(records[(rid, 0, j)], logits[j])
+            assert error <= LOGITS_TOLERANCE, f"{rid} position {j}: {error:.2e}"
+    return outputs
+
+
+# ---- the config as HF reads it ----------------------------------------------------------------------
+
+PHI3_MINI_128K = {"architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "vocab_size": 256, **SHAPE,
+                  "max_position_embeddings": 131072, "original_max_position_embeddings": 4096,
+                  "rope_theta": 10000.0, "sliding_window": 262144,
+                  "rope_scaling": {"type": "longrope", "short_factor": [1.0] * 8, "long_factor": [1.5 + i for i in range(8)]}}
+PHI4_MINI = {**PHI3_MINI_128K, "partial_rotary_factor": 0.75, "tie_word_embeddings": True,
+             "rope_scaling": {"type": "longrope", "short_factor": [1.0 + i / 10 for i in range(6)],
+                              "long_factor": [2.0 + i for i in range(6)]}}
+
+
+@pytest.mark.parametrize("config_json", [PHI3_MINI_128K, PHI4_MINI], ids=["phi3-mini-128k", "phi4-mini"])
+@pytest.mark.parametrize("max_positions", [4096, 131072], ids=["short", "long"])
+def test_longrope_frequencies_and_scale_equal_hf_in_each_regime(config_json, max_positions):
+    """The published configs' shape (rope_scaling `type` longrope, the original context at the top
+    level, partial_rotary_factor there too): HF's _compute_longrope_parameters at a sequence length in
+    each regime equals what the engine computes for that max_model_len."""
+    from transformers import Phi3Config
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    hf_config = Phi3Config.from_dict(json.loads(json.dumps(config_json)))
+    seq_len = max_positions if max_positions > 4096 else None  # HF: long once the sequence passes 4096
+    hf_inv_freq, hf_scale = ROPE_INIT_FUNCTIONS["longrope"](hf_config, None, seq_len=seq_len)
+    cfg = ModelConfig.from_hf_dict(config_json)
+    assert cfg.rotary_dim == int(16 * config_json.get("partial_rotary_factor", 1.0))
+    assert cfg.sliding_window == 262144
+    inv_freq = rope_inv_freq(cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling, max_positions)
+    assert torch.equal(inv_freq, hf_inv_freq)
+    assert rope_attention_factor(cfg.rope_scaling) == hf_scale == math.sqrt(1 + math.log(32) / math.log(4096))
+
+
+def test_a_sliding_window_shorter_than_max_model_len_is_refused_by_name(phi3, tmp_path):
+    """HF masks with a config's sliding_window; the engine runs Phi-3 only where the window masks nothing."""
+    _, folder = phi3
+    for file in folder.iterdir():
+        (tmp_path / file.name).symlink_to(file)
+    config = json.loads((folder / "config.json").read_text())
+    (tmp_path / "config.json").unlink()
+    (tmp_path / "config.json").write_text(json.dumps({**config, "sliding_window": 48}))
+    with pytest.raises(ValueError, match="sliding_window 48, below max_model_len 128.*at most 48"):
+        LLM(str(tmp_path), dtype="float32", device="cpu", max_model_len=128, num_kv_blocks=8)
+    llm = LLM(str(tmp_path), dtype="float32", device="cpu", max_model_len=48, num_kv_blocks=8)
+    assert llm.engine.model_cfg.sliding_window == 48
+
+
+# ---- the engine against HF ---------------------------------------------------------------------------
+
+@torch.no_grad()
+def test_short_regime_partial_rotary_matches_hf(phi3):
+    """max_model_len 32 = original_max_position_embeddings: short factors, as HF while sequences stay short."""
+    hf, folder = phi3
+    llm = LLM(str(folder), dtype="float32", device="cpu", max_model_len=ORIGINAL_MAX, num_kv_blocks=16,
+              max_num_batched_tokens=16)
+    cfg = llm.engine.model_cfg
+    assert (cfg.architecture, cfg.rotary_dim, cfg.head_dim) == ("Phi3ForCausalLM", 12, 16)
+    assert llm.engine.runner.model.rotary.cos.shape == (ORIGINAL_MAX, 12)
+    assert_matches_hf(hf, llm, prompts_of(SHORT_PROMPT_LENGTHS, cfg.vocab_size, seed=1))
+
+
+@pytest.fixture(scope="module")
+def long_prompts(phi3) -> dict[str, list[int]]:
+    """Prompts longer than 32 tokens; two of them share a 48-token prefix (three KV blocks)."""
+    hf, _ = phi3
+    prompts = prompts_of(LONG_PROMPT_LENGTHS, hf.config.vocab_size, seed=2)
+    shared = prompts_of((SHARED_PREFIX, 12, 20), hf.config.vocab_size, seed=3)
+    prompts["shared-a"] = shared["p48"] + shared["p12"]
+    prompts["shared-b"] = shared["p48"] + shared["p20"]
+    return prompts
+
+
+@pytest.fixture(scope="module")
+def long_references(phi3, long_prompts) -> dict:
+    hf, _ = phi3
+    return {rid: hf_reference(hf, prompt) for rid, prompt in long_prompts.items()}
+
+
+@pytest.mark.parametrize("path", ["cpu", "sdpa", "eager-ops"])
+@torch.no_grad()
+def test_long_regime_matches_hf_batched_chunked_and_prefix_cached(phi3, long_prompts, long_references, path):
+    """max_model_len 128 > 32: long factors, as HF for prompts longer than 32 tokens. A 16-token step
+    budget prefills in chunks beside other sequences' decodes; the second shared-prefix prompt, sent
+    after the first finished, reads the first's three cached blocks. Through the C attention kernels
+    and elementwise ops, SDPA, and the eager torch ops."""
+    hf, folder = phi3
+    backend = "sdpa" if path == "sdpa" else "cpu"
+    llm = LLM(str(folder), dtype="float32", device="cpu", max_model_len=128, num_kv_blocks=48,
+              max_num_batched_tokens=16, attention_backend=backend)
+    model = llm.engine.runner.model
+    assert llm.engine.capabilities.attention_backend == backend
+    if path == "eager-ops":
+        model.ops = eager_ops()
+    expected_cos = torch.cat([torch.outer(torch.arange(128.0), rope_inv_freq(12, 10000.0, LONGROPE | {
+        "original_max_position_embeddings": ORIGINAL_MAX}, 128))] * 2, dim=-1).cos()
+    scale = math.sqrt(1 + math.log(128 / ORIGINAL_MAX) / math.log(ORIGINAL_MAX))
+    torch.testing.assert_close(model.rotary.cos, expected_cos * scale, rtol=0, atol=0)
+
+    first = {rid: p for rid, p in long_prompts.items() if rid != "shared-b"}
+    assert_matches_hf(hf, llm, first, long_references)
+    later = assert_matches_hf(hf, llm, {"shared-b": long_prompts["shared-b"]}, long_references)
+    assert later["shared-b"].num_cached_tokens == SHARED_PREFIX
