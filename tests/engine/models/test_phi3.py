@@ -194,3 +194,28 @@ def test_long_regime_matches_hf_batched_chunked_and_prefix_cached(phi3, long_pro
     assert_matches_hf(hf, llm, first, long_references)
     later = assert_matches_hf(hf, llm, {"shared-b": long_prompts["shared-b"]}, long_references)
     assert later["shared-b"].num_cached_tokens == SHARED_PREFIX
+
+
+@pytest.mark.subprocess
+@torch.no_grad()
+def test_two_ranks_over_gloo_give_one_process_tokens(phi3, long_prompts, long_references):
+    """Tensor parallelism: each rank reads the checkpoint's fused qkv_proj and gate_up_proj whole and keeps
+    its own q, k, v and gate, up rows; tokens equal HF's (and one process's), logits within 1e-4 of HF's."""
+    hf, folder = phi3
+    threads = torch.get_num_threads()
+    llm = LLM(str(folder), dtype="float32", device="cpu", max_model_len=128, num_kv_blocks=48,
+              max_num_batched_tokens=16, tensor_parallel_size=2)
+    try:
+        model = llm.engine.runner.model
+        assert model.layers[0].self_attn.qkv_proj.weight.shape == (2 * 16 + 2 * 16, 64)  # 2 query heads, 1 KV head
+        assert model.layers[0].mlp.gate_up_proj.weight.shape == (2 * 64, 64)
+        params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
+        with captured_logits(llm.engine) as records:
+            outputs = run_requests(llm.engine, {rid: (ids, params) for rid, ids in long_prompts.items()})
+        for rid, (tokens, logits) in long_references.items():
+            assert outputs[rid].outputs[0].token_ids == tokens, rid
+            for j in range(NUM_TOKENS):
+                assert relative_error(records[(rid, 0, j)], logits[j]) <= 1e-4, (rid, j)
+    finally:
+        llm.engine.shutdown()
+        torch.set_num_threads(threads)

@@ -13,7 +13,10 @@ too; max_model_len <= original_max_position_embeddings gives the short ones.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, ClassVar
+
+import torch
 
 from batchgen.engine.models.layers.causal_lm import CausalLM
 from batchgen.engine.models.layers.rotary import rope_type
@@ -22,6 +25,7 @@ if TYPE_CHECKING:
     from batchgen.engine.attention.base import AttentionBackend
     from batchgen.engine.models.config import ModelConfig
     from batchgen.engine.parallel import TensorParallel
+    from batchgen.engine.parallel.layout import TensorParallelLayout
 
 # HF's Phi3Config reads these rope_scaling types as longrope (its convert_rope_params_to_dict).
 _LONGROPE_NAMES = ("longrope", "su", "yarn")
@@ -49,6 +53,13 @@ class Phi3ForCausalLM(CausalLM):
     def fused_part_sizes(self) -> dict[str, list[int]]:
         return {}  # no checkpoint tensor is a part of a fused module
 
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """As every family loads them; tensor-parallel, qkv_proj and gate_up_proj arrive whole (their
+        rank's q, k, v or gate, up rows are no one range) and are cut to the rank's rows here."""
+        if self.parallel is not None:
+            weights = _rank_rows(weights, self.parallel.layout)
+        super().load_weights(weights)
+
     @classmethod
     def config_fields(cls, hf_config: dict) -> dict:
         act = hf_config.get("hidden_act", "silu")
@@ -61,6 +72,15 @@ class Phi3ForCausalLM(CausalLM):
         partial = scaling.get("partial_rotary_factor", hf_config.get("partial_rotary_factor", 1.0))
         return {"partial_rotary_factor": float(partial), "sliding_window": hf_config.get("sliding_window"),
                 "rope_scaling": _longrope_scaling(hf_config, scaling)}
+
+
+def _rank_rows(weights: Iterable[tuple[str, torch.Tensor]], layout: TensorParallelLayout
+               ) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors with each whole fused weight cut to this rank's rows."""
+    for name, tensor in weights:
+        parts = name.split(".")
+        rows = layout.fused_rows(parts[-2]) if len(parts) > 1 and parts[-1] == "weight" else None
+        yield name, tensor if rows is None else torch.cat([tensor[start:end] for start, end in rows])
 
 
 def _longrope_scaling(hf_config: dict, scaling: dict) -> dict | None:
