@@ -99,7 +99,8 @@ def assert_matches_hf(hf, llm: LLM, prompts: dict[str, list[int]], references: d
 PHI3_MINI_128K = {"architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "vocab_size": 256, **SHAPE,
                   "max_position_embeddings": 131072, "original_max_position_embeddings": 4096,
                   "rope_theta": 10000.0, "sliding_window": 262144,
-                  "rope_scaling": {"type": "longrope", "short_factor": [1.0] * 8, "long_factor": [1.5 + i for i in range(8)]}}
+                  "rope_scaling": {"type": "longrope", "short_factor": [1.0] * 8,
+                                   "long_factor": [1.5 + i for i in range(8)]}}
 PHI4_MINI = {**PHI3_MINI_128K, "partial_rotary_factor": 0.75, "tie_word_embeddings": True,
              "rope_scaling": {"type": "longrope", "short_factor": [1.0 + i / 10 for i in range(6)],
                               "long_factor": [2.0 + i for i in range(6)]}}
@@ -219,3 +220,105 @@ def test_two_ranks_over_gloo_give_one_process_tokens(phi3, long_prompts, long_re
     finally:
         llm.engine.shutdown()
         torch.set_num_threads(threads)
+
+
+# ---- GGUF (llama.cpp's phi3) ----------------------------------------------------------------------------
+
+def write_phi3_gguf(hf, path, smollm_path, tensor_type=None):
+    """The tiny model as llama.cpp's converter writes a Phi-3 (convert_hf_to_gguf.py's Phi3MiniModel): fused
+    attn_qkv and ffn_up (gate then up rows), rope.dimension_count the rotary width, LongRoPE's factors as
+    two float32 tensors; the bundled GGUF's tokenizer keys. `tensor_type`: quantize the 2-D weights to it."""
+    import gguf
+    import numpy as np
+
+    cfg, scaling = hf.config, hf.config.rope_parameters
+    writer = gguf.GGUFWriter(str(path), "phi3")
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_rope_scaling_orig_ctx_len(scaling["original_max_position_embeddings"])
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    rope_dims = int(scaling["partial_rotary_factor"] * cfg.hidden_size) // cfg.num_attention_heads  # llama.cpp's
+    writer.add_rope_dimension_count(rope_dims)
+    writer.add_rope_freq_base(scaling["rope_theta"])
+    writer.add_sliding_window(0)
+    original = scaling["original_max_position_embeddings"]
+    scale = cfg.max_position_embeddings / original
+    writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)))
+    reader = gguf.GGUFReader(str(smollm_path))
+    for key, value in reader.fields.items():
+        if key.startswith("tokenizer."):
+            kind = value.types[0]
+            contents = value.contents()
+            if kind == gguf.GGUFValueType.ARRAY:
+                writer.add_array(key, contents)
+            else:
+                writer.add_key_value(key, contents, kind)
+    names = {"embed_tokens": "token_embd", "norm": "output_norm", "input_layernorm": "attn_norm",
+             "self_attn.qkv_proj": "attn_qkv", "self_attn.o_proj": "attn_output",
+             "post_attention_layernorm": "ffn_norm", "mlp.gate_up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    for name, tensor in hf.state_dict().items():
+        name = name.removeprefix("model.").removesuffix(".weight")
+        if name == "lm_head":
+            gguf_name = "output"
+        elif name.startswith("layers."):
+            _, layer, rest = name.split(".", 2)
+            gguf_name = f"blk.{layer}.{names[rest]}"
+        else:
+            gguf_name = names[name]
+        array = tensor.float().numpy()
+        if tensor_type is not None and array.ndim == 2 and gguf_name != "token_embd":
+            writer.add_tensor(f"{gguf_name}.weight", gguf.quants.quantize(array, tensor_type), raw_dtype=tensor_type)
+        else:
+            writer.add_tensor(f"{gguf_name}.weight", array)
+    writer.add_tensor("rope_factors_long.weight", np.array(scaling["long_factor"], dtype=np.float32))
+    writer.add_tensor("rope_factors_short.weight", np.array(scaling["short_factor"], dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@torch.no_grad()
+def test_a_gguf_written_by_the_gguf_package_matches_hf(phi3, long_prompts, long_references, smollm_path, tmp_path):
+    from batchgen.engine.loader.gguf_loader import read_gguf_config
+
+    hf, folder = phi3
+    path = write_phi3_gguf(hf, tmp_path / "phi3.gguf", smollm_path)
+    cfg = read_gguf_config(path)
+    folder_cfg = ModelConfig.from_hf_dict(json.loads((folder / "config.json").read_text()))
+    assert (cfg.architecture, cfg.head_dim, cfg.rotary_dim, cfg.sliding_window) == ("Phi3ForCausalLM", 16, 12, None)
+    for key in ("long_factor", "short_factor", "original_max_position_embeddings", "factor"):
+        assert cfg.rope_scaling[key] == pytest.approx(folder_cfg.rope_scaling[key], rel=1e-6), key
+    assert rope_attention_factor(cfg.rope_scaling) == pytest.approx(rope_attention_factor(folder_cfg.rope_scaling))
+    llm = LLM(str(path), dtype="float32", device="cpu", max_model_len=128, num_kv_blocks=48, max_num_batched_tokens=16)
+    assert_matches_hf(hf, llm, long_prompts, long_references)
+
+
+@torch.no_grad()
+def test_a_q8_0_gguf_keeps_its_fused_blocks_and_matches_hf_on_the_same_weights(phi3, long_prompts, smollm_path,
+                                                                               tmp_path):
+    """quantization gguf: the fused attn_qkv and ffn_up stay Q8_0 blocks in qkv_proj and gate_up_proj; HF's
+    class holding the blocks' dequantized values is the reference."""
+    import copy
+
+    import gguf
+
+    from batchgen.engine.quant.int_linear import IntLinear
+
+    hf, _ = phi3
+    q8_0 = gguf.GGMLQuantizationType.Q8_0
+    path = write_phi3_gguf(hf, tmp_path / "phi3-q8_0.gguf", smollm_path, q8_0)
+    twin = copy.deepcopy(hf)
+    for name, param in twin.named_parameters():
+        if param.dim() == 2 and "embed_tokens" not in name:
+            param.copy_(torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(param.numpy(), q8_0), q8_0)))
+    llm = LLM(str(path), quantization="gguf", dtype="float32", device="cpu", max_model_len=128, num_kv_blocks=48,
+              max_num_batched_tokens=16)
+    layer = llm.engine.runner.model.layers[1]
+    assert isinstance(layer.self_attn.qkv_proj, IntLinear) and isinstance(layer.mlp.gate_up_proj, IntLinear)
+    assert_matches_hf(twin, llm, long_prompts)

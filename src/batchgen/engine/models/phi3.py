@@ -67,7 +67,8 @@ class Phi3ForCausalLM(CausalLM):
             raise ValueError(f"Phi3ForCausalLM: hidden_act {act!r} is not supported (silu)")
         params = hf_config.get("rope_parameters")
         params = params if isinstance(params, dict) else {}
-        # HF: rope_scaling (older configs) wins over rope_parameters; the factor inside them over the top-level one.
+        # HF: rope_scaling (older configs) wins over rope_parameters, and the partial_rotary_factor inside
+        # them over the top-level one.
         scaling = hf_config.get("rope_scaling") or params
         partial = scaling.get("partial_rotary_factor", hf_config.get("partial_rotary_factor", 1.0))
         return {"partial_rotary_factor": float(partial), "sliding_window": hf_config.get("sliding_window"),

@@ -40,7 +40,7 @@ ARCHITECTURES: dict[str, Architecture] = {
     "MistralForCausalLM": Architecture(LlamaForCausalLM, "mistral", gguf_name="mistral"),
     "Qwen2ForCausalLM": Architecture(Qwen2ForCausalLM, "qwen2", gguf_name="qwen2"),
     "Qwen3ForCausalLM": Architecture(Qwen3ForCausalLM, "qwen3", gguf_name="qwen3"),
-    "Phi3ForCausalLM": Architecture(Phi3ForCausalLM, "phi3"),
+    "Phi3ForCausalLM": Architecture(Phi3ForCausalLM, "phi3", gguf_name="phi3"),
 }
 
 

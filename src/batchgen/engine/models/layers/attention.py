@@ -37,7 +37,8 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], backend: AttentionBackend,
                 kv_cache: tuple, meta: AttentionMetadata, ops: SimpleNamespace) -> torch.Tensor:
-        """(T, hidden) normed -> (T, hidden) before the residual add; `rope`: the step's cos, sin (T, 1, rotary_dim)."""
+        """(T, hidden) normed -> (T, hidden) before the residual add; `rope`: the step's cos, sin
+        (T, 1, rotary_dim)."""
         cfg = self.cfg
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)  # (T, q_size + 2 * kv_size)

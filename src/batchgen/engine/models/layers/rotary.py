@@ -52,7 +52,8 @@ def longrope_factors(scaling: dict, dim: int, max_positions: int | None) -> torc
     key = "long_factor" if max_positions is not None and max_positions > original else "short_factor"
     factors = scaling[key]
     if len(factors) != dim // 2:
-        raise ValueError(f"rope_scaling {key} has {len(factors)} entries; a rotary width of {dim} needs {dim // 2}")
+        raise ValueError(f"rope_scaling {key} has {len(factors)} entries; a rotary width of {dim} needs "
+                         f"{dim // 2}")
     return torch.tensor(factors, dtype=torch.float32)
 
 
@@ -99,7 +100,8 @@ class RotaryEmbedding(torch.nn.Module):
         self.register_buffer("sin", torch.cat([-freqs.sin(), freqs.sin()], dim=-1) * scale, persistent=False)
 
     def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, signed sin for a step's positions (T,) as (T, 1, dim); computed once per step, used by every layer."""
+        """cos, signed sin for a step's positions (T,) as (T, 1, dim); computed once per step, used by
+        every layer."""
         cos = self.cos.index_select(0, positions).unsqueeze(1).to(dtype)
         sin = self.sin.index_select(0, positions).unsqueeze(1).to(dtype)
         return cos, sin
