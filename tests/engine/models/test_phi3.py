@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from batchgen.engine import LLM, SamplingParams
+from batchgen.engine.kv.capacity import weight_bytes
 from batchgen.engine.models.config import ModelConfig
 from batchgen.engine.models.layers.rotary import rope_attention_factor, rope_inv_freq
 from batchgen.engine.models.ops import eager_ops
@@ -151,6 +152,7 @@ def test_short_regime_partial_rotary_matches_hf(phi3):
     cfg = llm.engine.model_cfg
     assert (cfg.architecture, cfg.rotary_dim, cfg.head_dim) == ("Phi3ForCausalLM", 12, 16)
     assert llm.engine.runner.model.rotary.cos.shape == (ORIGINAL_MAX, 12)
+    assert llm.engine.weight_bytes == weight_bytes(cfg, torch.float32)  # the capacity plan counts what is held
     assert_matches_hf(hf, llm, prompts_of(SHORT_PROMPT_LENGTHS, cfg.vocab_size, seed=1))
 
 
