@@ -23,7 +23,7 @@ class ModelConfig:
     qk_norm: bool = False  # Qwen3: RMSNorm on q and k per head
     # Rope turns the first head_dim x this channels of each q/k head, the rest pass (Phi-4-mini: 0.75).
     partial_rotary_factor: float = 1.0
-    # Phi-3's config.json key: keys further back than this many positions are masked (None: none).
+    # A query attends to the last this many positions only, itself included (None: all). Read for Phi-3 only.
     sliding_window: int | None = None
     rope_scaling: dict | None = field(default=None, hash=False)
     bos_token_id: int | None = None

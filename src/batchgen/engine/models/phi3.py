@@ -45,9 +45,10 @@ class Phi3ForCausalLM(CausalLM):
         # happens when the window is at least max_positions long (Phi-3-mini-128k's 262144).
         if cfg.sliding_window is not None and cfg.sliding_window < max_positions:
             raise ValueError(
-                f"Phi3ForCausalLM: config.json sets sliding_window {cfg.sliding_window}, below max_model_len "
+                f"Phi3ForCausalLM: the model sets sliding_window {cfg.sliding_window}, below max_model_len "
                 f"{max_positions}; sliding-window attention is not supported yet. Set max_model_len to at most "
-                f"{cfg.sliding_window} (the window then never masks anything)")
+                f"{cfg.sliding_window} (the window then never masks anything; config.json's sliding_window, "
+                f"a GGUF file's phi3.attention.sliding_window)")
         super().__init__(cfg, max_positions, attention_backend, parallel)
 
     def fused_part_sizes(self) -> dict[str, list[int]]:
