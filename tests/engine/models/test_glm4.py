@@ -92,8 +92,7 @@ def test_interleaved_partial_rotary_is_hfs():
     from transformers.models.glm4.modeling_glm4 import apply_rotary_pos_emb
 
     num_positions = 300
-    rotary = RotaryEmbedding(HEAD_DIM, num_positions, 10000.0, None, rotary_dim=HEAD_DIM // 2,
-                             interleaved=True)
+    rotary = RotaryEmbedding(HEAD_DIM // 2, num_positions, 10000.0, None, interleaved=True, head_dim=HEAD_DIM)
     positions = torch.arange(num_positions)
     torch.manual_seed(0)
     q, k = torch.randn(num_positions, 4, HEAD_DIM), torch.randn(num_positions, 2, HEAD_DIM)
@@ -107,10 +106,8 @@ def test_interleaved_partial_rotary_is_hfs():
     torch.testing.assert_close(ours[:, 4:], hf_k[0].transpose(0, 1), rtol=0, atol=1e-6)
     passed = torch.cat([q, k], dim=1)[..., HEAD_DIM // 2:]
     assert torch.equal(ours[..., HEAD_DIM // 2:], passed)  # the dimensions past the rotary width
-    # Every op set has it (the C set runs it eager); rotate-half partial rotary is refused, not run wrong.
+    # Every op set has it (the C set runs it eager).
     assert ops.cpu_kernel_ops().rotary_interleaved is ops.eager_ops().rotary_interleaved
-    with pytest.raises(ValueError, match="interleaved layout only"):
-        RotaryEmbedding(HEAD_DIM, 8, 10000.0, None, rotary_dim=HEAD_DIM // 2)
 
 
 @torch.no_grad()
@@ -164,11 +161,33 @@ def test_prompt_logprobs_are_hfs_log_softmax(glm4, prompts):
         assert (ours - expected).abs().max().item() <= 1e-4, f"prompt {i}"
 
 
-def test_tensor_parallelism_refuses_the_fused_gate_up_checkpoint_tensor_by_name(glm4):
+def test_tensor_parallelism_holds_the_fused_gate_up_checkpoint_tensor_whole_and_cuts_its_rows(glm4):
+    """As Phi-3's (tested end to end over gloo there): the checkpoint's gate_up_proj is read whole and each
+    rank keeps its gate rows and its up rows (DecoderModel.load_weights, layout.fused_rows)."""
     _, folder = glm4
     cfg = ModelConfig.from_hf_dict(json.loads((folder / "config.json").read_text()))
-    layout = TensorParallelLayout.plan(cfg, 0, 2)
+    layout = TensorParallelLayout.plan(cfg, 1, 2)
     assert layout.shard("model.layers.0.mlp.down_proj.weight", (64, 128)) is not None
-    fused = r"'model\.layers\.0\.mlp\.gate_up_proj\.weight'.*tensor_parallel_size 1"
-    with pytest.raises(ValueError, match=fused):
-        layout.shard("model.layers.0.mlp.gate_up_proj.weight", (256, 64))
+    assert layout.shard("model.layers.0.mlp.gate_up_proj.weight", (256, 64)) is None  # held whole
+    half = cfg.intermediate_size // 2
+    assert layout.fused_rows("gate_up_proj") == [(half, 2 * half), (3 * half, 4 * half)]
+
+
+@pytest.mark.subprocess
+def test_two_ranks_over_gloo_give_hfs_tokens(glm4, prompts, hf_tokens):
+    """Tensor parallelism: each rank reads the checkpoint's fused gate_up_proj whole and keeps its gate and
+    up rows; q/k/v (with their biases) split as Llama's; greedy tokens equal HF's."""
+    hf, folder = glm4
+    threads = torch.get_num_threads()
+    llm = LLM(str(folder), num_kv_blocks=64, tensor_parallel_size=2,
+              **{**ENGINE, "max_model_len": 256})
+    try:
+        model = llm.engine.runner.model
+        # this rank's half of the gate rows and half of the up rows
+        assert model.layers[0].mlp.gate_up_proj.weight.shape[0] == 2 * (hf.config.intermediate_size // 2)
+        outputs = greedy_batch(llm, prompts[:6], "tp")
+        for i in range(6):
+            assert outputs[f"tp-{i}"].outputs[0].token_ids == hf_tokens[i], f"prompt {i}"
+    finally:
+        llm.engine.shutdown()
+        torch.set_num_threads(threads)

@@ -93,6 +93,18 @@ def test_checkpoint_tensors_split_along_their_layers_axes():
     assert pad_rows(torch.arange(4.0).reshape(2, 2), 4).tolist() == [[0, 1], [2, 3], [0, 0], [0, 0]]
 
 
+def test_a_checkpoint_stored_fused_is_held_whole_and_cut_by_the_model_s_rows():
+    """Phi-3's qkv_proj and gate_up_proj: a rank's rows are three (two) ranges, cut by the model."""
+    rank1 = TensorParallelLayout.plan(SMOLLM, 1, 2)  # query heads 3..9, KV heads 1..3, channels 768..1536
+    assert rank1.fused_rows("qkv_proj") == [(192, 576), (576 + 64, 576 + 192), (768 + 64, 768 + 192)]
+    assert rank1.fused_rows("gate_up_proj") == [(768, 1536), (1536 + 768, 3072)]
+    assert rank1.fused_rows("q_proj") is None
+    assert rank1.shard("model.layers.0.self_attn.qkv_proj.weight", (960, 576)) is None
+    assert rank1.shard("model.layers.0.mlp.gate_up_proj.weight_scale", (1,)) is None  # per tensor
+    with pytest.raises(ValueError, match="qkv_proj.weight_scale'.*already-fused"):
+        rank1.shard("model.layers.0.self_attn.qkv_proj.weight_scale", (960, 1))
+
+
 def test_gguf_slices_equal_the_whole_tensor_dequantized_and_cut(smollm_path):
     from batchgen.engine.loader.gguf_loader import _reader
 

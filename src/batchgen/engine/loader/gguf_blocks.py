@@ -25,7 +25,7 @@ log = logging.getLogger("batchgen.engine")
 BLOCK = 32
 KEPT_TYPES = ("Q8_0", "Q4_0", "Q4_1")
 # GGUF base names of the decoder's linear layers (the loader maps them to HF names).
-LINEAR_BASES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+LINEAR_BASES = ("attn_q", "attn_k", "attn_v", "attn_qkv", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 # Tensors the model fuses into one layer (qkv_proj, gate_up_proj): kept only when every part is.
 FUSED_BASES = (("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up"))
 

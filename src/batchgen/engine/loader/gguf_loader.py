@@ -21,7 +21,10 @@ _TENSOR_NAMES = {
     "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_qkv": "self_attn.qkv_proj",  # stored fused (Phi-3)
 }
+# A family's own meaning of a base name, by HF architecture: Phi-3's ffn_up holds gate and up, fused.
+_FAMILY_TENSOR_NAMES = {"Phi3ForCausalLM": {"ffn_up": "mlp.gate_up_proj"}}
 
 
 def _reader(path: Path):
@@ -65,7 +68,11 @@ def read_gguf_config(path: Path) -> ModelConfig:
     scaling = None
     if field(f"{arch}.rope.scaling.type") == "linear":
         scaling = {"rope_type": "linear", "factor": field(f"{arch}.rope.scaling.factor")}
-    return ModelConfig(
+    family = {}
+    if arch == "phi3":  # its rope.dimension_count is the rotary width, not head_dim
+        head_dim = field(f"{arch}.attention.key_length") or hidden // num_heads
+        family = _phi3_fields(path, field, head_dim, names)
+    fields = dict(
         model_type=ARCHITECTURES[architecture].model_type,
         vocab_size=vocab,
         hidden_size=hidden,
@@ -85,6 +92,26 @@ def read_gguf_config(path: Path) -> ModelConfig:
         eos_token_ids=() if eos is None else (eos,),
         architecture=architecture,
     )
+    return ModelConfig(**{**fields, **family})
+
+
+def _phi3_fields(path: Path, field, head_dim: int, names: set[str]) -> dict:
+    """What llama.cpp's converter writes for Phi-3 besides the shared keys: the rotary width
+    (partial rotary), the sliding window (0: none) and LongRoPE (its factors as two small float32
+    tensors, the original context and the cos/sin factor as metadata)."""
+    rotary_dim = field("phi3.rope.dimension_count") or head_dim
+    window = field("phi3.attention.sliding_window")
+    fields = {"partial_rotary_factor": rotary_dim / head_dim, "sliding_window": window or None}
+    if "rope_factors_long.weight" in names:
+        tensors = {t.name: t for t in _reader(path).tensors}
+        original = field("phi3.rope.scaling.original_context_length", required=True)
+        fields["rope_scaling"] = {
+            "rope_type": "longrope", "original_max_position_embeddings": original,
+            "long_factor": [float(x) for x in tensors["rope_factors_long.weight"].data],
+            "short_factor": [float(x) for x in tensors["rope_factors_short.weight"].data],
+            "factor": field("phi3.context_length", required=True) / original,
+            "attention_factor": field("phi3.rope.scaling.attn_factor")}
+    return fields
 
 
 def _num_tokens(header: GGUFHeader) -> int:
@@ -101,12 +128,14 @@ def _reverse_permute(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, dim, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
 
 
-def hf_tensor_name(gguf_name: str) -> str | None:
-    """The HF name of a GGUF tensor, or None for tensors the model recomputes (rope_freqs)."""
+def hf_tensor_name(gguf_name: str, cfg: ModelConfig | None = None) -> str | None:
+    """The HF name of a GGUF tensor (of the model `cfg`: a family may read a base name its own way), or
+    None for tensors the model recomputes (rope_freqs, Phi-3's rope factors)."""
     parts = gguf_name.split(".")
     if parts[0] == "blk":
         layer, base, kind = parts[1], parts[2], parts[3]
-        return f"model.layers.{layer}.{_TENSOR_NAMES[base]}.{kind}"
+        names = _FAMILY_TENSOR_NAMES.get(cfg.architecture, {}) if cfg is not None else {}
+        return f"model.layers.{layer}.{names.get(base, _TENSOR_NAMES[base])}.{kind}"
     base, kind = parts[0], parts[1]
     if base not in _TENSOR_NAMES:
         return None  # e.g. rope_freqs: recomputed from the config
@@ -134,7 +163,7 @@ def iter_gguf_weights(path: Path, cfg: ModelConfig, skip: frozenset[str] = froze
     reader = _reader(path)
     for tensor in reader.tensors:
         parts = tensor.name.split(".")
-        name = hf_tensor_name(tensor.name)
+        name = hf_tensor_name(tensor.name, cfg)
         if name is None or name in skip:
             continue
         base = parts[2] if parts[0] == "blk" else parts[0]

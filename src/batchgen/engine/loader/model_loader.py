@@ -149,8 +149,8 @@ def load_model(config: EngineConfig, parallel: TensorParallel | None = None) -> 
             from batchgen.engine.loader.gguf_loader import hf_tensor_name, row_permutation
             from batchgen.engine.quant.int_checkpoint import install_int_layers
 
-            kept = read_gguf_int_weights(path, hf_tensor_name, lambda base, rows: row_permutation(rank_cfg, base, rows),
-                                         shard)
+            kept = read_gguf_int_weights(path, lambda name: hf_tensor_name(name, rank_cfg),
+                                         lambda base, rows: row_permutation(rank_cfg, base, rows), shard)
             install_int_layers(model, {k.removeprefix("model."): w for k, w in kept.items()}, device, str(path))
             origin = "GGUF blocks"
         weights = iter_gguf_weights(path, rank_cfg, skip=frozenset(f"{k}.weight" for k in kept), shard=shard)

@@ -27,8 +27,12 @@ class ModelConfig:
     # GLM-4: an RMSNorm on the attention output and on the MLP output too, before each residual add
     # (layers/sandwich_norm_decoder.py); two more hidden-size norm weights per layer.
     sandwich_norms: bool = False
-    partial_rotary_factor: float = 1.0  # the share of each q/k head that rope rotates (its first dims)
+    # Rope turns the first head_dim x this channels of each q/k head, the rest pass (GLM-4: 0.5,
+    # Phi-4-mini: 0.75).
+    partial_rotary_factor: float = 1.0
     rope_interleaved: bool = False  # GLM-4: rope rotates pairs (2i, 2i + 1), not (i, i + rotary_dim / 2)
+    # A query attends to the last this many positions only, itself included (None: all). Read for Phi-3 only.
+    sliding_window: int | None = None
     rope_scaling: dict | None = field(default=None, hash=False)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -45,7 +49,7 @@ class ModelConfig:
 
     @property
     def rotary_dim(self) -> int:
-        """How many of a head's first dimensions rope rotates (HF: int(head_dim * partial_rotary_factor))."""
+        """The channels of each q/k head rope turns (HF: int(head_dim * partial_rotary_factor))."""
         return int(self.head_dim * self.partial_rotary_factor)
 
     def linear_shapes(self) -> dict[str, tuple[int, int]]:

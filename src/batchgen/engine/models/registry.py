@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 from batchgen.engine.models.glm4 import Glm4ForCausalLM
 from batchgen.engine.models.llama import LlamaForCausalLM
 from batchgen.engine.models.olmo2 import Olmo2ForCausalLM
+from batchgen.engine.models.phi3 import Phi3ForCausalLM
 from batchgen.engine.models.qwen2 import Qwen2ForCausalLM
 from batchgen.engine.models.qwen3 import Qwen3ForCausalLM
 
@@ -44,6 +45,7 @@ ARCHITECTURES: dict[str, Architecture] = {
     "Olmo2ForCausalLM": Architecture(Olmo2ForCausalLM, "olmo2", gguf_name=None),
     # llama.cpp's "glm4" GGUF files are not read yet (their ffn_up is fused gate/up, post-norm names differ).
     "Glm4ForCausalLM": Architecture(Glm4ForCausalLM, "glm4", gguf_name=None),
+    "Phi3ForCausalLM": Architecture(Phi3ForCausalLM, "phi3", gguf_name="phi3"),
 }
 
 

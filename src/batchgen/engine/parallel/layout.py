@@ -81,6 +81,10 @@ class TensorParallelLayout:
     vocab: tuple[int, int]  # rows held: [start, start + vocab_rows); past vocab_size they are zeros
     vocab_size: int  # the model's whole vocabulary (the logits' width)
     is_vocab_parallel: bool = True
+    # The whole model's counts, which cut a checkpoint tensor stored already fused (see fused_rows).
+    total_query_heads: int = 0
+    total_kv_heads: int = 0
+    total_intermediate: int = 0
 
     @classmethod
     def plan(cls, cfg: ModelConfig, rank: int, world_size: int, is_vocab_parallel: bool = True) -> TensorParallelLayout:
@@ -103,7 +107,8 @@ class TensorParallelLayout:
         else:
             vocab = (0, cfg.vocab_size)
         return cls(rank, world_size, cfg.head_dim, query, kv, even_split(cfg.intermediate_size, world_size, rank),
-                   vocab, cfg.vocab_size, is_vocab_parallel)
+                   vocab, cfg.vocab_size, is_vocab_parallel, total_query_heads=cfg.num_heads,
+                   total_kv_heads=cfg.num_kv_heads, total_intermediate=cfg.intermediate_size)
 
     @property
     def num_query_heads(self) -> int:
@@ -126,6 +131,21 @@ class TensorParallelLayout:
         return dataclasses.replace(cfg, num_heads=self.num_query_heads, num_kv_heads=self.num_kv_heads,
                                    intermediate_size=self.num_intermediate, vocab_size=self.vocab_rows)
 
+    def fused_rows(self, module: str) -> list[tuple[int, int]] | None:
+        """The [start, end) rows this rank holds of a checkpoint tensor stored already fused (Phi-3),
+        in order: its query, key and value rows of `qkv_proj`, its gate and up rows of `gate_up_proj`;
+        None for other modules. The model cuts them from the whole tensor (`shard` leaves it whole)."""
+        dim = self.head_dim
+        if module == "qkv_proj":
+            q_rows, kv_rows = self.total_query_heads * dim, self.total_kv_heads * dim
+            (q_start, q_end), (kv_start, kv_end) = self.query_heads, self.kv_heads
+            return [(q_start * dim, q_end * dim), (q_rows + kv_start * dim, q_rows + kv_end * dim),
+                    (q_rows + kv_rows + kv_start * dim, q_rows + kv_rows + kv_end * dim)]
+        if module == "gate_up_proj":
+            (start, end), channels = self.intermediate, self.total_intermediate
+            return [(start, end), (channels + start, channels + end)]
+        return None
+
     def shard(self, name: str, shape: tuple[int, ...]) -> Shard | None:
         """This rank's slice of the checkpoint tensor `name` (an HF name) of `shape`; None: held whole.
 
@@ -138,9 +158,11 @@ class TensorParallelLayout:
             return None
         module, kind = parts[-2], parts[-1]
         head_dim = self.head_dim
-        if module in _FUSED_IN_CHECKPOINT:
-            raise ValueError(f"checkpoint tensor {name!r}: this checkpoint stores {module} fused, which is "
-                             f"not split over tensor-parallel ranks yet; run it with tensor_parallel_size 1")
+        if self.fused_rows(module) is not None:  # stored fused: its rows are no one range
+            if kind != "weight" and _is_per_row(shape, kind):
+                raise ValueError(f"checkpoint tensor {name!r}: an already-fused layer's {kind} does not split "
+                                 f"with tensor_parallel_size > 1 (its float weight does)")
+            return None  # held whole; the model cuts its rows (fused_rows)
         if module in _COLUMN_PARALLEL:
             start, end = self._range(_COLUMN_PARALLEL[module])
             if module in ("q_proj", "k_proj", "v_proj"):

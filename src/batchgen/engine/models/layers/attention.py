@@ -21,8 +21,11 @@ class Attention(nn.Module):
     """One layer's attention. The backend (engine/attention/, chosen by the loader) writes this
     layer's k/v into the paged KV cache and attends over it; `layer_index` names the layer to it.
 
-        self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
-        self.rotary_op = "rotary_interleaved" if cfg.rope_interleaved else "rotary"  # the name in `ops`
+    From the config: `attention_bias` (bias on q/k/v: Qwen2, GLM-4), `qk_norm` (RMSNorm on every q
+    and k head before rope: Qwen3), `qk_norm_over_heads` (that RMSNorm over the whole q and the whole k
+    projection instead, one statistic per token across heads: OLMo 2), `o_proj_bias` (OLMo 2 with
+    attention_bias), `partial_rotary_factor` (rope on the first channels of each head: GLM-4,
+    Phi-4-mini) and `rope_interleaved` (rope on adjacent pairs: GLM-4, whose tables span the whole head).
     """
 
     def __init__(self, cfg: ModelConfig, layer_index: int):
@@ -39,7 +42,8 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], backend: AttentionBackend,
                 kv_cache: tuple, meta: AttentionMetadata, ops: SimpleNamespace) -> torch.Tensor:
-        """(T, hidden) normed -> (T, hidden) before the residual add; `rope`: the step's cos, sin (T, 1, D)."""
+        """(T, hidden) normed -> (T, hidden) before the residual add; `rope`: the step's cos, sin
+        (T, 1, rotary_dim)."""
         cfg = self.cfg
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)  # (T, q_size + 2 * kv_size)
@@ -57,7 +61,13 @@ class Attention(nn.Module):
             q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
             qk = torch.cat([ops.rms_norm(q, self.q_norm.weight, self.q_norm.eps),
                             ops.rms_norm(k, self.k_norm.weight, self.k_norm.eps)], dim=1)
-        rotary = getattr(ops, self.rotary_op)
-        q, k = rotary(qk, *rope).split([cfg.num_heads, cfg.num_kv_heads], dim=1)  # (T, H, D), (T, Hkv, D)
+        rotary_dim = cfg.rotary_dim
+        if cfg.rope_interleaved or rotary_dim == cfg.head_dim:  # interleaved tables span the whole head
+            qk = getattr(ops, self.rotary_op)(qk, *rope)
+        else:  # partial rotary: the first rotary_dim channels of each head turn, the rest pass as they are
+            # (contiguous: the C kernel takes whole heads)
+            turned = ops.rotary(qk[..., :rotary_dim].contiguous(), *rope)  # (T, H + Hkv, rotary_dim)
+            qk = torch.cat([turned, qk[..., rotary_dim:]], dim=-1)
+        q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)  # (T, H, D), (T, Hkv, D)
         out = backend.forward(self.layer_index, q, k, v, kv_cache, meta)  # (T, H, D)
         return self.o_proj(out.reshape(num_tokens, cfg.q_size))

@@ -12,7 +12,7 @@ layers' partial sums). The heads (causal_lm.py) add theirs.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
@@ -77,7 +77,8 @@ class DecoderModel(nn.Module):
 
     # The block every layer is.
     layer_class: ClassVar[type[nn.Module]] = DecoderLayer
-    # HF checkpoint name -> (our parameter, slice index into the fused tensor).
+    # HF checkpoint name -> (our parameter, slice index into the fused tensor). A checkpoint that is
+    # already fused (Phi-3's qkv_proj, gate_up_proj) maps nothing: its tensors load whole.
     _FUSED: ClassVar[dict[str, tuple[str, int]]] = {
         "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
@@ -110,8 +111,8 @@ class DecoderModel(nn.Module):
         """The rotary tables for positions below max_positions (the loader rebuilds them on the real
         device after the weights are in: on the meta device they are shapes only)."""
         cfg = self.cfg
-        return RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, cfg.rotary_dim,
-                               cfg.rope_interleaved)
+        return RotaryEmbedding(cfg.rotary_dim, max_positions, cfg.rope_theta, cfg.rope_scaling,
+                               cfg.rope_interleaved, cfg.head_dim)
 
     def enable_compile(self) -> None:
         """Fuse the elementwise passes with torch.compile (compiles on first use, once per op)."""
@@ -177,6 +178,8 @@ class DecoderModel(nn.Module):
         """Copy HF-named tensors in, fusing q/k/v and gate/up; refuses unknown or missing names.
         FP8 checkpoints' scales are placed by the loader (quant/fp8_checkpoint.placing_fp8_scales)."""
         cfg = self.cfg
+        if self.parallel is not None:  # qkv_proj / gate_up_proj stored fused arrive whole (layout.shard)
+            weights = _rank_rows(weights, self.parallel.layout)
         params = dict(self.named_parameters())
         fused_sizes = self.fused_part_sizes()
         loaded: set[str] = set()
@@ -203,7 +206,7 @@ class DecoderModel(nn.Module):
         expected = set()
         for pname in params:
             base = pname.split(".")[-2] if "." in pname else ""
-            if base in fused_sizes and pname.endswith("weight") or (base == "qkv_proj" and pname.endswith("bias")):
+            if base in fused_sizes and (pname.endswith("weight") or (base == "qkv_proj" and pname.endswith("bias"))):
                 n = len(fused_sizes[base])
                 expected.update(f"{pname}#{i}" for i in range(n))
             elif not self.is_tied_checkpoint_name(pname):
@@ -211,3 +214,12 @@ class DecoderModel(nn.Module):
         missing = sorted(expected - loaded)
         if missing:
             raise ValueError(f"checkpoint is missing tensors: {', '.join(m.split('#')[0] for m in missing[:8])}")
+
+
+def _rank_rows(weights: Iterable[tuple[str, torch.Tensor]], layout) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors with each weight stored fused (Phi-3's qkv_proj and gate_up_proj, GLM-4's
+    gate_up_proj) cut to this rank's rows: its q, k, v or gate, up rows are no one range."""
+    for name, tensor in weights:
+        parts = name.split(".")
+        rows = layout.fused_rows(parts[-2]) if len(parts) > 1 and parts[-1] == "weight" else None
+        yield name, tensor if rows is None else torch.cat([tensor[start:end] for start, end in rows])
