@@ -26,6 +26,7 @@ from batchgen.engine.models.config import ModelConfig
 from batchgen.engine.parallel.layout import check_can_split
 from batchgen.kernels import cpu_elementwise
 from tests.engine.helpers import captured_logits, relative_error, run_requests
+from tests.engine.models.test_registry import randomize_weights
 
 LOGITS_TOLERANCE = 1e-3
 NUM_TOKENS = 8
@@ -45,13 +46,7 @@ def olmo2(hf_tokenizer, tmp_path_factory):
                                       **SHAPE)
     config._attn_implementation = "eager"
     torch.manual_seed(0)
-    model = transformers.Olmo2ForCausalLM(config).float().eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.uniform_(0.5, 1.5)
-            else:
-                param.normal_(0.0, 0.3)  # attention far from uniform: positions matter
+    model = randomize_weights(transformers.Olmo2ForCausalLM(config).float().eval())
     folder = tmp_path_factory.mktemp("olmo2")
     model.save_pretrained(folder)
     hf_tokenizer.save_pretrained(folder)

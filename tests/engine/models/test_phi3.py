@@ -23,6 +23,7 @@ from batchgen.engine.models.config import ModelConfig
 from batchgen.engine.models.layers.rotary import rope_attention_factor, rope_inv_freq
 from batchgen.engine.models.ops import eager_ops
 from tests.engine.helpers import captured_logits, relative_error, run_requests
+from tests.engine.models.test_registry import randomize_weights
 
 LOGITS_TOLERANCE = 1e-3
 ORIGINAL_MAX = 32
@@ -53,13 +54,7 @@ def phi3(hf_tokenizer, tmp_path_factory):
     from transformers import Phi3ForCausalLM
 
     torch.manual_seed(0)
-    model = Phi3ForCausalLM(phi3_config(len(hf_tokenizer))).float().eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.uniform_(0.5, 1.5)
-            else:
-                param.normal_(0.0, 0.3)  # attention far from uniform: positions matter
+    model = randomize_weights(Phi3ForCausalLM(phi3_config(len(hf_tokenizer))).float().eval())
     folder = tmp_path_factory.mktemp("phi3")
     model.save_pretrained(folder)
     hf_tokenizer.save_pretrained(folder)

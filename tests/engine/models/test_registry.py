@@ -34,13 +34,18 @@ def tiny_hf_model(architecture: str, vocab_size: int, **config_keys):
         tie_word_embeddings=False, **{**TINY_SHAPE, **config_keys})
     config._attn_implementation = "eager"
     torch.manual_seed(0)
-    model = getattr(transformers, architecture)(config).float().eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.uniform_(0.5, 1.5)
-            else:
-                param.normal_(0.0, 0.3)  # attention far from uniform: positions matter
+    return randomize_weights(getattr(transformers, architecture)(config).float().eval())
+
+
+@torch.no_grad()
+def randomize_weights(model):
+    """Every weight drawn at random (seeded by the caller): norm gains in [0.5, 1.5], the rest N(0, 0.3),
+    so attention is far from uniform and positions matter."""
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.uniform_(0.5, 1.5)
+        else:
+            param.normal_(0.0, 0.3)
     return model
 
 
