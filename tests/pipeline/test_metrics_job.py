@@ -213,3 +213,13 @@ def test_worker_totals_merge_into_the_whole_outputs_scores(scored_run):
         merged.merge(worker)
     assert len(parts) == 3 and merged.metric_scores() == at_once.metric_scores()
     assert (merged.num_rows, merged.num_requests) == (at_once.num_rows, at_once.num_requests) == (8, 8)
+
+
+def test_the_plan_names_the_metrics_and_their_minimums(scored_run):
+    from batchgen.pipeline.job_plan import format_job_plan, plan_job
+
+    tmp, path, _, _, _ = scored_run
+    job = metrics_job(tmp, path, em={"type": "exact_match", "reference_column": "answer", "min": 0.5},
+                      has={"type": "contains", "reference_column": "needle"})
+    line = next(x for x in format_job_plan(plan_job(job)).splitlines() if x.startswith("metrics"))
+    assert "em (exact_match, min 0.5), has (contains)" in line and "exits 3" in line

@@ -179,6 +179,10 @@ def format_job_plan(plan: JobPlan, max_units_shown: int = 20) -> str:
     if generation["applied"]:
         shown = ", ".join(f"{k}={v}" for k, v in generation["applied"].items())
         lines.append(f"sampling {shown} from {generation['file']} (model.generation_config)")
+    if job.metrics:
+        shown = ", ".join(f"{name} ({spec.type}" + (f", min {spec.min}" if spec.min is not None else "") + ")"
+                          for name, spec in job.metrics.items())
+        lines.append(f"metrics  {shown}: metric_<name> columns; below a min, `batchgen run` exits 3")
     if plan.repeats:
         lines.append(f"ids      {len(plan.repeats):,} row(s) repeat an earlier id: each runs as a request of its own "
                      "(input.allow_duplicate_ids)")
