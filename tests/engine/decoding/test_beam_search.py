@@ -5,10 +5,14 @@ full block since: the most KV blocks a request holds at once stays below beam_wi
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 from batchgen.engine import BeamSearchParams, SamplingParams
+from batchgen.engine.decoding.beam_search import beam_score
+from batchgen.engine.sampling.sampling_params import MAX_LENGTH_PENALTY
 from tests.engine.prompts import INVARIANCE_PROMPTS
 
 WIDTH = 4
@@ -106,3 +110,26 @@ def test_early_stopping_true_and_the_llm_api(llm, hf_model, prompt_ids):
 def test_sampling_settings_with_beam_search_are_refused_by_name(settings, field):
     with pytest.raises(ValueError, match=f"SamplingParams.{field} "):
         SamplingParams(beam_width=WIDTH, **settings)
+
+
+@pytest.mark.parametrize("length_penalty", [MAX_LENGTH_PENALTY, -MAX_LENGTH_PENALTY, 1e308, -1e308,
+                                            math.inf, -math.inf])
+@pytest.mark.parametrize("num_generated", [0, 1, 2, 2 ** 20, 2 ** 63])
+@pytest.mark.parametrize("cumulative_logprob", [-1e4, -1.5, 0.0])
+def test_beam_score_raises_nothing_at_the_bounds_and_past_them(cumulative_logprob, num_generated,
+                                                               length_penalty):
+    score = beam_score(cumulative_logprob, num_generated, length_penalty)
+    assert not math.isnan(score) and score <= 0
+    if abs(length_penalty) <= MAX_LENGTH_PENALTY:  # SamplingParams' range: always finite
+        assert math.isfinite(score)
+        expected = cumulative_logprob / max(num_generated, 1) ** length_penalty
+        assert score == expected
+
+
+@pytest.mark.parametrize("length_penalty", [MAX_LENGTH_PENALTY, -MAX_LENGTH_PENALTY])
+def test_beam_search_runs_at_the_length_penalty_bounds(llm, prompt_ids, length_penalty):
+    outputs = llm.beam_search([{"prompt_token_ids": prompt_ids[0]}],
+                              BeamSearchParams(beam_width=2, max_tokens=6, length_penalty=length_penalty))
+    scores = [seq.score for seq in outputs[0].sequences]
+    assert len(scores) == 2 and all(math.isfinite(s) for s in scores)
+    assert scores == sorted(scores, reverse=True)

@@ -21,6 +21,7 @@ kv_cache_manager.py), and a beam with no continuation gives its blocks back.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -70,8 +71,19 @@ class BeamSearchOutput:
 
 
 def beam_score(cumulative_logprob: float, num_generated: int, length_penalty: float) -> float:
-    """HF's finished-hypothesis score: cumulative log-probability / generated length ** length_penalty."""
-    return cumulative_logprob / (num_generated ** length_penalty)
+    """HF's finished-hypothesis score: cumulative log-probability / generated length ** length_penalty.
+
+    SamplingParams keeps |length_penalty| <= 10, where the power is a finite, non-zero float64 for any
+    length; outside that this still raises nothing: a length below 1 counts as 1, a power past float64's
+    range gives the limit (-0.0 for a negative log-probability), one below it -inf (0.0 for 0)."""
+    length = max(num_generated, 1)
+    try:
+        denominator = float(length) ** length_penalty
+    except OverflowError:  # length ** length_penalty past float64's range: the score's limit is 0
+        return cumulative_logprob * 0.0
+    if denominator == 0.0:  # underflow: the score's limit is -inf for any log-probability below 0
+        return -math.inf if cumulative_logprob < 0 else cumulative_logprob * 0.0
+    return cumulative_logprob / denominator
 
 
 @dataclass

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 from batchgen.engine.config import check_settings
@@ -10,6 +9,13 @@ from batchgen.engine.core.outputs import RequestOutputKind
 from batchgen.engine.decoding.structured.params import StructuredOutputError, StructuredOutputsParams
 
 MAX_TEMPERATURE = 100.0  # far past any useful value (near-uniform long before): keeps inf and typos out
+# The smallest temperature above 0 (vLLM treats below 1e-5 as greedy). The sampler divides float32 logits
+# by it: 1e-300 would be 0 there and every probability NaN; 1e-5 keeps them finite.
+MIN_TEMPERATURE = 1e-5
+# repetition_penalty's range: it divides and multiplies float32 logits, so 1e308 would be inf there (0 x inf
+# is NaN) and 1e-300 would be 0; within [1e-6, 1e6] a penalised logit stays finite (vLLM and HF take any
+# float > 0; past these the penalty is already total).
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 1e-6, 1e6
 # Samples per request. The n sequences of a request are created when it is added and each holds KV
 # blocks and a scheduler slot, so n is bounded like any other allocation: 1024 covers best-of-n and
 # RL-style sampling (OpenAI's API stops at 128) while keeping one request's bookkeeping small.
@@ -19,6 +25,11 @@ MAX_N = 1024
 MAX_LOGPROBS = 20
 # Beams per request. Each live beam is a sequence with a scheduler slot; HF and vLLM users run 4-16.
 MAX_BEAM_WIDTH = 64
+# |length_penalty| at most. Beam scores divide by length ** length_penalty: with |length_penalty| <= 10
+# that stays a normal float64 for every length up to 2**63 tokens (2**630 and 2**-630, float64 reaching
+# 2**1023), so no score overflows or divides by zero; HF and vLLM take any float, but past +-10 the
+# ranking is already all length (HF's own examples use 0.6-2).
+MAX_LENGTH_PENALTY = 10.0
 
 
 @dataclass
@@ -59,15 +70,17 @@ class SamplingParams:
     n: int = 1
     """Samples per request (beam search: the best n beams)."""
     temperature: float = 1.0
-    """Scales the logits before sampling; 0: greedy (the most likely token)."""
+    """Scales the logits before sampling: 0 (greedy: the most likely token) or in [1e-5, 100] (smaller
+    would divide float32 logits by 0)."""
     top_p: float = 1.0
     """Sample from the smallest set of tokens whose probabilities add up to top_p, in (0, 1]."""
     top_k: int = -1
     """Sample from the k most likely tokens; -1: all."""
     min_p: float = 0.0
-    """Drop tokens less likely than min_p times the most likely one's probability."""
+    """Drop tokens less likely than min_p times the most likely one's probability, in [0, 1]."""
     repetition_penalty: float = 1.0
-    """Over prompt and output tokens: divides positive logits, multiplies negative ones; 1: off."""
+    """Over prompt and output tokens: divides positive logits, multiplies negative ones; 1: off; in
+    [1e-6, 1e6] (keeps penalised float32 logits finite)."""
     presence_penalty: float = 0.0
     """Subtracted from the logits of tokens that appeared in the output, in [-2, 2]."""
     frequency_penalty: float = 0.0
@@ -103,7 +116,9 @@ class SamplingParams:
     beam_width: int = 1
     """Beams kept at each step; 1: no beam search."""
     length_penalty: float = 1.0
-    """Beam search: finished beams are ranked by cumulative log-probability / length ** length_penalty."""
+    """Beam search: finished beams are ranked by cumulative log-probability / length ** length_penalty;
+    in [-10, 10] (HF and vLLM take any float; this bound keeps length ** length_penalty a finite,
+    non-zero float64 for every length, and past it the ranking is all length anyway)."""
     early_stopping: bool | str = False
     """Beam search (HF's): false stops when no running beam can beat the worst finished one, true when
     beam_width beams finished, "never" when none could at max_tokens."""
@@ -120,11 +135,14 @@ class SamplingParams:
         self.logprobs = as_num_logprobs(self.logprobs)
         check_settings(self, [
             ("n", 1 <= self.n <= MAX_N, f"must be in [1, {MAX_N}]"),
-            ("temperature", 0 <= self.temperature <= MAX_TEMPERATURE, f"must be in [0, {MAX_TEMPERATURE:g}]"),
+            ("temperature", self.temperature == 0 or MIN_TEMPERATURE <= self.temperature <= MAX_TEMPERATURE,
+             "must be 0 or in [1e-5, 100]"),
             ("top_p", 0 < self.top_p <= 1, "must be in (0, 1]"),
             ("top_k", self.top_k == -1 or self.top_k >= 1, "must be -1 (off) or >= 1"),
             ("min_p", 0 <= self.min_p <= 1, "must be in [0, 1]"),
-            ("repetition_penalty", 0 < self.repetition_penalty < math.inf, "must be > 0 and finite"),
+            ("repetition_penalty",
+             MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY,
+             "must be in [1e-6, 1e6]"),
             ("presence_penalty", -2 <= self.presence_penalty <= 2, "must be in [-2, 2]"),
             ("frequency_penalty", -2 <= self.frequency_penalty <= 2, "must be in [-2, 2]"),
             ("max_tokens", self.max_tokens >= 1, "must be >= 1"),
@@ -142,7 +160,8 @@ class SamplingParams:
                 isinstance(self.prompt_logprobs, int) and not isinstance(self.prompt_logprobs, bool)
                 and 0 <= self.prompt_logprobs <= MAX_LOGPROBS), f"must be None or in [0, {MAX_LOGPROBS}]"),
             ("beam_width", 1 <= self.beam_width <= MAX_BEAM_WIDTH, f"must be in [1, {MAX_BEAM_WIDTH}]"),
-            ("length_penalty", math.isfinite(self.length_penalty), "must be finite"),
+            ("length_penalty", -MAX_LENGTH_PENALTY <= self.length_penalty <= MAX_LENGTH_PENALTY,
+             f"must be in [-{MAX_LENGTH_PENALTY:g}, {MAX_LENGTH_PENALTY:g}]"),
             ("early_stopping", self.early_stopping is False or self.early_stopping is True
              or self.early_stopping == "never", "must be false, true or never"),
             ("output_kind", isinstance(self.output_kind, RequestOutputKind),
