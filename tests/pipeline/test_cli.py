@@ -55,7 +55,7 @@ def test_set_overrides_change_what_validate_plans(job_file, no_engine, tmp_path)
 
 
 @pytest.mark.parametrize("args, expected", [
-    (["--set", "sampling.temperature=-1"], "sampling.temperature: must be 0 or in [1e-5, 100] (got -1.0)"),
+    (["--set", "sampling.temperature=-1"], "sampling.temperature: must be in [1e-5, 100] or 0 (got -1.0)"),
     (["--set", "input.prompt_column=text"], "column 'text' (input.prompt_column) is missing"),
     (["--set", "model.path=/nowhere/model.gguf"], "model.path"),
     (["--set", "nonsense"], "expected section.key=value"),

@@ -175,9 +175,9 @@ def job_error(**sections) -> str:
 
 
 @pytest.mark.parametrize("section, values, expected", [
-    ("sampling", {"temperature": INF}, "sampling.temperature: must be 0 or in [1e-5, 100] (got inf)"),
-    ("sampling", {"temperature": NAN}, "sampling.temperature: must be 0 or in [1e-5, 100] (got nan)"),
-    ("sampling", {"temperature": 100.5}, "sampling.temperature: must be 0 or in [1e-5, 100] (got 100.5)"),
+    ("sampling", {"temperature": INF}, "sampling.temperature: must be in [1e-5, 100] or 0 (got inf)"),
+    ("sampling", {"temperature": NAN}, "sampling.temperature: must be in [1e-5, 100] or 0 (got nan)"),
+    ("sampling", {"temperature": 100.5}, "sampling.temperature: must be in [1e-5, 100] or 0 (got 100.5)"),
     ("sampling", {"top_p": 0.0}, "sampling.top_p: must be in (0, 1] (got 0.0)"),
     ("sampling", {"top_p": NAN}, "sampling.top_p: must be in (0, 1] (got nan)"),
     ("sampling", {"top_k": 0}, "sampling.top_k: must be -1 (off) or >= 1 (got 0)"),
@@ -222,7 +222,7 @@ def test_the_edges_of_each_range_are_accepted():
 def test_a_yaml_inf_from_set_is_refused(tmp_path):
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(BASE))
-    with pytest.raises(JobError, match=r"sampling\.temperature: must be 0 or in \[1e-5, 100\] \(got inf\)"):
+    with pytest.raises(JobError, match=r"sampling\.temperature: must be in \[1e-5, 100\] or 0 \(got inf\)"):
         load_job(path, ["sampling.temperature=.inf"])
     with pytest.raises(JobError, match=r"sampling\.repetition_penalty: must be in \[1e-6, 1e6\] \(got nan\)"):
         load_job(path, ["sampling.repetition_penalty=.nan"])
@@ -238,7 +238,7 @@ def test_bad_per_row_values_become_error_rows(tmp_path, fake_engine_for):
     assert [i for i, r in rows.items() if r["error"] is None] == [0, 3, 5]
     for i, shown in ((1, "inf"), (2, "nan"), (4, "200.0")):
         assert f"invalid per-row sampling value (temp={shown})" in rows[i]["error"]
-        assert "temperature must be 0 or in [1e-5, 100]" in rows[i]["error"]
+        assert "temperature must be in [1e-5, 100] or 0" in rows[i]["error"]
         assert rows[i]["finish_reason"] == "error"
     assert result.record.num_errors == 3
 

@@ -94,7 +94,7 @@ def test_generation_config_fills_the_sampling_keys_the_job_does_not_set(engine, 
 
     (folder / "generation_config.json").write_text(json.dumps({"temperature": 500.0}))
     with pytest.raises(JobError, match=r"model.generation_config: .*generation_config.json gives "
-                                       r"sampling.temperature 500.0, which must be 0 or in \[1e-5, 100\]"):
+                                       r"sampling.temperature 500.0, which must be in \[1e-5, 100\] or 0"):
         run_job(make_job(tmp_path, inputs, model={"generation_config": "gen"}, output={"path": str(tmp_path / "o3")}),
                 engine=engine, progress=False)
     with pytest.raises(JobError, match="model.generation_config: .*no generation_config.json there"):

@@ -136,7 +136,7 @@ class SamplingParams:
         check_settings(self, [
             ("n", 1 <= self.n <= MAX_N, f"must be in [1, {MAX_N}]"),
             ("temperature", self.temperature == 0 or MIN_TEMPERATURE <= self.temperature <= MAX_TEMPERATURE,
-             "must be 0 or in [1e-5, 100]"),
+             "must be in [1e-5, 100] or 0"),
             ("top_p", 0 < self.top_p <= 1, "must be in (0, 1]"),
             ("top_k", self.top_k == -1 or self.top_k >= 1, "must be -1 (off) or >= 1"),
             ("min_p", 0 <= self.min_p <= 1, "must be in [0, 1]"),
