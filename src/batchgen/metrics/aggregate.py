@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
+from batchgen.metrics.pass_at_k import pass_at_k_by_group
 from batchgen.metrics.spec import METRIC_COLUMN_PREFIX, MetricSpec, PassAtK, metric_column
 
 METADATA_KEY = b"batchgen.metric"
@@ -61,7 +62,5 @@ def aggregate(how: dict, verdicts: np.ndarray, ids: list | None = None) -> Metri
     row's id: the rows of one id are its n samples."""
     if how.get("type") != "pass_at_k":
         return mean_with_stderr(np.asarray(verdicts, np.float64))
-    from batchgen.metrics.pass_at_k import pass_at_k_by_group
-
     value, stderr, num_groups = pass_at_k_by_group(ids, [bool(v) for v in verdicts], int(how["k"]))
     return MetricScore(value, stderr, num_groups)

@@ -3,7 +3,7 @@
 `RunRecord.of_run` builds it from the run's counters; the writers (a local run, the Ray driver,
 `finalize_folder` after static shards) write `to_json()` as `_SUCCESS`, last; a rerun of a complete
 job, `batchgen finalize`, the report and the bench read it back with `from_json` / `from_dict`. The
-JSON keys are user-facing (design.md, "Job file contract"): the field names below, in this order.
+JSON keys are user-facing (the output reference, docs/reference/output.md): the field names below, in this order.
 Counts cover the whole output; speed and latency figures cover the last run.
 
 The first batchgen wrote 13 keys (job ... resumed): a record without one of them is refused

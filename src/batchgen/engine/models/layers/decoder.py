@@ -59,12 +59,23 @@ class DecoderLayer(nn.Module):
         x = self.self_attn(x, rope, backend, kv_cache, meta, ops)
         if group is not None:
             group.all_reduce(x)  # o_proj's partial sums over the ranks' heads
+        x = self.attention_output(x, ops)
         norm = self.post_attention_layernorm
         x, residual = ops.add_rms_norm(x, residual, norm.weight, norm.eps)
         hidden = self.mlp(x, ops)
         if group is not None:
             group.all_reduce(hidden)  # down_proj's partial sums over the ranks' MLP channels
-        return hidden, residual
+        return self.mlp_output(hidden, ops), residual
+
+    def attention_output(self, x: torch.Tensor, ops: SimpleNamespace) -> torch.Tensor:
+        """The attention's (T, hidden) output as it joins the residual stream (whole sums, after tensor
+        parallelism's all-reduce): as it is here; a block that norms it overrides this (GLM-4)."""
+        return x
+
+    def mlp_output(self, hidden: torch.Tensor, ops: SimpleNamespace) -> torch.Tensor:
+        """The MLP's (T, hidden) output as it joins the residual stream: as it is here (see
+        attention_output)."""
+        return hidden
 
 
 class DecoderModel(nn.Module):
