@@ -167,6 +167,74 @@ def test_a_large_prompt_does_not_hold_up_normal_requests(server, client):
     assert asyncio.run(race()) == ["normal 2", "big 400"]
 
 
+def _ref_chain(num_links: int) -> dict:
+    defs = {f"d{i}": {"type": "object", "properties": {"x": {"$ref": f"#/$defs/d{i + 1}"}}, "required": ["x"]}
+            for i in range(num_links)}
+    defs[f"d{num_links}"] = {"type": "string"}
+    return {"$ref": "#/$defs/d0", "$defs": defs}
+
+
+POISON_BODIES = {  # each crashed the server (the $ref chains) or failed every request in its step
+    "ref-chain-1000": {"response_format": {"type": "json_schema", "json_schema": {"name": "c", "schema": _ref_chain(1_000)}}},
+    "ref-chain-5000": {"response_format": {"type": "json_schema", "json_schema": {"name": "c", "schema": _ref_chain(5_000)}}},
+    "regex-bomb": {"structured_outputs": {"regex": "a{1000}{1000}"}},
+    "choice-100000": {"structured_outputs": {"choice": [f"c{i}" for i in range(100_000)]}},
+}
+
+
+def test_poison_constraints_are_400s_and_concurrent_requests_are_unchanged(server, client):
+    def normal(i: int) -> list[int]:
+        reply = client.chat.completions.create(model=MODEL, messages=chat(f"Name a colour, {i}."), max_tokens=8,
+                                               temperature=0.8, seed=i, logprobs=True)
+        return [t.token for t in reply.choices[0].logprobs.content]
+
+    quiet = [normal(i) for i in range(4)]
+
+    async def together() -> tuple[list, dict]:
+        async with httpx.AsyncClient(base_url=server.base_url, headers=HEADERS, timeout=120) as http:
+            async def poison(body: dict) -> httpx.Response:
+                return await http.post(CHAT_URL, json={"messages": chat("Hi"), "max_tokens": 4, **body})
+            normals = [asyncio.to_thread(normal, i) for i in range(4)]
+            results = await asyncio.gather(*normals, *(poison(b) for b in POISON_BODIES.values()))
+        return results[:4], dict(zip(POISON_BODIES, results[4:]))
+
+    tokens, poisoned = asyncio.run(together())
+    assert tokens == quiet  # the same tokens as alone
+    for name, response in poisoned.items():
+        error = error_of(response)
+        assert error["param"] in ("response_format.json_schema.schema", "structured_outputs.regex",
+                                  "structured_outputs.choice"), (name, error)
+        assert "backtrace" not in error["message"] and "<unknown>" not in error["message"]
+    assert server.proc.poll() is None  # alive
+
+
+def test_a_slow_schema_compiles_off_the_engine_thread(server, client):
+    """A 4,000-property schema takes seconds to compile; a normal request sent meanwhile is answered
+    first (the compile runs on a worker thread, not the engine thread everyone's steps run on)."""
+    schema = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(4_000)}}
+    slow_body = {"messages": chat("Hi"), "max_tokens": 2,
+                 "response_format": {"type": "json_schema", "json_schema": {"name": "wide", "schema": schema}}}
+
+    async def race() -> list[str]:
+        order = []
+        async with httpx.AsyncClient(base_url=server.base_url, headers=HEADERS, timeout=120) as http:
+            async def slow():
+                response = await http.post(CHAT_URL, json=slow_body)
+                order.append("schema")
+                assert response.status_code in (200, 400), response.text  # 400: past the compile deadline
+
+            async def normal():
+                await asyncio.sleep(0.3)  # the schema is compiling by now
+                reply = await asyncio.to_thread(client.chat.completions.create, model=MODEL,
+                                                messages=chat("Hi"), max_tokens=2, temperature=0)
+                order.append(f"normal {reply.usage.completion_tokens}")
+
+            await asyncio.gather(slow(), normal())
+        return order
+
+    assert asyncio.run(race()) == ["normal 2", "schema"]
+
+
 def _idle(metrics: dict) -> bool:
     return (metrics["batchgen:num_requests_running"] == 0 and metrics["batchgen:num_requests_waiting"] == 0
             and metrics["batchgen:num_free_kv_blocks"] == metrics["batchgen:num_kv_blocks"])

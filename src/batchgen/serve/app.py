@@ -218,7 +218,11 @@ def _check_prompt(body, token_ids: list[int], prompt_field: str,
 async def _generate(state: ServerState, request: Request, body, prompts: list, is_chat: bool,
                     chat: ChatTemplateOptions = DEFAULT_CHAT) -> Response:
     # A bad field is a 400 before any queueing (the default budget is settled per prompt later).
-    sampling_params_from_body(body, default_max_tokens=state.max_model_len, defaults=state.settings.sampling_defaults)
+    params = sampling_params_from_body(body, default_max_tokens=state.max_model_len,
+                                       defaults=state.settings.sampling_defaults)
+    # The constraint compiled here, on a worker thread, not on the engine thread that steps everyone's
+    # requests (a large schema takes seconds); the engine thread then finds it in the compiler's cache.
+    await asyncio.to_thread(compile_request_constraint, state.loop.engine, body, params)
     release = state.admit()
     try:
         response_id = f"{'chatcmpl' if is_chat else 'cmpl'}-{uuid.uuid4().hex}"

@@ -330,6 +330,12 @@ class EngineLoop:
     def _finish(self, record: _Record, out: RequestOutput) -> None:
         """The request's whole output: each sample whole, or for a stream what it has not sent yet."""
         del self._records[out.request_id]
+        failed = next((c for c in out.outputs if c.finish_reason == "error"), None)
+        if failed is not None:  # one sample failed alone in the engine (its grammar): this request's error
+            self.metrics.count_end("error", record.num_samples)
+            record.submission.sink.put(Failed(out.request_id, APIError(
+                500, f"sample {failed.index} failed: {failed.error}", code="generation_error")))
+            return
         deltas = [self._unsent(record, c) if record.submission.is_streaming
                   else completion_delta(c, self.engine.tokenizer.token_texts) for c in out.outputs]
         prompt = None

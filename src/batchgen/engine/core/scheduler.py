@@ -231,8 +231,13 @@ class Scheduler:
         seq.append_token(row.token_id, row.logprob, row.top_logprobs)
         update.num_new_tokens += 1
         if seq.grammar is not None and not seq.grammar.accept_token(row.token_id):
-            raise RuntimeError(f"request {seq.request_id!r} sampled token {row.token_id}, which its grammar's "
-                               "mask did not allow")
+            # The library refused a token its own mask allowed (its lexer gave up part-way through a
+            # constraint, ...): this sample ends alone with the error; the step's others go on.
+            why = seq.grammar.library_error
+            seq.finish_reason = "error"
+            seq.error = (f"structured output: the grammar refused token {row.token_id}, which its mask allowed"
+                         + (f" ({why})" if why else ""))
+            return True
         return is_stopped(seq)
 
     def _verify(self, seq: Sequence, rows: list[StepResult], is_stopped: Callable[[Sequence], bool],
