@@ -9,13 +9,13 @@ applies its sampled rows to the sequences (vLLM v1's split: the output processor
 from __future__ import annotations
 
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.core.sequence import Sequence, SequenceStatus
+from batchgen.engine.core.waiting_queue import WaitingQueue
 from batchgen.engine.kv.kv_cache_manager import KVCacheManager
 
 if TYPE_CHECKING:
@@ -103,7 +103,7 @@ class Scheduler:
     def __init__(self, config: EngineConfig, kv_cache_manager: KVCacheManager):
         self.config = config
         self.kv_cache_manager = kv_cache_manager
-        self.waiting: deque[Sequence] = deque()
+        self.waiting = WaitingQueue()
         self.running: list[Sequence] = []
         self.stats = SchedulerStats()
 
