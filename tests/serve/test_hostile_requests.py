@@ -110,11 +110,10 @@ def test_a_chat_body_longer_than_the_context_could_hold_is_refused_before_it_is_
     answer = raw_exchange(server, head, [CHUNK_1MIB] * 30)
     assert answer.startswith(b"HTTP/1.1 400"), answer[:200]
     assert time.monotonic() - start < 10
-    # A completion's text prompt: after parsing, before tokenizing.
-    response = httpx.post(server.base_url + COMPLETIONS_URL, headers=HEADERS, timeout=60,
-                          json={"prompt": "word " * 400_000, "max_tokens": 1})
-    error = error_of(response)
-    assert error["code"] == "context_length_exceeded" and "bytes of text" in error["message"]
+    # Under the body bound but still more text than fits: refused after parsing, before tokenizing.
+    for url, body in ((COMPLETIONS_URL, {"prompt": "word " * 400_000}), (CHAT_URL, {"messages": chat("word " * 400_000)})):
+        error = error_of(httpx.post(server.base_url + url, headers=HEADERS, timeout=60, json={**body, "max_tokens": 1}))
+        assert error["code"] == "context_length_exceeded" and "bytes of text" in error["message"]
     reply = client.chat.completions.create(model=MODEL, messages=chat("Hi"), max_tokens=2)
     assert reply.usage.completion_tokens == 2
 

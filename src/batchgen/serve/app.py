@@ -44,6 +44,7 @@ from batchgen.serve.request_bounds import (
     check_prompt_bytes,
     check_prompt_logprob_entries,
     max_chat_body_bytes,
+    messages_text,
     num_sequences,
 )
 from batchgen.serve.settings import DEFAULT_MAX_REQUEST_BODY_BYTES
@@ -175,6 +176,8 @@ def create_app(state: ServerState) -> FastAPI:
         body = parse_request(await read_body(request, *_chat_body_bound(state)), ChatCompletionRequest)
         _check_model(body.model, names)
         messages = body.template_messages()
+        if state.max_prompt_bytes is not None:  # before the template and the tokenizer see it
+            check_prompt_bytes(messages_text(messages), "messages", state.max_prompt_bytes, state.max_model_len)
         chat = body.chat_options(state.settings.chat_template, state.settings.chat_template_kwargs)
         return await _generate(state, request, body, [messages], is_chat=True, chat=chat)
 

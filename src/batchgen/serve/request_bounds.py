@@ -51,6 +51,23 @@ def check_prompt_bytes(prompt: str, field: str, max_bytes: int, max_model_len: i
                           field, "context_length_exceeded")
 
 
+def messages_text(messages: list[dict]) -> str:
+    """Every string in chat messages (content, text parts, names) joined: what the prompt's text holds at least."""
+    pieces: list[str] = []
+
+    def walk(value) -> None:
+        if isinstance(value, str):
+            pieces.append(value)
+        elif isinstance(value, dict):
+            for item in value.values():
+                walk(item)
+        elif isinstance(value, list):
+            for item in value:
+                walk(item)
+    walk(messages)
+    return "".join(pieces)
+
+
 def num_sequences(params: SamplingParams, num_prompts: int) -> int:
     """The sequences a request holds in the engine: each prompt's samples or beams."""
     return num_prompts * max(params.n, params.beam_width)

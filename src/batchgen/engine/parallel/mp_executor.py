@@ -39,7 +39,6 @@ import torch
 import torch.distributed as dist
 
 from batchgen.engine.config import EngineConfig
-from batchgen.engine.parallel.spawn_guard import check_spawn_safe
 from batchgen.engine.core.scheduler import ScheduledSeq
 from batchgen.engine.core.sequence import Sequence
 from batchgen.engine.kv.capacity import kv_bytes_per_token
@@ -49,6 +48,7 @@ from batchgen.engine.loader.source import resolve_model
 from batchgen.engine.parallel import TensorParallel, TensorParallelGroup
 from batchgen.engine.parallel.group import STORE_TIMEOUT
 from batchgen.engine.parallel.layout import all_layouts
+from batchgen.engine.parallel.spawn_guard import check_spawn_safe
 from batchgen.engine.parallel.worker import (
     PROFILE,
     SHUTDOWN,
