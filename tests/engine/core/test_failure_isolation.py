@@ -56,3 +56,30 @@ def test_a_failing_grammar_ends_its_request_alone(engine):
         assert all(c.finish_reason != "error" and c.error is None for c in outputs[request_id].outputs)
     assert not engine.has_unfinished()
     assert engine.scheduler.kv_cache_manager.pool.num_free_blocks == free_before  # its blocks came back
+
+
+def test_non_finite_logits_end_their_request_alone(engine, monkeypatch):
+    """A row whose logits turn NaN (what damaged weights or a float16 overflow give) ends its sample with
+    an error instead of drawing tokens from nothing; the others in the step are unchanged."""
+    quiet = run_requests(engine, normal_requests())
+    runner, sampler = engine.runner, engine.runner.sampler
+
+    class PoisoningSampler:
+        def sample(self, logits, batch, seqs, penalties):
+            for row, seq in enumerate(seqs):
+                if seq.request_id == "poison" and seq.num_output_tokens >= FAILS_AFTER:
+                    logits[row, 100] = float("nan")
+            return sampler.sample(logits, batch, seqs, penalties)
+
+    monkeypatch.setattr(runner, "sampler", PoisoningSampler())
+    engine.add_request("poison", CHAT_PROMPTS[5], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    for request_id, (prompt, params) in normal_requests().items():
+        engine.add_request(request_id, prompt, params)
+    outputs = {}
+    while engine.has_unfinished():
+        outputs.update((out.request_id, out) for out in engine.step())
+    poison = outputs["poison"].outputs[0]
+    assert poison.finish_reason == "error" and "not finite" in poison.error
+    assert len(poison.token_ids) == FAILS_AFTER + 1
+    for request_id, out in quiet.items():
+        assert [c.token_ids for c in outputs[request_id].outputs] == [c.token_ids for c in out.outputs]
