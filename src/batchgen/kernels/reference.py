@@ -77,6 +77,13 @@ def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate).mul_(up)
 
 
+def gelu_tanh_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up: (T, 2 * inter). Returns gelu_tanh(gate) * up, (T, inter): Gemma's GeGLU (HF's
+    gelu_pytorch_tanh)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh").mul_(up)
+
+
 # ---- greedy sampling (cpu_sampling) ---------------------------------------------------------------
 
 

@@ -40,6 +40,8 @@ class ModelConfig:
     attn_logit_softcapping: float | None = None  # Gemma 2: attention scores become c * tanh(score / c)
     final_logit_softcapping: float | None = None  # Gemma 2: logits become c * tanh(logit / c)
     query_pre_attn_scalar: float | None = None  # Gemma: the softmax scale is this ** -0.5 (None: head_dim's)
+    rope_local_theta: float | None = None  # Gemma 3: the local (sliding) layers' rope base
+    hidden_act: str = "silu"  # the gated MLP's activation: silu, or gelu_pytorch_tanh (Gemma's GeGLU)
     rope_scaling: dict | None = field(default=None, hash=False)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()

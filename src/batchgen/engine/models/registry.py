@@ -16,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from batchgen.engine.models.gemma2 import Gemma2ForCausalLM
+from batchgen.engine.models.gemma3 import Gemma3ForCausalLM
 from batchgen.engine.models.glm4 import Glm4ForCausalLM
 from batchgen.engine.models.llama import LlamaForCausalLM
 from batchgen.engine.models.olmo2 import Olmo2ForCausalLM
@@ -46,6 +48,8 @@ ARCHITECTURES: dict[str, Architecture] = {
     # llama.cpp's "glm4" GGUF files are not read yet (their ffn_up is fused gate/up, post-norm names differ).
     "Glm4ForCausalLM": Architecture(Glm4ForCausalLM, "glm4", gguf_name=None),
     "Phi3ForCausalLM": Architecture(Phi3ForCausalLM, "phi3", gguf_name="phi3"),
+    "Gemma2ForCausalLM": Architecture(Gemma2ForCausalLM, "gemma2", gguf_name=None),
+    "Gemma3ForCausalLM": Architecture(Gemma3ForCausalLM, "gemma3_text", gguf_name=None),
 }
 
 
