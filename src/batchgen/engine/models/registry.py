@@ -20,6 +20,7 @@ from batchgen.engine.models.gemma2 import Gemma2ForCausalLM
 from batchgen.engine.models.gemma3 import Gemma3ForCausalLM
 from batchgen.engine.models.glm4 import Glm4ForCausalLM
 from batchgen.engine.models.llama import LlamaForCausalLM
+from batchgen.engine.models.mistral import MistralForCausalLM
 from batchgen.engine.models.olmo2 import Olmo2ForCausalLM
 from batchgen.engine.models.phi3 import Phi3ForCausalLM
 from batchgen.engine.models.qwen2 import Qwen2ForCausalLM
@@ -41,7 +42,7 @@ class Architecture:
 
 ARCHITECTURES: dict[str, Architecture] = {
     "LlamaForCausalLM": Architecture(LlamaForCausalLM, "llama", gguf_name="llama"),
-    "MistralForCausalLM": Architecture(LlamaForCausalLM, "mistral", gguf_name="mistral"),
+    "MistralForCausalLM": Architecture(MistralForCausalLM, "mistral", gguf_name="mistral"),
     "Qwen2ForCausalLM": Architecture(Qwen2ForCausalLM, "qwen2", gguf_name="qwen2"),
     "Qwen3ForCausalLM": Architecture(Qwen3ForCausalLM, "qwen3", gguf_name="qwen3"),
     "Olmo2ForCausalLM": Architecture(Olmo2ForCausalLM, "olmo2", gguf_name=None),
