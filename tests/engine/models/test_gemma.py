@@ -10,8 +10,8 @@ rope base 10,000) to one global (rope base 1,000,000 with linear scaling x 2), q
 
 Shown for each: greedy 32-token continuations of 8 prompts (5 to 130 tokens) equal HF `generate`, alone
 and in a batch with chunked prefill, a preemption and a warm prefix cache, on the C kernels, on SDPA
-with the eager ops, and (fewer prompts, under the Triton interpreter) on the Triton kernels; prompt
-log-probabilities within 1e-4 of HF's float32 log-softmax.
+with the eager ops, over two tensor-parallel ranks (gloo), and (fewer prompts, under the Triton
+interpreter) on the Triton kernels; prompt log-probabilities within 1e-4 of HF's float32 log-softmax.
 """
 
 from __future__ import annotations
@@ -223,3 +223,29 @@ def test_prompt_logprobs_are_hfs_log_softmax(gemma, prompts):
         positions = outputs[f"lp-{i}"].prompt_logprobs
         ours = torch.tensor([position[t].logprob for position, t in zip(positions[1:], ids[1:])])
         assert (ours - expected).abs().max().item() <= 1e-4, f"prompt {i}"
+
+
+@pytest.mark.subprocess
+@torch.no_grad()
+def test_two_ranks_over_gloo_equal_hf(gemma, prompts, hf_tokens):
+    """Tensor parallelism: each rank holds half the query heads, one of the two KV heads and half the MLP
+    (Gemma 3's per-head q/k norms whole), its backend the model's windows, soft-cap and scale; the
+    final soft-cap is applied once to the whole logits. Tokens equal HF's, batched, chunked, preempted."""
+    _, _, folder = gemma
+    threads = torch.get_num_threads()
+    llm = LLM(str(folder), num_kv_blocks=NUM_BLOCKS, tensor_parallel_size=2, **ENGINE)
+    try:
+        model = llm.engine.runner.model
+        assert model.layers[0].self_attn.qkv_proj.weight.shape == (2 * 16 + 2 * 16, 64)  # 2 query heads, 1 KV head
+        assert model.layers[0].mlp.gate_up_proj.weight.shape == (2 * 64, 64)
+        assert model.backend.scale == 24 ** -0.5
+        cfg = llm.engine.model_cfg
+        assert [layer.sliding_window for layer in model.backend.layers] == [
+            cfg.layer_sliding_window(i) for i in range(cfg.num_layers)]
+        assert WINDOW in [layer.sliding_window for layer in model.backend.layers]
+        outputs = greedy_batch(llm, prompts, "tp")
+        assert_tokens(outputs, "tp", hf_tokens, range(len(prompts)))
+        assert llm.engine.stats["num_preemptions"] > 0 and llm.engine.stats["num_partial_prefills"] > 0
+    finally:
+        llm.engine.shutdown()
+        torch.set_num_threads(threads)
