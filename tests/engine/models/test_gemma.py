@@ -249,3 +249,109 @@ def test_two_ranks_over_gloo_equal_hf(gemma, prompts, hf_tokens):
     finally:
         llm.engine.shutdown()
         torch.set_num_threads(threads)
+
+
+def write_gemma_gguf(hf, path, smollm_path):
+    """The tiny model as llama.cpp's converter writes a Gemma 2 / Gemma 3 (convert_hf_to_gguf.py's
+    Gemma2Model / Gemma3Model): key_length = head_dim, every norm weight stored as 1 + w, Gemma 2's window
+    and soft-caps, Gemma 3's window, its local/global period (sliding_window_pattern), both rope bases and
+    the global linear scaling; the bundled GGUF's tokenizer keys. The untied lm_head is written as
+    `output` (llama.cpp's own Gemma 2 files tie it)."""
+    import gguf
+
+    cfg = hf.config
+    arch = "gemma2" if cfg.model_type == "gemma2" else "gemma3"
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_key_length(cfg.head_dim)
+    writer.add_value_length(cfg.head_dim)
+    writer.add_sliding_window(cfg.sliding_window)
+    if arch == "gemma2":
+        writer.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
+        writer.add_final_logit_softcapping(cfg.final_logit_softcapping)
+    else:
+        rope = cfg.rope_parameters
+        writer.add_rope_freq_base(rope["full_attention"]["rope_theta"])
+        writer.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(rope["full_attention"]["factor"])
+        writer.add_sliding_window_pattern(cfg.layer_types.index("full_attention") + 1)
+    reader = gguf.GGUFReader(str(smollm_path))
+    for key, value in reader.fields.items():
+        if key.startswith("tokenizer."):
+            kind = value.types[0]
+            contents = value.contents()
+            if kind == gguf.GGUFValueType.ARRAY:
+                writer.add_array(key, contents)
+            else:
+                writer.add_key_value(key, contents, kind)
+    names = {"embed_tokens": "token_embd", "norm": "output_norm", "input_layernorm": "attn_norm",
+             "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+             "post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+             "post_feedforward_layernorm": "post_ffw_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+             "mlp.down_proj": "ffn_down"}
+    for name, tensor in hf.state_dict().items():
+        name = name.removeprefix("model.").removesuffix(".weight")
+        if name == "lm_head":
+            gguf_name = "output"
+        elif name.startswith("layers."):
+            _, layer, rest = name.split(".", 2)
+            gguf_name = f"blk.{layer}.{names[rest]}"
+        else:
+            gguf_name = names[name]
+        array = tensor.float().numpy()
+        if name.endswith("norm"):
+            array = array + 1.0  # the converter's Gemma norms: 1 + w
+        writer.add_tensor(f"{gguf_name}.weight", array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@torch.no_grad()
+def test_a_gguf_written_by_the_gguf_package_matches_its_safetensors_twin(gemma, prompts, smollm_path, tmp_path):
+    """llama.cpp's Gemma files carry no query_pre_attn_scalar (its rule: head_dim but for the 27B layer
+    counts), so the twin is the same weights with query_pre_attn_scalar = head_dim. The GGUF's config is
+    the twin's, field by field, and every sampled row's logits and token equal the twin's."""
+    from batchgen.engine.loader.gguf_loader import read_gguf_config
+    from tests.engine.helpers import captured_logits, relative_error
+
+    architecture, hf, folder = gemma
+    twin = tmp_path / "twin"
+    twin.mkdir()
+    for file in folder.iterdir():
+        if file.name != "config.json":
+            (twin / file.name).symlink_to(file)
+    config = json.loads((folder / "config.json").read_text())
+    (twin / "config.json").write_text(json.dumps({**config, "query_pre_attn_scalar": config["head_dim"]}))
+    path = write_gemma_gguf(hf, tmp_path / "gemma.gguf", smollm_path)
+
+    gguf_cfg = read_gguf_config(path)
+    twin_cfg = ModelConfig.from_hf_dict(json.loads((twin / "config.json").read_text()))
+    for key in ("architecture", "sandwich_norms", "hidden_act", "qk_norm", "tie_word_embeddings", "sliding_window",
+                "layer_types", "attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar",
+                "rope_theta", "rope_local_theta", "head_dim", "num_kv_heads"):
+        assert getattr(gguf_cfg, key) == getattr(twin_cfg, key), key
+    assert (gguf_cfg.rope_scaling or {}).get("factor") == (twin_cfg.rope_scaling or {}).get("factor")
+
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    requests = {i: (prompts[i], params) for i in (2, 5, 7)}
+    results = []
+    for source in (twin, path):
+        llm = LLM(str(source), num_kv_blocks=NUM_BLOCKS, **ENGINE)
+        with captured_logits(llm.engine) as records:
+            outputs = run_requests(llm.engine, requests)
+        results.append(({i: outputs[i].outputs[0].token_ids for i in requests}, records))
+    (twin_tokens, twin_logits), (gguf_tokens, gguf_logits) = results
+    assert gguf_tokens == twin_tokens
+    for key, logits in twin_logits.items():
+        assert relative_error(gguf_logits[key], logits) <= 1e-5, key

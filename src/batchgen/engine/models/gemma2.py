@@ -72,10 +72,10 @@ class Gemma2ForCausalLM(CausalLM):
         parts = name.split(".")
         return super().checkpoint_target(".".join(_NORM_NAMES.get(part, part) for part in parts))
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], is_norm_offset: bool = True) -> None:
-        """HF-named tensors in; `is_norm_offset`: the norm weights are stored as Gemma's w (the scale is
-        1 + w), as in HF checkpoints (llama.cpp's GGUF converter stores 1 + w already: False)."""
-        super().load_weights(_norms_plus_one(weights) if is_norm_offset else weights)
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """HF-named tensors in, the norm weights as HF stores them (Gemma's w: the scale is 1 + w; the
+        GGUF loader turns llama.cpp's stored 1 + w back into w)."""
+        super().load_weights(_norms_plus_one(weights))
 
 
 def _norms_plus_one(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:

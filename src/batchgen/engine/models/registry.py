@@ -49,8 +49,8 @@ ARCHITECTURES: dict[str, Architecture] = {
     # llama.cpp's "glm4" GGUF files are not read yet (their ffn_up is fused gate/up, post-norm names differ).
     "Glm4ForCausalLM": Architecture(Glm4ForCausalLM, "glm4", gguf_name=None),
     "Phi3ForCausalLM": Architecture(Phi3ForCausalLM, "phi3", gguf_name="phi3"),
-    "Gemma2ForCausalLM": Architecture(Gemma2ForCausalLM, "gemma2", gguf_name=None),
-    "Gemma3ForCausalLM": Architecture(Gemma3ForCausalLM, "gemma3_text", gguf_name=None),
+    "Gemma2ForCausalLM": Architecture(Gemma2ForCausalLM, "gemma2", gguf_name="gemma2"),
+    "Gemma3ForCausalLM": Architecture(Gemma3ForCausalLM, "gemma3_text", gguf_name="gemma3"),
 }
 
 
