@@ -11,7 +11,9 @@ rope base 10,000) to one global (rope base 1,000,000 with linear scaling x 2), q
 Shown for each: greedy 32-token continuations of 8 prompts (5 to 130 tokens) equal HF `generate`, alone
 and in a batch with chunked prefill, a preemption and a warm prefix cache, on the C kernels, on SDPA
 with the eager ops, over two tensor-parallel ranks (gloo), and (fewer prompts, under the Triton
-interpreter) on the Triton kernels; prompt log-probabilities within 1e-4 of HF's float32 log-softmax.
+interpreter) on the Triton kernels, and with the model drafting for itself (speculative verification);
+beam search's best beam and score equal HF's `generate(num_beams=4)`; prompt log-probabilities within
+1e-4 of HF's float32 log-softmax; a GGUF written by the `gguf` package equals its safetensors twin.
 """
 
 from __future__ import annotations
@@ -355,3 +357,35 @@ def test_a_gguf_written_by_the_gguf_package_matches_its_safetensors_twin(gemma, 
     assert gguf_tokens == twin_tokens
     for key, logits in twin_logits.items():
         assert relative_error(gguf_logits[key], logits) <= 1e-5, key
+
+
+@torch.no_grad()
+def test_speculative_verification_keeps_hfs_tokens(gemma, prompts, hf_tokens):
+    """The model drafting for itself (4 tokens a step): every verify step attends 5 queries a sequence
+    through the windows (and Gemma 2's caps) of both the draft and the target; tokens equal HF's."""
+    _, _, folder = gemma
+    llm = LLM(str(folder), num_kv_blocks=4 * NUM_BLOCKS, max_num_seqs=8,
+              speculative={"method": "draft_model", "model": str(folder), "disable_by_batch_size": 8}, **ENGINE)
+    outputs = greedy_batch(llm, prompts, "spec")
+    assert_tokens(outputs, "spec", hf_tokens, range(len(prompts)))
+    assert llm.engine.spec.stats.num_accepted_tokens > 0
+
+
+@torch.no_grad()
+def test_beam_search_equals_hf_generate_num_beams(gemma, prompts):
+    """Beams forking shared blocks attend through the windows: the best beam and its score equal HF's
+    `generate(num_beams=4)` on prompts longer than the window."""
+    _, hf, folder = gemma
+    width, num_tokens = 4, 12
+    llm = LLM(str(folder), num_kv_blocks=4 * NUM_BLOCKS, **ENGINE)
+    params = SamplingParams(beam_width=width, n=width, temperature=0, max_tokens=num_tokens, logprobs=0)
+    outputs = run_requests(llm.engine, {i: (prompts[i], params) for i in (4, 5)})
+    for i in (4, 5):
+        out = hf.generate(torch.tensor([prompts[i]]), num_beams=width, do_sample=False, length_penalty=1.0,
+                          max_new_tokens=num_tokens, eos_token_id=2, pad_token_id=0, output_scores=True,
+                          return_dict_in_generate=True)
+        tokens = out.sequences[0, len(prompts[i]):].tolist()
+        tokens = tokens[:tokens.index(2) + 1] if 2 in tokens else tokens
+        best = outputs[i].outputs[0]
+        assert best.token_ids == tokens, f"prompt {i}"
+        assert abs(best.score - out.sequences_scores[0].item()) <= 1e-4, f"prompt {i}"
