@@ -112,6 +112,11 @@ class DecoderModel(nn.Module):
         self.rotary = self.make_rotary(max_positions)
         self.backend = attention_backend
         attention_backend.configure_layers(self.attention_layers(max_positions), cfg.attention_scale)
+        if parallel is not None and cfg.qk_norm_over_heads:  # OLMo 2: q/k norms over heads split across ranks
+            layout = parallel.layout
+            for layer in self.layers:
+                layer.self_attn.set_qk_norm_group(parallel.group, layout.total_query_heads * cfg.head_dim,
+                                                  layout.total_kv_heads * cfg.head_dim)
         self.ops = eager_ops()
 
     @classmethod
