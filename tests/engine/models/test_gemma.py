@@ -389,3 +389,48 @@ def test_beam_search_equals_hf_generate_num_beams(gemma, prompts):
         best = outputs[i].outputs[0]
         assert best.token_ids == tokens, f"prompt {i}"
         assert abs(best.score - out.sequences_scores[0].item()) <= 1e-4, f"prompt {i}"
+
+
+@pytest.mark.parametrize("arch, num_layers, pattern, expected_types, expected_scalar", [
+    ("gemma3", 6, [True, False, True, True, True, False], "LFLLLF", 32),  # one bool a layer
+    ("gemma3", 62, None, ("LLLLLF" * 11)[:62], 640 // 4),  # llama.cpp: period 6; the 27B's layer count
+    ("gemma2", 4, None, "LFLF", 32),  # period 2, head_dim's scale
+    ("gemma2", 46, 0, "L" * 46, 640 // 4),  # period 0: every layer local; the 27B's layer count
+])
+def test_gguf_gemma_metadata_as_llama_cpp_reads_it(tmp_path, arch, num_layers, pattern, expected_types,
+                                                   expected_scalar):
+    """Header-only GGUF files: the local/global layers from sliding_window_pattern (absent, a period or
+    one bool a layer) and the query scale by llama.cpp's layer-count rule (hidden / heads for the 27B
+    checkpoints, else head_dim); Gemma 2's soft-caps default to 50 / 30 when absent."""
+    import gguf
+    import numpy as np
+
+    from batchgen.engine.loader.gguf_loader import read_gguf_config
+
+    path = tmp_path / f"{arch}.gguf"
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(num_layers)
+    writer.add_embedding_length(640)
+    writer.add_feed_forward_length(128)
+    writer.add_head_count(4)
+    writer.add_head_count_kv(2)
+    writer.add_key_length(32)
+    writer.add_value_length(32)
+    writer.add_sliding_window(512)
+    if pattern is not None:
+        writer.add_sliding_window_pattern(pattern)
+    writer.add_array("tokenizer.ggml.tokens", ["a", "b", "c"])
+    writer.add_tensor("token_embd.weight", np.zeros((3, 640), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    cfg = read_gguf_config(path)
+    kinds = {"L": "sliding_attention", "F": "full_attention"}
+    assert cfg.layer_types == tuple(kinds[c] for c in expected_types)
+    assert (cfg.sliding_window, cfg.query_pre_attn_scalar, cfg.head_dim) == (512, expected_scalar, 32)
+    assert cfg.architecture == ("Gemma2ForCausalLM" if arch == "gemma2" else "Gemma3ForCausalLM")
+    if arch == "gemma2":
+        assert (cfg.attn_logit_softcapping, cfg.final_logit_softcapping) == (50.0, 30.0)
+    else:
+        assert (cfg.attn_logit_softcapping, cfg.rope_local_theta) == (None, 10000.0)
