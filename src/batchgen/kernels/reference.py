@@ -77,6 +77,13 @@ def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate).mul_(up)
 
 
+def gelu_tanh_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up: (T, 2 * inter). Returns gelu_tanh(gate) * up, (T, inter): Gemma's GeGLU (HF's
+    gelu_pytorch_tanh)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh").mul_(up)
+
+
 # ---- greedy sampling (cpu_sampling) ---------------------------------------------------------------
 
 
@@ -123,7 +130,8 @@ def kv_store_reference(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Te
 def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                               block_tables: torch.Tensor, cu_query_lens: torch.Tensor, seq_lens: torch.Tensor,
                               sm_scale: float, block_size: int, k_scale: torch.Tensor | None = None,
-                              v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                              v_scale: torch.Tensor | None = None, sliding_window: int | None = None,
+                              softcap: float | None = None) -> torch.Tensor:
     """Causal attention of one step's queries q (T, Hq, D) over the paged cache -> (T, Hq, D) in q's dtype.
 
     Sequence s owns queries [cu_query_lens[s], cu_query_lens[s+1]) and seq_lens[s] cached keys (this
@@ -131,6 +139,9 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     its query i sees keys [0, seq_len - query_len + i]: a decode is a sequence with one query, a
     prefill chunk over a cached prefix one with context seq_len - query_len. Tokens of no sequence
     are left 0. FP8 caches are read dequantized (k_scale, v_scale). Computed in float64.
+    `sliding_window` W: a query at position p sees only keys at positions > p - W (transformers'
+    sliding_window_overlay: the last W positions, itself included). `softcap` c: scores become
+    c * tanh(scores / c) (after sm_scale, before the mask; Gemma 2's attn_logit_softcapping).
     """
     num_q_heads = q.shape[1]
     group = num_q_heads // k_cache.shape[1]
@@ -147,8 +158,13 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         k = keys[slots].repeat_interleave(group, dim=1)  # (L, Hq, D)
         v = values[slots].repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q[lo:hi].double(), k) * sm_scale  # (Hq, Q, L)
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
         context_len = seq_len - (hi - lo)
-        is_seen = pos[None, :] <= context_len + torch.arange(hi - lo)[:, None]  # (Q, L)
+        q_pos = context_len + torch.arange(hi - lo)[:, None]  # (Q, 1) each query's position
+        is_seen = pos[None, :] <= q_pos  # (Q, L)
+        if sliding_window:
+            is_seen &= pos[None, :] > q_pos - sliding_window
         scores = scores.masked_fill(~is_seen, float("-inf"))
         out[lo:hi] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(q.dtype)
     return out

@@ -58,6 +58,14 @@ def _merge(total_max, total_sum, total_acc, part_max, part_sum, part_acc):
 
 
 @triton.jit
+def _tanh(x):
+    # tanh through exp2 (no libdevice call, so the interpreter runs it too): 1 - 2 / (e^2x + 1) is
+    # exact to an ulp of 1 and saturates to +-1 without overflow trouble (e^2x = inf gives 1).
+    e = tl.exp2(x * 2.8853900817779268)  # 2 * log2(e)
+    return 1.0 - 2.0 / (e + 1.0)
+
+
+@triton.jit
 def _find_seq_idx(cu_q_ptr, q_tile, num_seqs, BLOCK_Q: tl.constexpr):
     # The last sequence s whose first query tile, cu[s] // BLOCK_Q + s, is <= q_tile.
     lo: tl.int32 = 0
@@ -78,6 +86,8 @@ def _paged_attention_kernel(
     block_tables_ptr, cu_q_ptr, seq_lens_ptr, k_scale_ptr, v_scale_ptr,
     part_acc_ptr, part_max_ptr, part_sum_ptr,
     qk_scale,  # sm_scale * log2(e): the softmax runs in base 2
+    softcap,  # HAS_SOFTCAP: scores (natural units) become softcap * tanh(score / softcap)
+    window,  # HAS_WINDOW: a query at position p sees keys at positions > p - window only
     num_seqs,
     stride_q_t, stride_q_h,
     stride_k_s, stride_k_h, stride_v_s, stride_v_h,
@@ -90,6 +100,7 @@ def _paged_attention_kernel(
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr,
     IS_FP8: tl.constexpr, IS_FP32: tl.constexpr,
     IS_SPLIT: tl.constexpr, TILES_PER_CHUNK: tl.constexpr, MAX_SPLITS: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
 ):
     q_tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -117,6 +128,12 @@ def _paged_attention_kernel(
     num_keys = tl.minimum(context_len + (local_tile + 1) * BLOCK_Q, seq_len)
     num_tiles = tl.cdiv(num_keys, TILE_N)
     num_chunks = tl.cdiv(num_tiles, TILES_PER_CHUNK)
+    # Sliding window: tiles wholly before the first key the tile's first query sees are skipped. A
+    # skipped tile would be masked for every row, which leaves max, sum and acc bitwise as they are,
+    # so a token's result still does not depend on its query tile (batch invariance holds).
+    first_tile = 0
+    if HAS_WINDOW:
+        first_tile = tl.maximum(context_len + local_tile * BLOCK_Q - window + 1, 0) // TILE_N
     if IS_SPLIT:
         split = tl.program_id(2)
         chunk_lo = split
@@ -126,7 +143,7 @@ def _paged_attention_kernel(
         else:
             chunk_hi = tl.minimum(split + 1, num_chunks)
     else:
-        chunk_lo = 0
+        chunk_lo = first_tile // TILES_PER_CHUNK
         chunk_hi = num_chunks
     if IS_FP8:
         k_scale = tl.load(k_scale_ptr)
@@ -143,7 +160,8 @@ def _paged_attention_kernel(
         row_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         row_sum = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
         acc = tl.full([BLOCK_M, HEAD_PAD], 0.0, dtype=tl.float32)
-        for tile in range(chunk * TILES_PER_CHUNK, tl.minimum((chunk + 1) * TILES_PER_CHUNK, num_tiles)):
+        for tile in range(tl.maximum(chunk * TILES_PER_CHUNK, first_tile),
+                          tl.minimum((chunk + 1) * TILES_PER_CHUNK, num_tiles)):
             pos = tile * TILE_N + offs_n  # (TILE_N,) key positions
             is_key = pos < seq_len
             block = tl.load(block_table + pos // BLOCK_SIZE, mask=is_key, other=0).to(tl.int64)
@@ -160,7 +178,11 @@ def _paged_attention_kernel(
             else:
                 scores = tl.dot(q, k)
             scores = scores * qk_scale  # (BLOCK_M, TILE_N)
+            if HAS_SOFTCAP:  # capped in natural units, then back to base 2
+                scores = softcap * 1.4426950408889634 * _tanh(scores / (softcap * 1.4426950408889634))
             is_seen = (pos[None, :] <= last_key[:, None]) & is_key[None, :]
+            if HAS_WINDOW:
+                is_seen = is_seen & (pos[None, :] > last_key[:, None] - window)
             scores = tl.where(is_seen, scores, float("-inf"))
             new_max = tl.maximum(row_max, tl.max(scores, 1))
             # A row with no key yet (a later chunk of a prefill row, or a spare row) keeps max -inf:
@@ -236,7 +258,7 @@ def paged_attention(
     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None, out: torch.Tensor | None = None,
     split_size: int = DEFAULT_SPLIT_SIZE,
     workspace: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-    tiles: AttentionTiles | None = None,
+    tiles: AttentionTiles | None = None, sliding_window: int | None = None, softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal paged attention of one engine step -> (T, Hq, D) in q's dtype (written into `out` if given).
 
@@ -255,7 +277,14 @@ def paged_attention(
     (acc) and its first three dims (max, sum); splits sized from the longest possible sequence.
     `tiles`: kernels/triton_tuning.py's choice for this shape when None. Values are not checked (that
     would need a device sync); only shapes, dtypes and strides are.
+    `sliding_window` W: a query at position p sees keys at positions > p - W only (transformers'
+    sliding window: the last W positions, itself included). `softcap` c: scores become
+    c * tanh(score / c) before the softmax (Gemma 2). None: off.
     """
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be at least 1 (or None), got {sliding_window}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be positive (or None), got {softcap}")
     _check_inputs(q, k_cache, v_cache, block_tables, cu_query_lens, seq_lens, block_size, k_scale, v_scale)
     num_tokens, num_q_heads, head_size = q.shape
     group = num_q_heads // k_cache.shape[1]
@@ -280,7 +309,7 @@ def paged_attention(
         if split_size <= 0 or split_size % config.tile_n:
             raise ValueError(f"split_size must be a positive multiple of tile_n={config.tile_n}, got {split_size}")
         _launch(q, k_cache, v_cache, out, block_tables, cu_query_lens, seq_lens, k_scale, v_scale, workspace,
-                sm_scale, block_size, split_size, group, is_fp8, config)
+                sm_scale, block_size, split_size, group, is_fp8, config, sliding_window, softcap)
 
     if tiles is None:
         candidates = attention_candidates(head_size, group, q.dtype, is_fp8)
@@ -292,7 +321,7 @@ def paged_attention(
 
 def _launch(q, k_cache, v_cache, out, block_tables, cu_query_lens, seq_lens, k_scale, v_scale, workspace,
             sm_scale: float, block_size: int, split_size: int, group: int, is_fp8: bool,
-            tiles: AttentionTiles) -> None:
+            tiles: AttentionTiles, sliding_window: int | None = None, softcap: float | None = None) -> None:
     num_tokens, _, head_size = q.shape
     num_seqs, num_kv_heads = seq_lens.shape[0], k_cache.shape[1]
     block_m = max(tiles.block_m, triton.next_power_of_2(group))  # one query per tile, all its heads
@@ -305,7 +334,7 @@ def _launch(q, k_cache, v_cache, out, block_tables, cu_query_lens, seq_lens, k_s
         q, k_cache, v_cache, out, block_tables, cu_query_lens, seq_lens,
         k_scale if is_fp8 else q, v_scale if is_fp8 else q,
         part_acc, part_max, part_sum,
-        sm_scale * _LOG2E, num_seqs,
+        sm_scale * _LOG2E, float(softcap or 1.0), int(sliding_window or 1), num_seqs,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         out.stride(0), out.stride(1),
@@ -317,6 +346,7 @@ def _launch(q, k_cache, v_cache, out, block_tables, cu_query_lens, seq_lens, k_s
         BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=max(block_m // group, 1), TILE_N=tiles.tile_n,
         IS_FP8=is_fp8, IS_FP32=q.dtype == torch.float32,
         IS_SPLIT=is_split, TILES_PER_CHUNK=split_size // tiles.tile_n, MAX_SPLITS=max_num_splits,
+        HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=softcap is not None,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
     if is_split:

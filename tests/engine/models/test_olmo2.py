@@ -134,8 +134,47 @@ def test_the_capacity_plan_counts_the_wide_qk_norms_the_post_norms_and_the_o_pro
     assert weight_bytes(cfg, torch.float32) - weight_bytes(per_head, torch.float32) == extra
 
 
-def test_tensor_parallelism_is_refused_by_name_not_run_wrong():
+def test_tensor_parallelism_splits_over_at_most_the_kv_heads_and_refuses_more_by_name():
     cfg = ModelConfig.from_hf_dict({"architectures": ["Olmo2ForCausalLM"], "vocab_size": 256, **SHAPE})
-    check_can_split(cfg, 1)
-    with pytest.raises(ValueError, match="tensor_parallel_size 2: Olmo2ForCausalLM norms q and k over all"):
-        check_can_split(cfg, 2)
+    check_can_split(cfg, 2)  # one KV head a rank: the ranks' k slices partition k
+    with pytest.raises(ValueError, match="tensor_parallel_size 3: Olmo2ForCausalLM norms k over all its 2 KV "
+                                         "heads.*<= 2"):
+        check_can_split(cfg, 3)
+
+
+@pytest.mark.subprocess
+@torch.no_grad()
+def test_two_ranks_over_gloo_equal_hf(hf_tokenizer, tmp_path):
+    """Tensor parallelism: each rank holds half of q and k and of their norm weights, and the ranks sum
+    each token's squares before the norm; tokens equal HF generate's, every sampled row's logits within
+    1e-3 of HF's. (No biases: the published checkpoints have none, and a row-parallel o_proj bias is
+    refused with tensor_parallel_size > 1.)"""
+    import transformers
+
+    config = transformers.Olmo2Config(vocab_size=len(hf_tokenizer), bos_token_id=1, eos_token_id=2,
+                                      pad_token_id=0, tie_word_embeddings=False, **SHAPE)
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    hf = randomize_weights(transformers.Olmo2ForCausalLM(config).float().eval())
+    hf.save_pretrained(tmp_path)
+    hf_tokenizer.save_pretrained(tmp_path)
+    threads = torch.get_num_threads()
+    llm = LLM(str(tmp_path), tensor_parallel_size=2, **{**SETTINGS, "num_kv_blocks": 48})
+    try:
+        attention = llm.engine.runner.model.layers[0].self_attn
+        assert attention.q_norm.weight.shape == (32,) and attention.k_norm.weight.shape == (16,)  # half of each
+        torch.testing.assert_close(attention.q_norm.weight, hf.model.layers[0].self_attn.q_norm.weight[:32])
+        params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
+        batch = prompts(hf.config.vocab_size)
+        with captured_logits(llm.engine) as records:
+            outputs = run_requests(llm.engine, {name: (p, params) for name, p in batch.items()})
+        for name, prompt in batch.items():
+            tokens = outputs[name].outputs[0].token_ids
+            assert tokens == hf_generate(hf, prompt), name
+            reference = hf(torch.tensor([prompt + tokens])).logits[0]
+            for j in range(NUM_TOKENS):
+                error = relative_error(records[(name, 0, j)], reference[len(prompt) - 1 + j])
+                assert error <= LOGITS_TOLERANCE, f"{name} position {j}: {error:.2e}"
+    finally:
+        llm.engine.shutdown()
+        torch.set_num_threads(threads)

@@ -36,6 +36,7 @@ LONGROPE = {"rope_type": "longrope", "short_factor": [1.0, 1.05, 1.1, 1.3, 1.6, 
 SHORT_PROMPT_LENGTHS = (5, 13, 24)  # + 8 new tokens stay within 32: HF's short factors throughout
 LONG_PROMPT_LENGTHS = (33, 47, 70)  # longer than 32 from the first forward: HF's long factors throughout
 SHARED_PREFIX = 48  # three full blocks two prompts share (the prefix cache)
+WINDOW = 20  # a sliding window below every long prompt
 
 
 def phi3_config(vocab_size: int, **keys):
@@ -122,18 +123,43 @@ def test_longrope_frequencies_and_scale_equal_hf_in_each_regime(config_json, max
     assert rope_attention_factor(cfg.rope_scaling) == hf_scale == math.sqrt(1 + math.log(32) / math.log(4096))
 
 
-def test_a_sliding_window_shorter_than_max_model_len_is_refused_by_name(phi3, tmp_path):
-    """HF masks with a config's sliding_window; the engine runs Phi-3 only where the window masks nothing."""
-    _, folder = phi3
+@pytest.fixture(scope="module")
+def windowed_phi3(phi3, tmp_path_factory):
+    """(HF model with sliding_window 20, its saved folder): the same weights, every layer masked to the
+    last 20 positions (shorter than every long prompt)."""
+    from transformers import Phi3ForCausalLM
+
+    hf, folder = phi3
+    windowed = tmp_path_factory.mktemp("phi3-window")
     for file in folder.iterdir():
-        (tmp_path / file.name).symlink_to(file)
+        if file.name != "config.json":
+            (windowed / file.name).symlink_to(file)
     config = json.loads((folder / "config.json").read_text())
-    (tmp_path / "config.json").unlink()
-    (tmp_path / "config.json").write_text(json.dumps({**config, "sliding_window": 48}))
-    with pytest.raises(ValueError, match="sliding_window 48, below max_model_len 128.*at most 48"):
-        LLM(str(tmp_path), dtype="float32", device="cpu", max_model_len=128, num_kv_blocks=8)
-    llm = LLM(str(tmp_path), dtype="float32", device="cpu", max_model_len=48, num_kv_blocks=8)
-    assert llm.engine.model_cfg.sliding_window == 48
+    (windowed / "config.json").write_text(json.dumps({**config, "sliding_window": WINDOW}))
+    model = Phi3ForCausalLM.from_pretrained(windowed, attn_implementation="eager", dtype=torch.float32).eval()
+    return model, windowed
+
+
+@pytest.fixture(scope="module")
+def windowed_references(windowed_phi3, long_prompts) -> dict:
+    windowed, _ = windowed_phi3
+    return {rid: hf_reference(windowed, prompt) for rid, prompt in long_prompts.items()}
+
+
+@pytest.mark.parametrize("backend", ["cpu", "sdpa"])
+@torch.no_grad()
+def test_a_sliding_window_masks_as_hf_does_batched_and_chunked(windowed_phi3, long_prompts, long_references,
+                                                                 windowed_references, backend):
+    """config.json's sliding_window (20, below every long prompt) masks each layer as HF's class does:
+    tokens equal HF generate's and logits within 1e-3, 16-token chunks beside decodes, through the C
+    kernels and SDPA; and the window changes HF's own greedy tokens, so a window ignored would fail."""
+    windowed, folder = windowed_phi3
+    llm = LLM(str(folder), dtype="float32", device="cpu", max_model_len=128, num_kv_blocks=48,
+              max_num_batched_tokens=16, attention_backend=backend)
+    assert llm.engine.model_cfg.sliding_window == WINDOW
+    assert llm.engine.capabilities.attention_backend == backend
+    assert any(windowed_references[rid][0] != tokens for rid, (tokens, _) in long_references.items())
+    assert_matches_hf(windowed, llm, long_prompts, windowed_references)
 
 
 # ---- the engine against HF ---------------------------------------------------------------------------

@@ -119,8 +119,8 @@ def test_an_unknown_architecture_is_refused_by_name_with_the_supported_ones(keys
 
 
 def test_an_unknown_gguf_architecture_and_a_config_built_in_code_are_refused_too():
-    with pytest.raises(ValueError, match=r"model\.gguf: architecture 'gemma2' is not supported \(llama, "):
-        gguf_architecture("gemma2", "model.gguf")
+    with pytest.raises(ValueError, match=r"model\.gguf: architecture 'falcon' is not supported \(llama, "):
+        gguf_architecture("falcon", "model.gguf")
     cfg = ModelConfig.from_hf_dict(hf_config())
     with pytest.raises(ValueError, match="'PhiForCausalLM' is not supported; supported: LlamaForCausalLM"):
         model_class(ModelConfig(**{**cfg.__dict__, "architecture": "PhiForCausalLM"}))

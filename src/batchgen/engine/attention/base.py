@@ -35,6 +35,23 @@ from batchgen.engine.kv.kv_cache_manager import cache_slots
 from batchgen.engine.runner.step_inputs import StepInputs
 
 
+@dataclass(frozen=True)
+class LayerAttention:
+    """What one layer's attention asks of the backend beyond causal softmax(q k^T * scale) v.
+
+    `sliding_window` W: a query at position p sees keys at positions > p - W only (transformers'
+    sliding_window_overlay: the last W positions, itself included); None: every earlier position.
+    `softcap` c: scores (after the scale) become c * tanh(score / c) before the mask and the softmax
+    (Gemma 2's attn_logit_softcapping); None: not capped.
+    """
+
+    sliding_window: int | None = None
+    softcap: float | None = None
+
+
+FULL_ATTENTION = LayerAttention()
+
+
 @dataclass
 class AttentionMetadata:
     """What every layer reads in one step; backends subclass it with their own fields."""
@@ -97,6 +114,19 @@ class AttentionBackend(ABC):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = head_dim ** -0.5
+        self.layers: tuple[LayerAttention, ...] = ()  # per layer_index; () = full attention everywhere
+
+    def configure_layers(self, layers: list[LayerAttention], scale: float | None = None) -> None:
+        """The model's per-layer windows and soft-caps (index = layer_index), and its softmax scale when
+        it is not head_dim ** -0.5 (Gemma: query_pre_attn_scalar ** -0.5). Called by the model when it
+        is built; every backend reads them in `forward` through `layer`."""
+        self.layers = tuple(layers)
+        if scale is not None:
+            self.scale = scale
+
+    def layer(self, layer_index: int) -> LayerAttention:
+        """Layer `layer_index`'s window and soft-cap."""
+        return self.layers[layer_index] if self.layers else FULL_ATTENTION
 
     @classmethod
     @abstractmethod

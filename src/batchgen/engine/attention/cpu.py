@@ -18,6 +18,7 @@ from batchgen.engine.attention.base import (
     AttentionBackend,
     AttentionMetadata,
     AttentionMetadataBuilder,
+    LayerAttention,
     build_slot_mapping,
     padded_block_tables,
     token_starts,
@@ -126,23 +127,26 @@ class CpuAttention(AttentionBackend):
         luts = kv_cache.lookup_tables() if kv_cache.is_fp8 else (None, None)
         cpu_kv_store.store_kv(k, v, k_cache, v_cache, meta.slot_mapping, kv_cache.k_scale, kv_cache.v_scale)
         num_decodes = meta.num_decodes
+        layer = self.layer(layer_index)
         if meta.decode is not None and num_decodes == q.shape[0]:  # decode-only step: no output copy
-            return self._decode(q, k_cache, v_cache, meta.decode, luts)
+            return self._decode(q, k_cache, v_cache, meta.decode, luts, layer)
         out = q.new_empty(q.shape)  # (T, H, D) contiguous
         if meta.decode is not None:
-            out[:num_decodes] = self._decode(q[:num_decodes], k_cache, v_cache, meta.decode, luts)
+            out[:num_decodes] = self._decode(q[:num_decodes], k_cache, v_cache, meta.decode, luts, layer)
         if meta.prefill is not None:  # every prefill chunk in one call
             p = meta.prefill
             cpu_paged_attention.paged_prefill_attention(q, k_cache, v_cache, p.token_starts, p.query_lens,
                                                         p.context_lens, p.block_tables, p.block_size, self.scale, out,
-                                                        *luts)
+                                                        *luts, sliding_window=layer.sliding_window,
+                                                        softcap=layer.softcap)
         return out
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                paged: PagedDecode, luts: tuple) -> torch.Tensor:
+                paged: PagedDecode, luts: tuple, layer: LayerAttention) -> torch.Tensor:
         # q: (B, H, D); a KV head's query heads go to the kernel together: GQA without expanding K/V.
         num_seqs = q.shape[0]
         q_rows = q.view(num_seqs, self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim)
         attn = cpu_paged_attention.paged_decode_attention(
-            q_rows, k_cache, v_cache, paged.block_tables, paged.lengths, paged.block_size, self.scale, *luts)
+            q_rows, k_cache, v_cache, paged.block_tables, paged.lengths, paged.block_size, self.scale, *luts,
+            sliding_window=layer.sliding_window, softcap=layer.softcap)
         return attn.view(num_seqs, self.num_heads, self.head_dim)

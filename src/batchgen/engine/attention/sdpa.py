@@ -12,6 +12,10 @@ SDPA needs its keys dense, so the paged cache is read three ways:
   step's q/k/v, causal, no gather, no padding;
 - everything else (prefill chunks that continue a cached context, decodes when staging does not
   fit) is attended in groups: padded batches whose keys are gathered through the block tables.
+
+A layer with a sliding window (base.LayerAttention) narrows each of these masks to the keys inside
+its window (built once per step and window, shared by the layers); a soft-capped layer attends
+through `attend`'s explicit softmax (SDPA has no soft-cap).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from batchgen.engine.attention.base import (
     AttentionBackend,
     AttentionMetadata,
     AttentionMetadataBuilder,
+    LayerAttention,
     build_slot_mapping,
     token_starts,
 )
@@ -42,6 +47,7 @@ class AttentionGroup:
     query_valid: torch.Tensor  # (B, Q) bool
     key_slots: torch.Tensor  # (B * K,) cache slot per key position, flattened (0 for padding)
     mask: torch.Tensor  # (B, 1, Q, K) bool, True = attend
+    query_positions: torch.Tensor | None = None  # (B, 1, Q, 1) absolute position of each query slot
 
 
 @dataclass
@@ -50,6 +56,14 @@ class SdpaAttentionMetadata(AttentionMetadata):
     fresh: list[tuple[int, int]] = field(default_factory=list)  # (first flat token, num_tokens) per fresh prompt
     staging: StagingStep | None = None  # set when the decodes read dense staging rows
     staging_buffers: list[StagingBuffers] | None = None  # per layer, with `staging`
+    # Sliding-window masks built this step, by (what, index, window): shared by the layers of one window.
+    window_masks: dict = field(default_factory=dict)
+
+    def windowed(self, key: tuple, make) -> torch.Tensor:
+        """The mask cached under `key`, made by `make()` on first use this step."""
+        if key not in self.window_masks:
+            self.window_masks[key] = make()
+        return self.window_masks[key]
 
 
 class SdpaMetadataBuilder(AttentionMetadataBuilder):
@@ -152,7 +166,35 @@ def _build_group(query_lens, context_lens, block_tables, token_start, block_size
         token_start=token_start, num_tokens=num_tokens,
         query_index=query_index.to(device), query_valid=query_valid.to(device),
         key_slots=key_slots.flatten().to(device), mask=mask[:, None].to(device),
+        query_positions=abs_q[:, None, :, None].to(device),
     )
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+           softcap: float | None, is_gqa: bool, is_causal: bool = False) -> torch.Tensor:
+    """softmax(q k^T * scale [soft-capped], masked) v: q (B, H, Q, D), k, v (B, Hkv, K, D), mask
+    broadcastable to (B, H, Q, K) bool (True = attend) or None (then `is_causal`). SDPA without a cap;
+    with one, the scores are capped explicitly (in float32), as transformers' eager attention does."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal and mask is None,
+                                              scale=scale, enable_gqa=is_gqa)
+    if is_gqa:
+        repeat = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale  # (B, H, Q, K)
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is None and is_causal:
+        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril(scores.shape[-1] - scores.shape[-2])
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(scores.softmax(-1), v.float()).to(q.dtype)
+
+
+def causal_window_mask(length: int, window: int, device: torch.device) -> torch.Tensor:
+    """(L, L) bool: query i sees keys j with i - window < j <= i."""
+    pos = torch.arange(length, device=device)
+    offset = pos[:, None] - pos[None, :]  # (Q, K) query position - key position
+    return (offset >= 0) & (offset < window)
 
 
 class SdpaAttention(AttentionBackend):
@@ -180,23 +222,29 @@ class SdpaAttention(AttentionBackend):
         is_decode_only = meta.num_decodes == q.shape[0]
         staging = meta.staging
         if staging is not None and is_decode_only:
-            return self._staged_decode(q, k, v, k_cache, v_cache, meta.staging_buffers[layer_index], staging)
+            return self._staged_decode(q, k, v, k_cache, v_cache, meta.staging_buffers[layer_index], staging,
+                                       self.layer(layer_index), meta)
         out = q.new_empty(q.shape)  # (T, H, D) contiguous
         end = meta.num_decodes
         if staging is not None:
             out[:end] = self._staged_decode(q[:end], k[:end], v[:end], k_cache, v_cache,
-                                            meta.staging_buffers[layer_index], staging)
+                                            meta.staging_buffers[layer_index], staging, self.layer(layer_index), meta)
         is_gqa = self.num_heads != self.num_kv_heads
+        layer = self.layer(layer_index)
+        window, softcap = layer.sliding_window, layer.softcap
         for start, num_tokens in meta.fresh:
             # (1, heads, L, D) strided views of the sequence's own rows: SDPA's causal kernel reads
             # them in place and skips the masked half.
             end = start + num_tokens
-            attn = F.scaled_dot_product_attention(
-                q[start:end].transpose(0, 1)[None], k[start:end].transpose(0, 1)[None],
-                v[start:end].transpose(0, 1)[None], is_causal=True, scale=self.scale, enable_gqa=is_gqa,
-            )  # (1, H, L, D)
+            mask = None
+            if window is not None and num_tokens > window:
+                mask = meta.windowed(("fresh", num_tokens, window),
+                                     lambda: causal_window_mask(num_tokens, window, q.device))
+            attn = attend(q[start:end].transpose(0, 1)[None], k[start:end].transpose(0, 1)[None],
+                          v[start:end].transpose(0, 1)[None], mask, self.scale, softcap, is_gqa,
+                          is_causal=True)  # (1, H, L, D)
             out[start:end] = attn[0].transpose(0, 1)
-        for g in meta.groups:
+        for index, g in enumerate(meta.groups):
             num_seqs, max_q = g.query_index.shape
             q_group = q[g.token_start:g.token_start + g.num_tokens]
             if max_q == 1:  # decodes: one query per sequence, already in order
@@ -207,27 +255,45 @@ class SdpaAttention(AttentionBackend):
             # index_select copies whole (Hkv, D) rows: several times faster than advanced indexing on CPU.
             keys = k_cache.index_select(0, g.key_slots).view(num_seqs, -1, *k_cache.shape[1:])  # (B, K, Hkv, D)
             values = v_cache.index_select(0, g.key_slots).view(num_seqs, -1, *v_cache.shape[1:])
-            attn = F.scaled_dot_product_attention(
-                q_pad.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
-                attn_mask=g.mask, scale=self.scale, enable_gqa=is_gqa,
-            )  # (B, H, Q, D)
+            mask = g.mask
+            if window is not None:  # keys before the window masked too; padding rows keep their key 0
+                mask = meta.windowed(("group", index, window), lambda: _group_window_mask(g, window))
+            attn = attend(q_pad.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+                          mask, self.scale, softcap, is_gqa)  # (B, H, Q, D)
             attn = attn.transpose(1, 2)[g.query_valid]  # (num_tokens, H, D), flat token order
             out[g.token_start:g.token_start + g.num_tokens] = attn
         return out
 
-    def _staged_decode(self, q, k, v, k_cache, v_cache, buffers: StagingBuffers, step: StagingStep) -> torch.Tensor:
+    def _staged_decode(self, q, k, v, k_cache, v_cache, buffers: StagingBuffers, step: StagingStep,
+                       layer: LayerAttention, meta: SdpaAttentionMetadata) -> torch.Tensor:
         # q: (B, H, D) in staging-row order; k, v: (B, Hkv, D)
         num_seqs = q.shape[0]
         buffers.update(step, k_cache, v_cache, k, v)
         group = self.num_heads // self.num_kv_heads
         # A kv head's query heads act as `group` queries against it: GQA without expanding K/V.
         q_rows = q.view(num_seqs, self.num_kv_heads, group, self.head_dim)
+        window = layer.sliding_window
+        masks = [r.mask if window is None else
+                 meta.windowed(("staged", i, window), lambda: _row_window_mask(r.mask, window))
+                 for i, r in enumerate(step.ranges)]
         parts = [
-            F.scaled_dot_product_attention(
-                q_rows[r.first:r.end], buffers.k[r.first:r.end, :, :r.max_len],
-                buffers.v[r.first:r.end, :, :r.max_len], attn_mask=r.mask, scale=self.scale,
-            )  # (b, Hkv, group, D)
-            for r in step.ranges
+            attend(q_rows[r.first:r.end], buffers.k[r.first:r.end, :, :r.max_len],
+                   buffers.v[r.first:r.end, :, :r.max_len], mask, self.scale, layer.softcap,
+                   is_gqa=False)  # (b, Hkv, group, D)
+            for r, mask in zip(step.ranges, masks)
         ]
         attn = parts[0] if len(parts) == 1 else torch.cat(parts)
         return attn.reshape(num_seqs, self.num_heads, self.head_dim)
+
+
+def _group_window_mask(g: AttentionGroup, window: int) -> torch.Tensor:
+    """(B, 1, Q, K) a group's causal mask narrowed to each valid query's window."""
+    k_pos = torch.arange(g.mask.shape[-1], device=g.mask.device)
+    in_window = k_pos > g.query_positions - window  # (B, 1, Q, K)
+    return g.mask & (in_window | ~g.query_valid[:, None, :, None])
+
+
+def _row_window_mask(mask: torch.Tensor, window: int) -> torch.Tensor:
+    """(b, 1, 1, L) staged decode rows' masks (key < row length) narrowed to their last `window` keys."""
+    lengths = mask.sum(-1, keepdim=True)  # (b, 1, 1, 1)
+    return mask & (torch.arange(mask.shape[-1], device=mask.device) >= lengths - window)

@@ -170,6 +170,7 @@ class TritonAttention(AttentionBackend):
         kv_cache.calibrate(k, v)
         scales = dict(k_scale=kv_cache.k_scale, v_scale=kv_cache.v_scale) if kv_cache.is_fp8 else {}
         store_kv(k, v, kv_cache.k, kv_cache.v, meta.slot_mapping, **scales)
+        layer = self.layer(layer_index)
         return paged_attention(q, kv_cache.k, kv_cache.v, meta.block_tables, meta.cu_query_lens, meta.seq_lens,
                                self.scale, meta.block_size, split_size=meta.split_size, workspace=meta.workspace,
-                               **scales)  # (T, H, D)
+                               sliding_window=layer.sliding_window, softcap=layer.softcap, **scales)  # (T, H, D)

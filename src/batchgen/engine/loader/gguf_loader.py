@@ -23,8 +23,20 @@ _TENSOR_NAMES = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
     "attn_qkv": "self_attn.qkv_proj",  # stored fused (Phi-3)
 }
-# A family's own meaning of a base name, by HF architecture: Phi-3's ffn_up holds gate and up, fused.
-_FAMILY_TENSOR_NAMES = {"Phi3ForCausalLM": {"ffn_up": "mlp.gate_up_proj"}}
+# A family's own meaning of a base name, by HF architecture: Phi-3's ffn_up holds gate and up, fused;
+# Gemma's four norms a layer are HF's input_layernorm, post_attention_layernorm (after attention),
+# pre_feedforward_layernorm and post_feedforward_layernorm.
+_GEMMA_TENSOR_NAMES = {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
+                       "post_ffw_norm": "post_feedforward_layernorm"}
+_FAMILY_TENSOR_NAMES = {"Phi3ForCausalLM": {"ffn_up": "mlp.gate_up_proj"},
+                        "Gemma2ForCausalLM": _GEMMA_TENSOR_NAMES, "Gemma3ForCausalLM": _GEMMA_TENSOR_NAMES}
+# Families whose norms scale by (1 + w): llama.cpp's converter stores 1 + w, HF checkpoints (and the model's
+# load_weights) w.
+_NORM_OFFSET_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+# llama.cpp's Gemma hyperparameters (llama-model.cpp) where the file has no key: layer i is local unless
+# (i + 1) is a multiple of the pattern; the 27B checkpoint (its layer count) scales queries by
+# (hidden / heads) ** -0.5, every other size by head_dim ** -0.5 (HF: query_pre_attn_scalar).
+_GEMMA_GGUF = {"gemma2": {"pattern": 2, "num_layers_27b": 46}, "gemma3": {"pattern": 6, "num_layers_27b": 62}}
 
 
 def _reader(path: Path):
@@ -72,6 +84,8 @@ def read_gguf_config(path: Path) -> ModelConfig:
     if arch == "phi3":  # its rope.dimension_count is the rotary width, not head_dim
         head_dim = field(f"{arch}.attention.key_length") or hidden // num_heads
         family = _phi3_fields(path, field, head_dim, names)
+    elif arch in _GEMMA_GGUF:
+        family = _gemma_fields(path, arch, field, head_dim)
     fields = dict(
         model_type=ARCHITECTURES[architecture].model_type,
         vocab_size=vocab,
@@ -114,6 +128,35 @@ def _phi3_fields(path: Path, field, head_dim: int, names: set[str]) -> dict:
     return fields
 
 
+def _gemma_fields(path: Path, arch: str, field, head_dim: int) -> dict:
+    """What llama.cpp reads for Gemma 2 / Gemma 3 besides the shared keys (llama-model.cpp's hparams):
+    the window (Gemma 2: 4,096 when absent), the local/global pattern (a period or one bool a layer),
+    Gemma 2's soft-caps (50 and 30 when absent), Gemma 3's local rope base (10,000 when absent), and the
+    query scale by llama.cpp's rule (GGUF files carry no query_pre_attn_scalar)."""
+    rules = _GEMMA_GGUF[arch]
+    num_layers = field(f"{arch}.block_count", required=True)
+    window = field(f"{arch}.attention.sliding_window", 4096 if arch == "gemma2" else None)
+    pattern_key = f"{arch}.attention.sliding_window_pattern"
+    pattern = read_gguf_header(path).metadata.get(pattern_key, rules["pattern"])
+    if isinstance(pattern, GGUFArray):  # one bool a layer: true = sliding
+        is_sliding = [bool(x) for x in _reader(path).fields[pattern_key].contents()]
+        if len(is_sliding) != num_layers:
+            raise ValueError(f"GGUF file {path}: metadata {pattern_key!r} has {len(is_sliding)} entries for "
+                             f"{num_layers} layers")
+    else:
+        is_sliding = [pattern == 0 or i % pattern < pattern - 1 for i in range(num_layers)]
+    hidden, num_heads = field(f"{arch}.embedding_length"), field(f"{arch}.attention.head_count")
+    fields = {"sandwich_norms": True, "hidden_act": "gelu_pytorch_tanh", "sliding_window": window or None,
+              "layer_types": tuple("sliding_attention" if s else "full_attention" for s in is_sliding),
+              "query_pre_attn_scalar": hidden // num_heads if num_layers == rules["num_layers_27b"] else head_dim}
+    if arch == "gemma2":
+        fields["attn_logit_softcapping"] = float(field(f"{arch}.attn_logit_softcapping", 50.0))
+        fields["final_logit_softcapping"] = float(field(f"{arch}.final_logit_softcapping", 30.0))
+    else:
+        fields["rope_local_theta"] = float(field(f"{arch}.rope.freq_base_swa", 10000.0))
+    return fields
+
+
 def _num_tokens(header: GGUFHeader) -> int:
     tokens = header.metadata.get("tokenizer.ggml.tokens")
     if not isinstance(tokens, GGUFArray) or not tokens.is_strings:
@@ -135,7 +178,7 @@ def hf_tensor_name(gguf_name: str, cfg: ModelConfig | None = None) -> str | None
     if parts[0] == "blk":
         layer, base, kind = parts[1], parts[2], parts[3]
         names = _FAMILY_TENSOR_NAMES.get(cfg.architecture, {}) if cfg is not None else {}
-        return f"model.layers.{layer}.{names.get(base, _TENSOR_NAMES[base])}.{kind}"
+        return f"model.layers.{layer}.{names[base] if base in names else _TENSOR_NAMES[base]}.{kind}"
     base, kind = parts[0], parts[1]
     if base not in _TENSOR_NAMES:
         return None  # e.g. rope_freqs: recomputed from the config
@@ -173,6 +216,8 @@ def iter_gguf_weights(path: Path, cfg: ModelConfig, skip: frozenset[str] = froze
             array = pad_rows(torch.from_numpy(array), spec.size).numpy()
         if parts[0] == "blk" and _is_rope_permuted(cfg, base):
             array = _reverse_permute(array, cfg.num_heads if base == "attn_q" else cfg.num_kv_heads)
+        if cfg.architecture in _NORM_OFFSET_ARCHITECTURES and name.endswith("norm.weight"):
+            array = array.astype(np.float32) - np.float32(1.0)  # back to HF's w (exact for 1 + w >= 0.5)
         if not array.flags.writeable or not array.flags.c_contiguous:  # F32 tensors are views of the mmap
             array = np.array(array, order="C")
         yield name, torch.from_numpy(array)

@@ -31,8 +31,17 @@ class ModelConfig:
     # Phi-4-mini: 0.75).
     partial_rotary_factor: float = 1.0
     rope_interleaved: bool = False  # GLM-4: rope rotates pairs (2i, 2i + 1), not (i, i + rotary_dim / 2)
-    # A query attends to the last this many positions only, itself included (None: all). Read for Phi-3 only.
+    # A query attends to the last this many positions only, itself included (None: all), in the layers
+    # `layer_types` marks sliding (all of them when it is None).
     sliding_window: int | None = None
+    # transformers' per-layer kinds: "sliding_attention" (within sliding_window) or "full_attention";
+    # None: every layer is sliding when sliding_window is set (Mistral), else full.
+    layer_types: tuple[str, ...] | None = None
+    attn_logit_softcapping: float | None = None  # Gemma 2: attention scores become c * tanh(score / c)
+    final_logit_softcapping: float | None = None  # Gemma 2: logits become c * tanh(logit / c)
+    query_pre_attn_scalar: float | None = None  # Gemma: the softmax scale is this ** -0.5 (None: head_dim's)
+    rope_local_theta: float | None = None  # Gemma 3: the local (sliding) layers' rope base
+    hidden_act: str = "silu"  # the gated MLP's activation: silu, or gelu_pytorch_tanh (Gemma's GeGLU)
     rope_scaling: dict | None = field(default=None, hash=False)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -51,6 +60,19 @@ class ModelConfig:
     def rotary_dim(self) -> int:
         """The channels of each q/k head rope turns (HF: int(head_dim * partial_rotary_factor))."""
         return int(self.head_dim * self.partial_rotary_factor)
+
+    def layer_sliding_window(self, layer_index: int) -> int | None:
+        """The window of layer `layer_index`'s attention (None: it sees every earlier position)."""
+        if self.sliding_window is None:
+            return None
+        if self.layer_types is None or self.layer_types[layer_index] == "sliding_attention":
+            return self.sliding_window
+        return None
+
+    @property
+    def attention_scale(self) -> float:
+        """The softmax scale: query_pre_attn_scalar ** -0.5 where the config sets it, else head_dim ** -0.5."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     def linear_shapes(self) -> dict[str, tuple[int, int]]:
         """(out_features, in_features) of one decoder layer's linear layers, by module name.

@@ -133,6 +133,8 @@ def pack_linears(model: nn.Module, can_fuse: bool) -> int:
     tied lm_head keeps the embedding's dense weight (packing it would copy it) and runs through
     oneDNN unpacked. Returns how many layers it swapped."""
     tied = getattr(model, "lm_head", None) if getattr(getattr(model, "cfg", None), "tie_word_embeddings", False) else None
+    # The epilogue is SiLU's: a GeGLU model (Gemma) keeps its own activation.
+    can_fuse = can_fuse and getattr(getattr(model, "cfg", None), "hidden_act", "silu") == "silu"
     num_packed = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):

@@ -9,19 +9,17 @@ length; the engine picks them once for the whole model by max_model_len, as vLLM
 max_model_len > original_max_position_embeddings): layers/rotary.py's RotaryEmbedding says where the
 two agree. A model run at its full 128k context therefore uses the long factors for short prompts
 too; max_model_len <= original_max_position_embeddings gives the short ones.
+
+A config's `sliding_window` masks every layer as HF's mask does (each query sees the last W positions,
+itself included), in every attention backend; Phi-3-mini-128k's 262144 never masks anything.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 from batchgen.engine.models.layers.causal_lm import CausalLM
 from batchgen.engine.models.layers.rotary import rope_type
-
-if TYPE_CHECKING:
-    from batchgen.engine.attention.base import AttentionBackend
-    from batchgen.engine.models.config import ModelConfig
-    from batchgen.engine.parallel import TensorParallel
 
 # HF's Phi3Config reads these rope_scaling types as longrope (its convert_rope_params_to_dict).
 _LONGROPE_NAMES = ("longrope", "su", "yarn")
@@ -34,18 +32,6 @@ class Phi3ForCausalLM(CausalLM):
     do (q, k, v rows; gate rows, then up rows), so nothing maps to a fused part: each tensor loads whole."""
 
     _FUSED: ClassVar[dict[str, tuple[str, int]]] = {}
-
-    def __init__(self, cfg: ModelConfig, max_positions: int, attention_backend: AttentionBackend,
-                 parallel: TensorParallel | None = None):
-        # HF masks keys more than sliding_window - 1 positions back; within max_positions that never
-        # happens when the window is at least max_positions long (Phi-3-mini-128k's 262144).
-        if cfg.sliding_window is not None and cfg.sliding_window < max_positions:
-            raise ValueError(
-                f"Phi3ForCausalLM: the model sets sliding_window {cfg.sliding_window}, below max_model_len "
-                f"{max_positions}; sliding-window attention is not supported yet. Set max_model_len to at most "
-                f"{cfg.sliding_window} (the window then never masks anything; config.json's sliding_window, "
-                f"a GGUF file's phi3.attention.sliding_window)")
-        super().__init__(cfg, max_positions, attention_backend, parallel)
 
     def fused_part_sizes(self) -> dict[str, list[int]]:
         return {}  # no checkpoint tensor is a part of a fused module

@@ -16,8 +16,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from batchgen.engine.models.gemma2 import Gemma2ForCausalLM
+from batchgen.engine.models.gemma3 import Gemma3ForCausalLM
 from batchgen.engine.models.glm4 import Glm4ForCausalLM
 from batchgen.engine.models.llama import LlamaForCausalLM
+from batchgen.engine.models.mistral import MistralForCausalLM
 from batchgen.engine.models.olmo2 import Olmo2ForCausalLM
 from batchgen.engine.models.phi3 import Phi3ForCausalLM
 from batchgen.engine.models.qwen2 import Qwen2ForCausalLM
@@ -39,13 +42,15 @@ class Architecture:
 
 ARCHITECTURES: dict[str, Architecture] = {
     "LlamaForCausalLM": Architecture(LlamaForCausalLM, "llama", gguf_name="llama"),
-    "MistralForCausalLM": Architecture(LlamaForCausalLM, "mistral", gguf_name="mistral"),
+    "MistralForCausalLM": Architecture(MistralForCausalLM, "mistral", gguf_name="mistral"),
     "Qwen2ForCausalLM": Architecture(Qwen2ForCausalLM, "qwen2", gguf_name="qwen2"),
     "Qwen3ForCausalLM": Architecture(Qwen3ForCausalLM, "qwen3", gguf_name="qwen3"),
     "Olmo2ForCausalLM": Architecture(Olmo2ForCausalLM, "olmo2", gguf_name=None),
     # llama.cpp's "glm4" GGUF files are not read yet (their ffn_up is fused gate/up, post-norm names differ).
     "Glm4ForCausalLM": Architecture(Glm4ForCausalLM, "glm4", gguf_name=None),
     "Phi3ForCausalLM": Architecture(Phi3ForCausalLM, "phi3", gguf_name="phi3"),
+    "Gemma2ForCausalLM": Architecture(Gemma2ForCausalLM, "gemma2", gguf_name="gemma2"),
+    "Gemma3ForCausalLM": Architecture(Gemma3ForCausalLM, "gemma3_text", gguf_name="gemma3"),
 }
 
 

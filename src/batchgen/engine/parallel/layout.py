@@ -41,6 +41,8 @@ _ROW_PARALLEL = {"o_proj": "query", "down_proj": "intermediate"}
 # two or three ranges, which one Shard does not describe; refused by name.
 _FUSED_IN_CHECKPOINT = ("qkv_proj", "gate_up_proj")
 _VOCABULARY = ("embed_tokens", "lm_head")
+# Norms whose weight spans a whole projection when a family norms over all heads (OLMo 2).
+_WHOLE_PROJECTION_NORMS = {"q_norm": "query", "k_norm": "kv"}
 
 
 def even_split(num_items: int, num_parts: int, part: int) -> tuple[int, int]:
@@ -163,6 +165,14 @@ class TensorParallelLayout:
                 raise ValueError(f"checkpoint tensor {name!r}: an already-fused layer's {kind} does not split "
                                  f"with tensor_parallel_size > 1 (its float weight does)")
             return None  # held whole; the model cuts its rows (fused_rows)
+        if module in _WHOLE_PROJECTION_NORMS and kind == "weight" and len(shape) == 1:
+            # OLMo 2's q/k norms over the whole projection split with its rows; per-head ones (head_dim
+            # wide: Qwen3, Gemma 3) are held whole.
+            start, end = self._range(_WHOLE_PROJECTION_NORMS[module])
+            total = self.total_query_heads if module == "q_norm" else self.total_kv_heads
+            if shape[0] == total * head_dim and total > 1:
+                return Shard(0, start * head_dim, end * head_dim, (end - start) * head_dim)
+            return None
         if module in _COLUMN_PARALLEL:
             start, end = self._range(_COLUMN_PARALLEL[module])
             if module in ("q_proj", "k_proj", "v_proj"):
@@ -197,10 +207,13 @@ def check_can_split(cfg: ModelConfig, world_size: int) -> None:
     """ValueError, naming the counts, when a rank would get no query head or no MLP channel."""
     if world_size < 1:
         raise ValueError(f"tensor_parallel_size must be >= 1, got {world_size}")
-    if world_size > 1 and cfg.qk_norm_over_heads:  # a rank would see only its heads' share of the statistic
-        raise ValueError(f"tensor_parallel_size {world_size}: {cfg.architecture or cfg.model_type} norms q "
-                         "and k over all heads at once, which is not split over ranks yet; use "
-                         "tensor_parallel_size 1")
+    if world_size > cfg.num_kv_heads and cfg.qk_norm_over_heads:
+        # The ranks sum their slices' squares (layers/attention.py): a KV head replicated on several
+        # ranks would be counted once per rank.
+        raise ValueError(f"tensor_parallel_size {world_size}: {cfg.architecture or cfg.model_type} norms k "
+                         f"over all its {cfg.num_kv_heads} KV heads at once, which splits over at most "
+                         f"{cfg.num_kv_heads} ranks (more would replicate a KV head); use tensor_parallel_size "
+                         f"<= {cfg.num_kv_heads}")
     if cfg.num_heads % cfg.num_kv_heads:
         raise ValueError(f"{cfg.num_heads} query heads do not group evenly over {cfg.num_kv_heads} KV heads")
     # Ranks sharing one KV head split its query heads: each needs one.

@@ -249,7 +249,7 @@ class ModelRunner:
         prompt_values = None
         if prompt_plan is not None:
             logits, hidden = logits
-            prompt_values = compute_prompt_logprobs(self.model.lm_head, hidden, step.tensors["p.prompt_targets"],
+            prompt_values = compute_prompt_logprobs(self.model.vocab_logits, hidden, step.tensors["p.prompt_targets"],
                                                     prompt_plan.num_top)
         if not sampling and prompt_plan is None:
             timings.add(prepare=prepared - start, forward=time.perf_counter() - prepared)

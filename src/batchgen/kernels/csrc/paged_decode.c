@@ -92,7 +92,15 @@ typedef struct {
     int num_kv_heads, group, head_dim, block_size, max_blocks;
     float scale;
     int cache_bf16, io_bf16;
+    int window;  /* > 0: a row sees only its last `window` keys (sliding-window attention) */
+    float softcap;  /* > 0: scores become softcap * tanh(score / softcap) before the softmax */
 } job_t;
+
+/* The first key row b's query sees: L - window with a window shorter than the row, else 0. Blocks
+   wholly before it are never read; the keys before it in its block weigh 0 (softmax_rows). */
+static inline int first_key(const job_t *j, int L) {
+    return j->window > 0 && L > j->window ? L - j->window : 0;
+}
 
 /* Block `i` of a row's table, as a pointer to its first token's (Hkv, D) record, or 0 past the row.
    `elem`: bytes per cached value (4 float32, 2 bfloat16, 1 FP8). */
@@ -145,15 +153,20 @@ static void row_queries(const job_t *j, int b, long HGD, float *qo, const float 
     }
 }
 
-/* Each of the HG score rows (L keys) to its exact softmax over the row's own keys, and the HG x D
+/* Each of the HG score rows (L keys) to its exact softmax over the row's own keys (soft-capped, and
+   only those in its window when the job has them), and the HG x D
    outputs zeroed for the P V sums. */
-static void softmax_rows(float *scores, int HG, int L, float *out, int D) {
+static void softmax_rows(const job_t *j, float *scores, int HG, int L, float *out, int D) {
+    const int k0 = first_key(j, L);
+    const float cap = j->softcap;
     for (int hg = 0; hg < HG; hg++) {
         float *sh = scores + (long)hg * L, m = -FLT_MAX, sum = 0.f;
-        for (int l = 0; l < L; l++) m = sh[l] > m ? sh[l] : m;
-        for (int l = 0; l < L; l++) { sh[l] = expf(sh[l] - m); sum += sh[l]; }
+        for (int l = 0; l < k0; l++) sh[l] = 0.f;  /* outside the window: weigh nothing */
+        if (cap > 0.f) for (int l = k0; l < L; l++) sh[l] = cap * tanhf(sh[l] / cap);
+        for (int l = k0; l < L; l++) m = sh[l] > m ? sh[l] : m;
+        for (int l = k0; l < L; l++) { sh[l] = expf(sh[l] - m); sum += sh[l]; }
         const float inv = 1.f / sum;
-        for (int l = 0; l < L; l++) sh[l] *= inv;
+        for (int l = k0; l < L; l++) sh[l] *= inv;
         for (int d = 0; d < D; d++) out[(long)hg * D + d] = 0.f;
     }
 }
@@ -170,7 +183,7 @@ static void attend_row(const job_t *j, int b, float *scores, float *row, float *
     const float *q;
     float *out;
     row_queries(j, b, (long)HG * D, qo, &q, &out);
-    for (int i = 0; i * BS < L; i++) {
+    for (int i = first_key(j, L) / BS; i * BS < L; i++) {
         const char *block = block_at(j->k_cache, table, i, L, BS, token_stride, k_elem);
         const char *next = block_at(j->k_cache, table, i + 1, L, BS, token_stride, k_elem);
         const int n = block_len(i, L, BS);
@@ -185,8 +198,8 @@ static void attend_row(const job_t *j, int b, float *scores, float *row, float *
             }
         }
     }
-    softmax_rows(scores, HG, L, out, D);
-    for (int i = 0; i * BS < L; i++) {
+    softmax_rows(j, scores, HG, L, out, D);
+    for (int i = first_key(j, L) / BS; i * BS < L; i++) {
         const char *block = block_at(j->v_cache, table, i, L, BS, token_stride, v_elem);
         const char *next = block_at(j->v_cache, table, i + 1, L, BS, token_stride, v_elem);
         const int n = block_len(i, L, BS);
@@ -230,7 +243,7 @@ static void NAME(const job_t *j, int b, float *scores, float *buf, float *qo) { 
     const float *q;                                                                                    \
     float *out;                                                                                        \
     row_queries(j, b, (long)HG * D, qo, &q, &out);                                                     \
-    for (int i = 0; i * BS < L; i++) {                                                                \
+    for (int i = first_key(j, L) / BS; i * BS < L; i++) {                                             \
         const char *block = block_at(j->k_cache, table, i, L, BS, token_stride, k_elem);             \
         const char *next = block_at(j->k_cache, table, i + 1, L, BS, token_stride, k_elem);          \
         const int n = block_len(i, L, BS);                                                            \
@@ -262,8 +275,8 @@ static void NAME(const job_t *j, int b, float *scores, float *buf, float *qo) { 
             }                                                                                         \
         }                                                                                             \
     }                                                                                                 \
-    softmax_rows(scores, HG, L, out, D);                                                               \
-    for (int i = 0; i * BS < L; i++) {                                                                \
+    softmax_rows(j, scores, HG, L, out, D);                                                               \
+    for (int i = first_key(j, L) / BS; i * BS < L; i++) {                                             \
         const char *block = block_at(j->v_cache, table, i, L, BS, token_stride, v_elem);             \
         const char *next = block_at(j->v_cache, table, i + 1, L, BS, token_stride, v_elem);          \
         const int n = block_len(i, L, BS);                                                            \
@@ -323,7 +336,7 @@ static void NAME(const job_t *j, int b, float *scores, float *buf, float *qo) { 
     const long token_stride = (long)H * D;  /* bf16 values per token record */                        \
     const int *table = j->block_tables + (long)b * j->max_blocks;                                     \
     const bf16_t *q = (const bf16_t *)j->q + (long)b * HG * D;                                        \
-    for (int i = 0; i * BS < L; i++) {                                                                \
+    for (int i = first_key(j, L) / BS; i * BS < L; i++) {                                             \
         const bf16_t *keys = (const bf16_t *)block_at(j->k_cache, table, i, L, BS, token_stride, 2);  \
         const char *next = block_at(j->k_cache, table, i + 1, L, BS, token_stride, 2);                \
         const int n = block_len(i, L, BS);                                                            \
@@ -352,10 +365,10 @@ static void NAME(const job_t *j, int b, float *scores, float *buf, float *qo) { 
             }                                                                                         \
         }                                                                                             \
     }                                                                                                 \
-    softmax_rows(scores, HG, L, qo, D);  /* zeroes qo: HG x D float32 accumulators, unpack order */   \
+    softmax_rows(j, scores, HG, L, qo, D);  /* zeroes qo: HG x D float32 accumulators, unpack order */   \
     bf16_t *p16 = (bf16_t *)buf;                                                                      \
     probabilities_bf16(scores, HG, L, p16);                                                           \
-    for (int i = 0; i * BS < L; i++) {                                                                \
+    for (int i = first_key(j, L) / BS; i * BS < L; i++) {                                             \
         const bf16_t *values = (const bf16_t *)block_at(j->v_cache, table, i, L, BS, token_stride, 2); \
         const char *next = block_at(j->v_cache, table, i + 1, L, BS, token_stride, 2);                \
         const int n = block_len(i, L, BS);                                                            \
@@ -440,16 +453,17 @@ int paged_decode_rounds_probabilities(int head_dim, int block_size) {
 
 /* Returns 0 on success. q, out: (rows, Hkv, group, D) contiguous, float32 or (io_bf16) bfloat16;
    k_cache, v_cache: (slots, Hkv, D) contiguous, slot = block * block_size + offset, float32,
-   bfloat16 (cache_bf16) or (with k_lut, v_lut) FP8 bytes; block_tables: (rows, max_blocks). */
+   bfloat16 (cache_bf16) or (with k_lut, v_lut) FP8 bytes; block_tables: (rows, max_blocks);
+   window > 0: sliding-window attention over a row's last `window` keys; softcap > 0: tanh capping. */
 int paged_decode_attention(const void *q, const void *k_cache, const void *v_cache,
                            const float *k_lut, const float *v_lut, const int *lengths, const int *block_tables, void *out,
                            int num_rows, int num_kv_heads, int group, int head_dim,
                            int block_size, int max_blocks, float scale, int cache_bf16, int io_bf16,
-                           int num_threads) {
+                           int window, float softcap, int num_threads) {
     int max_len = 1;
     for (int b = 0; b < num_rows; b++) max_len = lengths[b] > max_len ? lengths[b] : max_len;
     const job_t j = {q, k_cache, v_cache, k_lut, v_lut, lengths, block_tables, out, num_kv_heads, group, head_dim,
-                     block_size, max_blocks, scale, cache_bf16, io_bf16};
+                     block_size, max_blocks, scale, cache_bf16, io_bf16, window, softcap};
     const size_t qo_floats = io_bf16 ? 2 * (size_t)num_kv_heads * group * head_dim : 1;
     /* a bfloat16 cache has no tables: its K and V both read in place */
     attend_row_fn vector_row = vector_row_for(head_dim, cache_bf16 && !k_lut && !v_lut);

@@ -50,7 +50,22 @@ typedef struct {
     int max_blocks, num_kv_heads, group, head_dim, block_size;
     float scale;
     int cache_bf16, io_bf16;
+    int window;  /* > 0: a query sees only the last `window` positions, itself included */
+    float softcap;  /* > 0: scores become softcap * tanh(score / softcap) before the softmax */
 } prefill_job_t;
+
+/* The first key query row r (token r / G, at position ctx + r / G) sees. */
+static inline int row_first_key(const prefill_job_t *j, int ctx, int r) {
+    const int last = ctx + r / j->group;
+    return j->window > 0 && last >= j->window ? last - j->window + 1 : 0;
+}
+
+/* Where a tile of rows starting at r0 begins reading keys: its first row's first key, down to a
+   16-key score tile (rows sharing a tile read from the same key; what precedes a row's own first
+   key weighs 0). */
+static inline int tile_first_key(const prefill_job_t *j, int ctx, int r0) {
+    return row_first_key(j, ctx, r0) / LANES * LANES;
+}
 
 /* out rows [r0, r0 + nr) = P V over their keys, NV_ vectors of head dims at a time held in registers.
    One copy per width: PV_WIDE_VECS (a whole 64-dim head with AVX-512, 16 dims with AVX2) and 16 dims
@@ -66,7 +81,7 @@ static void NAME(const prefill_job_t *j, const float *scores, const float *vb, f
     for (int d0 = 0; d0 < D; d0 += NV_ * VEC_FLOATS) {                                               \
         vecf acc[PV_ROWS][NV_];                                                                      \
         for (int t = 0; t < PV_ROWS; t++) for (int c = 0; c < NV_; c++) acc[t][c] = (vecf){0};      \
-        for (int key = 0; key < row_keys; key++) {                                                   \
+        for (int key = tile_first_key(j, ctx, r0); key < row_keys; key++) {                         \
             vecf v[NV_];                                                                             \
             for (int c = 0; c < NV_; c++) v[c] = loadv(vb + (long)key * D + d0 + VEC_FLOATS * c);   \
             for (int t = 0; t < PV_ROWS; t++) {                                                      \
@@ -95,7 +110,8 @@ static void prefill_rows(const prefill_job_t *j, int seq, int h, int row_begin, 
     const int padded = (num_keys + LANES - 1) / LANES * LANES;
     const long token_stride = (long)j->num_kv_heads * D;
     const int *table = j->block_tables + (long)seq * j->max_blocks;
-    for (int key = 0; key < num_keys; key++) {  /* gather K^T and V rows out of their blocks */
+    const int first_gathered = tile_first_key(j, ctx, row_begin);  /* keys before it: no row sees them */
+    for (int key = first_gathered; key < num_keys; key++) {  /* gather K^T and V rows out of their blocks */
         const long offset = ((long)table[key / BS] * BS + key % BS) * token_stride + (long)h * D;
         if (j->k_lut) {
             const unsigned char *kr = (const unsigned char *)j->k_cache + offset;
@@ -140,7 +156,7 @@ static void prefill_rows(const prefill_job_t *j, int seq, int h, int row_begin, 
                 qr[t] = j->io_bf16 ? qo + (long)(r - tile) * D : q + (r / G) * j->q_token_stride + (r % G) * D;
             }
             const int row_keys = ctx + (r0 + nr - 1) / G + 1;
-            for (int k0 = 0; k0 < row_keys; k0 += LANES) {
+            for (int k0 = tile_first_key(j, ctx, r0); k0 < row_keys; k0 += LANES) {
                 vecf acc[QK_ROWS][KEY_VECS];
                 for (int t = 0; t < QK_ROWS; t++) for (int c = 0; c < KEY_VECS; c++) acc[t][c] = (vecf){0};
                 for (int d = 0; d < D; d++) {
@@ -156,11 +172,16 @@ static void prefill_rows(const prefill_job_t *j, int seq, int h, int row_begin, 
         }
         for (int r = tile; r < tile_end; r++) {  /* exact softmax over the row's own keys */
             float *sr = scores + (long)(r - tile) * padded, m = -FLT_MAX, sum = 0.f;
-            const int n = ctx + r / G + 1;
-            for (int key = 0; key < n; key++) m = sr[key] > m ? sr[key] : m;
-            for (int key = 0; key < n; key++) { sr[key] = expf(sr[key] - m); sum += sr[key]; }
+            const int n = ctx + r / G + 1, first = row_first_key(j, ctx, r);
+            /* keys its score tile read before its window (its tile's first row's may start earlier) */
+            for (int key = tile_first_key(j, ctx, tile + (r - tile) / QK_ROWS * QK_ROWS); key < first; key++)
+                sr[key] = 0.f;
+            if (j->softcap > 0.f)
+                for (int key = first; key < n; key++) sr[key] = j->softcap * tanhf(sr[key] / j->softcap);
+            for (int key = first; key < n; key++) m = sr[key] > m ? sr[key] : m;
+            for (int key = first; key < n; key++) { sr[key] = expf(sr[key] - m); sum += sr[key]; }
             const float inv = 1.f / sum;
-            for (int key = 0; key < n; key++) sr[key] *= inv;
+            for (int key = first; key < n; key++) sr[key] *= inv;
             for (int key = n; key < padded; key++) sr[key] = 0.f;  /* masked keys weigh nothing */
         }
         for (int r0 = tile; r0 < tile_end; r0 += PV_ROWS) {
@@ -178,12 +199,13 @@ static void prefill_rows(const prefill_job_t *j, int seq, int h, int row_begin, 
 /* Returns 0 on success. q: (T, H, D) with token stride q_token_stride (contiguous heads); out likewise;
    both float32 or (io_bf16) bfloat16; caches as for decode (float32, bfloat16 with cache_bf16, or
    FP8 bytes with k_lut, v_lut); per prefill sequence: its first flat token, query and context
-   lengths and block table (max_blocks). head_dim must be a multiple of 16. */
+   lengths and block table (max_blocks). head_dim must be a multiple of 16. window > 0: each query sees
+   only the last `window` positions (itself included); softcap > 0: tanh capping of the scores. */
 int paged_prefill_attention(const void *q, long q_token_stride, const void *k_cache, const void *v_cache,
                             const float *k_lut, const float *v_lut, void *out, long out_token_stride, const int *token_starts, const int *query_lens,
                             const int *context_lens, const int *block_tables, int num_seqs, int max_blocks,
                             int num_kv_heads, int group, int head_dim, int block_size, float scale,
-                            int cache_bf16, int io_bf16, int num_threads) {
+                            int cache_bf16, int io_bf16, int window, float softcap, int num_threads) {
     int max_keys = 1;
     for (int i = 0; i < num_seqs; i++) {
         const int n = context_lens[i] + query_lens[i];
@@ -195,7 +217,7 @@ int paged_prefill_attention(const void *q, long q_token_stride, const void *k_ca
     const int num_splits = num_pairs >= 4 * num_threads ? 1 : (4 * num_threads + num_pairs - 1) / num_pairs;
     const prefill_job_t j = {q, k_cache, v_cache, k_lut, v_lut, out, q_token_stride, out_token_stride, token_starts,
                              query_lens, context_lens, block_tables, max_blocks, num_kv_heads, group, head_dim,
-                             block_size, scale, cache_bf16, io_bf16};
+                             block_size, scale, cache_bf16, io_bf16, window, softcap};
     int failed = 0;
     #pragma omp parallel num_threads(num_threads) reduction(|:failed)
     {

@@ -15,6 +15,7 @@ if TYPE_CHECKING:
 
     from batchgen.engine.attention.base import AttentionBackend, AttentionMetadata
     from batchgen.engine.models.config import ModelConfig
+    from batchgen.engine.parallel.group import TensorParallelGroup
 
 
 class Attention(nn.Module):
@@ -39,6 +40,17 @@ class Attention(nn.Module):
             over_heads = cfg.qk_norm_over_heads
             self.q_norm = RMSNorm(cfg.q_size if over_heads else cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.kv_size if over_heads else cfg.head_dim, cfg.rms_norm_eps)
+        # Tensor parallelism with norms over all heads: the group that sums the ranks' squares, and the
+        # whole model's q and k widths (set_qk_norm_group); None: this rank's q and k are whole.
+        self.qk_norm_group: TensorParallelGroup | None = None
+        self.qk_norm_widths = (cfg.q_size, cfg.kv_size)
+
+    def set_qk_norm_group(self, group: TensorParallelGroup, q_width: int, kv_width: int) -> None:
+        """Tensor parallelism (qk_norm_over_heads): this rank holds a slice of q and of k (and of their
+        norm weights); each token's mean square is summed over the ranks' slices, `q_width` and
+        `kv_width` wide in all (the whole model's q_size and kv_size)."""
+        self.qk_norm_group = group
+        self.qk_norm_widths = (q_width, kv_width)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], backend: AttentionBackend,
                 kv_cache: tuple, meta: AttentionMetadata, ops: SimpleNamespace) -> torch.Tensor:
@@ -54,9 +66,12 @@ class Attention(nn.Module):
             # One mean square per token over all of q (and of k): the norms see the (T, q_size) and
             # (T, kv_size) blocks of the fused output as rows (strided views, no copy).
             q, k = qkv[:, :cfg.q_size], qkv[:, cfg.q_size:cfg.q_size + cfg.kv_size]
-            qk = torch.cat([ops.rms_norm(q, self.q_norm.weight, self.q_norm.eps),
-                            ops.rms_norm(k, self.k_norm.weight, self.k_norm.eps)],
-                           dim=1).view(num_tokens, num_qk_heads, cfg.head_dim)
+            if self.qk_norm_group is not None:
+                qk = self._split_qk_norm(q, k).view(num_tokens, num_qk_heads, cfg.head_dim)
+            else:
+                qk = torch.cat([ops.rms_norm(q, self.q_norm.weight, self.q_norm.eps),
+                                ops.rms_norm(k, self.k_norm.weight, self.k_norm.eps)],
+                               dim=1).view(num_tokens, num_qk_heads, cfg.head_dim)
         elif cfg.qk_norm:
             q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
             qk = torch.cat([ops.rms_norm(q, self.q_norm.weight, self.q_norm.eps),
@@ -71,3 +86,15 @@ class Attention(nn.Module):
         q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)  # (T, H, D), (T, Hkv, D)
         out = backend.forward(self.layer_index, q, k, v, kv_cache, meta)  # (T, H, D)
         return self.o_proj(out.reshape(num_tokens, cfg.q_size))
+
+    def _split_qk_norm(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        """(T, q slice), (T, k slice) -> (T, q slice + k slice) normed over the whole q and the whole k: the
+        ranks' float32 sums of squares (one all-reduce of (T, 2)), then HF's RMSNorm arithmetic
+        (x * rsqrt(mean + eps) in float32, times the weight, back to x's dtype)."""
+        qf, kf = q.float(), k.float()
+        squares = torch.stack([qf.pow(2).sum(-1), kf.pow(2).sum(-1)], dim=-1)  # (T, 2)
+        self.qk_norm_group.all_reduce(squares)
+        q_width, kv_width = self.qk_norm_widths
+        q_out = self.q_norm.weight.float() * (qf * torch.rsqrt(squares[:, :1] / q_width + self.q_norm.eps))
+        k_out = self.k_norm.weight.float() * (kf * torch.rsqrt(squares[:, 1:] / kv_width + self.k_norm.eps))
+        return torch.cat([q_out, k_out], dim=1).to(q.dtype)

@@ -60,12 +60,25 @@ class CausalLM(DecoderModel):
         CPU (it samples nothing) and the whole logits on CUDA (an all-gather, see group.py)."""
         parallel = self.parallel
         if parallel is None:
-            return self.lm_head(hidden).float()
+            return self.vocab_logits(hidden)
         if not parallel.layout.is_vocab_parallel:  # replicated: rank 0 alone computes them
-            return self.lm_head(hidden).float() if parallel.group.is_first else None
+            return self.vocab_logits(hidden) if parallel.group.is_first else None
         logits = parallel.group.gather_columns(self.lm_head(hidden))  # (N, world x vocab rows) or None
         if logits is None:
             return None
         if logits.shape[1] != self.vocab_size:
             logits = logits[:, :self.vocab_size].contiguous()
-        return logits.float()
+        return self.cap_logits(logits.float())
+
+    def vocab_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(N, hidden) normed -> (N, V) float32 logits of this process's lm_head (soft-capped where the
+        model caps them); prompt log-probabilities are made through it too."""
+        return self.cap_logits(self.lm_head(hidden).float())
+
+    def cap_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """float32 logits -> c * tanh(logits / c) for a model with final_logit_softcapping c (Gemma 2),
+        else as they are."""
+        cap = self.cfg.final_logit_softcapping
+        if cap is None:
+            return logits
+        return torch.tanh(logits / cap) * cap

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 from torch import nn
 
+from batchgen.engine.attention.base import LayerAttention
 from batchgen.engine.models.layers.attention import Attention
 from batchgen.engine.models.layers.mlp import GatedMLP
 from batchgen.engine.models.layers.norm import RMSNorm
@@ -110,6 +111,12 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = self.make_rotary(max_positions)
         self.backend = attention_backend
+        attention_backend.configure_layers(self.attention_layers(max_positions), cfg.attention_scale)
+        if parallel is not None and cfg.qk_norm_over_heads:  # OLMo 2: q/k norms over heads split across ranks
+            layout = parallel.layout
+            for layer in self.layers:
+                layer.self_attn.set_qk_norm_group(parallel.group, layout.total_query_heads * cfg.head_dim,
+                                                  layout.total_kv_heads * cfg.head_dim)
         self.ops = eager_ops()
 
     @classmethod
@@ -117,6 +124,17 @@ class DecoderModel(nn.Module):
         """ModelConfig fields this family reads from config.json its own way (over the generic reading
         in ModelConfig.from_hf_dict), e.g. a bias HF's class always has."""
         return {}
+
+    def attention_layers(self, max_positions: int) -> list[LayerAttention]:
+        """Each layer's window and soft-cap, for the attention backend. A window of at least
+        max_positions never masks a key, so it is dropped (the kernels then skip the window test)."""
+        cfg = self.cfg
+        layers = []
+        for i in range(cfg.num_layers):
+            window = cfg.layer_sliding_window(i)
+            layers.append(LayerAttention(window if window is not None and window < max_positions else None,
+                                         cfg.attn_logit_softcapping))
+        return layers
 
     def make_rotary(self, max_positions: int) -> RotaryEmbedding:
         """The rotary tables for positions below max_positions (the loader rebuilds them on the real
