@@ -27,7 +27,8 @@ class JobInputs:
     def output_schema(self, job: JobConfig) -> pa.Schema:
         """Every part's schema: id (the input's one id type), the generated columns, the metrics' verdict
         columns, the kept columns."""
-        keep = [pa.field(name, self.column_types[name]) for name in job.output.keep_columns]
+        renamed = job.output.rename_columns
+        keep = [pa.field(renamed.get(name, name), self.column_types[name]) for name in job.output.keep_columns]
         # A batch file's lines each ask for logprobs or not: both columns are there, null where not asked.
         logprobs = 1 if job.input.is_batch_file else job.sampling.logprobs
         return output_schema(pa.field("id", self.column_types[job.input.id_column]), keep, logprobs,

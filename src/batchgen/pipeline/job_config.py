@@ -71,6 +71,9 @@ class JobConfig(Section):
     `_SUCCESS` holds each one's value, stderr and n; the columns a metric reads are kept in the output."""
     # What model.generation_config filled into the sampling section (set by job_plan.plan_job).
     _generation_config: dict | None = PrivateAttr(default=None)
+    # A stage of a multi-stage job: {earlier stage: its identity} of the stages it reads (pipeline/stages/),
+    # part of its config hash, so a changed earlier stage reruns this one.
+    _upstream_identities: dict[str, str] = PrivateAttr(default_factory=dict)
 
     @field_validator("sampling_columns")
     @classmethod
@@ -264,6 +267,9 @@ class JobConfig(Section):
                                   for name, spec in sorted(self.metrics.items())}
         if limit is not None:  # a limited run covers different rows: its units must not pass for complete
             payload["limit"] = limit
+        if self._upstream_identities:  # a stage: what it reads is the earlier stages' output
+            payload["upstream"] = dict(sorted(self._upstream_identities.items()))
+            payload["keep_columns"] = [self.output.keep_columns, dict(sorted(self.output.rename_columns.items()))]
         blob = json.dumps(payload, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(blob.encode()).hexdigest()
 

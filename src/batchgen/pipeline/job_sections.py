@@ -239,6 +239,9 @@ class OutputSection(Section):
     openai_batch also writes output.jsonl and errors.jsonl (OpenAI's Batch API output) before _SUCCESS."""
     keep_columns: list[str] = Field(default_factory=list)
     """Input columns copied to every output row."""
+    rename_columns: dict[str, str] = Field(default_factory=dict)
+    """Kept input columns written under another name: {input column: output column}. A stage that reads
+    an earlier stage keeps that stage's `completion` as `<earlier stage>_completion` this way."""
     storage_options: dict[str, Any] = Field(default_factory=dict)
     """fsspec options for the output's filesystem (credentials, endpoint); not in the config hash."""
 

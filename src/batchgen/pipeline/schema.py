@@ -155,8 +155,9 @@ def check_input_schema(file: InputFile, job: JobConfig) -> None:
     for metric, spec in job.metrics.items():  # before keep_columns, which they joined: name the metric
         for name in spec.input_columns:
             column(name, f"metrics.{metric}")
-    for name in job.output.keep_columns:
-        column(name, "output.keep_columns")
+    for input_name in job.output.keep_columns:
+        column(input_name, "output.keep_columns")
+        name = job.output.rename_columns.get(input_name, input_name)  # the output's name
         if name in RESERVED_NAMES:
             raise JobError(f"output.keep_columns: {name!r} clashes with an output column of the same name")
         if name in {metric_column(m) for m in job.metrics}:
