@@ -64,8 +64,9 @@ def run_select_stage(stage: Stage, staged: StagedJob, *, overwrite: bool) -> tup
             return run.read_success(), False
         started = time.monotonic()
         frame = pl.from_arrow(_read_all(storage, files))
-        _check_columns(stage, frame.columns)
-        table, counts = select_rows(frame, stage.select, stage.prompt_column_read, stage.is_messages_read)
+        prompt_column, is_messages = _prompt_column(stage, frame.columns)
+        _check_columns(stage, frame.columns, prompt_column)
+        table, counts = select_rows(frame, stage.select, prompt_column, is_messages)
         arrow = table.to_arrow()
         unit = identity.units[0]
         part = out.open_part(unit.output_name)
@@ -94,14 +95,26 @@ def _read_all(storage: Storage, files: list[InputFile]) -> pa.Table:
     return pa.concat_tables(tables, promote_options="permissive")
 
 
-def _check_columns(stage: Stage, columns: list[str]) -> None:
+def _prompt_column(stage: Stage, columns: list[str]) -> tuple[str | None, bool]:
+    """The prompt column the rule reads: the stage's (set or carried), else for a path input a column
+    named `messages` (chat) or `prompt` (raw text)."""
+    if stage.prompt_column_read is not None:
+        return stage.prompt_column_read, stage.is_messages_read
+    for name, is_messages in (("messages", True), ("prompt", False)):
+        if name in columns:
+            return name, is_messages
+    return None, False
+
+
+def _check_columns(stage: Stage, columns: list[str], prompt_column: str | None) -> None:
     """The rule's columns are in what it read (a path input is only known now): JobError naming the key."""
     wanted = stage.select.columns_read()
     if stage.select.rule != "filter":
-        if stage.prompt_column_read is None:
+        if prompt_column is None:
             raise JobError(f"stage {stage.name!r}: select.prompt_column: no prompt column is known for "
-                           f"{stage.input_path}; set select.prompt_column or select.messages_column")
-        wanted.setdefault(stage.prompt_column_read, "the prompt column carried from the earlier stages")
+                           f"{stage.input_path} (no messages or prompt column); set select.prompt_column or "
+                           "select.messages_column")
+        wanted.setdefault(prompt_column, "the prompt column carried from the earlier stages")
     for column, key in wanted.items():
         if column not in columns:
             raise JobError(f"stage {stage.name!r}: {key}: column {column!r} is not in {stage.input_path} "
