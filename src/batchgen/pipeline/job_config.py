@@ -101,6 +101,9 @@ class JobConfig(Section):
                                      "each line's body sets its own sampling fields", self.sampling_columns))
         errors += self._task_errors()
         errors += self._metric_errors()
+        if self.output.parse_json and not (self.sampling.structured or {}).keys() & {"json", "json_file"}:
+            errors.append(_key_error(("output", "parse_json"), "needs a JSON schema in sampling.structured (json or "
+                                     "json_file): its properties are the columns", True))
         if self.input.is_batch_file and self.output.keep_columns:
             errors.append(_key_error(("output", "keep_columns"), "does not apply to input.format "
                                      "openai_batch: a batch file has no columns besides custom_id (the output's id)",
@@ -262,6 +265,8 @@ class JobConfig(Section):
             payload["kv_cache"] = kv_cache
         if self.writes_batch_output:  # its parts carry the openai_line column
             payload["output_format"] = self.output.format
+        if self.output.parse_json:  # its parts carry the parsed answer's columns
+            payload["parse_json"] = True
         if self.metrics:  # its parts carry the verdict columns
             payload["metrics"] = {name: spec.model_dump(exclude={"min"})  # a threshold changes no verdict
                                   for name, spec in sorted(self.metrics.items())}

@@ -130,7 +130,10 @@ def check_input_schema(file: InputFile, job: JobConfig) -> None:
     t = column(inp.id_column, "input.id_column")
     if not (pa.types.is_integer(t) or is_text(t)):
         raise wrong(inp.id_column, "input.id_column", t, "an integer or string type")
-    if inp.messages_column is not None:
+    if inp.prompt_template is not None:
+        for name in inp.prompt_source_columns:
+            column(name, "input.prompt_template")
+    elif inp.messages_column is not None:
         t = column(inp.messages_column, "input.messages_column")
         if not is_messages(t):
             raise wrong(inp.messages_column, "input.messages_column", t,

@@ -266,7 +266,7 @@ def _model_stage(top: dict, raw: dict, upstream: Stage | None, base_dir: Path, o
     keep = list(out.get("keep_columns") or [])
     renames = dict(out.get("rename_columns") or {})
     own = set(RESERVED_NAMES) | set(TASK_COLUMNS.get(raw.get("task", "generate"), ())) | {metric_column(m) for m in (merged.get("metrics") or {})} | set(
-        judge_columns(merged))
+        judge_columns(merged, base_dir))
     if upstream is not None:
         inp["path"] = upstream.output_path
         inp.setdefault("id_column", "id")
@@ -287,6 +287,8 @@ def _model_stage(top: dict, raw: dict, upstream: Stage | None, base_dir: Path, o
         job = validate_job(merged, base_dir, source=where)
     except JobError as exc:
         raise JobError(str(exc).replace(f"{where}: invalid job", f"{where}: invalid stage", 1)) from None
+    if upstream is not None and upstream.columns is not None:
+        _check_stage_input(job, upstream, where)
     text = job.input.messages_column or job.input.prompt_column
     if upstream is None and text is not None and text not in job.output.keep_columns:
         job.output.keep_columns.append(text)  # carried on: later stages read the prompt
@@ -296,12 +298,33 @@ def _model_stage(top: dict, raw: dict, upstream: Stage | None, base_dir: Path, o
         raise JobError(f"{where}: output.keep_columns: {clash[0]!r} would be written twice; rename it with "
                        "output.rename_columns")
     task_columns = TASK_COLUMNS.get(job.task, ())
-    columns = ["id", *task_columns, *(metric_column(m) for m in job.metrics), *judge_columns(merged), *names]
+    columns = ["id", *task_columns, *(metric_column(m) for m in job.metrics), *judge_columns(merged, base_dir), *names]
     stage = Stage(raw["name"], job.task, upstream.name if upstream else None, output_path, job=job,
                   columns=list(dict.fromkeys(columns)))
-    stage.prompt_column = text if upstream is None or text is not None else upstream.prompt_column
-    stage.is_messages = job.input.messages_column is not None if text is not None else upstream.is_messages
+    if text is not None:
+        stage.prompt_column, stage.is_messages = text, job.input.messages_column is not None
+    elif upstream is not None:  # a template: the prompt the earlier stages carried is still there
+        stage.prompt_column, stage.is_messages = upstream.prompt_column, upstream.is_messages
     return stage
+
+
+def _check_stage_input(job: JobConfig, upstream: Stage, where: str) -> None:
+    """The columns a model stage reads are ones its earlier stage writes (JobError naming the key)."""
+    inp = job.input
+    wanted = {name: ("input.prompt_template" if inp.prompt_template is not None else
+                     "input.messages_column" if inp.messages_column is not None else "input.prompt_column")
+              for name in inp.prompt_source_columns}
+    if inp.scored_column is not None:
+        wanted[inp.scored_column] = "input.continuations_column"
+    wanted.update({name: f"sampling_columns.{key}" for key, name in job.sampling_columns.items()})
+    if inp.schema_column is not None:
+        wanted[inp.schema_column] = "input.schema_column"
+    for name in job.output.keep_columns:
+        wanted.setdefault(name, "output.keep_columns")
+    for column, key in wanted.items():
+        if column not in upstream.columns:
+            raise JobError(f"{where}: {key}: column {column!r} is not in the output of stage {upstream.name!r} "
+                           f"(its columns: {', '.join(upstream.columns)})")
 
 
 def _resolve(path: str, base_dir: Path) -> str:
