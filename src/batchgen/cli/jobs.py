@@ -181,13 +181,28 @@ def validate(job: JobArg, set_: SetOpt = None, limit: LimitOpt = None) -> None:
     with the loader's size checks, safetensors headers, config.json, the tokenizer, the chat template);
     loads no weights. A damaged or hostile file exits 2 naming it.
     """
-    from batchgen.pipeline.config import load_job
     from batchgen.pipeline.job_plan import format_job_plan, plan_job
     from batchgen.pipeline.model_files import check_model_files, needs_chat_template
+    from batchgen.pipeline.stages import StagedJob, load_any_job
     from batchgen.pipeline.structured_job import check_job_constraint_before_load
 
     try:
-        plan = plan_job(load_job(job, set_ or []), limit)
+        config = load_any_job(job, set_ or [], limit)
+        if isinstance(config, StagedJob):
+            from batchgen.pipeline.stages.validate import validate_staged_job
+
+            lines, is_refused = validate_staged_job(config)
+    except Exception as exc:
+        raise fail(exc) from None
+    if isinstance(config, StagedJob):
+        typer.echo("\n".join(lines))
+        if is_refused:
+            typer.echo("batchgen: bad job: a stage's output folder would be refused (see above)", err=True)
+            raise typer.Exit(EXIT_BAD_JOB)
+        typer.echo("ok")
+        return
+    try:
+        plan = plan_job(config, limit)
         check_job_constraint_before_load(plan.job)
         source = plan.model_source
         files = None if source is None else check_model_files(source, needs_chat_template(plan.job))

@@ -81,6 +81,7 @@ def run_staged_job(staged: StagedJob, *, overwrite: bool = False, progress: bool
     its settings use (tests, notebooks)."""
     holder = EngineHolder(engine)
     results = []
+    write_stages_manifest(staged)
     try:
         for stage in staged.stages:
             results.append(_run_stage(stage, staged, holder, overwrite, progress))
@@ -109,6 +110,19 @@ def _run_stage(stage: Stage, staged: StagedJob, holder: EngineHolder, overwrite:
     result = run_job(job, engine=engine, limit=limit, overwrite=overwrite or is_replaced, progress=progress)
     return StageResult(stage, result.record, result.success_path, result.num_units_run, result.num_units_skipped,
                        is_replaced)
+
+
+STAGES_NAME = "_stages.json"
+
+
+def write_stages_manifest(staged: StagedJob) -> None:
+    """`<output.path>/_stages.json`: the stages in run order, what each reads and its identity (the report
+    reads it to show the stages in order)."""
+    stages = [{"name": s.name, "task": s.task, "reads": {"stage": s.upstream} if s.upstream else {"path": s.input_path or s.job.input.path},
+               "rule": s.select.rule if s.select else None, "config_hash": s.identity,
+               "folder": s.output_path.rstrip("/").rsplit("/", 1)[-1]} for s in staged.stages]
+    Storage(staged.output_path, staged.storage_options).write_text_atomic(
+        STAGES_NAME, json.dumps({"job": staged.name, "stages": stages}, indent=1) + "\n")
 
 
 def is_stale(state: FolderState, storage: Storage, job_name: str) -> bool:
