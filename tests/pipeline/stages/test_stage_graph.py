@@ -148,3 +148,31 @@ def test_stages_share_an_engine_with_the_same_settings_and_release_it_before_ano
         load_any_job(_write(tmp_path, job)).stages[0].job.engine_config()).config.max_num_seqs)
     # gen and judge share one engine; judge2's other settings load another after the first is shut down
     assert events == [("load", default), ("shutdown", default), ("load", 8), ("shutdown", 8)]
+
+
+@pytest.mark.parametrize("rule", ["dpo_pairs", "best_of_n"])
+def test_the_first_stages_system_prompt_opens_the_selected_prompts(tmp_path, rule):
+    """The samples were generated after input.system_prompt: the training rows carry it (a raw prompt's
+    pairs then take TRL's conversational format, the only one that holds a system turn)."""
+    from trl.data_utils import is_conversational
+
+    prompts = write_parquet(tmp_path / "raw.parquet", {"id": [1, 2], "text": ["q1", "q2"]})
+    job = {"name": "sys", "output": {"path": str(tmp_path / "out")}, **engine_sections(),
+           "sampling": {"max_tokens": 4},
+           "stages": [
+               {"name": "gen", "input": {"path": str(prompts), "prompt_column": "text",
+                                         "system_prompt": "Be brief."}, "sampling": {"n": 2, "temperature": 1.0}},
+               {"name": "pick", "task": "select", "input": {"stage": "gen"},
+                "select": {"rule": rule, "score_column": "sample_index"}}]}
+    staged = load_any_job(_write(tmp_path, job))
+    assert staged.by_name["pick"].is_messages  # what a later stage reading "pick" sees
+    run_staged_job(staged, engine=FakeEngine(staged.stages[0].job.engine_config()), progress=False)
+    rows = pq.read_table(tmp_path / "out" / "pick" / "part-00000.parquet").to_pylist()
+    system, user = {"role": "system", "content": "Be brief."}, {"role": "user", "content": "q1"}
+    if rule == "dpo_pairs":
+        assert rows[0]["prompt"] == [system, user]
+        assert rows[0]["chosen"] == [{"role": "assistant", "content": "done 1/1"}]  # sample_index 1 > 0
+        assert rows[0]["rejected"] == [{"role": "assistant", "content": "done 1/0"}]
+    else:
+        assert rows[0]["messages"] == [system, user, {"role": "assistant", "content": "done 1/1"}]
+    assert all(is_conversational(row) for row in rows)

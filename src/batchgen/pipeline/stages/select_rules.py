@@ -38,9 +38,12 @@ class SelectCounts:
 
 
 def select_rows(frame: pl.DataFrame, section: SelectSection, prompt_column: str | None,
-                is_messages: bool) -> tuple[pl.DataFrame, SelectCounts]:
+                is_messages: bool, system_prompt: str | None = None) -> tuple[pl.DataFrame, SelectCounts]:
     """The rule's output rows and counts. `prompt_column`/`is_messages`: where each row's prompt is
-    (dpo_pairs and best_of_n copy it; filter keeps every column)."""
+    (dpo_pairs and best_of_n copy it; filter keeps every column). `system_prompt`: the first stage's
+    input.system_prompt, which the samples were generated with: dpo_pairs and best_of_n put it first in
+    each prompt's messages (a row's own system message wins), so a raw prompt's pairs then take TRL's
+    conversational format."""
     counts = SelectCounts(section.rule, num_input_rows=frame.height)
     if section.id_column in frame.columns:
         counts.num_prompts = frame[section.id_column].n_unique()
@@ -65,10 +68,10 @@ def select_rows(frame: pl.DataFrame, section: SelectSection, prompt_column: str 
     columns = [section.id_column, prompt_column, section.completion_column, score, *section.keep_columns]
     best = _ranked(scored, section.id_column, score, columns, descending=True)
     if section.rule == "best_of_n":
-        out = _best_of_n(best, section, prompt_column, is_messages)
+        out = _best_of_n(best, section, prompt_column, is_messages, system_prompt)
     else:
         worst = _ranked(scored, section.id_column, score, [section.completion_column, score], descending=False)
-        out = _dpo_pairs(best, worst, section, prompt_column, is_messages, counts)
+        out = _dpo_pairs(best, worst, section, prompt_column, is_messages, counts, system_prompt)
     counts.num_output_rows = out.height
     return out, counts
 
@@ -83,20 +86,27 @@ def _ranked(frame: pl.DataFrame, id_column: str, score: str, columns: list[str],
     return frame.group_by(id_column, maintain_order=True).agg(*picks, pl.len().alias("__n"))
 
 
-def _messages(prompts: list, is_messages: bool) -> list[list[dict]]:
-    """Each prompt as chat messages ({role, content} only): a raw prompt is one user turn."""
+def _messages(prompts: list, is_messages: bool, system_prompt: str | None = None) -> list[list[dict]]:
+    """Each prompt as chat messages ({role, content} only): a raw prompt is one user turn; the system
+    prompt first unless the prompt has its own (as the generating stage sent it)."""
     if not is_messages:
-        return [[{"role": "user", "content": p}] for p in prompts]
-    return [[{"role": m["role"], "content": m["content"]} for m in p] for p in prompts]
+        chats = [[{"role": "user", "content": p}] for p in prompts]
+    else:
+        chats = [[{"role": m["role"], "content": m["content"]} for m in p] for p in prompts]
+    if system_prompt is None:
+        return chats
+    return [c if c and c[0]["role"] == "system" else [{"role": "system", "content": system_prompt}, *c]
+            for c in chats]
 
 
 def _assistant(text: str | None) -> list[dict]:
     return [{"role": "assistant", "content": text}]
 
 
-def _best_of_n(best: pl.DataFrame, section: SelectSection, prompt_column: str, is_messages: bool) -> pl.DataFrame:
+def _best_of_n(best: pl.DataFrame, section: SelectSection, prompt_column: str, is_messages: bool,
+               system_prompt: str | None) -> pl.DataFrame:
     """One row per prompt: its messages with the best sample's turn appended, and that sample's score."""
-    prompts = _messages(best[prompt_column].to_list(), is_messages)
+    prompts = _messages(best[prompt_column].to_list(), is_messages, system_prompt)
     texts = best[section.completion_column].to_list()
     out = pl.DataFrame({"id": best[section.id_column],
                         "messages": [p + _assistant(t) for p, t in zip(prompts, texts)],
@@ -105,7 +115,7 @@ def _best_of_n(best: pl.DataFrame, section: SelectSection, prompt_column: str, i
 
 
 def _dpo_pairs(best: pl.DataFrame, worst: pl.DataFrame, section: SelectSection, prompt_column: str,
-               is_messages: bool, counts: SelectCounts) -> pl.DataFrame:
+               is_messages: bool, counts: SelectCounts, system_prompt: str | None) -> pl.DataFrame:
     """One pair per prompt with two or more scored samples whose best and worst scores differ by at
     least min_margin (never a tie); the others are counted by why they were dropped."""
     score = section.score_column
@@ -124,8 +134,8 @@ def _dpo_pairs(best: pl.DataFrame, worst: pl.DataFrame, section: SelectSection, 
     rejected_text = worst[section.completion_column].filter(mask).to_list()
     chosen_text = best[section.completion_column].to_list()
     prompts = best[prompt_column].to_list()
-    if is_messages:  # TRL's conversational preference format
-        columns = {"prompt": _messages(prompts, True), "chosen": [_assistant(t) for t in chosen_text],
+    if is_messages or system_prompt is not None:  # TRL's conversational preference format
+        columns = {"prompt": _messages(prompts, is_messages, system_prompt), "chosen": [_assistant(t) for t in chosen_text],
                    "rejected": [_assistant(t) for t in rejected_text]}
     else:  # TRL's standard preference format (a raw prompt)
         columns = {"prompt": prompts, "chosen": chosen_text, "rejected": rejected_text}

@@ -66,7 +66,8 @@ def run_select_stage(stage: Stage, staged: StagedJob, *, overwrite: bool) -> tup
         frame = pl.from_arrow(_read_all(storage, files))
         prompt_column, is_messages = _prompt_column(stage, frame.columns)
         _check_columns(stage, frame.columns, prompt_column)
-        table, counts = select_rows(frame, stage.select, prompt_column, is_messages)
+        system_prompt = stage.system_prompt_read if prompt_column == stage.prompt_column_read else None
+        table, counts = select_rows(frame, stage.select, prompt_column, is_messages, system_prompt)
         arrow = table.to_arrow()
         unit = identity.units[0]
         part = out.open_part(unit.output_name)

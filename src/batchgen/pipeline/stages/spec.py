@@ -64,8 +64,10 @@ class Stage:
     input_path: str | None = None  # a select stage's input folder or files
     prompt_column: str | None = None  # the prompt column it carries on (None: unknown)
     is_messages: bool = False  # ... chat messages (else raw text)
+    system_prompt: str | None = None  # the first stage's input.system_prompt, sent with that prompt column
     prompt_column_read: str | None = None  # a select stage: the prompt column it reads
     is_messages_read: bool = False
+    system_prompt_read: str | None = None  # a select stage: the system prompt its prompts were sent with
     columns: list[str] | None = None  # the columns of its output (None: unknown before it runs)
     identity: str = ""  # its config hash, over its settings and the identities of the stages it reads
 
@@ -216,13 +218,18 @@ def _select_stage(raw: dict, upstream: Stage | None, base_dir: Path, output_path
         stage_prompt = (None, False)
     stage.prompt_column, stage.is_messages = stage_prompt
     stage.prompt_column_read, stage.is_messages_read = stage_prompt
+    if upstream is not None and stage_prompt[0] == upstream.prompt_column:
+        stage.system_prompt_read = upstream.system_prompt  # the rule writes it into the prompts it outputs
     if upstream is not None and upstream.columns is not None:
         _check_columns_read(section, stage.prompt_column, upstream, where)
     stage.columns = _select_columns(section, upstream)
     if section.rule == "dpo_pairs":
         stage.prompt_column = "prompt"
+        stage.is_messages = stage.is_messages_read or stage.system_prompt_read is not None
     elif section.rule == "best_of_n":
         stage.prompt_column, stage.is_messages = "messages", True
+    else:  # filter: the rows as they were, prompts and all
+        stage.system_prompt = stage.system_prompt_read
     return stage
 
 
@@ -305,6 +312,7 @@ def _model_stage(top: dict, raw: dict, upstream: Stage | None, base_dir: Path, o
         stage.prompt_column, stage.is_messages = text, job.input.messages_column is not None
     elif upstream is not None:  # a template: the prompt the earlier stages carried is still there
         stage.prompt_column, stage.is_messages = upstream.prompt_column, upstream.is_messages
+    stage.system_prompt = job.input.system_prompt if upstream is None else upstream.system_prompt
     return stage
 
 
