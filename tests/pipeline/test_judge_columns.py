@@ -9,8 +9,10 @@ import yaml
 
 from batchgen.pipeline.config import load_job
 from batchgen.pipeline.errors import JobError
+from batchgen.pipeline.job_plan import plan_job
 from batchgen.pipeline.json_columns import parse_answers, schema_fields
 from batchgen.pipeline.prompt_template import render_prompt, template_columns
+from tests.pipeline.conftest import write_parquet
 
 SCHEMA = {"type": "object", "properties": {"score": {"type": "integer"}, "confidence": {"type": "number"},
                                            "is_correct": {"type": "boolean"}, "reason": {"type": "string"},
@@ -63,9 +65,10 @@ def _job(tmp_path, **output) -> str:
 
 
 def test_clashing_parsed_columns_and_two_prompt_sources_are_refused_naming_the_key(tmp_path):
-    assert load_job(_job(tmp_path)).output.parse_json
+    write_parquet(tmp_path / "in.parquet", {"id": [1], "completion": ["a"], "reason": ["b"]})
+    assert plan_job(load_job(_job(tmp_path))).units  # refused when its inputs are read, before any model loads
     with pytest.raises(JobError, match=r"output.parse_json: the schema's property 'reason' would be written twice"):
-        load_job(_job(tmp_path, keep_columns=["reason"]))
+        plan_job(load_job(_job(tmp_path, keep_columns=["reason"])))
     with pytest.raises(JobError, match=r"input: set prompt_template, prompt_column or messages_column: one prompt source"):
         path = _job(tmp_path)
         load_job(path, ["input.messages_column=messages"])

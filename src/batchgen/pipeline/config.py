@@ -32,7 +32,6 @@ from batchgen.pipeline.job_sections import (
     engine_keys,
     sampling_keys,
 )
-from batchgen.pipeline.json_columns import check_json_columns
 
 __all__ = [
     "CONTINUATION_KEYS", "OVERRIDABLE_SAMPLING_KEYS", "BatchingSection", "ClusterSection", "EngineSection",
@@ -94,8 +93,6 @@ def validate_job(raw: dict, base_dir: Path, source: str = "job") -> JobConfig:
         job.engine.speculative = dataclasses.replace(spec, model=_resolve_model_path(spec.model, base_dir))
     job.input.path = _resolve_path(job.input.path, base_dir)
     _read_schema_file(job, base_dir, source)
-    if (problem := check_json_columns(job)) is not None:
-        raise JobError(f"{source}: invalid job\n  output.parse_json: {problem}")
     job.output.path = _resolve_path(job.output.path or _default_output_path(job.name, source), base_dir)
     return job
 

@@ -10,11 +10,12 @@ from batchgen.metrics import metric_field
 from batchgen.pipeline.batch_file import BATCH_SUFFIX, inspect_batch_files
 from batchgen.pipeline.column_types import unify_column_types
 from batchgen.pipeline.config import JobConfig
+from batchgen.pipeline.errors import JobError
 from batchgen.pipeline.input_file import InputFile
-from batchgen.pipeline.json_columns import job_json_fields
+from batchgen.pipeline.json_columns import check_json_columns, job_json_fields
 from batchgen.pipeline.output import FileFingerprint, fingerprint_files
 from batchgen.pipeline.reader import inspect_file, list_input_files
-from batchgen.pipeline.schema import check_input_schema, output_schema
+from batchgen.pipeline.schema import RESERVED_NAMES, check_input_schema, output_schema
 from batchgen.pipeline.storage import Storage
 
 
@@ -40,6 +41,8 @@ class JobInputs:
 
 def read_inputs(job: JobConfig) -> JobInputs:
     """List and check every input file (JobError naming the file, column or key at fault)."""
+    if (problem := check_json_columns(job, RESERVED_NAMES)) is not None:
+        raise JobError(f"output.parse_json: {problem}")
     storage = Storage(job.input.path, job.input.storage_options)
     if job.input.is_batch_file:  # each line checked here; the schema is the batch file's own
         files = inspect_batch_files(storage, list_input_files(storage, BATCH_SUFFIX))

@@ -14,7 +14,6 @@ from collections.abc import Sequence
 import pyarrow as pa
 
 from batchgen.metrics import metric_column
-from batchgen.pipeline.schema import RESERVED_NAMES
 
 METADATA_KEY = b"batchgen.json_field"
 _TYPES = {"integer": pa.int64(), "number": pa.float64(), "boolean": pa.bool_(), "string": pa.string()}
@@ -39,15 +38,15 @@ def job_json_fields(job) -> list[pa.Field]:
     return schema_fields(constraint.json)
 
 
-def check_json_columns(job) -> str | None:
-    """Why output.parse_json's columns cannot be written (a property named as a generated, metric or kept
-    column, or a schema with no properties); None when they can."""
+def check_json_columns(job, reserved_names: set[str]) -> str | None:
+    """Why output.parse_json's columns cannot be written (a property named as one of `reserved_names`, the
+    generated columns, or as a metric or kept column; a schema with no properties); None when they can."""
     if not getattr(job.output, "parse_json", False):
         return None
     names = [f.name for f in job_json_fields(job)]
     if not names:
         return "the sampling.structured schema has no top-level properties to parse into columns"
-    taken = set(RESERVED_NAMES) | {metric_column(m) for m in job.metrics} | {
+    taken = set(reserved_names) | {metric_column(m) for m in job.metrics} | {
         job.output.rename_columns.get(c, c) for c in job.output.keep_columns}
     clash = sorted(set(names) & taken)
     if clash:
