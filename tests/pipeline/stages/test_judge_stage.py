@@ -14,6 +14,7 @@ import yaml
 from batchgen.pipeline.errors import JobError
 from batchgen.pipeline.stages import load_any_job
 from batchgen.pipeline.stages.run import run_staged_job
+from batchgen.pipeline.stages.text import select_lines
 from tests.pipeline.conftest import engine_sections, write_parquet
 
 pytestmark = pytest.mark.slow  # 200 constrained requests on the bundled model (~80 s on the 2 shared cores)
@@ -102,6 +103,11 @@ def test_a_select_stage_ranks_the_judges_scores(judged):
         assert (pair["chosen_score"], pair["rejected_score"]) == (max(by_id[pair["id"]]), min(by_id[pair["id"]]))
     ties = sum(max(s) == min(s) for s in by_id.values())
     assert results["pairs"].record.select["num_ties"] == ties and len(pairs) == NUM_PROMPTS - ties
+    scores = [row["score"] for row in judge if row["score"] is not None]
+    hist = results["pairs"].record.select["score_histogram"]  # a bin per score of the 1-5 scale seen
+    assert hist["counts"] == [scores.count(v) for v in range(min(scores), max(scores) + 1)]
+    printed = "\n".join(select_lines(results["pairs"].record))
+    assert "  scores: " + ", ".join(f"{v}: {scores.count(v)}" for v in sorted(set(scores))) in printed
 
 
 def test_judge_settings_are_checked_before_anything_runs(tmp_path):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import random
 from collections import defaultdict
 
+import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import yaml
@@ -94,6 +95,14 @@ def test_dpo_pairs_choose_the_max_reject_the_min_and_count_every_drop(tmp_path, 
     assert counts["num_below_margin"] == len(below)
     assert counts["num_unscored_rows"] == sum(r is None for r in rows["reward"])
     assert counts["num_output_rows"] == len(pairs) == NUM_PROMPTS - len(ties) - len(below)
+    # the scores' histogram: every scored row (not integers: numpy's 10 equal-width bins)
+    every_score = [r for r in rows["reward"] if r is not None]
+    want_counts, want_edges = np.histogram(every_score, bins=10)
+    assert counts["score_histogram"] == {"edges": list(want_edges), "counts": list(want_counts)}
+    margins = [p["chosen_score"] - p["rejected_score"] for p in pairs]
+    assert sum(counts["margin_histogram"]["counts"]) == len(pairs)
+    assert counts["margin_histogram"]["edges"][0] <= min(margins) and counts["margin_histogram"]["edges"][-1] >= max(
+        margins)
     dataset = Dataset.from_parquet(str(tmp_path / "out" / "pick" / "part-00000.parquet"))
     assert len(dataset) == len(pairs) and is_conversational(dataset[0])
     assert set(dataset.column_names) == {"id", "prompt", "chosen", "rejected", "chosen_score", "rejected_score",

@@ -13,6 +13,7 @@ import numpy as np
 import polars as pl
 
 from batchgen.pipeline.errors import JobError
+from batchgen.pipeline.stages.histogram import histogram
 from batchgen.pipeline.stages.select_config import SelectSection
 
 _ORDER = "__row_order"
@@ -32,6 +33,8 @@ class SelectCounts:
     num_ties: int = 0  # dpo_pairs: prompts whose samples all scored the same
     num_below_margin: int = 0  # dpo_pairs: prompts whose best and worst differ by less than min_margin
     margin_percentiles: dict[str, float] | None = None  # dpo_pairs: p0/p50/p90/p100 of the kept margins
+    score_histogram: dict[str, list] | None = None  # dpo_pairs, best_of_n: every scored row's score (histogram.py)
+    margin_histogram: dict[str, list] | None = None  # dpo_pairs: the kept pairs' margins
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -65,6 +68,7 @@ def select_rows(frame: pl.DataFrame, section: SelectSection, prompt_column: str 
     valid = pl.col(score).is_not_null() & ~pl.col(score).cast(pl.Float64).is_nan()
     scored = frame.filter(valid)
     counts.num_unscored_rows = frame.height - scored.height
+    counts.score_histogram = histogram(scored[score].cast(pl.Float64).to_numpy())
     columns = [section.id_column, prompt_column, section.completion_column, score, *section.keep_columns]
     best = _ranked(scored, section.id_column, score, columns, descending=True)
     if section.rule == "best_of_n":
@@ -145,6 +149,7 @@ def _dpo_pairs(best: pl.DataFrame, worst: pl.DataFrame, section: SelectSection, 
     if kept_margins.size:
         p0, p50, p90, p100 = np.percentile(kept_margins, [0, 50, 90, 100])
         counts.margin_percentiles = {"p0": float(p0), "p50": float(p50), "p90": float(p90), "p100": float(p100)}
+        counts.margin_histogram = histogram(kept_margins)
     return _with_kept(out, best, section.keep_columns)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from batchgen.pipeline.run_record import RunRecord
 from batchgen.pipeline.run_record_text import count, format_summary
+from batchgen.pipeline.stages.histogram import format_histogram
 from batchgen.pipeline.stages.spec import Stage, StagedJob
 
 
@@ -28,9 +29,13 @@ def select_lines(record: RunRecord) -> list[str]:
         ("num_below_margin", "prompts below min_margin")) if figures.get(key)]
     if dropped:
         lines.append("  dropped: " + ", ".join(dropped))
+    if figures.get("score_histogram"):
+        lines.append("  scores: " + format_histogram(figures["score_histogram"]))
     margins = figures.get("margin_percentiles")
     if margins:
         lines.append("  pair margins: " + ", ".join(f"{k} {v:.4g}" for k, v in margins.items()))
+    if figures.get("margin_histogram"):
+        lines.append("  margin histogram: " + format_histogram(figures["margin_histogram"]))
     return lines
 
 
