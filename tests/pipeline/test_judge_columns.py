@@ -72,3 +72,19 @@ def test_clashing_parsed_columns_and_two_prompt_sources_are_refused_naming_the_k
     with pytest.raises(JobError, match=r"input: set prompt_template, prompt_column or messages_column: one prompt source"):
         path = _job(tmp_path)
         load_job(path, ["input.messages_column=messages"])
+
+
+def test_a_row_the_template_cannot_fill_is_that_rows_error_alone(tmp_path):
+    """A failed earlier sample (null completion) has nothing to judge: its row errors, the others render."""
+    from batchgen.pipeline.parquet_rows import decode_batch
+    from tests.pipeline.conftest import make_job
+
+    table = pa.table({"id": [1, 2, 3], "completion": ["a", None, "c"],
+                      "messages": [[{"role": "user", "content": f"q{i}"}] for i in range(3)]})
+    job = make_job(tmp_path, str(write_parquet(tmp_path / "in.parquet", table)),
+                   input={"path": str(tmp_path / "in.parquet"), "prompt_column": None,
+                          "prompt_template": "Q: {{ messages[0].content }} A: {{ completion }}"})
+    rows = decode_batch(table.to_batches()[0], job)
+    assert [r.prompt for r in (rows[0], rows[2])] == [[{"role": "user", "content": "Q: q0 A: a"}],
+                                                      [{"role": "user", "content": "Q: q2 A: c"}]]
+    assert rows[1].prompt is None and "column completion is null in this row" in rows[1].error
