@@ -29,10 +29,16 @@ def no_engine(monkeypatch):
     monkeypatch.setattr(executor, "load_model", refuse)
 
 
-def _job(tmp_path, **pairs) -> str:
+@pytest.fixture
+def model(tiny_model) -> str:
+    """A tiny HF folder: its tokenizer files read in a fraction of the bundled GGUF's time."""
+    return str(tiny_model)
+
+
+def _job(tmp_path, model: str, **pairs) -> str:
     write_parquet(tmp_path / "prompts.parquet", {
         "id": [1, 2, 3], "messages": [[{"role": "user", "content": f"q{i}"}] for i in range(3)]})
-    job = {"name": "pipe", "output": {"path": str(tmp_path / "out")}, **engine_sections(),
+    job = {"name": "pipe", "output": {"path": str(tmp_path / "out")}, **engine_sections(model=model),
            "sampling": {"max_tokens": 4},
            "stages": [
                {"name": "gen", "input": {"path": str(tmp_path / "prompts.parquet"), "messages_column": "messages"},
@@ -56,8 +62,8 @@ def _stage_blocks(output: str) -> dict[str, str]:
     return {block.split(":", 1)[0].removeprefix("stage "): block for block in output.split("\n== ")[1:]}
 
 
-def test_validate_checks_every_stage_before_any_runs_and_loads_no_weights(tmp_path, no_engine):
-    result = _validate(_job(tmp_path))
+def test_validate_checks_every_stage_before_any_runs_and_loads_no_weights(tmp_path, model, no_engine):
+    result = _validate(_job(tmp_path, model))
     assert result.exit_code == 0, result.output
     blocks = _stage_blocks(result.stdout)
     assert list(blocks) == ["gen", "judge", "pairs"]
@@ -68,16 +74,16 @@ def test_validate_checks_every_stage_before_any_runs_and_loads_no_weights(tmp_pa
     assert result.stdout.rstrip().endswith("ok") and not (tmp_path / "out").exists()
 
 
-def test_a_select_column_no_earlier_stage_writes_is_refused_naming_the_stage_and_key(tmp_path, no_engine):
-    result = _validate(_job(tmp_path, score_column="rating"))
+def test_a_select_column_no_earlier_stage_writes_is_refused_naming_the_stage_and_key(tmp_path, model, no_engine):
+    result = _validate(_job(tmp_path, model, score_column="rating"))
     assert result.exit_code == 2
     assert "stage 'pairs'" in result.output and "select.score_column" in result.output
     assert "'rating'" in result.output
 
 
-def test_after_a_run_validate_shows_each_stage_complete_and_a_change_makes_every_later_one_again(tmp_path,
+def test_after_a_run_validate_shows_each_stage_complete_and_a_change_makes_every_later_one_again(tmp_path, model,
                                                                                                  no_engine):
-    path = _job(tmp_path)
+    path = _job(tmp_path, model)
     staged = load_any_job(path)
     run_staged_job(staged, engine=FakeEngine(staged.stages[0].job.engine_config()), progress=False)
     manifest = json.loads((tmp_path / "out" / STAGES_NAME).read_text())
