@@ -47,22 +47,29 @@ def run(
 
     Rerunning the same job resumes: finished units are skipped.
     """
-    from batchgen.pipeline.config import load_job
     from batchgen.pipeline.job import run_job
     from batchgen.pipeline.run_record_text import format_summary
+    from batchgen.pipeline.stages import StagedJob, load_any_job
 
     setup_logging()
     try:
         if report:
             check_report_extra()  # before the job: a missing package should not cost a whole run
-        config = load_job(job, set_ or [])
+        config = load_any_job(job, set_ or [], limit)
+        if isinstance(config, StagedJob):
+            results = _run_stages(config, shard, num_shards, overwrite, progress)
         is_shard = shard is not None or num_shards is not None
-        if is_shard:
+        if isinstance(config, StagedJob):
+            pass
+        elif is_shard:
             complete_record = _run_shard(config, shard, num_shards, limit, overwrite, json_out, progress)
         else:
             result = run_job(config, limit=limit, overwrite=overwrite, progress=progress)
     except Exception as exc:
         raise fail(exc) from None
+    if isinstance(config, StagedJob):
+        _report_stages(config, results, json_out, report)
+        return
     if is_shard:
         if report and complete_record is not None:  # the shard that finds the job complete writes the page
             write_run_report(config)
@@ -79,6 +86,33 @@ def run(
     if report:
         write_run_report(config)
     check_metric_minimums(config.metrics, result.record.metrics)
+
+
+def _run_stages(staged, shard: str | None, num_shards: int | None, overwrite: bool, progress: bool) -> list:
+    """A multi-stage job: every stage in order into <output.path>/<stage>/ (each resumes on its own)."""
+    from batchgen.pipeline.stages.run import run_staged_job
+
+    if shard is not None or num_shards is not None:
+        raise JobError("--shard does not apply to a multi-stage job (each stage needs the whole output of the "
+                       "one it reads); run it without --shard, or with cluster.backend: ray")
+    return run_staged_job(staged, overwrite=overwrite, progress=progress)
+
+
+def _report_stages(staged, results: list, json_out: bool, report: bool) -> None:
+    """Print each stage's outcome; write the report pages; exit 3 when a stage's metric is below its min."""
+    from batchgen.pipeline.stages.text import format_stage_results
+
+    if json_out:
+        typer.echo(json.dumps({r.stage.name: r.record.to_dict() for r in results}, indent=2))
+    else:
+        typer.echo(format_stage_results(staged, results))
+    if report:
+        for result in results:
+            if result.stage.job is not None:
+                write_run_report(result.stage.job)
+    for result in results:
+        if result.stage.job is not None:
+            check_metric_minimums(result.stage.job.metrics, result.record.metrics)
 
 
 def _run_shard(config, shard: str | None, num_shards: int | None, limit: int | None, overwrite: bool,
@@ -152,13 +186,31 @@ def validate(job: JobArg, set_: SetOpt = None, limit: LimitOpt = None,
     loads no weights unless --weights asks for every tensor's values to be checked. A damaged or hostile
     file exits 2 naming it.
     """
-    from batchgen.pipeline.config import load_job
     from batchgen.pipeline.job_plan import format_job_plan, plan_job
     from batchgen.pipeline.model_files import check_model_files, check_model_weights, needs_chat_template
+    from batchgen.pipeline.stages import StagedJob, load_any_job
     from batchgen.pipeline.structured_job import check_job_constraint_before_load
 
     try:
-        plan = plan_job(load_job(job, set_ or []), limit)
+        config = load_any_job(job, set_ or [], limit)
+        if isinstance(config, StagedJob):
+            from batchgen.pipeline.stages.validate import validate_staged_job
+
+            if weights:
+                raise JobError("--weights applies to a single-stage job: a multi-stage job's validate reads "
+                               "each stage's model files (headers, tokenizer), not every tensor")
+            lines, is_refused = validate_staged_job(config)
+    except Exception as exc:
+        raise fail(exc) from None
+    if isinstance(config, StagedJob):
+        typer.echo("\n".join(lines))
+        if is_refused:
+            typer.echo("batchgen: bad job: a stage's output folder would be refused (see above)", err=True)
+            raise typer.Exit(EXIT_BAD_JOB)
+        typer.echo("ok")
+        return
+    try:
+        plan = plan_job(config, limit)
         check_job_constraint_before_load(plan.job)
         source = plan.model_source
         files = None if source is None else check_model_files(source, needs_chat_template(plan.job))

@@ -36,8 +36,8 @@ from batchgen.pipeline.job_sections import (
 __all__ = [
     "CONTINUATION_KEYS", "OVERRIDABLE_SAMPLING_KEYS", "BatchingSection", "ClusterSection", "EngineSection",
     "InputSection", "JobConfig", "ModelSection", "OutputSection", "SamplingSection", "apply_override",
-    "derive_section", "engine_keys", "format_validation_error", "load_job", "max_tokens_rule", "sampling_keys",
-    "validate_job",
+    "derive_section", "engine_keys", "format_validation_error", "load_job", "max_tokens_rule", "read_job_file",
+    "sampling_keys", "validate_job",
 ]
 
 _PATH_KEYS = {("model", "path"), ("input", "path"), ("output", "path"), ("model", "generation_config"),
@@ -49,6 +49,12 @@ def load_job(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] = (
     Raises JobError naming the file and key path on any problem.
     """
     job_path = Path(path)
+    raw = read_job_file(job_path, overrides)
+    return validate_job(raw, job_path.resolve().parent, source=str(job_path))
+
+
+def read_job_file(job_path: Path, overrides: list[str] | tuple[str, ...] = ()) -> dict:
+    """A job file's mapping with its `--set` overrides applied and its name defaulted (not validated)."""
     try:
         raw = yaml.safe_load(job_path.read_text())
     except FileNotFoundError:
@@ -64,7 +70,7 @@ def load_job(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] = (
     raw.setdefault("name", job_path.stem)
     for item in overrides:
         apply_override(raw, item)
-    return validate_job(raw, job_path.resolve().parent, source=str(job_path))
+    return raw
 
 
 def validate_job(raw: dict, base_dir: Path, source: str = "job") -> JobConfig:
@@ -132,6 +138,12 @@ def apply_override(raw: dict, item: str) -> None:
             and value.lower() not in BUNDLED_ALIASES and not _is_not_a_path(value, tuple(parts)):
         value = os.path.abspath(value)  # a path typed on the command line is relative to the cwd
     node = raw
+    if parts[0] == "stages" and isinstance(raw.get("stages"), list) and len(parts) > 2:
+        # stages.<stage name>.section.key=value: into that stage of a multi-stage job
+        node = next((s for s in raw["stages"] if isinstance(s, dict) and s.get("name") == parts[1]), None)
+        if node is None:
+            raise JobError(f"--set {item!r}: no stage named {parts[1]!r}")
+        parts = parts[2:]
     for depth, part in enumerate(parts[:-1]):
         child = node.setdefault(part, {})
         if not isinstance(child, dict):

@@ -10,10 +10,12 @@ from batchgen.metrics import metric_field
 from batchgen.pipeline.batch_file import BATCH_SUFFIX, inspect_batch_files
 from batchgen.pipeline.column_types import unify_column_types
 from batchgen.pipeline.config import JobConfig
+from batchgen.pipeline.errors import JobError
 from batchgen.pipeline.input_file import InputFile
+from batchgen.pipeline.json_columns import check_json_columns, job_json_fields
 from batchgen.pipeline.output import FileFingerprint, fingerprint_files
 from batchgen.pipeline.reader import inspect_file, list_input_files
-from batchgen.pipeline.schema import check_input_schema, output_schema
+from batchgen.pipeline.schema import RESERVED_NAMES, check_input_schema, output_schema
 from batchgen.pipeline.storage import Storage
 
 
@@ -27,16 +29,20 @@ class JobInputs:
     def output_schema(self, job: JobConfig) -> pa.Schema:
         """Every part's schema: id (the input's one id type), the generated columns, the metrics' verdict
         columns, the kept columns."""
-        keep = [pa.field(name, self.column_types[name]) for name in job.output.keep_columns]
+        renamed = job.output.rename_columns
+        keep = [pa.field(renamed.get(name, name), self.column_types[name]) for name in job.output.keep_columns]
         # A batch file's lines each ask for logprobs or not: both columns are there, null where not asked.
         logprobs = 1 if job.input.is_batch_file else job.sampling.logprobs
         return output_schema(pa.field("id", self.column_types[job.input.id_column]), keep, logprobs,
                              with_openai_line=job.writes_batch_output, is_scoring=job.is_scoring,
-                             metric_fields=[metric_field(name, spec) for name, spec in job.metrics.items()])
+                             metric_fields=[metric_field(name, spec) for name, spec in job.metrics.items()]
+                             + job_json_fields(job))
 
 
 def read_inputs(job: JobConfig) -> JobInputs:
     """List and check every input file (JobError naming the file, column or key at fault)."""
+    if (problem := check_json_columns(job, RESERVED_NAMES)) is not None:
+        raise JobError(f"output.parse_json: {problem}")
     storage = Storage(job.input.path, job.input.storage_options)
     if job.input.is_batch_file:  # each line checked here; the schema is the batch file's own
         files = inspect_batch_files(storage, list_input_files(storage, BATCH_SUFFIX))

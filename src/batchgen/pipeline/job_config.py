@@ -71,6 +71,9 @@ class JobConfig(Section):
     `_SUCCESS` holds each one's value, stderr and n; the columns a metric reads are kept in the output."""
     # What model.generation_config filled into the sampling section (set by job_plan.plan_job).
     _generation_config: dict | None = PrivateAttr(default=None)
+    # A stage of a multi-stage job: {earlier stage: its identity} of the stages it reads (pipeline/stages/),
+    # part of its config hash, so a changed earlier stage reruns this one.
+    _upstream_identities: dict[str, str] = PrivateAttr(default_factory=dict)
 
     @field_validator("sampling_columns")
     @classmethod
@@ -98,6 +101,9 @@ class JobConfig(Section):
                                      "each line's body sets its own sampling fields", self.sampling_columns))
         errors += self._task_errors()
         errors += self._metric_errors()
+        if self.output.parse_json and not (self.sampling.structured or {}).keys() & {"json", "json_file"}:
+            errors.append(_key_error(("output", "parse_json"), "needs a JSON schema in sampling.structured (json or "
+                                     "json_file): its properties are the columns", True))
         if self.input.is_batch_file and self.output.keep_columns:
             errors.append(_key_error(("output", "keep_columns"), "does not apply to input.format "
                                      "openai_batch: a batch file has no columns besides custom_id (the output's id)",
@@ -259,11 +265,16 @@ class JobConfig(Section):
             payload["kv_cache"] = kv_cache
         if self.writes_batch_output:  # its parts carry the openai_line column
             payload["output_format"] = self.output.format
+        if self.output.parse_json:  # its parts carry the parsed answer's columns
+            payload["parse_json"] = True
         if self.metrics:  # its parts carry the verdict columns
             payload["metrics"] = {name: spec.model_dump(exclude={"min"})  # a threshold changes no verdict
                                   for name, spec in sorted(self.metrics.items())}
         if limit is not None:  # a limited run covers different rows: its units must not pass for complete
             payload["limit"] = limit
+        if self._upstream_identities:  # a stage: what it reads is the earlier stages' output
+            payload["upstream"] = dict(sorted(self._upstream_identities.items()))
+            payload["keep_columns"] = [self.output.keep_columns, dict(sorted(self.output.rename_columns.items()))]
         blob = json.dumps(payload, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(blob.encode()).hexdigest()
 

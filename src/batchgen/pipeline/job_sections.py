@@ -28,6 +28,7 @@ from batchgen.pipeline.job_settings import (
     SAMPLING_ONLY,
     SAMPLING_RENAMED,
 )
+from batchgen.pipeline.prompt_template import template_columns
 
 
 class Section(BaseModel):
@@ -113,7 +114,8 @@ InputFormat = Literal["auto", "parquet", "openai_batch"]
 # settings), with the one value they may hold there: any other value is refused rather than ignored.
 # (Those values are what a batch job's own section holds, so a dumped job validates again.)
 _BATCH_FILE_VALUES = {"id_column": BATCH_ID_COLUMN, "prompt_column": None, "messages_column": None,
-                      "system_prompt": None, "apply_chat_template": True, "schema_column": None}
+                      "system_prompt": None, "apply_chat_template": True, "schema_column": None,
+                      "prompt_template": None}
 
 
 class InputSection(Section):
@@ -159,6 +161,18 @@ class InputSection(Section):
     schema_column: str | None = None
     """A JSON schema per row (its JSON text) constraining that row's output; null cells:
     sampling.structured."""
+    prompt_template: str | None = None
+    """A Jinja template (sandboxed) rendering each row's prompt from its columns, in place of prompt_column
+    and messages_column, e.g. an LLM judge's `Rate this answer: {{ completion }}` (distilabel's
+    TextGeneration `template`); the rendered text is the user message (or, with apply_chat_template
+    false, the raw prompt)."""
+
+    @field_validator("prompt_template")
+    @classmethod
+    def _check_prompt_template(cls, value: str | None) -> str | None:
+        if value is not None:
+            template_columns(value)  # a ValueError saying what does not parse
+        return value
 
     @field_validator("chat_template_kwargs")
     @classmethod
@@ -177,7 +191,12 @@ class InputSection(Section):
             self.format = BATCH_FORMAT if is_batch_path(self.path) else "parquet"
         if self.format == BATCH_FORMAT:
             return self._as_batch_file()
-        if self.messages_column is not None:
+        if self.prompt_template is not None:
+            if self.messages_column is not None or ("prompt_column" in self.model_fields_set
+                                                    and self.prompt_column is not None):
+                raise ValueError("set prompt_template, prompt_column or messages_column: one prompt source")
+            self.prompt_column = None
+        elif self.messages_column is not None:
             if "prompt_column" in self.model_fields_set and self.prompt_column is not None:
                 raise ValueError("set prompt_column or messages_column, not both")
             self.prompt_column = None
@@ -213,6 +232,13 @@ class InputSection(Section):
         return self.continuations_column or self.continuation_column
 
     @property
+    def prompt_source_columns(self) -> list[str]:
+        """The columns a row's prompt is made from: the template's variables, else the text column."""
+        if self.prompt_template is not None:
+            return template_columns(self.prompt_template)
+        return [self.text_column]
+
+    @property
     def text_column(self) -> str:
         """The column holding the prompt, whichever kind it is (a batch file's whole line)."""
         if self.is_batch_file:
@@ -239,6 +265,13 @@ class OutputSection(Section):
     openai_batch also writes output.jsonl and errors.jsonl (OpenAI's Batch API output) before _SUCCESS."""
     keep_columns: list[str] = Field(default_factory=list)
     """Input columns copied to every output row."""
+    parse_json: bool = False
+    """true: each completion, a JSON object (sampling.structured's json or json_file schema), is parsed
+    into one column per top-level property of the schema (an LLM judge's `score`, `reason`); a completion
+    that does not parse gives nulls."""
+    rename_columns: dict[str, str] = Field(default_factory=dict)
+    """Kept input columns written under another name: {input column: output column}. A stage that reads
+    an earlier stage keeps that stage's `completion` as `<earlier stage>_completion` this way."""
     storage_options: dict[str, Any] = Field(default_factory=dict)
     """fsspec options for the output's filesystem (credentials, endpoint); not in the config hash."""
 

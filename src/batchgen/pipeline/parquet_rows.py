@@ -10,6 +10,7 @@ from typing import Any
 import pyarrow as pa
 
 from batchgen.pipeline.config import JobConfig
+from batchgen.pipeline.prompt_template import render_prompt, template_columns
 from batchgen.pipeline.reader import binary_type
 from batchgen.pipeline.request_builder import RowError, RowInput
 
@@ -18,7 +19,8 @@ def decode_batch(batch: pa.RecordBatch, job: JobConfig) -> list[RowInput]:
     """The rows of a batch read by `reader.read_rows`, in order."""
     inp = job.input
     ids = _as_python(batch.column(inp.id_column))
-    texts = _as_python(batch.column(inp.text_column))
+    texts = (_rendered(batch, inp.prompt_template) if inp.prompt_template is not None
+             else _as_python(batch.column(inp.text_column)))
     scored = _as_python(batch.column(inp.scored_column)) if inp.scored_column is not None else None
     overrides = {key: batch.column(name).to_pylist() for key, name in job.sampling_columns.items()}
     schemas = _as_python(batch.column(inp.schema_column)) if inp.schema_column else [None] * batch.num_rows
@@ -31,6 +33,8 @@ def decode_batch(batch: pa.RecordBatch, job: JobConfig) -> list[RowInput]:
             rows.append(RowInput(None, error=str(exc)))
             continue
         try:
+            if isinstance(raw_text, RowError):  # a template this row's columns could not fill
+                raise raw_text
             if inp.messages_column is not None:
                 prompt = _with_system(_decode_messages(raw_text), inp.system_prompt)
             else:
@@ -46,6 +50,39 @@ def decode_batch(batch: pa.RecordBatch, job: JobConfig) -> list[RowInput]:
         except RowError as exc:
             rows.append(RowInput(request_id, error=str(exc)))
     return rows
+
+
+def _rendered(batch: pa.RecordBatch, template: str) -> list[bytes | RowError]:
+    """input.prompt_template rendered for each row from its columns (text decoded row by row): the
+    prompt's UTF-8 bytes, or the RowError of a row it cannot be rendered for."""
+    names = template_columns(template)
+    columns = {name: _as_python(batch.column(name)) for name in names}
+    rendered: list[bytes | RowError] = []
+    for i in range(batch.num_rows):
+        try:
+            values = {name: _decoded(columns[name][i], name) for name in names}
+            rendered.append(render_prompt(template, values).encode())
+        except (RowError, ValueError) as exc:
+            rendered.append(RowError(str(exc)))
+    return rendered
+
+
+def _decoded(value: Any, name: str) -> Any:
+    """A column value with its text decoded (bytes -> str), inside lists and structs too; a null value
+    is the row's error (a failed earlier sample has nothing to judge)."""
+    if value is None:
+        raise RowError(f"input.prompt_template: column {name} is null in this row")
+    return _decoded_inner(value, name)
+
+
+def _decoded_inner(value: Any, name: str) -> Any:
+    if isinstance(value, bytes):
+        return _decode_text(value, f"column {name}", allow_empty=True)
+    if isinstance(value, list):
+        return [_decoded_inner(v, name) for v in value]
+    if isinstance(value, dict):
+        return {k: _decoded_inner(v, name) for k, v in value.items()}
+    return value
 
 
 def _as_python(column: pa.Array) -> list:

@@ -341,6 +341,10 @@ class RunRecord(_Part):
     """The last run's constrained requests and mask time; None when no request was constrained."""
     metrics: dict[str, MetricFigures] = field(default_factory=dict)
     """The job's eval metrics over the whole output, by name: value, stderr, n (empty without metrics)."""
+    select: dict[str, Any] | None = None
+    """A select stage of a multi-stage job: its rule and what it counted (input rows, prompts, rows `where`
+    dropped, unscored rows, output rows; dpo_pairs: prompts dropped as single, tied or below min_margin and
+    the kept pairs' margin percentiles); None for a model stage or job."""
 
     @classmethod
     def of_run(cls, job: str, config_hash: str, *, whole: Totals, this_run: Totals, generation_seconds: float,
@@ -359,6 +363,12 @@ class RunRecord(_Part):
             kernels=engine.kernels, kv_cache=engine.kv_cache, weights=engine.weights,
             workers=workers if workers is not None else Workers.local(), speculative=speculative,
             structured=structured, metrics=whole.metric_scores())
+
+    def to_dict(self) -> dict[str, Any]:
+        values = _fields_dict(self)
+        if values["select"] is None:  # written by select stages only (absent elsewhere, as it always was)
+            del values["select"]
+        return values
 
     def to_json(self) -> str:
         """The `_SUCCESS` file's text."""

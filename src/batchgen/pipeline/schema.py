@@ -130,7 +130,10 @@ def check_input_schema(file: InputFile, job: JobConfig) -> None:
     t = column(inp.id_column, "input.id_column")
     if not (pa.types.is_integer(t) or is_text(t)):
         raise wrong(inp.id_column, "input.id_column", t, "an integer or string type")
-    if inp.messages_column is not None:
+    if inp.prompt_template is not None:
+        for name in inp.prompt_source_columns:
+            column(name, "input.prompt_template")
+    elif inp.messages_column is not None:
         t = column(inp.messages_column, "input.messages_column")
         if not is_messages(t):
             raise wrong(inp.messages_column, "input.messages_column", t,
@@ -155,8 +158,9 @@ def check_input_schema(file: InputFile, job: JobConfig) -> None:
     for metric, spec in job.metrics.items():  # before keep_columns, which they joined: name the metric
         for name in spec.input_columns:
             column(name, f"metrics.{metric}")
-    for name in job.output.keep_columns:
-        column(name, "output.keep_columns")
+    for input_name in job.output.keep_columns:
+        column(input_name, "output.keep_columns")
+        name = job.output.rename_columns.get(input_name, input_name)  # the output's name
         if name in RESERVED_NAMES:
             raise JobError(f"output.keep_columns: {name!r} clashes with an output column of the same name")
         if name in {metric_column(m) for m in job.metrics}:

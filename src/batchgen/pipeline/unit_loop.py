@@ -18,6 +18,7 @@ from batchgen.pipeline.batch_output import OpenAILines
 from batchgen.pipeline.config import JobConfig
 from batchgen.pipeline.feeder import Feeder
 from batchgen.pipeline.id_scan import Position, repeat_key
+from batchgen.pipeline.json_columns import with_json_columns
 from batchgen.pipeline.metric_columns import job_metric_scorer
 from batchgen.pipeline.output import CommitContext, WorkUnit, contiguous_runs
 from batchgen.pipeline.parquet_rows import decode_batch
@@ -58,7 +59,7 @@ def run_units(source: UnitSource, input_storage: Storage, output_storage: Storag
     writer = UnitWriter(output_storage, source.output_schema, [job.input.id_column, *job.output.keep_columns],
                         n, commit, on_rows=this_run.add_table, on_committed=on_committed,
                         openai_lines=openai_lines, is_scoring=job.is_scoring,
-                        score_metrics=job_metric_scorer(job))
+                        score_metrics=with_json_columns(job, job_metric_scorer(job)))
     bar = Progress(engine, sum(u.num_rows for u in units), job.name, enabled=progress)
 
     def on_output(task: RowTask, out: RequestOutput | ScoreOutput) -> None:
@@ -90,7 +91,7 @@ def iter_tasks(source: UnitSource, input_storage: Storage, units: list[WorkUnit]
     """Every row of `units` as a RowTask, in input order; each unit's id/kept columns go to the writer."""
     job = source.job
     scored = [job.input.scored_column] if job.input.scored_column is not None else []
-    columns = list(dict.fromkeys([job.input.id_column, job.input.text_column, *scored, *job.sampling_columns.values(),
+    columns = list(dict.fromkeys([job.input.id_column, *job.input.prompt_source_columns, *scored, *job.sampling_columns.values(),
                                   *([job.input.schema_column] if job.input.schema_column else []),
                                   *job.output.keep_columns]))
     decode = decode_batch_lines if job.input.is_batch_file else decode_batch

@@ -18,6 +18,7 @@ import pyarrow.parquet as pq
 
 from batchgen.engine import RequestOutput, ScoreOutput
 from batchgen.metrics import metric_column, metric_fields_of
+from batchgen.pipeline.json_columns import json_field_names
 from batchgen.pipeline.metric_columns import MetricScorer
 from batchgen.pipeline.output import CommitContext, IdChecksum, WorkUnit
 from batchgen.pipeline.request_builder import RowTask
@@ -114,7 +115,7 @@ class UnitPart:
         self.schema = schema
         self.score_metrics = score_metrics
         generated = {f.name for f in GENERATED_FIELDS} | {f.name for f in SCORE_FIELDS}
-        metric_columns = {metric_column(name) for name in metric_fields_of(schema)}
+        metric_columns = {metric_column(name) for name in metric_fields_of(schema)} | json_field_names(schema)
         self.sources_schema = pa.schema([f for f in schema if f.name not in generated | metric_columns])  # id, kept
         self.rows_schema = pa.schema([f for f in schema if f.name not in metric_columns])  # without verdicts
         self.writer: pq.ParquetWriter | None = None
