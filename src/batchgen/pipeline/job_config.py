@@ -34,6 +34,7 @@ from batchgen.pipeline.job_settings import (
     MODEL_PATH_FIELD,
     SAMPLING_RENAMED,
 )
+from batchgen.pipeline.tool_rows import check_job_tools
 
 CONTINUATION_KEYS = ("continuations_column", "continuation_column")
 
@@ -98,6 +99,7 @@ class JobConfig(Section):
                                      "each line's body sets its own sampling fields", self.sampling_columns))
         errors += self._task_errors()
         errors += self._metric_errors()
+        errors += [_key_error(*problem) for problem in check_job_tools(self)]
         if self.input.is_batch_file and self.output.keep_columns:
             errors.append(_key_error(("output", "keep_columns"), "does not apply to input.format "
                                      "openai_batch: a batch file has no columns besides custom_id (the output's id)",

@@ -113,7 +113,8 @@ InputFormat = Literal["auto", "parquet", "openai_batch"]
 # settings), with the one value they may hold there: any other value is refused rather than ignored.
 # (Those values are what a batch job's own section holds, so a dumped job validates again.)
 _BATCH_FILE_VALUES = {"id_column": BATCH_ID_COLUMN, "prompt_column": None, "messages_column": None,
-                      "system_prompt": None, "apply_chat_template": True, "schema_column": None}
+                      "system_prompt": None, "apply_chat_template": True, "schema_column": None,
+                      "tools_column": None, "tools": None, "tool_choice": None}
 
 
 class InputSection(Section):
@@ -159,6 +160,14 @@ class InputSection(Section):
     schema_column: str | None = None
     """A JSON schema per row (its JSON text) constraining that row's output; null cells:
     sampling.structured."""
+    tools_column: str | None = None
+    """Tools per row: OpenAI's tools list as JSON text, rendered through the chat template; the output
+    gets a tool_calls column (pipeline/tool_rows.py). Null cells: input.tools."""
+    tools: list[dict[str, Any]] | None = None
+    """OpenAI's tools list for every row (a row's tools_column cell wins)."""
+    tool_choice: str | dict[str, Any] | None = None
+    """none | auto | required | {type: function, function: {name}}; null: auto when model.tool_call_parser
+    is set, else the tools are only shown to the model. required and a named function are forced."""
 
     @field_validator("chat_template_kwargs")
     @classmethod
