@@ -1,6 +1,7 @@
 """A tools-capable chat template for the bundled SmolLM2 (whose own template has no tools): Qwen2.5's
 hermes layout (tools listed in the system turn, calls in <tool_call> blocks, tool results as
-<tool_response> in a user turn), with shared tools and schemas for the LLM.chat, server and job tests."""
+<tool_response> in a user turn; `enable_thinking` opens a <think> block as Qwen3's
+thinking-only templates do), with shared tools and schemas for the LLM.chat, server and job tests."""
 
 from __future__ import annotations
 
@@ -38,7 +39,8 @@ For each function call, return a json object with function name and arguments wi
 {% endif %}{% endif %}
 {%- endfor %}
 {%- if add_generation_prompt %}<|im_start|>assistant
-{% endif %}
+{% if enable_thinking is defined and enable_thinking %}<think>
+{% endif %}{% endif %}
 '''.strip("\n")
 
 WEATHER = {"type": "function", "function": {
