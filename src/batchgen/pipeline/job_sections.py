@@ -114,7 +114,8 @@ InputFormat = Literal["auto", "parquet", "openai_batch"]
 # (Those values are what a batch job's own section holds, so a dumped job validates again.)
 _BATCH_FILE_VALUES = {"id_column": BATCH_ID_COLUMN, "prompt_column": None, "messages_column": None,
                       "system_prompt": None, "apply_chat_template": True, "schema_column": None,
-                      "tools_column": None, "tools": None, "tool_choice": None}
+                      "tools_column": None, "tools": None, "tool_choice": None,
+                      "parallel_tool_calls": True}
 
 
 class InputSection(Section):
@@ -168,6 +169,9 @@ class InputSection(Section):
     tool_choice: str | dict[str, Any] | None = None
     """none | auto | required | {type: function, function: {name}}; null: auto when model.tool_call_parser
     is set, else the tools are only shown to the model. required and a named function are forced."""
+    parallel_tool_calls: bool = True
+    """OpenAI's parallel_tool_calls for the rows with tools: false, a forced (required) output is one
+    call, then the sample ends."""
 
     @field_validator("chat_template_kwargs")
     @classmethod

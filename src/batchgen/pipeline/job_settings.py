@@ -25,7 +25,7 @@ KV_CACHE_HASH_KEYS = ("kv_cache_dtype", "calculate_kv_scales")
 HASHED_WHEN_SET = {
     "model": ("revision", "generation_config", "reasoning_parser", "tool_call_parser"),
     "input": ("chat_template", "chat_template_kwargs", "continuations_column", "continuation_column",
-              "tools_column", "tools", "tool_choice"),
+              "tools_column", "tools", "tool_choice", "parallel_tool_calls"),
     "sampling": ("include_stop_str_in_output", "beam_width", "length_penalty", "early_stopping",
                  "thinking_token_budget"),
 }

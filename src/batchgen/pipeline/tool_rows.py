@@ -74,7 +74,7 @@ def row_tool_request(job, raw_tools: str | None) -> ToolRequest | None:
         return None
     try:
         tools = check_tools(tools_value)
-        request = check_tool_choice(inp.tool_choice, tools)
+        request = check_tool_choice(inp.tool_choice, tools, inp.parallel_tool_calls)
     except ToolsError as exc:
         raise ValueError(f"the row's tools ({where}): {exc}") from None
     if request is not None and request.choice == "auto" and job.model.tool_call_parser is None:
