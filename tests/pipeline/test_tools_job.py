@@ -87,11 +87,39 @@ def test_a_thinking_budget_of_16_bounds_every_rows_reasoning(tmp_path, llm):
     ({"tools": [WEATHER], "tool_choice": "auto"}, {}, "input.tool_choice"),
     ({"tools": [WEATHER]}, {"tool_call_parser": "json"}, "model.tool_call_parser"),
     ({}, {"reasoning_parser": "r1"}, "model.reasoning_parser"),
+    ({"sampling": {"thinking_token_budget": 16}}, {}, "sampling.thinking_token_budget"),
 ])
 def test_bad_tool_settings_fail_validation_naming_the_key(tmp_path, input_extra, model_extra, key):
+    sampling = input_extra.get("sampling", {})
     raw = {"name": "bad", **engine_sections({**KWARGS, **model_extra}),
-           "input": {"path": "in.parquet", "messages_column": "messages", **input_extra},
-           "output": {"path": "out"}}
+           "input": {"path": "in.parquet", "messages_column": "messages",
+                     **{k: v for k, v in input_extra.items() if k != "sampling"}},
+           "sampling": sampling, "output": {"path": "out"}}
     with pytest.raises(JobError) as caught:
         validate_job(raw, tmp_path)
     assert key in str(caught.value), str(caught.value)
+
+
+def test_a_batch_file_line_with_a_named_tool_gets_its_call_in_output_jsonl(tmp_path, llm):
+    """OpenAI batch lines carry their own tools: a forced call lands in the line's message.tool_calls; a
+    line asking for a thinking budget without the job's reasoning parser is that line's error."""
+    lines = [{"custom_id": "call", "method": "POST", "url": "/v1/chat/completions", "body": {
+        "model": "x", "messages": QUESTION, "tools": TOOLS, "max_tokens": 64, "tool_choice": {
+            "type": "function", "function": {"name": "get_time"}}}},
+        {"custom_id": "budget", "method": "POST", "url": "/v1/chat/completions", "body": {
+            "model": "x", "messages": QUESTION, "thinking_token_budget": 8}}]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    kwargs = {**KWARGS, "tool_call_parser": "hermes"}
+    raw = {"name": "batch-tools", **engine_sections(kwargs), "input": {
+        "path": str(tmp_path / "in.jsonl"), "chat_template": HERMES_TEMPLATE}, "output": {"path": str(tmp_path / "out")}}
+    engine = llm.with_engine_settings(**{k: v for k, v in kwargs.items() if k not in ("dtype", "device")}).engine
+    run_job(validate_job(raw, tmp_path), engine=engine, progress=False)
+    (ok,) = [json.loads(x) for x in (tmp_path / "out" / "output.jsonl").read_text().splitlines()]
+    (error,) = [json.loads(x) for x in (tmp_path / "out" / "errors.jsonl").read_text().splitlines()]
+    choice = ok["response"]["body"]["choices"][0]
+    assert ok["custom_id"] == "call" and choice["finish_reason"] == "tool_calls"
+    check_calls(choice["message"]["tool_calls"], {"get_time"})
+    assert error["custom_id"] == "budget"
+    assert error["response"]["body"]["error"]["param"] == "thinking_token_budget"
+    rows = {r["id"]: r for r in read_output(tmp_path / "out").to_pylist()}
+    check_calls(json.loads(rows["call"]["tool_calls"]), {"get_time"})

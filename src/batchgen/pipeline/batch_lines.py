@@ -71,6 +71,8 @@ def _decode(custom_id: str, raw: dict, endpoint: str | None, job: JobConfig) -> 
             hint = (f" (the body sets no temperature, so the job's sampling.temperature "
                     f"{job.sampling.temperature} applies)")
         raise RowError(f"{field} {exc.rule}; got {exc.value!r}{hint}", field) from None
+    if params.thinking_token_budget is not None and job.model.reasoning_parser is None:
+        raise RowError("thinking_token_budget needs the job's model.reasoning_parser", "thinking_token_budget")
     prompt = request.template_messages() if endpoint == "chat" else one_prompt(request)
     # A chat line's own template fields (vLLM's) over the job's input.chat_template(_kwargs).
     chat = request.chat_options(job.input.chat_template, job.input.chat_template_kwargs) \

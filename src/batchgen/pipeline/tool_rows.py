@@ -31,7 +31,8 @@ def job_has_tools(job) -> bool:
 
 
 def check_job_tools(job) -> list[tuple[tuple[str, ...], str, object]]:
-    """(key, rule, value) for each bad tools setting of a job: checked before any generation."""
+    """(key, rule, value) for each bad tools (or thinking budget) setting of a job: checked before any
+    generation."""
     inp = job.input
     problems = []
     tools = None
@@ -52,6 +53,9 @@ def check_job_tools(job) -> list[tuple[tuple[str, ...], str, object]]:
     if inp.tool_choice == "auto" and job.model.tool_call_parser is None:
         problems.append((("input", "tool_choice"), "auto needs model.tool_call_parser (the format calls are read "
                          "in)", inp.tool_choice))
+    if job.sampling.thinking_token_budget is not None and job.model.reasoning_parser is None:
+        problems.append((("sampling", "thinking_token_budget"), "needs model.reasoning_parser (the markers the "
+                         "budget ends the thinking with)", job.sampling.thinking_token_budget))
     if has_tools and not inp.apply_chat_template:
         problems.append((("input", "apply_chat_template"), "must be true with tools (they are rendered through "
                          "the chat template)", False))
