@@ -79,3 +79,18 @@ def test_bad_tools_and_choices_are_refused_naming_the_field(llm, tools_llm):
         llm.chat(QUESTION, tools=TOOLS, tool_choice="auto")
     with pytest.raises(ValueError, match="tool_call_parser must be null or one of hermes, llama3_json, mistral"):
         llm.with_engine_settings(tool_call_parser="json")
+
+
+def test_a_forced_call_follows_a_bounded_thinking(llm):
+    """With a reasoning parser the call's grammar applies from the end of the thinking on: the sample
+    thinks (at most thinking_token_budget tokens), then writes a call that validates."""
+    thinking = llm.with_engine_settings(tool_call_parser="hermes", reasoning_parser="deepseek_r1",
+                                        kv_cache_memory="64MiB", max_model_len=1024)
+    params = SamplingParams(n=2, temperature=0.8, seed=5, max_tokens=72, thinking_token_budget=8)
+    out = thinking.chat(QUESTION, params, chat_template=HERMES_TEMPLATE, chat_template_kwargs={"enable_thinking": True},
+                        tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}})[0]
+    for c in out.outputs:
+        assert c.reasoning_content and 0 < c.num_reasoning_tokens <= 8, c.text
+        assert "</think>" in c.text and "<tool_call>" not in c.reasoning_content
+        assert c.finish_reason == "tool_calls" and len(c.tool_calls) == 1, c.text
+        check_calls(chat_calls(c), {"get_weather"})
