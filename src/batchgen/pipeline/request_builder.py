@@ -129,8 +129,10 @@ class RequestBuilder:
             chat = row.chat or self.chat
             if row.tools is not None:
                 task.params, chat = self._with_tools(row, task, chat)
-            elif row.tool_parser is not None:
+            elif row.tool_parser is not None:  # a batch line's tools: its body's fields set the rest
                 task.tool_parser = row.tool_parser
+                if row.tool_parser.keeps_special_tokens and task.params.skip_special_tokens:
+                    task.params = dataclasses.replace(task.params, skip_special_tokens=False)
             self._compile(task.params, row)
             task.token_ids = self._encode(row, chat)  # kept on an overlong error: its prompt_tokens tell by how much
             task.token_ids = self._fit(task.token_ids, task.params)

@@ -94,3 +94,13 @@ def test_a_forced_call_follows_a_bounded_thinking(llm):
         assert "</think>" in c.text and "<tool_call>" not in c.reasoning_content
         assert c.finish_reason == "tool_calls" and len(c.tool_calls) == 1, c.text
         check_calls(chat_calls(c), {"get_weather"})
+
+
+@pytest.mark.parametrize("parser", ["llama3_json", "mistral"])
+def test_each_format_writes_a_forced_call_its_parser_reads_back(llm, parser):
+    other = llm.with_engine_settings(tool_call_parser=parser, kv_cache_memory="64MiB", max_model_len=1024)
+    out = other.chat(QUESTION, SamplingParams(temperature=0, max_tokens=48), chat_template=HERMES_TEMPLATE,
+                     tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_time"}})[0].outputs[0]
+    assert out.text.startswith("{" if parser == "llama3_json" else "[TOOL_CALLS][{"), out.text
+    assert out.finish_reason == "tool_calls" and len(out.tool_calls) == 1, out.text
+    check_calls(chat_calls(out), {"get_time"})
