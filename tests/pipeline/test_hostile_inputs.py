@@ -103,3 +103,56 @@ def test_an_engine_that_cannot_start_leaves_nothing_in_the_output_folder(tmp_pat
     result = invoke("run", job, "--no-progress", "--set", "engine.kv_cache_memory=64MiB",
                     "--set", "model.max_model_len=128")
     assert result.exit_code == 0, result.output
+
+
+def ref_chain(num_links: int) -> dict:
+    defs = {f"d{i}": {"type": "object", "properties": {"x": {"$ref": f"#/$defs/d{i + 1}"}}, "required": ["x"]}
+            for i in range(num_links)}
+    defs[f"d{num_links}"] = {"type": "string"}
+    return {"$ref": "#/$defs/d0", "$defs": defs}
+
+
+POISON = {  # custom_id -> (the line, the field its error names); each crashed or failed the job before
+    "ref-chain-1000": (line("ref-chain-1000", response_format={"type": "json_schema", "json_schema": {
+        "name": "chain", "schema": ref_chain(1_000)}}), "response_format.json_schema.schema"),
+    "ref-chain-5000": (line("ref-chain-5000", response_format={"type": "json_schema", "json_schema": {
+        "name": "chain", "schema": ref_chain(5_000)}}), "response_format.json_schema.schema"),
+    "regex-bomb": (line("regex-bomb", structured_outputs={"regex": "a{1000}{1000}"}), "structured_outputs.regex"),
+    "choice-100000": (line("choice-100000", structured_outputs={"choice": [f"c{i}" for i in range(100_000)]}),
+                      "structured_outputs.choice"),
+}
+
+
+def test_poison_constraints_are_their_lines_errors_and_the_others_are_unchanged(tmp_path, tiny_model):
+    normal = [line(f"ok-{i:02d}", temperature=0.8, seed=i) for i in range(20)]
+    (tmp_path / "clean").mkdir()
+    clean_job = tiny_job(tmp_path / "clean", tiny_model, write_lines(tmp_path / "clean.jsonl", normal))
+    assert invoke("run", clean_job, "--no-progress").exit_code == 0
+    mixed = list(normal)
+    for position, (raw, _) in zip((2, 9, 14, 20), POISON.values()):
+        mixed.insert(position, raw)
+    job = tiny_job(tmp_path, tiny_model, write_lines(tmp_path / "requests.jsonl", mixed))
+
+    result = invoke("run", job, "--no-progress")
+    assert result.exit_code == 0, result.output
+    errors = {x["custom_id"]: x["response"]["body"]["error"] for x in read_jsonl(tmp_path / "out" / "errors.jsonl")}
+    assert sorted(errors) == sorted(POISON)
+    for custom_id, (_, param) in POISON.items():
+        assert errors[custom_id]["param"] == param, errors[custom_id]
+    choices = {x["custom_id"]: x["response"]["body"]["choices"] for x in read_jsonl(tmp_path / "out" / "output.jsonl")}
+    clean = {x["custom_id"]: x["response"]["body"]["choices"]
+             for x in read_jsonl(tmp_path / "clean" / "out" / "output.jsonl")}
+    assert choices == clean  # the normal lines' outputs, token for token, as in a run without the poison
+    rerun = invoke("run", job, "--no-progress")
+    assert rerun.exit_code == 0 and "0 unit(s) run" in rerun.output, rerun.output
+
+
+def test_validate_refuses_a_job_wide_schema_too_deep_instead_of_crashing(tmp_path, tiny_model):
+    (tmp_path / "chain.json").write_text(json.dumps(ref_chain(1_000)))
+    job = tiny_job(tmp_path, tiny_model, write_lines(tmp_path / "requests.jsonl", [line("ok")]))
+    raw = yaml.safe_load(open(job))
+    raw["input"] = {"path": write_parquet(tmp_path / "in.parquet", {"id": [1], "prompt": ["hi"]}).as_posix()}
+    raw["sampling"]["structured"] = {"json_file": str(tmp_path / "chain.json")}
+    open(job, "w").write(yaml.safe_dump(raw))
+    result = invoke("validate", job)
+    assert result.exit_code == 2 and "deep" in result.output, result.output

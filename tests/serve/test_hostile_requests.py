@@ -29,8 +29,14 @@ KEY = "hostile-key"
 MAX_BODY = 32 << 20  # the default --max-request-body-bytes
 CHAT_URL = "/v1/chat/completions"
 HEADERS = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
-REQUEST_HEAD = (f"POST {CHAT_URL} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
-                "Content-Type: application/json\r\n")
+COMPLETIONS_URL = "/v1/completions"
+
+
+def request_head(url: str) -> str:
+    return f"POST {url} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\nContent-Type: application/json\r\n"
+
+
+REQUEST_HEAD = request_head(CHAT_URL)
 
 
 @pytest.fixture(scope="module")
@@ -78,15 +84,38 @@ def raw_exchange(server, head: bytes, body_parts: list[bytes], timeout: float = 
 
 def test_a_body_over_the_limit_gets_413_before_it_is_read(server):
     # A declared length over the limit: answered from the headers, none of the 64 MiB is sent.
-    head = (REQUEST_HEAD + f"Content-Length: {2 * MAX_BODY}\r\n\r\n").encode()
-    answer = raw_exchange(server, head, [b'{"messages": ['])
-    assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
+    for url in (CHAT_URL, COMPLETIONS_URL):
+        head = (request_head(url) + f"Content-Length: {2 * MAX_BODY}\r\n\r\n").encode()
+        answer = raw_exchange(server, head, [b'{"messages": ['])
+        assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
 
     # Chunked, no length: refused once the bytes read pass the limit, before the body ends (it never does).
-    head = (REQUEST_HEAD + "Transfer-Encoding: chunked\r\n\r\n").encode()
-    chunk = b"%x\r\n" % (1 << 20) + b" " * (1 << 20) + b"\r\n"
-    answer = raw_exchange(server, head, [chunk] * (MAX_BODY // (1 << 20) + 8))
+    head = (request_head(COMPLETIONS_URL) + "Transfer-Encoding: chunked\r\n\r\n").encode()
+    answer = raw_exchange(server, head, [CHUNK_1MIB] * (MAX_BODY // (1 << 20) + 8))
     assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
+
+
+CHUNK_1MIB = b"%x\r\n" % (1 << 20) + b" " * (1 << 20) + b"\r\n"
+
+
+def test_a_chat_body_longer_than_the_context_could_hold_is_refused_before_it_is_read(server, client):
+    """A 30 MB chat body (under the 32 MiB limit) took 21 s and 4.4 GB to be refused after tokenizing:
+    no text that long fits 2,048 tokens of at most 81 bytes each, so it is a 400 from its headers."""
+    start = time.monotonic()
+    head = (REQUEST_HEAD + f"Content-Length: {30 << 20}\r\n\r\n").encode()
+    answer = raw_exchange(server, head, [b'{"messages": [{"role": "user", "content": "'] + [b"a" * (1 << 20)] * 30)
+    assert answer.startswith(b"HTTP/1.1 400"), answer[:200]
+    # Chunked: refused once the bytes read pass what a prompt could hold (~3 MB here), long before 30 MB.
+    head = (REQUEST_HEAD + "Transfer-Encoding: chunked\r\n\r\n").encode()
+    answer = raw_exchange(server, head, [CHUNK_1MIB] * 30)
+    assert answer.startswith(b"HTTP/1.1 400"), answer[:200]
+    assert time.monotonic() - start < 10
+    # Under the body bound but still more text than fits: refused after parsing, before tokenizing.
+    for url, body in ((COMPLETIONS_URL, {"prompt": "word " * 400_000}), (CHAT_URL, {"messages": chat("word " * 400_000)})):
+        error = error_of(httpx.post(server.base_url + url, headers=HEADERS, timeout=60, json={**body, "max_tokens": 1}))
+        assert error["code"] == "context_length_exceeded" and "bytes of text" in error["message"]
+    reply = client.chat.completions.create(model=MODEL, messages=chat("Hi"), max_tokens=2)
+    assert reply.usage.completion_tokens == 2
 
 
 def test_json_nested_too_deep_is_a_400_naming_the_body_or_the_field(server):
@@ -165,6 +194,117 @@ def test_a_large_prompt_does_not_hold_up_normal_requests(server, client):
         return order
 
     assert asyncio.run(race()) == ["normal 2", "big 400"]
+
+
+def _ref_chain(num_links: int) -> dict:
+    defs = {f"d{i}": {"type": "object", "properties": {"x": {"$ref": f"#/$defs/d{i + 1}"}}, "required": ["x"]}
+            for i in range(num_links)}
+    defs[f"d{num_links}"] = {"type": "string"}
+    return {"$ref": "#/$defs/d0", "$defs": defs}
+
+
+POISON_BODIES = {  # each crashed the server (the $ref chains) or failed every request in its step
+    "ref-chain-1000": {"response_format": {"type": "json_schema", "json_schema": {"name": "c", "schema": _ref_chain(1_000)}}},
+    "ref-chain-5000": {"response_format": {"type": "json_schema", "json_schema": {"name": "c", "schema": _ref_chain(5_000)}}},
+    "regex-bomb": {"structured_outputs": {"regex": "a{1000}{1000}"}},
+    "choice-100000": {"structured_outputs": {"choice": [f"c{i}" for i in range(100_000)]}},
+}
+
+
+def test_poison_constraints_are_400s_and_concurrent_requests_are_unchanged(server, client):
+    def normal(i: int) -> list[int]:
+        reply = client.chat.completions.create(model=MODEL, messages=chat(f"Name a colour, {i}."), max_tokens=8,
+                                               temperature=0.8, seed=i, logprobs=True)
+        return [t.token for t in reply.choices[0].logprobs.content]
+
+    quiet = [normal(i) for i in range(4)]
+
+    async def together() -> tuple[list, dict]:
+        async with httpx.AsyncClient(base_url=server.base_url, headers=HEADERS, timeout=120) as http:
+            async def poison(body: dict) -> httpx.Response:
+                return await http.post(CHAT_URL, json={"messages": chat("Hi"), "max_tokens": 4, **body})
+            normals = [asyncio.to_thread(normal, i) for i in range(4)]
+            results = await asyncio.gather(*normals, *(poison(b) for b in POISON_BODIES.values()))
+        return results[:4], dict(zip(POISON_BODIES, results[4:]))
+
+    tokens, poisoned = asyncio.run(together())
+    assert tokens == quiet  # the same tokens as alone
+    for name, response in poisoned.items():
+        error = error_of(response)
+        assert error["param"] in ("response_format.json_schema.schema", "structured_outputs.regex",
+                                  "structured_outputs.choice"), (name, error)
+        assert "backtrace" not in error["message"] and "<unknown>" not in error["message"]
+    assert server.proc.poll() is None  # alive
+
+
+def test_a_slow_schema_compiles_off_the_engine_thread(server, client):
+    """A 4,000-property schema takes seconds to compile; a normal request sent meanwhile is answered
+    first (the compile runs on a worker thread, not the engine thread everyone's steps run on)."""
+    schema = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(4_000)}}
+    slow_body = {"messages": chat("Hi"), "max_tokens": 2,
+                 "response_format": {"type": "json_schema", "json_schema": {"name": "wide", "schema": schema}}}
+
+    async def race() -> list[str]:
+        order = []
+        async with httpx.AsyncClient(base_url=server.base_url, headers=HEADERS, timeout=120) as http:
+            async def slow():
+                response = await http.post(CHAT_URL, json=slow_body)
+                order.append("schema")
+                assert response.status_code in (200, 400), response.text  # 400: past the compile deadline
+
+            async def normal():
+                await asyncio.sleep(0.3)  # the schema is compiling by now
+                reply = await asyncio.to_thread(client.chat.completions.create, model=MODEL,
+                                                messages=chat("Hi"), max_tokens=2, temperature=0)
+                order.append(f"normal {reply.usage.completion_tokens}")
+
+            await asyncio.gather(slow(), normal())
+        return order
+
+    assert asyncio.run(race()) == ["normal 2", "schema"]
+
+
+def test_an_echo_with_logprobs_past_the_cap_is_a_400(server):
+    prompt = "one two three four " * 400  # ~1,600 tokens x 21 entries: past the 32,768 cap
+    response = httpx.post(server.base_url + COMPLETIONS_URL, headers=HEADERS, timeout=60,
+                          json={"prompt": prompt, "max_tokens": 0, "echo": True, "logprobs": 20})
+    error = error_of(response)
+    assert error["param"] == "logprobs" and "32,768" in error["message"], error
+    small = httpx.post(server.base_url + COMPLETIONS_URL, headers=HEADERS, timeout=60,
+                       json={"prompt": prompt, "max_tokens": 0, "echo": True, "logprobs": 1})
+    assert small.status_code == 200 and len(small.json()["choices"][0]["logprobs"]["tokens"]) > 1000
+
+
+def test_sequences_are_admitted_by_count_and_a_cut_flood_frees_the_server_at_once(server, client):
+    """1,000 prompts x n 1,024 wedged the server for 17 minutes. Now: a request larger than the sequence
+    bound alone is a 400; one that would pass it beside others a 429 with Retry-After; and after a
+    client holding 16,384 sequences goes away, a normal request answers within 2 s."""
+    flood = {"prompt": ["Hi"] * 1_000, "n": 1_024, "max_tokens": 16}
+    error = error_of(httpx.post(server.base_url + COMPLETIONS_URL, headers=HEADERS, json=flood, timeout=60))
+    assert error["code"] == "too_many_sequences" and "1,024,000" in error["message"]
+
+    async def cut_flood() -> tuple[httpx.Response, float]:
+        async with httpx.AsyncClient(base_url=server.base_url, headers=HEADERS, timeout=120) as http:
+            async def hold():  # 16 x 1,024 sequences: the whole bound; the client gives up after 4 s
+                with pytest.raises(httpx.ReadTimeout):
+                    await http.post(COMPLETIONS_URL, json={**flood, "prompt": ["Hi"] * 16}, timeout=4)
+            holder = asyncio.ensure_future(hold())
+            while not server.metrics()["batchgen:num_requests_waiting"]:  # the flood is in
+                await asyncio.sleep(0.1)
+            refused = await http.post(COMPLETIONS_URL, json={"prompt": "Hi", "max_tokens": 2})
+            await holder
+        start = time.monotonic()
+        await asyncio.to_thread(client.chat.completions.create, model=MODEL, messages=chat("Hi"), max_tokens=4)
+        return refused, time.monotonic() - start
+
+    refused, latency = asyncio.run(cut_flood())
+    assert refused.status_code == 429 and refused.headers["retry-after"] == "1", refused.text
+    assert refused.json()["error"]["code"] == "too_many_sequences"
+    assert latency < 2.0, latency
+    deadline = time.monotonic() + 30
+    while not _idle(server.metrics()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _idle(server.metrics())
 
 
 def _idle(metrics: dict) -> bool:

@@ -139,17 +139,22 @@ def finalize(
                    + format_summary(done.record, storage.join("_SUCCESS")))
 
 
-def validate(job: JobArg, set_: SetOpt = None, limit: LimitOpt = None) -> None:
+def validate(job: JobArg, set_: SetOpt = None, limit: LimitOpt = None,
+             weights: Annotated[bool, typer.Option(
+                 "--weights", help="Also read every weight tensor and check it is finite (a damaged file's "
+                                   "NaN or infinity exits 2 naming the tensor); reads the whole file.")] = False,
+             ) -> None:
     """Check a job without running it: the file, the model's files, every input's schema, the
     structured-output constraint (compiled over the model's tokenizer); print the plan.
 
     The model's files are read as the engine reads them before its weights (a GGUF's header and metadata
     with the loader's size checks, safetensors headers, config.json, the tokenizer, the chat template);
-    loads no weights. A damaged or hostile file exits 2 naming it.
+    loads no weights unless --weights asks for every tensor's values to be checked. A damaged or hostile
+    file exits 2 naming it.
     """
     from batchgen.pipeline.config import load_job
     from batchgen.pipeline.job_plan import format_job_plan, plan_job
-    from batchgen.pipeline.model_files import check_model_files, needs_chat_template
+    from batchgen.pipeline.model_files import check_model_files, check_model_weights, needs_chat_template
     from batchgen.pipeline.structured_job import check_job_constraint_before_load
 
     try:
@@ -157,6 +162,7 @@ def validate(job: JobArg, set_: SetOpt = None, limit: LimitOpt = None) -> None:
         check_job_constraint_before_load(plan.job)
         source = plan.model_source
         files = None if source is None else check_model_files(source, needs_chat_template(plan.job))
+        checked = None if source is None or not weights else check_model_weights(source)
     except Exception as exc:
         raise fail(exc) from None
     typer.echo(format_job_plan(plan))
@@ -166,6 +172,8 @@ def validate(job: JobArg, set_: SetOpt = None, limit: LimitOpt = None) -> None:
         read = "GGUF header and metadata" if source.is_gguf else "config.json, safetensors headers"
         typer.echo(f"files    {read}, tokenizer ({files.num_tokens:,} tokens), "
                    + ("chat template: renders" if files.has_chat_template else "no chat template"))
+    if checked is not None:
+        typer.echo(f"weights  {checked[0]:,} tensors read ({checked[1] / 1e6:,.0f} MB as float), every value finite")
     if plan.state.refusal:
         typer.echo("batchgen: bad job: the output folder would be refused (see above)", err=True)
         raise typer.Exit(EXIT_BAD_JOB)

@@ -110,3 +110,14 @@ def _check_template(template: str, where: str) -> None:
     except Exception as exc:
         raise JobError(f"model.path: {where} does not render a one-message chat: "
                        f"{type(exc).__name__}: {exc}") from None
+
+
+def check_model_weights(source: ModelSource) -> tuple[int, int]:
+    """`validate --weights`: every tensor of the model read and checked finite; (tensors, bytes read).
+    A JobError naming `model.path`'s file and the damaged tensor otherwise."""
+    from batchgen.engine.loader.model_loader import check_weights_finite
+
+    try:
+        return check_weights_finite(source)
+    except (ValueError, OSError) as exc:
+        raise JobError(f"model.path: {exc}") from None

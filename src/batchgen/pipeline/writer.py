@@ -64,7 +64,7 @@ def sample_rows(task: RowTask, out: RequestOutput) -> list[dict]:
             "tpot_s": (c.last_token_time - c.first_token_time) / (num_tokens - 1) if num_tokens >= 2 else None,
             "e2e_s": c.last_token_time - arrival if has_tokens else None,
             "num_accepted_tokens": c.num_accepted_tokens,
-            "error": None,
+            "error": c.error,
         })
     return rows
 

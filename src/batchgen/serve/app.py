@@ -38,7 +38,15 @@ from batchgen.serve import responses
 from batchgen.serve.engine_loop import Admitted, EngineLoop, EventSink, Failed, Finished, Progress, Submission
 from batchgen.serve.metrics import Metrics
 from batchgen.serve.prompt_encoder import PromptEncoder, encode_prompt, is_large, is_token_ids
-from batchgen.serve.request_body import read_body
+from batchgen.serve.request_body import TooLarge, body_too_large, read_body
+from batchgen.serve.request_bounds import (
+    chat_body_too_large,
+    check_prompt_bytes,
+    check_prompt_logprob_entries,
+    max_chat_body_bytes,
+    messages_text,
+    num_sequences,
+)
 from batchgen.serve.settings import DEFAULT_MAX_REQUEST_BODY_BYTES
 from batchgen.serve.tokenizer_routes import add_tokenizer_routes
 
@@ -53,6 +61,7 @@ class ServerSettings:
     model_path: str  # what was loaded (/v1/models' `root`)
     api_key: str | None = None
     max_in_flight: int = 1024  # HTTP requests admitted at once (running or waiting); more get 503
+    max_in_flight_seqs: int = 16384  # their sequences (prompts x n or beams); more get 429
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES  # a larger body gets 413
     chat_template: str | None = None  # --chat-template's text; None: the model's own
     chat_template_kwargs: dict = field(default_factory=dict)  # a job file's input.chat_template_kwargs
@@ -70,7 +79,10 @@ class ServerState:
     max_model_len: int
     vocab_size: int
     encoder: PromptEncoder | None = None  # large prompts' thread; None: every prompt on the engine thread
+    max_prompt_bytes: int | None = None  # the longest text a prompt of max_model_len tokens can be; None: unchecked
+    health_stall_timeout: float = 120.0  # /health fails when the engine has work and has not stepped for this long
     in_flight: int = 0
+    in_flight_seqs: int = 0
     shutting_down: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
     num_unseeded: int = 0  # unseeded requests so far (with --seed, each one's sample key)
@@ -83,8 +95,15 @@ class ServerState:
         self.num_unseeded += 1
         return f"server-seed-{self.settings.seed}/{self.num_unseeded}"
 
-    def admit(self) -> Callable[[], None]:
-        """Count one more request in flight, or refuse it (503); returns the idempotent release."""
+    def admit(self, num_seqs: int = 1) -> Callable[[], None]:
+        """Count one more request of `num_seqs` sequences in flight, or refuse it: 503 past the request
+        bound, 429 past the sequence bound (both with Retry-After), 400 for a request larger than the
+        sequence bound alone. Returns the idempotent release."""
+        max_seqs = self.settings.max_in_flight_seqs
+        if num_seqs > max_seqs:
+            self.metrics.count_rejected()
+            raise bad_request(f"this request holds {num_seqs:,} sequences (prompts x n, or beams); this server "
+                              f"holds at most {max_seqs:,} at once (--max-queued-sequences)", "n", "too_many_sequences")
         if self.shutting_down:
             self.metrics.count_rejected()
             raise APIError(503, "the server is shutting down", code="shutdown")
@@ -93,7 +112,13 @@ class ServerState:
             raise APIError(503, f"the server holds {self.in_flight} requests, its bound (--max-queued-requests "
                                 "plus --max-num-seqs); retry later", code="server_overloaded",
                            headers={"Retry-After": str(RETRY_AFTER_S)})
+        if self.in_flight_seqs + num_seqs > max_seqs:
+            self.metrics.count_rejected()
+            raise APIError(429, f"the server holds {self.in_flight_seqs:,} sequences; {num_seqs:,} more would pass "
+                                f"its bound of {max_seqs:,} (--max-queued-sequences); retry later",
+                           code="too_many_sequences", headers={"Retry-After": str(RETRY_AFTER_S)})
         self.in_flight += 1
+        self.in_flight_seqs += num_seqs
         released = False
 
         def release() -> None:
@@ -101,6 +126,7 @@ class ServerState:
             if not released:
                 released = True
                 self.in_flight -= 1
+                self.in_flight_seqs -= num_seqs
         return release
 
 
@@ -127,6 +153,11 @@ def create_app(state: ServerState) -> FastAPI:
     async def health() -> Response:
         if not state.loop.is_alive:
             return JSONResponse(APIError(503, "the engine thread has stopped", code="engine_dead").body, 503)
+        if state.loop.is_stalled(state.health_stall_timeout):
+            stalled_s = state.loop.seconds_without_progress()
+            return JSONResponse(APIError(503, f"the engine has work and has not finished a step for {stalled_s:.0f} s "
+                                              f"(--health-stall-timeout {state.health_stall_timeout:g})",
+                                         code="engine_stalled").body, 503)
         return Response(status_code=200)
 
     @app.get("/metrics")
@@ -144,11 +175,12 @@ def create_app(state: ServerState) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         _check_key(request, state.settings.api_key)
-        body = parse_request(await read_body(request, state.settings.max_request_body_bytes),
-                             ChatCompletionRequest)
+        body = parse_request(await read_body(request, *_chat_body_bound(state)), ChatCompletionRequest)
         _check_model(body.model, names)
         body.bind_tools(state.settings.tool_call_parser, state.settings.enable_auto_tool_choice)
         messages = body.template_messages()
+        if state.max_prompt_bytes is not None:  # before the template and the tokenizer see it
+            check_prompt_bytes(messages_text(messages), "messages", state.max_prompt_bytes, state.max_model_len)
         chat = body.chat_options(state.settings.chat_template, state.settings.chat_template_kwargs)
         return await _generate(state, request, body, [messages], is_chat=True, chat=chat)
 
@@ -162,6 +194,19 @@ def create_app(state: ServerState) -> FastAPI:
 
     add_tokenizer_routes(app, state, lambda request: _check_key(request, state.settings.api_key))
     return app
+
+
+def _chat_body_bound(state: ServerState) -> tuple[int, TooLarge | None]:
+    """The most bytes a chat body may have, and the error past it: the server's --max-request-body-bytes,
+    or less where no body that long could hold a prompt that fits the context (refused before it is read)."""
+    max_bytes = state.settings.max_request_body_bytes
+    if state.max_prompt_bytes is None or max_chat_body_bytes(state.max_prompt_bytes) >= max_bytes:
+        return max_bytes, None
+    def too_large(num_bytes: int | None, bound: int) -> APIError:
+        if num_bytes is not None and num_bytes > max_bytes:  # past the server's own limit too: its 413
+            return body_too_large(num_bytes, max_bytes)
+        return chat_body_too_large(num_bytes, bound, state.max_model_len)
+    return max_chat_body_bytes(state.max_prompt_bytes), too_large
 
 
 def _check_key(request: Request, api_key: str | None) -> None:
@@ -207,6 +252,7 @@ def _check_prompt(body, token_ids: list[int], prompt_field: str,
                           f"{prompt_field} has {len(token_ids)}", prompt_field, "context_length_exceeded")
     if any(t < 0 or t >= vocab_size for t in token_ids):
         raise bad_request(f"{prompt_field} holds token ids outside [0, {vocab_size})", prompt_field)
+    check_prompt_logprob_entries(len(token_ids), body.num_prompt_logprobs(), body.prompt_logprobs_field())
     params = sampling_params_from_body(body, default_max_tokens=max_model_len - len(token_ids),
                                        defaults=state.settings.sampling_defaults)
     if len(token_ids) + params.max_tokens > max_model_len:
@@ -221,8 +267,17 @@ def _check_prompt(body, token_ids: list[int], prompt_field: str,
 async def _generate(state: ServerState, request: Request, body, prompts: list, is_chat: bool,
                     chat: ChatTemplateOptions = DEFAULT_CHAT) -> Response:
     # A bad field is a 400 before any queueing (the default budget is settled per prompt later).
-    sampling_params_from_body(body, default_max_tokens=state.max_model_len, defaults=state.settings.sampling_defaults)
-    release = state.admit()
+    params = sampling_params_from_body(body, default_max_tokens=state.max_model_len,
+                                       defaults=state.settings.sampling_defaults)
+    # The constraint compiled here, on a worker thread, not on the engine thread that steps everyone's
+    # requests (a large schema takes seconds); the engine thread then finds it in the compiler's cache.
+    await asyncio.to_thread(compile_request_constraint, state.loop.engine, body, params)
+    if state.max_prompt_bytes is not None and not is_chat:  # before anything tokenizes them
+        for i, prompt in enumerate(prompts):
+            if isinstance(prompt, str):
+                check_prompt_bytes(prompt, "prompt" if len(prompts) == 1 else f"prompt[{i}]", state.max_prompt_bytes,
+                                   state.max_model_len)
+    release = state.admit(num_sequences(params, len(prompts)))
     try:
         response_id = f"{'chatcmpl' if is_chat else 'cmpl'}-{uuid.uuid4().hex}"
         request_ids = [f"{response_id}-{i}" for i in range(len(prompts))]

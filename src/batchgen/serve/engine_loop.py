@@ -35,6 +35,9 @@ log = logging.getLogger("batchgen.serve")
 
 # How long the idle thread sleeps before looking again (a new request wakes it at once).
 IDLE_WAIT_S = 0.5
+# How long the thread spends on its inbox (encoding prompts, adding requests) before it steps again
+# while requests run: a flood of submissions never starves the running ones' steps.
+INBOX_BUDGET_S = 0.05
 
 
 class TokenLogprob(NamedTuple):
@@ -184,6 +187,7 @@ class EngineLoop:
         self._stopping = threading.Event()
         self._fail_at: float | None = None  # monotonic deadline after which every request fails
         self._records: dict[str, _Record] = {}
+        self._last_progress = time.monotonic()  # when the thread last finished a step or found nothing to do
         self._thread = threading.Thread(target=self._run, name="batchgen-engine", daemon=True)
 
     # ---- called from the asyncio side (any thread) ------------------------------------------------
@@ -199,6 +203,16 @@ class EngineLoop:
     @property
     def is_alive(self) -> bool:
         return self._thread.is_alive()
+
+    def is_stalled(self, timeout_s: float) -> bool:
+        """The engine has requests (or an inbox) and its thread has not finished a step for `timeout_s`."""
+        has_work = bool(self._records) or not self._inbox.empty()
+        return has_work and self.seconds_without_progress() > timeout_s
+
+    def seconds_without_progress(self) -> float:
+        """How long the engine thread has gone without finishing a step while it had work (0 when idle
+        or stepping): what /health reads to tell a stuck engine from a busy one."""
+        return time.monotonic() - self._last_progress
 
     def submit(self, submission: Submission) -> None:
         self._inbox.put(("add", submission))
@@ -236,13 +250,16 @@ class EngineLoop:
         self._fail_all(APIError(503, "the server stopped before this request finished", code="shutdown"))
 
     def _iterate(self) -> None:
-        self._take_inbox()
+        self._take_inbox(INBOX_BUDGET_S)
         if self._fail_at is not None and time.monotonic() >= self._fail_at and self._records:
             self._fail_all(APIError(503, "the server shut down before this request finished", code="shutdown"))
         if not self.engine.has_unfinished():
             self._publish()
-            self._wake.wait(IDLE_WAIT_S)
-            self._wake.clear()
+            self._last_progress = time.monotonic()
+            if self._inbox.empty():  # else the budget cut the inbox short: take the rest at once
+                self._wake.wait(IDLE_WAIT_S)
+                self._wake.clear()
+                self._last_progress = time.monotonic()
             return
         try:
             outputs = self.engine.step()  # finished requests, and streams' DELTA outputs
@@ -250,12 +267,17 @@ class EngineLoop:
             log.exception("engine step failed")
             self._fail_all(APIError(500, f"the engine failed: {type(exc).__name__}: {exc}", code="engine_error"))
             return
+        finally:
+            self._last_progress = time.monotonic()
         self._emit(outputs)
         self._publish()
 
-    def _take_inbox(self) -> None:
+    def _take_inbox(self, budget_s: float | None = None) -> None:
+        """Add, abort and call what arrived, in order; with `budget_s`, stop once that long has passed
+        (the rest waits for the next step: requests already running keep stepping under a flood)."""
+        deadline = None if budget_s is None else time.monotonic() + budget_s
         num_aborted = 0
-        while True:
+        while deadline is None or time.monotonic() < deadline:
             try:
                 kind, item = self._inbox.get_nowait()
             except queue.Empty:
@@ -335,6 +357,12 @@ class EngineLoop:
     def _finish(self, record: _Record, out: RequestOutput) -> None:
         """The request's whole output: each sample whole, or for a stream what it has not sent yet."""
         del self._records[out.request_id]
+        failed = next((c for c in out.outputs if c.finish_reason == "error"), None)
+        if failed is not None:  # one sample failed alone in the engine (its grammar): this request's error
+            self.metrics.count_end("error", record.num_samples)
+            record.submission.sink.put(Failed(out.request_id, APIError(
+                500, f"sample {failed.index} failed: {failed.error}", code="generation_error")))
+            return
         deltas = [self._unsent(record, c) if record.submission.is_streaming
                   else completion_delta(c, self.engine.tokenizer.token_texts) for c in out.outputs]
         prompt = None

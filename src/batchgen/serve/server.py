@@ -15,6 +15,7 @@ from batchgen.serve.app import ServerSettings, ServerState, create_app
 from batchgen.serve.engine_loop import EngineLoop
 from batchgen.serve.metrics import Metrics
 from batchgen.serve.prompt_encoder import PromptEncoder
+from batchgen.serve.request_bounds import max_prompt_bytes
 from batchgen.serve.settings import ServeConfig
 
 log = logging.getLogger("batchgen.serve")
@@ -38,6 +39,7 @@ def run_server(config: EngineConfig, serve: ServeConfig, chat: ChatTemplateOptio
     names = list(serve.served_model_name or [config.model])
     settings = ServerSettings(served_model_names=names, model_path=config.model, api_key=serve.api_key,
                               max_in_flight=config.max_num_seqs + serve.max_queued_requests,
+                              max_in_flight_seqs=serve.max_queued_sequences,
                               max_request_body_bytes=serve.max_request_body_bytes,
                               chat_template=chat.chat_template, seed=config.seed,
                               sampling_defaults=dict(engine.generation_defaults.values),
@@ -47,7 +49,9 @@ def run_server(config: EngineConfig, serve: ServeConfig, chat: ChatTemplateOptio
     metrics = Metrics(names[0])
     loop = EngineLoop(engine, metrics)
     state = ServerState(loop, settings, metrics, engine.max_model_len, engine.model_cfg.vocab_size,
-                        encoder=PromptEncoder(engine.tokenizer))
+                        encoder=PromptEncoder(engine.tokenizer),
+                        max_prompt_bytes=max_prompt_bytes(engine.max_model_len, engine.tokenizer.max_token_bytes()),
+                        health_stall_timeout=serve.health_stall_timeout)
     app = create_app(state)
 
     stop_signal_time: list[float] = []

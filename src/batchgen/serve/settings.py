@@ -28,6 +28,11 @@ class ServeConfig:
     """Require `Authorization: Bearer KEY` on /v1 (default: the BATCHGEN_API_KEY environment variable)."""
     max_queued_requests: int = 1024
     """Requests held beyond max_num_seqs (the ones that can run); past it, 503 with Retry-After."""
+    max_queued_sequences: int = 16384
+    """Sequences (prompts x n, or beams) held at once, running or waiting: a request that would pass it gets
+    429 with Retry-After; one larger than it alone, 400."""
+    health_stall_timeout: float = 120.0
+    """/health answers 503 when the engine has work and has not finished a step for this many seconds."""
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
     """A request body over this many bytes (default 32 MiB) gets 413 before the rest of it is read."""
     shutdown_timeout: float = 30.0
@@ -44,6 +49,8 @@ class ServeConfig:
     def __post_init__(self) -> None:
         check_settings(self, [
             ("max_queued_requests", self.max_queued_requests >= 0, "must be >= 0"),
+            ("max_queued_sequences", self.max_queued_sequences >= 1, "must be >= 1"),
+            ("health_stall_timeout", self.health_stall_timeout > 0, "must be > 0"),
             ("max_request_body_bytes", self.max_request_body_bytes >= 1, "must be >= 1"),
             ("shutdown_timeout", self.shutdown_timeout >= 0, "must be >= 0"),
         ])

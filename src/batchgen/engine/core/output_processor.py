@@ -332,7 +332,7 @@ class OutputProcessor:
             token_ids=seq.token_ids[start:seq.num_known_tokens], cumulative_logprob=seq.cumulative_logprob,
             logprobs=seq.output_logprobs[num_old_tokens:] if params.logprobs is not None else None,
             top_logprobs=self._top_logprobs(seq, num_old_tokens) if params.num_top_logprobs else None,
-            finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
+            finish_reason=seq.finish_reason, stop_reason=seq.stop_reason, error=seq.error,
             num_accepted_tokens=seq.num_accepted_tokens if self.is_speculative else None,
             first_scheduled_time=times.first_scheduled_time, first_token_time=times.first_token_time,
             last_token_time=times.last_token_time)

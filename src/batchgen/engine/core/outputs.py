@@ -70,6 +70,7 @@ class CompletionOutput:
     top_logprobs: list[list[TopLogprob]] | None = None  # per token, most likely first (logprobs = N > 0)
     num_accepted_tokens: int | None = None  # draft tokens accepted (speculative decoding; None when off)
     score: float | None = None  # beam search: the length-penalised score the beams are ranked by
+    error: str | None = None  # finish_reason "error": why this sample alone failed
     # With a reasoning parser (EngineConfig.reasoning_parser): the thinking (None: the sample did not
     # think), the answer (`text` less the thinking; less the tool calls too where a caller parsed them),
     # and the tokens between the thinking's markers. `text` stays the whole output, as vLLM's.

@@ -9,13 +9,13 @@ applies its sampled rows to the sequences (vLLM v1's split: the output processor
 from __future__ import annotations
 
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.core.sequence import Sequence, SequenceStatus
+from batchgen.engine.core.waiting_queue import WaitingQueue
 from batchgen.engine.kv.kv_cache_manager import KVCacheManager
 
 if TYPE_CHECKING:
@@ -103,7 +103,7 @@ class Scheduler:
     def __init__(self, config: EngineConfig, kv_cache_manager: KVCacheManager):
         self.config = config
         self.kv_cache_manager = kv_cache_manager
-        self.waiting: deque[Sequence] = deque()
+        self.waiting = WaitingQueue()
         self.running: list[Sequence] = []
         self.stats = SchedulerStats()
 
@@ -230,9 +230,16 @@ class Scheduler:
         """The row's token joins the sequence and advances its grammar; whether the sample stops there."""
         seq.append_token(row.token_id, row.logprob, row.top_logprobs)
         update.num_new_tokens += 1
+        if _fail_on_non_finite_logits(seq, row):
+            return True
         if seq.grammar is not None and not seq.grammar.accept_token(row.token_id):
-            raise RuntimeError(f"request {seq.request_id!r} sampled token {row.token_id}, which its grammar's "
-                               "mask did not allow")
+            # The library refused a token its own mask allowed (its lexer gave up part-way through a
+            # constraint, ...): this sample ends alone with the error; the step's others go on.
+            why = seq.grammar.library_error
+            seq.finish_reason = "error"
+            seq.error = (f"structured output: the grammar refused token {row.token_id}, which its mask allowed"
+                         + (f" ({why})" if why else ""))
+            return True
         return is_stopped(seq)
 
     def _verify(self, seq: Sequence, rows: list[StepResult], is_stopped: Callable[[Sequence], bool],
@@ -257,7 +264,7 @@ class Scheduler:
         it as an in-order step's token (a later row of a stopped sequence, in flight, is dropped)."""
         later = seq.resolve_pending_token(row.token_id, row.logprob, row.top_logprobs)
         update.num_new_tokens += 1
-        if is_stopped(seq):
+        if _fail_on_non_finite_logits(seq, row) or is_stopped(seq):
             self._stop(seq, update)
         else:
             self.kv_cache_manager.cache_computed_blocks(seq)  # a block this token completed, as in order
@@ -330,3 +337,15 @@ class Scheduler:
             seq.status = SequenceStatus.WAITING
             seq.num_computed_tokens = 0
             self.waiting.appendleft(seq)
+
+
+def _fail_on_non_finite_logits(seq: Sequence, row: StepResult) -> bool:
+    """A row whose logits held NaN (or were all -inf) gives its token a NaN log-probability (raw logit
+    minus the row's log-sum-exp): that sample ends alone with the error instead of going on with
+    tokens drawn from nothing. Free: the chosen token's log-probability comes back every step."""
+    if row.logprob == row.logprob:
+        return False
+    seq.finish_reason = "error"
+    seq.error = (f"the model's logits for this sample were not finite at output token {seq.num_output_tokens} "
+                 "(damaged weights, an overflow in float16, or a kernel fault)")
+    return True

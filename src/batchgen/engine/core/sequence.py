@@ -74,7 +74,7 @@ class Sequence:
                  "prompt_token_ids", "token_ids", "num_prompt_tokens", "max_total_tokens", "num_computed_tokens",
                  "num_pending_tokens", "num_cached_tokens", "draft_token_ids", "is_prompt_only",
                  "block_ids", "block_hashes", "num_registered_blocks",
-                 "status", "finish_reason", "stop_reason", "cumulative_logprob", "output_logprobs",
+                 "status", "finish_reason", "stop_reason", "error", "cumulative_logprob", "output_logprobs",
                  "output_top_logprobs", "num_accepted_tokens",
                  "times", "text_state", "grammar", "prompt_logprobs", "beam")
 
@@ -110,6 +110,7 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
+        self.error: str | None = None  # finish_reason "error": why this sample alone failed
         self.cumulative_logprob = 0.0
         self.output_logprobs: list[float] = []
         self.output_top_logprobs: list[list[tuple[int, float]]] = []  # (token id, logprob), most likely first

@@ -52,6 +52,11 @@ class ReasoningGate:
         return self.phase == _ANSWER and self.inner is not None and self.inner.is_terminated
 
     @property
+    def library_error(self) -> str:
+        """Why a token was refused: the answer's grammar's own account ('' when it has none)."""
+        return getattr(self.inner, "library_error", "") if self.inner is not None else ""
+
+    @property
     def num_tokens(self) -> int:
         return len(self.tokens)
 

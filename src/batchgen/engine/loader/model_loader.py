@@ -16,6 +16,7 @@ import torch
 from batchgen.engine.attention import ATTENTION_BACKENDS
 from batchgen.engine.capabilities import Capabilities, detect_capabilities
 from batchgen.engine.config import EngineConfig
+from batchgen.engine.loader.finite_weights import check_int_weights_finite, finite_weights
 from batchgen.engine.loader.gguf_loader import iter_gguf_weights, read_gguf_config
 from batchgen.engine.loader.hf_loader import iter_hf_weights, read_hf_config
 from batchgen.engine.loader.source import ModelSource, resolve_model
@@ -151,6 +152,7 @@ def load_model(config: EngineConfig, parallel: TensorParallel | None = None) -> 
 
             kept = read_gguf_int_weights(path, lambda name: hf_tensor_name(name, rank_cfg),
                                          lambda base, rows: row_permutation(rank_cfg, base, rows), shard)
+            check_int_weights_finite(kept, str(path))
             install_int_layers(model, {k.removeprefix("model."): w for k, w in kept.items()}, device, str(path))
             origin = "GGUF blocks"
         weights = iter_gguf_weights(path, rank_cfg, skip=frozenset(f"{k}.weight" for k in kept), shard=shard)
@@ -158,6 +160,7 @@ def load_model(config: EngineConfig, parallel: TensorParallel | None = None) -> 
         from batchgen.engine.quant.int_checkpoint import install_int_layers, read_int_checkpoint, without
 
         int_weights, consumed = read_int_checkpoint(source.folder, declared, shard)
+        check_int_weights_finite(int_weights, source.display_name)
         install_int_layers(model, int_weights, device, source.display_name)
         weights = without(iter_hf_weights(source.folder, shard), consumed, model)
         origin = "checkpoint"
@@ -167,6 +170,7 @@ def load_model(config: EngineConfig, parallel: TensorParallel | None = None) -> 
 
             prepare_fp8_checkpoint(model, source.folder)  # FP8 checkpoints load as stored, never re-quantized
         weights = iter_hf_weights(source.folder, shard)
+    weights = finite_weights(weights, str(source.folder / source.gguf_file) if source.is_gguf else source.display_name)
     model.load_weights(placing_fp8_scales(model, weights))  # FP8 checkpoints' scales go to their layers
     if parallel is not None:  # every rank's weights are in before any collective (calibration) runs
         parallel.group.rendezvous("weights", parallel.check_peers)
@@ -199,6 +203,22 @@ def load_model(config: EngineConfig, parallel: TensorParallel | None = None) -> 
              source.display_name, model_cfg.model_type, model_cfg.num_layers, dtype, device, where, weight_format,
              origin, weights_info["linear_bytes"] / 1e6, 100 * weights_info["linear_bytes_vs_float32"])
     return LoadedModel(source, model_cfg, model, max_model_len, weight_bytes, capabilities, weights_info, tokenizer)
+
+
+def check_weights_finite(source: ModelSource) -> tuple[int, int]:
+    """Read every tensor of `source` as the float loader would (a GGUF's blocks dequantized) and check
+    each is finite, without building the model (`batchgen validate --weights`); returns (tensors, bytes
+    read). Raises NonFiniteWeightError naming the file and the tensor."""
+    if source.is_gguf:
+        path = source.folder / source.gguf_file
+        weights, where = iter_gguf_weights(path, read_gguf_config(path)), str(path)
+    else:
+        weights, where = iter_hf_weights(source.folder), source.display_name
+    num_tensors = num_bytes = 0
+    for _, tensor in finite_weights(weights, where):
+        num_tensors += 1
+        num_bytes += tensor.numel() * tensor.element_size()
+    return num_tensors, num_bytes
 
 
 def check_can_run_parallel(capabilities: Capabilities, parallel: TensorParallel) -> None:

@@ -18,7 +18,8 @@ exit.
 
 Spawn starts each worker as a fresh interpreter that imports the caller's main module (as every
 multiprocessing spawn does): a script that builds an engine with tensor_parallel_size > 1 keeps
-its top level under `if __name__ == "__main__":`.
+its top level under `if __name__ == "__main__":`; one that does not is refused before any worker
+starts, with the line to move (spawn_guard.py).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from batchgen.engine.loader.source import resolve_model
 from batchgen.engine.parallel import TensorParallel, TensorParallelGroup
 from batchgen.engine.parallel.group import STORE_TIMEOUT
 from batchgen.engine.parallel.layout import all_layouts
+from batchgen.engine.parallel.spawn_guard import check_spawn_safe
 from batchgen.engine.parallel.worker import (
     PROFILE,
     SHUTDOWN,
@@ -88,6 +90,7 @@ class MultiprocExecutor:
     """Rank 0 of `config.tensor_parallel_size` ranks: this process and its worker processes."""
 
     def __init__(self, config: EngineConfig):
+        check_spawn_safe()  # before anything starts: spawn would run an unguarded script again per worker
         self.config = config
         self.world_size = world_size = config.tensor_parallel_size
         device = config.torch_device

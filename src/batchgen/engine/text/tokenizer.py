@@ -40,6 +40,7 @@ class Tokenizer:
         self.has_chat_template = bool(getattr(hf, "chat_template", None))
         self.control_tokens = ControlTokens(hf)
         self._other_control_tokens: dict[str, ControlTokens] = {}  # per chat template given in place of the model's
+        self._max_token_bytes: int | None = None
 
     def copy(self) -> Tokenizer:
         """An independent copy for another thread: a Rust tokenizer used by two threads at once fails
@@ -110,6 +111,14 @@ class Tokenizer:
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def max_token_bytes(self) -> int:
+        """The longest token's text in UTF-8 bytes (computed once: ~1 s for a 50k vocabulary): a text of
+        B bytes holds at least B / this many tokens."""
+        if self._max_token_bytes is None:
+            texts = self.hf.batch_decode([[t] for t in range(len(self.hf))], skip_special_tokens=False)
+            self._max_token_bytes = max(len(text.encode("utf-8", "surrogatepass")) for text in texts)
+        return self._max_token_bytes
 
     def token_texts(self, token_ids: list[int]) -> list[str]:
         """Each token decoded alone, special tokens included (a partial UTF-8 sequence reads as U+FFFD)."""

@@ -16,18 +16,22 @@ import json
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from batchgen.engine.decoding.structured.bitmask import bitmask_to_allowed, num_bitmask_words
 from batchgen.engine.decoding.structured.grammar_state import GrammarState, fill_row
-from batchgen.engine.decoding.structured.library import load_library
+from batchgen.engine.decoding.structured.library import library_message, load_library
+from batchgen.engine.decoding.structured.limits import MAX_ITEMS_IN_ROW, check_constraint_limits
 from batchgen.engine.decoding.structured.params import StructuredOutputError, StructuredOutputsParams
 from batchgen.engine.decoding.structured.strict_schema import close_objects
 
 DEFAULT_MAX_CACHED = 512
+DEFAULT_COMPILE_TIMEOUT_S = 10.0  # a 10,000-property schema took 15 s here: past this, refused
+COMPILE_STACK_BYTES = 256 << 20
+_STACK_SIZE_LOCK = threading.Lock()
 # JSON options for `disable_any_whitespace`: no free whitespace, and the separators json.dumps writes.
 _FIXED_WHITESPACE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
@@ -56,19 +60,48 @@ class CompilerStats:
                 "compile_seconds": self.compile_seconds}
 
 
-def library_message(text: str) -> str:
-    """The library's error text on one line (its regex errors draw a caret under the spot)."""
-    return " ".join(text.split())
+def compile_off_thread(build: Callable[[], object], field_name: str, timeout_s: float):
+    """`build()` on a thread of its own with a COMPILE_STACK_BYTES stack, waited on for `timeout_s`.
+
+    The library recurses natively over a grammar's structure; the calling thread's stack (8 MB on the
+    main thread, less on others) bounds how deep that may go, and an overflow is a crash, not an error.
+    The large stack (address space: pages are touched only as used) puts that far past the depth limits
+    (limits.py) let through. The library releases the GIL while it compiles, so the wait ends on time:
+    a compile past the deadline is a StructuredOutputError for this request, and its thread (a daemon)
+    finishes, unwaited, in the background."""
+    result: dict[str, object] = {}
+
+    def run() -> None:
+        try:
+            result["value"] = build()
+        except BaseException as exc:  # handed to the caller's thread
+            result["error"] = exc
+
+    with _STACK_SIZE_LOCK:  # threading.stack_size is process-wide: set it only for this thread's start
+        previous = threading.stack_size(COMPILE_STACK_BYTES)
+        try:
+            thread = threading.Thread(target=run, name="grammar-compile", daemon=True)
+            thread.start()
+        finally:
+            threading.stack_size(previous)
+    thread.join(timeout_s)
+    if thread.is_alive():
+        raise StructuredOutputError(field_name, f"took longer than {timeout_s:g} s to compile; simplify it "
+                                                "(fewer alternatives or optional properties)")
+    if "error" in result:
+        raise result["error"]
+    return result["value"]
 
 
 class GrammarCompiler:
     """Compiles constraints against `hf_tokenizer` (a transformers fast tokenizer) over `vocab_size`
     token ids (the model's logits width; ids past the tokenizer's are never allowed). Once a grammar is
     complete only `stop_token_ids` (the engine's EOS set) are allowed: a constrained output finishes
-    with `stop` there. `max_cached`: compiled grammars kept (least recently used dropped first)."""
+    with `stop` there. `max_cached`: compiled grammars kept (least recently used dropped first);
+    `compile_timeout_s`: how long one compile may take before its constraint is refused."""
 
     def __init__(self, hf_tokenizer, vocab_size: int, stop_token_ids: Sequence[int], *,
-                 max_cached: int = DEFAULT_MAX_CACHED):
+                 max_cached: int = DEFAULT_MAX_CACHED, compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S):
         if max_cached < 1:
             raise ValueError(f"max_cached must be >= 1; got {max_cached}")
         if not stop_token_ids:
@@ -77,6 +110,7 @@ class GrammarCompiler:
         self.vocab_size = vocab_size
         self.stop_token_ids = frozenset(stop_token_ids)
         self.max_cached = max_cached
+        self.compile_timeout_s = compile_timeout_s
         self.stats = CompilerStats()
         self._cache: OrderedDict[str, CompiledGrammar | StructuredOutputError] = OrderedDict()
         self._lock = threading.Lock()
@@ -113,7 +147,9 @@ class GrammarCompiler:
         start = time.perf_counter()
         result: CompiledGrammar | StructuredOutputError
         try:
-            matcher = self._build_matcher(tokenizer, params)
+            check_constraint_limits(params)  # before the library sees it: its recursion can crash the process
+            matcher = compile_off_thread(lambda: self._build_matcher(tokenizer, params), params.kind,
+                                         self.compile_timeout_s)
             self._check_matches_output(matcher, params.kind)
             result = CompiledGrammar(key, params.kind, matcher, self.vocab_size, self.stop_token_ids,
                                      time.perf_counter() - start)
@@ -152,12 +188,19 @@ class GrammarCompiler:
         try:
             grammar = self._grammar_text(params)
             # log_level 0: the library reports through get_error(), which becomes the error raised here.
-            matcher = self._llg.LLMatcher(tokenizer, grammar, log_level=0)
+            matcher = self._llg.LLMatcher(tokenizer, grammar, log_level=0, limits=self._parser_limits())
         except (ValueError, TypeError, RuntimeError) as exc:  # a grammar the converters refuse
             raise StructuredOutputError(kind, f"cannot compile: {library_message(str(exc))}") from None
         if matcher.is_error():
             raise StructuredOutputError(kind, f"cannot compile: {library_message(matcher.get_error())}")
         return matcher
+
+    def _parser_limits(self):
+        """The library's per-step bounds. Its default of 2,000 Earley items in a row fails, at the first
+        token, any choice of over ~2,000 strings or a schema of ~500 optional properties; 20,000 admits
+        what limits.py lets through (MAX_CHOICES), and a row that large costs one mask fill ~30-50 ms
+        (measured on the bundled tokenizer). Terse errors: a verbose one quotes the whole grammar."""
+        return self._llg.LLParserLimits(max_items_in_row=MAX_ITEMS_IN_ROW, verbose_errors=False)
 
     def _check_matches_output(self, matcher, field_name: str) -> None:
         """A grammar that allows nothing but a stop token at its start and is not complete there matches

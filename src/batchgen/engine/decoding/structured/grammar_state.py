@@ -23,6 +23,8 @@ from collections.abc import Sequence
 
 import torch
 
+from batchgen.engine.decoding.structured.library import library_message
+
 
 def fill_row(matcher, bitmask: torch.Tensor, row: int) -> None:
     """The library matcher's allowed next tokens into bitmask[row] (checked by the callers: a CPU int32
@@ -62,6 +64,11 @@ class GrammarState:
         self.num_tokens += 1
         self._is_terminated = token_id in self.stop_token_ids
         return True
+
+    @property
+    def library_error(self) -> str:
+        """The matcher's own account of why it stopped taking tokens ('' when it has none)."""
+        return library_message(self._matcher.get_error()) if self._matcher.is_error() else ""
 
     def accept_tokens(self, token_ids: Sequence[int]) -> bool:
         """Advance through `token_ids` in order; at the first refused one stop and return False (the
