@@ -1,11 +1,11 @@
 """`batchgen serve` with vLLM's tool and reasoning flags (--enable-auto-tool-choice, --tool-call-parser
 hermes, --reasoning-parser qwen3, --chat-template a tools-capable template) through the real `openai`
 client: tool_choice required and a named function return calls whose arguments validate against the
-schema (jsonschema), streamed and not, n = 2; none returns text; a conversation with a tool result
-goes on; bad tools are a 400 naming the field; reasoning_content (streamed as deltas too) bounded by
-thinking_token_budget and counted in usage.
+schema (jsonschema), streamed and not, n = 2; auto reads a call the model wrote itself; none returns
+text; a conversation with a tool result goes on; bad tools are a 400 naming the field;
+reasoning_content (streamed as deltas too) bounded by thinking_token_budget and counted in usage.
 
-One server subprocess for the module, started before the `llm` fixture loads so the two loads overlap.
+One server subprocess for the module (its own template and flags).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from tests.conftest import MODEL
-from tests.engine.text.tool_template import HERMES_TEMPLATE, QUESTION, TOOLS, check_calls
+from tests.engine.text.tool_template import FEW_SHOT_CALLS, HERMES_TEMPLATE, QUESTION, TOOLS, check_calls
 from tests.serve.server_process import ServerProcess
 
 pytestmark = pytest.mark.server
@@ -96,6 +96,20 @@ def test_tool_choice_none_returns_text_and_a_tool_result_conversation_goes_on(cl
     assert first.message.content or first.message.tool_calls
     assert reply.usage.prompt_tokens > client.chat.completions.create(
         model=MODEL, messages=QUESTION, tools=TOOLS, max_tokens=1).usage.prompt_tokens  # the turns were rendered
+
+
+def test_auto_reads_the_call_the_model_chose_to_write_streamed_and_not(client):
+    """tool_choice auto (--enable-auto-tool-choice): nothing forced; after two turns that called the tool,
+    the model writes a <tool_call> of its own, read into tool_calls, in a stream too."""
+    kwargs = dict(model=MODEL, messages=FEW_SHOT_CALLS, tools=TOOLS, tool_choice="auto", max_tokens=48,
+                  temperature=0)
+    reply = client.chat.completions.create(**kwargs).choices[0]
+    calls = [call.model_dump() for call in reply.message.tool_calls or []]
+    check_calls(calls, {"get_weather"})
+    assert reply.finish_reason == "tool_calls" and json.loads(calls[0]["function"]["arguments"])["city"] == "Paris"
+    (streamed,) = streamed_choices(list(client.chat.completions.create(**kwargs, stream=True)), 1)
+    assert [c["function"] for c in streamed["tool_calls"]] == [c["function"] for c in calls]
+    assert streamed["finish_reason"] == "tool_calls" and streamed["content"] == ""
 
 
 def _bad_request(call) -> dict:

@@ -68,3 +68,23 @@ def check_calls(calls: list[dict], names: set[str] = frozenset(SCHEMAS)) -> None
         assert call["type"] == "function" and call["id"].startswith("call_")
         assert call["function"]["name"] in names
         jsonschema.validate(json.loads(call["function"]["arguments"]), SCHEMAS[call["function"]["name"]])
+
+
+def _weather_call(call_id: str, city: str) -> dict:
+    import json
+
+    return {"id": call_id, "type": "function",
+            "function": {"name": "get_weather", "arguments": json.dumps({"city": city, "unit": "celsius"})}}
+
+
+# Two earlier turns that called the tool: greedy SmolLM2 then writes a <tool_call> itself (tool_choice auto).
+FEW_SHOT_CALLS = [
+    {"role": "user", "content": "What is the weather in Berlin?"},
+    {"role": "assistant", "content": None, "tool_calls": [_weather_call("call_1", "Berlin")]},
+    {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 12}'},
+    {"role": "assistant", "content": "It is 12 degrees in Berlin."},
+    {"role": "user", "content": "What is the weather in Madrid?"},
+    {"role": "assistant", "content": None, "tool_calls": [_weather_call("call_2", "Madrid")]},
+    {"role": "tool", "tool_call_id": "call_2", "content": '{"temperature": 25}'},
+    {"role": "assistant", "content": "It is 25 degrees in Madrid."},
+    {"role": "user", "content": "What is the weather in Paris?"}]
