@@ -46,6 +46,7 @@ def tools_job(tmp_path_factory, llm):
     return {r["id"]: r for r in read_output(folder / "out").to_pylist()}, tools
 
 
+@pytest.mark.slow
 def test_every_row_of_a_required_tools_job_has_schema_valid_tool_calls(tools_job):
     rows, tools = tools_job
     assert len(rows) == NUM_ROWS

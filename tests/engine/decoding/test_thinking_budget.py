@@ -9,6 +9,7 @@ import torch
 from batchgen.engine import SamplingParams
 from batchgen.engine.decoding.structured import allocate_token_bitmask, bitmask_to_allowed
 from batchgen.engine.decoding.thinking_budget import ReasoningGate
+from tests.conftest import MODEL
 
 # ChatML, with the thinking block opened in the prompt as DeepSeek-R1's template does; enable_thinking
 # false renders the closed empty block of Qwen3's template instead.
@@ -96,3 +97,18 @@ def test_the_gate_watches_for_the_start_tag_when_the_prompt_did_not_open_it():
     assert gate.accept_tokens([1, 2, 5, 6]) and gate.forced_token() == 7
     other = ReasoningGate(2, start_ids=[1, 2], end_ids=[7], starts_thinking=None)
     assert other.accept_tokens([1, 3, 5, 6, 6]) and other.forced_token() is None and other.num_reasoning_tokens == 0
+
+
+@pytest.mark.slow
+def test_speculative_drafts_across_the_budget_give_the_same_tokens(thinking_llm):
+    """The model drafting for itself proposes thinking tokens past the budget: the gate cuts them where
+    the end marker is forced, and greedy outputs equal speculation off token for token."""
+    params = SamplingParams(temperature=0, max_tokens=24, thinking_token_budget=8)
+    conversations = [[{"role": "user", "content": q}] for q in QUESTIONS[:4]]
+    expected = thinking_llm.chat(conversations, params, chat_template=THINK_TEMPLATE)
+    drafting = thinking_llm.with_engine_settings(speculative={"method": "draft_model", "model": MODEL,
+                                                              "num_speculative_tokens": 4, "disable_by_batch_size": 8})
+    outputs = drafting.chat(conversations, params, chat_template=THINK_TEMPLATE)
+    assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in expected]
+    assert all(o.outputs[0].num_reasoning_tokens == 8 for o in outputs)
+    assert drafting.engine.stats["speculative"]["num_draft_tokens"] > 0
