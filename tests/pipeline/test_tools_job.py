@@ -32,13 +32,15 @@ def job_config(folder, kwargs: dict, input_extra: dict, sampling: dict) -> JobCo
 
 @pytest.fixture(scope="module")
 def tools_job(tmp_path_factory, llm):
-    """100 rows: alternately both tools and the weather tool alone (a tools column), the last one not JSON."""
+    """100 rows: alternately both tools and the weather tool alone (a tools column), every tenth a null cell
+    (the job's input.tools: the time tool), the last one not JSON."""
     folder = tmp_path_factory.mktemp("tools-job")
-    tools = [json.dumps(TOOLS if i % 2 else [WEATHER]) for i in range(NUM_ROWS - 1)] + ["[{not json"]
+    tools = [None if i % 10 == 5 else json.dumps(TOOLS if i % 2 else [WEATHER]) for i in range(NUM_ROWS - 1)]
+    tools.append("[{not json")
     write_parquet(folder / "in.parquet", {"id": list(range(NUM_ROWS)), "messages": [QUESTION] * NUM_ROWS,
                                           "tools": tools})
     kwargs = {**KWARGS, "tool_call_parser": "hermes"}
-    job = job_config(folder, kwargs, {"tools_column": "tools", "tool_choice": "required",
+    job = job_config(folder, kwargs, {"tools_column": "tools", "tools": [TIME], "tool_choice": "required",
                                              "parallel_tool_calls": False},
                      {"max_tokens": 64, "temperature": 0.8, "seed": 1})
     engine = llm.with_engine_settings(**{k: v for k, v in kwargs.items() if k not in ("dtype", "device")}).engine
@@ -53,7 +55,7 @@ def test_every_row_of_a_required_tools_job_has_schema_valid_tool_calls(tools_job
     for row_id in range(NUM_ROWS - 1):
         row = rows[row_id]
         assert row["error"] is None, row
-        names = {t["function"]["name"] for t in json.loads(tools[row_id])}
+        names = {t["function"]["name"] for t in json.loads(tools[row_id])} if tools[row_id] else {"get_time"}
         check_calls(json.loads(row["tool_calls"]), names)
         assert row["finish_reason"] == "tool_calls" and len(json.loads(row["tool_calls"])) == 1, row
         assert "<tool_call>" not in row["completion"]

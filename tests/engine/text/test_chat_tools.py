@@ -10,7 +10,7 @@ import pytest
 
 from batchgen.engine import SamplingParams
 from batchgen.engine.text.tools import ToolsError
-from tests.engine.text.tool_template import HERMES_TEMPLATE, QUESTION, TOOLS, check_calls
+from tests.engine.text.tool_template import FEW_SHOT_CALLS, HERMES_TEMPLATE, QUESTION, TOOLS, check_calls
 
 SAMPLED = SamplingParams(n=2, temperature=0.8, seed=3, max_tokens=64)
 
@@ -48,6 +48,14 @@ def test_tool_choice_none_answers_in_text_with_the_tools_in_the_prompt(tools_llm
     assert out.prompt_token_ids == hf.encode(expected, add_special_tokens=False)
     assert "<tools>" in expected and '"get_weather"' in expected
     assert out.outputs[0].tool_calls is None and out.outputs[0].text
+
+
+def test_auto_reads_a_call_the_model_writes_itself(tools_llm):
+    out = tools_llm.chat(FEW_SHOT_CALLS, SamplingParams(temperature=0, max_tokens=48), chat_template=HERMES_TEMPLATE,
+                         tools=TOOLS)[0].outputs[0]  # tool_choice defaults to auto with a parser
+    assert out.finish_reason == "tool_calls" and out.content == "", out.text
+    check_calls(chat_calls(out), {"get_weather"})
+    assert json.loads(out.tool_calls[0].arguments) == {"city": "Paris", "unit": "celsius"}
 
 
 def test_a_conversation_with_a_tool_result_renders_as_transformers_and_continues(tools_llm):
