@@ -194,6 +194,8 @@ def test_errors_are_400_naming_the_field_and_the_server_keeps_answering(server, 
     error = _bad_request(lambda: ask(model=MODEL, messages=chat("Hi"), tool_choice="auto",
                                      tools=[{"type": "function", "function": {"name": "f"}}]))
     assert error.body["param"] == "tool_choice" and "--enable-auto-tool-choice" in error.body["message"]
+    error = _bad_request(lambda: ask(model=MODEL, messages=chat("Hi"), extra_body={"thinking_token_budget": 4}))
+    assert error.body["param"] == "thinking_token_budget" and "--reasoning-parser" in error.body["message"]
     assert _bad_request(lambda: ask(model=MODEL, messages=chat("Hi"), logit_bias={"1": 5})).body["param"] == \
         "logit_bias"
     assert _bad_request(lambda: ask(model=MODEL, messages=chat("Hi"), extra_body={"top_k": 0})).body["param"] == \

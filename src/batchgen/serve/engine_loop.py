@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from batchgen.engine import CompletionOutput, LLMEngine, RequestOutput, SamplingParams, TopLogprob
+from batchgen.engine.config import SettingError
 from batchgen.engine.core.outputs import PromptLogprobs, RequestOutputKind
 from batchgen.openai.api_error import APIError
 from batchgen.serve.metrics import EngineGauges, Metrics
@@ -322,7 +323,8 @@ class EngineLoop:
             sub.sink.put(Failed(sub.request_id, exc))
             return
         except ValueError as exc:  # the engine's own checks (vocabulary): this request only
-            sub.sink.put(Failed(sub.request_id, APIError(400, str(exc), code="invalid_value")))
+            param = exc.name if isinstance(exc, SettingError) else None  # a SamplingParams field: the body's
+            sub.sink.put(Failed(sub.request_id, APIError(400, str(exc), param, code="invalid_value")))
             return
         except Exception as exc:
             log.exception("cannot add request %s", sub.request_id)

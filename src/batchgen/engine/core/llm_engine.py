@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import torch
 
-from batchgen.engine.config import EngineConfig
+from batchgen.engine.config import EngineConfig, SettingError
 from batchgen.engine.core.output_processor import OutputProcessor, RequestState
 from batchgen.engine.core.outputs import RequestOutput, ScoreOutput
 from batchgen.engine.core.scheduler import Scheduler, SchedulerOutput
@@ -214,8 +214,9 @@ class LLMEngine:
             is_reasoning_opened = self.reasoning.is_opened_by_prompt(token_ids)
             grammars = self.reasoning.gates(params.thinking_token_budget, is_reasoning_opened, grammars, params.n)
         elif params.thinking_token_budget is not None:
-            raise ValueError("thinking_token_budget needs a reasoning parser (EngineConfig.reasoning_parser: a job's "
-                             "model.reasoning_parser, the server's --reasoning-parser)")
+            raise SettingError("SamplingParams", "thinking_token_budget", "needs a reasoning parser "
+                               "(EngineConfig.reasoning_parser: a job's model.reasoning_parser, the server's "
+                               "--reasoning-parser)", params.thinking_token_budget)
         now = time.monotonic()
         # A beam search starts from one sequence (the prompt, computed once); its beams fork from it.
         num_seqs = 1 if params.is_beam_search else params.n
