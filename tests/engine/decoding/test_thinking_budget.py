@@ -44,6 +44,7 @@ def run(llm, budget, **kwargs):
                     **kwargs)
 
 
+@pytest.mark.slow
 def test_a_budget_of_16_ends_every_thinking_by_16_tokens_then_the_answer_follows(thinking_llm):
     end_ids = thinking_llm.tokenizer.encode("</think>", add_special_tokens=False)
     outputs = [c for out in run(thinking_llm, BUDGET) for c in out.outputs]

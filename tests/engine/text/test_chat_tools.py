@@ -24,6 +24,7 @@ def chat_calls(completion) -> list[dict]:
     return [call.to_openai() for call in completion.tool_calls or []]
 
 
+@pytest.mark.slow
 def test_named_and_required_calls_are_forced_and_validate(tools_llm):
     named = tools_llm.chat(QUESTION, SAMPLED, chat_template=HERMES_TEMPLATE, tools=TOOLS,
                            tool_choice={"type": "function", "function": {"name": "get_time"}})[0]
@@ -89,6 +90,7 @@ def test_bad_tools_and_choices_are_refused_naming_the_field(llm, tools_llm):
         llm.with_engine_settings(tool_call_parser="json")
 
 
+@pytest.mark.slow
 def test_a_forced_call_follows_a_bounded_thinking(llm):
     """With a reasoning parser the call's grammar applies from the end of the thinking on: the sample
     thinks (at most thinking_token_budget tokens), then writes a call that validates."""
