@@ -141,8 +141,8 @@ def completion_line(custom_id: str, prompt: str, **fields) -> dict:
 
 
 # An OpenAI Batch API input file, as OpenAI's docs write them (the `model` names are ignored: the job's
-# model runs every line). JSON mode is constrained decoding; the last line asks for tool calling, which
-# batchgen does not implement: it shows an error line in errors.jsonl.
+# model runs every line). JSON mode is constrained decoding; the last line forces a call of its tool
+# (tool_choice names it): its message carries tool_calls whose arguments match the tool's parameters.
 BATCH = [
     chat_line("capital", user("What is the capital of France?"), max_tokens=24),
     chat_line("tutor", [{"role": "system", "content": TUTOR}, {"role": "user", "content": "What is a prime number?"}],
@@ -153,7 +153,9 @@ BATCH = [
     completion_line("list", "Three fruits that are red:", max_tokens=16, temperature=0.5, seed=1),
     chat_line("json-mode", user("List two colors as JSON."), response_format={"type": "json_object"}),
     chat_line("tool-call", user("What is the weather in Paris?"),
-              tools=[{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]),
+              tools=[{"type": "function", "function": {"name": "get_weather", "parameters": {
+                  "type": "object", "properties": {"city": {"type": "string", "maxLength": 40}}, "required": ["city"]}}}],
+              tool_choice={"type": "function", "function": {"name": "get_weather"}}),
 ]
 
 

@@ -84,7 +84,10 @@ def test_a_completions_body_takes_a_string_or_token_ids_and_logprobs_as_a_number
 
 
 @pytest.mark.parametrize("raw, param, words", [
-    (line("x", tools=[{"type": "function", "function": {"name": "f"}}]), "tools", "not supported"),
+    (line("x", tools=[{"type": "function", "function": {"description": "no name"}}]), "tools[0].function.name",
+     "is required"),
+    (line("x", tools=[{"type": "function", "function": {"name": "f"}}], tool_choice={
+        "type": "function", "function": {"name": "g"}}), "tool_choice.function.name", "not among the tools"),
     (line("x", response_format={"type": "json_schema", "json_schema": {"name": "p"}}),
      "response_format.json_schema.schema", "is required"),
     (line("x", response_format={"type": "json_object"}, guided_regex="a"), "guided_regex", "one output constraint"),
@@ -255,7 +258,7 @@ def test_the_example_batch_job_runs(tmp_path):
     job = load_job(job_file, [*overrides, f"output.path={tmp_path / 'out'}"])
     run_job(job, engine=FakeEngine(job.engine_config()), progress=False)
     ok, errors = read_jsonl(tmp_path / "out" / "output.jsonl"), read_jsonl(tmp_path / "out" / "errors.jsonl")
-    assert len(ok) == 7 and [x["custom_id"] for x in errors] == ["tool-call"]  # as its comment says
+    assert len(ok) == 8 and errors == []  # the tool-call line runs (its call forced)
 
 
 # ---- the job file --------------------------------------------------------------------------------

@@ -187,9 +187,15 @@ def test_errors_are_400_naming_the_field_and_the_server_keeps_answering(server, 
     assert error.body["param"] == "messages" and error.body["code"] == "context_length_exceeded"
     error = _bad_request(lambda: ask(model=MODEL, messages=chat("word " * 2100), max_tokens=4, stream=True))
     assert error.body["param"] == "messages"  # a refused stream is a 400 too, not an error event
-    error = _bad_request(lambda: ask(model=MODEL, messages=chat("Hi"),
-                                     tools=[{"type": "function", "function": {"name": "f"}}]))
+    # tools are for chat; tool_choice auto needs --enable-auto-tool-choice and --tool-call-parser (vLLM's rule)
+    error = _bad_request(lambda: client.completions.create(model=MODEL, prompt="Hi", extra_body={
+        "tools": [{"type": "function", "function": {"name": "f"}}]}))
     assert error.body["param"] == "tools" and error.body["code"] == "unsupported_parameter"
+    error = _bad_request(lambda: ask(model=MODEL, messages=chat("Hi"), tool_choice="auto",
+                                     tools=[{"type": "function", "function": {"name": "f"}}]))
+    assert error.body["param"] == "tool_choice" and "--enable-auto-tool-choice" in error.body["message"]
+    error = _bad_request(lambda: ask(model=MODEL, messages=chat("Hi"), extra_body={"thinking_token_budget": 4}))
+    assert error.body["param"] == "thinking_token_budget" and "--reasoning-parser" in error.body["message"]
     assert _bad_request(lambda: ask(model=MODEL, messages=chat("Hi"), logit_bias={"1": 5})).body["param"] == \
         "logit_bias"
     assert _bad_request(lambda: ask(model=MODEL, messages=chat("Hi"), extra_body={"top_k": 0})).body["param"] == \

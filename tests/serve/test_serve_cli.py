@@ -54,6 +54,15 @@ def test_flags_become_engine_settings_with_their_types():
         assert _config("smollm2-135m-instruct", "--quantization", name).quantization == name
 
 
+def test_vllms_tool_and_reasoning_flags():
+    flags = parse_serve_flags(["smollm2-135m-instruct", "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+                               "--reasoning-parser", "qwen3"])
+    config = flags.engine_config()
+    assert (config.tool_call_parser, config.reasoning_parser) == ("hermes", "qwen3")
+    assert _flags()["enable_auto_tool_choice"][0] == "--enable-auto-tool-choice"
+    assert flags.server["enable_auto_tool_choice"] is True
+
+
 def test_a_job_file_gives_its_model_and_engine_sections_and_flags_override_them():
     config = _config(str(JOBS / "quickstart.yaml"))
     assert config.max_model_len == 2048 and config.kv_cache_memory == "128MiB"
@@ -69,6 +78,8 @@ def test_a_job_file_gives_its_model_and_engine_sections_and_flags_override_them(
     (["--max-num-seqs", "many"], "--max-num-seqs: cannot read 'many'"),
     (["--dtype", "float64"], "--dtype must be one of"),
     (["--quantization", "int3"], "--quantization must be one of"),
+    (["--tool-call-parser", "json"], "--tool-call-parser must be null or one of hermes, llama3_json, mistral"),
+    (["--reasoning-parser", "r1"], "--reasoning-parser must be null or one of deepseek_r1, qwen3"),
 ])
 def test_a_bad_value_names_its_flag(argv, message):
     with pytest.raises(ValueError, match=message):

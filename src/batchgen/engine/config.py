@@ -146,6 +146,15 @@ def as_speculative_config(value: SpeculativeConfig | dict | None) -> Speculative
     return SpeculativeConfig(**value)
 
 
+def _parser_name(name: str, value: str | None) -> tuple[str, bool, str]:
+    """A reasoning or tool-call parser's name is null or a registered one (the rule lists them)."""
+    if name == "reasoning_parser":
+        from batchgen.engine.text.reasoning import reasoning_parser_names as names
+    else:
+        from batchgen.engine.text.tool_parsers import tool_parser_names as names
+    return name, value is None or value in names(), f"must be null or one of {', '.join(names())}"
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs to know, resolved once. Derived values are properties."""
@@ -231,6 +240,12 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     """One model over N ranks (vLLM's name): this process is rank 0, N - 1 worker processes hold the
     other shards; NCCL between GPUs cuda:0..N-1, gloo between CPU processes."""
+    reasoning_parser: str | None = None
+    """How outputs split the model's thinking from its answer (vLLM's --reasoning-parser): deepseek_r1 |
+    qwen3 (engine/text/reasoning.py); null: outputs are not split. Needed by thinking_token_budget."""
+    tool_call_parser: str | None = None
+    """How tool calls are read from outputs and written when forced (vLLM's --tool-call-parser): hermes |
+    llama3_json | mistral (engine/text/tool_parsers.py); null: tool calls are not parsed."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "speculative", as_speculative_config(self.speculative))
@@ -266,6 +281,8 @@ class EngineConfig:
              "must be an integer or null"),
             ("tensor_parallel_size", isinstance(self.tensor_parallel_size, int)
              and not isinstance(self.tensor_parallel_size, bool) and self.tensor_parallel_size >= 1, "must be >= 1"),
+            _parser_name("reasoning_parser", self.reasoning_parser),
+            _parser_name("tool_call_parser", self.tool_call_parser),
         ])
 
     @property

@@ -15,6 +15,14 @@ from batchgen.engine.decoding.beam_search import BeamSearchOutput, BeamSearchPar
 from batchgen.engine.decoding.score_group import encode_continuations
 from batchgen.engine.sampling.sampling_params import SamplingParams
 from batchgen.engine.text.chat_template import ChatTemplateOptions
+from batchgen.engine.text.tool_parsers import get_tool_parser
+from batchgen.engine.text.tools import (
+    check_tool_choice,
+    check_tools,
+    forced_constraint,
+    parse_tool_output,
+    template_messages,
+)
 
 # vLLM's prompt dicts: TextPrompt {"prompt": str} and TokensPrompt {"prompt_token_ids": [int, ...]}
 # (which may carry the text as "prompt" too). Their other keys are multimodal inputs.
@@ -91,7 +99,8 @@ class LLM:
              sampling_params: SamplingParams | Seq[SamplingParams] | None = None, use_tqdm: bool = False,
              chat_template: str | None = None, chat_template_content_format: str = "auto",
              add_generation_prompt: bool = True, continue_final_message: bool = False,
-             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict[str, Any] | None = None, tools: list[dict] | None = None,
+             tool_choice: str | dict | None = None) -> list[RequestOutput]:
         """vLLM's offline chat: one conversation (a list of {role, content} messages) or a list of them,
         rendered with the model's chat template (or `chat_template`, its text), then generated like
         `generate` (the same batching and seeding); outputs come back in input order.
@@ -101,6 +110,12 @@ class LLM:
         message instead; `chat_template_kwargs` are extra template variables (e.g. enable_thinking).
         `chat_template_content_format` is accepted for vLLM's signature only: message content goes
         to the template as given (a string, for the templates this engine's models ship).
+
+        `tools` (OpenAI's tool definitions) go to the template; `tool_choice` is OpenAI's (none, auto,
+        required, {"type": "function", "function": {"name": ...}}; default auto with the engine's
+        tool_call_parser, else the tools are only shown): required and a named function are forced
+        (engine/text/tools.py), and each sample's calls are read into `CompletionOutput.tool_calls`
+        (its `content` then holds the text outside them, finish_reason `tool_calls`).
         """
         if chat_template_content_format not in ("auto", "string", "openai"):
             raise ValueError(f"chat_template_content_format must be auto, string or openai; "
@@ -114,8 +129,44 @@ class LLM:
             if not _is_conversation(conversation):
                 raise TypeError(f"messages[{i}] is not a conversation: LLM.chat takes a list of "
                                 "{'role', 'content'} messages or a list of such lists")
-        prompts = [_Prompt(None, self.engine.encode(c, chat=options)) for c in conversations]
-        return self._generate(prompts, sampling_params, use_tqdm)
+        tool_request = check_tool_choice(tool_choice, check_tools(tools) if tools is not None else None)
+        parser = None
+        if tool_request is not None:
+            options, sampling_params, parser = self._with_tools(tool_request, tool_choice, options, sampling_params)
+        prompts = [_Prompt(None, self.engine.encode(template_messages(c), chat=options)) for c in conversations]
+        outputs = self._generate(prompts, sampling_params, use_tqdm)
+        if parser is not None:
+            for completion in (c for out in outputs for c in out.outputs):
+                text = completion.content if completion.content is not None else completion.text
+                completion.content, completion.tool_calls, completion.finish_reason = parse_tool_output(
+                    parser, text, completion.finish_reason)
+        return outputs
+
+    def _with_tools(self, request, tool_choice, options, sampling_params):
+        """(chat options with the tools, sampling params forcing the calls where asked, the parser that
+        reads them or None)."""
+        parser_name = self.engine.config.tool_call_parser
+        if request.choice == "auto" and parser_name is None:
+            if tool_choice is not None:
+                raise ValueError("tool_choice auto needs a tool call parser: LLM(..., tool_call_parser=NAME)")
+            request = dataclasses.replace(request, choice="none")  # the tools are shown, calls not read
+        parser = get_tool_parser(parser_name or "hermes")
+        constraint = forced_constraint(parser, request)
+        if constraint is not None or (request.is_parsed and parser.keeps_special_tokens):
+            if sampling_params is None:
+                sampling_params = self.get_default_sampling_params()
+            many = not isinstance(sampling_params, SamplingParams)
+            changed = []
+            for params in (sampling_params if many else [sampling_params]):
+                if constraint is not None and params.structured_outputs is not None:
+                    raise ValueError("tool_choice forces tool calls; the sampling params carry structured_outputs too")
+                changes = {"structured_outputs": constraint} if constraint is not None else {}
+                if request.is_parsed and parser.keeps_special_tokens:
+                    changes["skip_special_tokens"] = False  # the format's marker is a control token
+                changed.append(dataclasses.replace(params, **changes))
+            sampling_params = changed if many else changed[0]
+        return dataclasses.replace(options, tools=request.tools), sampling_params, \
+            (parser if request.is_parsed else None)
 
     # ---- shared by generate and chat --------------------------------------------------------------
     def _prompt(self, prompt: Any) -> _Prompt:

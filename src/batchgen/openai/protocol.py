@@ -15,23 +15,32 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, Strict, ValidationError
 
 from batchgen.engine import SamplingParams
 from batchgen.engine.config import SettingError
 from batchgen.engine.decoding.structured import StructuredOutputsParams
 from batchgen.engine.text.chat_template import ChatTemplateOptions
+from batchgen.engine.text.tool_parsers import ToolParser, get_tool_parser
+from batchgen.engine.text.tools import (
+    ToolRequest,
+    ToolsError,
+    check_tool_choice,
+    check_tools,
+    forced_constraint,
+    template_messages,
+)
 from batchgen.openai.api_error import bad_request
 from batchgen.openai.json_body import check_json_value, load_json_body
 from batchgen.openai.structured_fields import STRUCTURED_FIELDS, structured_constraint
 
 # Fields of OpenAI's (or vLLM's) API that batchgen does not implement, with what to say.
 UNSUPPORTED = {
-    "tools": "tool calling is not implemented",
-    "tool_choice": "tool calling is not implemented",
-    "functions": "function calling is not implemented",
-    "function_call": "function calling is not implemented",
-    "parallel_tool_calls": "tool calling is not implemented",
+    "tools": "tools are for /v1/chat/completions",
+    "tool_choice": "tools are for /v1/chat/completions",
+    "functions": "the deprecated functions field is not implemented (send tools)",
+    "function_call": "the deprecated function_call field is not implemented (send tool_choice)",
+    "parallel_tool_calls": "tools are for /v1/chat/completions",
     "logit_bias": "logit_bias is not implemented",
     "audio": "audio output is not implemented",
     "modalities": "only text output is implemented",
@@ -96,9 +105,12 @@ class StreamOptions(_Strict):
 
 
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Str | list[dict] | None = None
     name: Str | None = None
+    tool_calls: list[dict] | None = None  # an assistant's calls, as a response gave them
+    tool_call_id: Str | None = None  # a tool message: the call it answers
+    reasoning_content: Str | None = None  # an assistant's thinking, as a response gave it (templates may drop it)
 
     def to_template(self, index: int) -> dict:
         """{role, content[, name]} for the chat template; text parts are joined, other parts refused."""
@@ -115,6 +127,12 @@ class ChatMessage(_Strict):
         message = {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
         if self.name is not None:
             message["name"] = self.name
+        for key in ("tool_calls", "tool_call_id", "reasoning_content"):
+            if getattr(self, key) is not None:
+                message[key] = getattr(self, key)
+        if self.role == "tool" and self.tool_call_id is None:
+            raise bad_request(f"messages[{index}].tool_call_id is required in a tool message",
+                              f"messages[{index}].tool_call_id")
         return message
 
 
@@ -155,6 +173,7 @@ class _SamplingRequest(BaseModel):
     guided_regex: Any = None
     guided_choice: Any = None
     guided_grammar: Any = None
+    thinking_token_budget: Int | None = None  # vLLM's: reasoning tokens at most (--reasoning-parser)
 
     @property
     def include_usage(self) -> bool:
@@ -203,7 +222,8 @@ class _SamplingRequest(BaseModel):
             include_stop_str_in_output=self.include_stop_str_in_output,
             structured_outputs=self.structured()[0],
             prompt_logprobs=self.num_prompt_logprobs(), beam_width=self.n if self.use_beam_search else 1,
-            length_penalty=self.length_penalty, early_stopping=self.early_stopping)
+            length_penalty=self.length_penalty, early_stopping=self.early_stopping,
+            thinking_token_budget=self.thinking_token_budget)
         try:
             return SamplingParams(**values)
         except SettingError as exc:
@@ -226,6 +246,58 @@ class ChatCompletionRequest(_SamplingRequest):
     add_generation_prompt: Bool = True
     continue_final_message: Bool = False
     chat_template_kwargs: dict[Str, Any] | None = None
+    # tools (engine/text/tools.py): checked and bound to the server's parser by bind_tools
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: Bool | None = None
+    _tool_request: ToolRequest | None = PrivateAttr(default=None)
+    _tool_parser: ToolParser | None = PrivateAttr(default=None)
+
+    def bind_tools(self, parser_name: str | None, is_auto_enabled: bool = True) -> ToolRequest | None:
+        """Check tools and tool_choice (a 400 naming the field) and bind them to the tool-call parser
+        (`parser_name`; forced calls without one are written and read in hermes' format). `auto` needs
+        a parser and, on the server, --enable-auto-tool-choice (as vLLM)."""
+        try:
+            tools = check_tools(self.tools) if self.tools is not None else None
+            request = check_tool_choice(self.tool_choice, tools, self.parallel_tool_calls)
+        except ToolsError as exc:
+            raise bad_request(str(exc), exc.field) from None
+        if request is not None and request.choice == "auto" and (parser_name is None or not is_auto_enabled):
+            if self.tool_choice is None:  # tools without a choice and no parser: rendered, not parsed
+                request = ToolRequest(request.tools, "none")
+            else:
+                raise bad_request('"auto" tool choice needs --enable-auto-tool-choice and --tool-call-parser '
+                                  "to be set (a job: model.tool_call_parser)", "tool_choice")
+        self._tool_request = request
+        self._tool_parser = get_tool_parser(parser_name or "hermes") if request is not None else None
+        return request
+
+    @property
+    def tool_request(self) -> ToolRequest | None:
+        return self._tool_request
+
+    @property
+    def tool_parser(self) -> ToolParser | None:
+        """The parser that reads this request's output for calls (None: not read)."""
+        request = self._tool_request
+        return self._tool_parser if request is not None and request.is_parsed else None
+
+    def structured(self) -> tuple[StructuredOutputsParams | None, str | None]:
+        """Forced tool calls are the output constraint (field `tool_choice`); with another one, a 400."""
+        request = self._tool_request
+        if request is None or not request.is_forced:
+            return super().structured()
+        other = super().structured()
+        if other[0] is not None:
+            raise bad_request(f"{other[1]}: cannot constrain the output while tool_choice forces tool calls",
+                              other[1])
+        return forced_constraint(self._tool_parser, request), "tool_choice"
+
+    def sampling_params(self, *args, **kwargs) -> SamplingParams:
+        params = super().sampling_params(*args, **kwargs)
+        if self.tool_parser is not None and self.tool_parser.keeps_special_tokens and params.skip_special_tokens:
+            params.skip_special_tokens = False  # its marker is a control token
+        return params
 
     def chat_options(self, chat_template: str | None = None,
                      base_kwargs: Mapping[str, Any] | None = None) -> ChatTemplateOptions:
@@ -236,7 +308,8 @@ class ChatCompletionRequest(_SamplingRequest):
                               "continue_final_message")
         try:
             return ChatTemplateOptions(chat_template, self.add_generation_prompt, self.continue_final_message,
-                                       {**(base_kwargs or {}), **(self.chat_template_kwargs or {})})
+                                       {**(base_kwargs or {}), **(self.chat_template_kwargs or {})},
+                                       tools=self._tool_request.tools if self._tool_request is not None else None)
         except ValueError as exc:
             field = "chat_template_kwargs" if "chat_template_kwargs" in str(exc) else "continue_final_message"
             raise bad_request(str(exc), field) from None
@@ -253,7 +326,7 @@ class ChatCompletionRequest(_SamplingRequest):
         return (self.top_logprobs or 0) if self.logprobs else None
 
     def template_messages(self) -> list[dict]:
-        return [m.to_template(i) for i, m in enumerate(self.messages)]
+        return template_messages([m.to_template(i) for i, m in enumerate(self.messages)])
 
 
 class CompletionRequest(_SamplingRequest):

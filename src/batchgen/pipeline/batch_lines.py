@@ -33,7 +33,8 @@ from batchgen.pipeline.request_builder import OpenAIRequest, RowError, RowInput
 
 # Body fields that are SamplingParams fields of the same name and meaning.
 _SAME_NAME = ("n", "temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "top_k", "min_p",
-              "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "include_stop_str_in_output")
+              "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "include_stop_str_in_output",
+              "thinking_token_budget")
 
 
 def decode_batch_lines(batch: pa.RecordBatch, job: JobConfig) -> list[RowInput]:
@@ -58,6 +59,8 @@ def decode_line(custom_id: str, line: bytes, job: JobConfig) -> RowInput:
 
 def _decode(custom_id: str, raw: dict, endpoint: str | None, job: JobConfig) -> RowInput:
     request = line_request(raw)
+    if endpoint == "chat":  # its tools and tool_choice, read with the job's model.tool_call_parser
+        request.bind_tools(job.model.tool_call_parser)
     overrides, fields = _overrides(request, endpoint)
     try:
         params = job.sampling_params(**overrides)
@@ -68,6 +71,8 @@ def _decode(custom_id: str, raw: dict, endpoint: str | None, job: JobConfig) -> 
             hint = (f" (the body sets no temperature, so the job's sampling.temperature "
                     f"{job.sampling.temperature} applies)")
         raise RowError(f"{field} {exc.rule}; got {exc.value!r}{hint}", field) from None
+    if params.thinking_token_budget is not None and job.model.reasoning_parser is None:
+        raise RowError("thinking_token_budget needs the job's model.reasoning_parser", "thinking_token_budget")
     prompt = request.template_messages() if endpoint == "chat" else one_prompt(request)
     # A chat line's own template fields (vLLM's) over the job's input.chat_template(_kwargs).
     chat = request.chat_options(job.input.chat_template, job.input.chat_template_kwargs) \
@@ -75,7 +80,8 @@ def _decode(custom_id: str, raw: dict, endpoint: str | None, job: JobConfig) -> 
     seeded = "seed" in request.model_fields_set and request.seed is not None
     return RowInput(custom_id, prompt, overrides, num_prompt_bytes=_num_bytes(prompt), params=params,
                     sample_key="" if seeded else None,
-                    openai=OpenAIRequest(endpoint, structured_param=fields.get("structured_outputs")), chat=chat)
+                    openai=OpenAIRequest(endpoint, structured_param=fields.get("structured_outputs")), chat=chat,
+                    tool_parser=request.tool_parser if endpoint == "chat" else None)
 
 
 def _overrides(request, endpoint: str) -> tuple[dict[str, Any], dict[str, str]]:

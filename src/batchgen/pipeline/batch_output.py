@@ -22,6 +22,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from batchgen.engine import RequestOutput
+from batchgen.engine.text.tools import parse_tool_output
 from batchgen.openai.api_error import APIError
 from batchgen.openai.batch_format import output_line
 from batchgen.pipeline.config import JobConfig
@@ -48,7 +49,7 @@ class OpenAILines:
     def success(self, task: RowTask, out: RequestOutput) -> str:
         endpoint = task.openai.endpoint if task.openai is not None else self.default_endpoint
         ids = self._ids(task.request_id)
-        choices = [self._chat_choice(c) if endpoint == "chat" else self._completion_choice(c)
+        choices = [self._chat_choice(c, task.tool_parser) if endpoint == "chat" else self._completion_choice(c)
                    for c in sorted(out.outputs, key=lambda c: c.index)]
         num_prompt = len(out.prompt_token_ids)
         num_completion = sum(len(c.token_ids) for c in out.outputs)
@@ -78,7 +79,7 @@ class OpenAILines:
     def _line(self, custom_id: str | None, ids: dict[str, str], status: int, body: dict) -> str:
         return output_line(f"batch_req_{ids['line']}", custom_id, f"req_{ids['request']}", status, body)
 
-    def _chat_choice(self, c) -> dict:
+    def _chat_choice(self, c, tool_parser=None) -> dict:
         logprobs = None
         if c.logprobs is not None:
             texts = self.tokenizer.token_texts(c.token_ids)
@@ -90,8 +91,16 @@ class OpenAILines:
                 content.append({"token": token, "logprob": logprob, "bytes": list(token.encode()),
                                 "top_logprobs": top})
             logprobs = {"content": content, "refusal": None}
-        return {"index": c.index, "message": {"role": "assistant", "content": c.text, "refusal": None},
-                "logprobs": logprobs, "finish_reason": c.finish_reason}
+        message = {"role": "assistant", "content": c.content if c.content is not None else c.text, "refusal": None}
+        if c.reasoning_content is not None:
+            message["reasoning_content"] = c.reasoning_content
+        finish_reason = c.finish_reason
+        if tool_parser is not None:
+            content, calls, finish_reason = parse_tool_output(tool_parser, message["content"], finish_reason)
+            if calls:
+                message["content"] = content or None
+                message["tool_calls"] = [call.to_openai() for call in calls]
+        return {"index": c.index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
 
     def _completion_choice(self, c) -> dict:
         logprobs = None

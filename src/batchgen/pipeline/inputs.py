@@ -17,6 +17,7 @@ from batchgen.pipeline.output import FileFingerprint, fingerprint_files
 from batchgen.pipeline.reader import inspect_file, list_input_files
 from batchgen.pipeline.schema import RESERVED_NAMES, check_input_schema, output_schema
 from batchgen.pipeline.storage import Storage
+from batchgen.pipeline.tool_rows import job_has_tools
 
 
 @dataclass(frozen=True)
@@ -36,7 +37,9 @@ class JobInputs:
         return output_schema(pa.field("id", self.column_types[job.input.id_column]), keep, logprobs,
                              with_openai_line=job.writes_batch_output, is_scoring=job.is_scoring,
                              metric_fields=[metric_field(name, spec) for name, spec in job.metrics.items()]
-                             + job_json_fields(job))
+                             + job_json_fields(job),
+                             with_reasoning=job.model.reasoning_parser is not None,
+                             with_tool_calls=job_has_tools(job))
 
 
 def read_inputs(job: JobConfig) -> JobInputs:

@@ -34,6 +34,7 @@ from batchgen.pipeline.job_settings import (
     MODEL_PATH_FIELD,
     SAMPLING_RENAMED,
 )
+from batchgen.pipeline.tool_rows import check_job_tools
 
 CONTINUATION_KEYS = ("continuations_column", "continuation_column")
 
@@ -104,6 +105,7 @@ class JobConfig(Section):
         if self.output.parse_json and not (self.sampling.structured or {}).keys() & {"json", "json_file"}:
             errors.append(_key_error(("output", "parse_json"), "needs a JSON schema in sampling.structured (json or "
                                      "json_file): its properties are the columns", True))
+        errors += [_key_error(*problem) for problem in check_job_tools(self)]
         if self.input.is_batch_file and self.output.keep_columns:
             errors.append(_key_error(("output", "keep_columns"), "does not apply to input.format "
                                      "openai_batch: a batch file has no columns besides custom_id (the output's id)",

@@ -115,7 +115,8 @@ InputFormat = Literal["auto", "parquet", "openai_batch"]
 # (Those values are what a batch job's own section holds, so a dumped job validates again.)
 _BATCH_FILE_VALUES = {"id_column": BATCH_ID_COLUMN, "prompt_column": None, "messages_column": None,
                       "system_prompt": None, "apply_chat_template": True, "schema_column": None,
-                      "prompt_template": None}
+                      "prompt_template": None, "tools_column": None, "tools": None, "tool_choice": None,
+                      "parallel_tool_calls": True}
 
 
 class InputSection(Section):
@@ -166,6 +167,17 @@ class InputSection(Section):
     and messages_column, e.g. an LLM judge's `Rate this answer: {{ completion }}` (distilabel's
     TextGeneration `template`); the rendered text is the user message (or, with apply_chat_template
     false, the raw prompt)."""
+    tools_column: str | None = None
+    """Tools per row: OpenAI's tools list as JSON text, rendered through the chat template; the output
+    gets a tool_calls column (pipeline/tool_rows.py). Null cells: input.tools."""
+    tools: list[dict[str, Any]] | None = None
+    """OpenAI's tools list for every row (a row's tools_column cell wins)."""
+    tool_choice: str | dict[str, Any] | None = None
+    """none | auto | required | {type: function, function: {name}}; null: auto when model.tool_call_parser
+    is set, else the tools are only shown to the model. required and a named function are forced."""
+    parallel_tool_calls: bool = True
+    """OpenAI's parallel_tool_calls for the rows with tools: false, a forced (required) output is one
+    call, then the sample ends."""
 
     @field_validator("prompt_template")
     @classmethod

@@ -12,7 +12,7 @@ from __future__ import annotations
 # EngineConfig fields under `model:` (they say what is loaded); EngineConfig.model is `model.path`.
 # Every other EngineConfig field not in ENGINE_ONLY sits under `engine:`.
 MODEL_KEYS = ("revision", "dtype", "quantization", "fp8_mode", "quantize_lm_head", "int_calibration", "max_model_len",
-              "generation_config")
+              "generation_config", "reasoning_parser", "tool_call_parser")
 MODEL_PATH_FIELD = "model"
 
 # `engine:` keys that change outputs, so they join the config hash (when not at their default, so a
@@ -23,10 +23,11 @@ KV_CACHE_HASH_KEYS = ("kv_cache_dtype", "calculate_kv_scales")
 # something other than their default, so the output folders of jobs that leave them alone keep their
 # config hash (and resume).
 HASHED_WHEN_SET = {
-    "model": ("revision", "generation_config"),
+    "model": ("revision", "generation_config", "reasoning_parser", "tool_call_parser"),
     "input": ("chat_template", "chat_template_kwargs", "continuations_column", "continuation_column",
-              "prompt_template"),
-    "sampling": ("include_stop_str_in_output", "beam_width", "length_penalty", "early_stopping"),
+              "prompt_template", "tools_column", "tools", "tool_choice", "parallel_tool_calls"),
+    "sampling": ("include_stop_str_in_output", "beam_width", "length_penalty", "early_stopping",
+                 "thinking_token_budget"),
 }
 
 # EngineConfig fields that are not job keys, with the reason.

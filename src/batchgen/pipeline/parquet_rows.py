@@ -13,6 +13,7 @@ from batchgen.pipeline.config import JobConfig
 from batchgen.pipeline.prompt_template import render_prompt, template_columns
 from batchgen.pipeline.reader import binary_type
 from batchgen.pipeline.request_builder import RowError, RowInput
+from batchgen.pipeline.tool_rows import row_tool_request
 
 
 def decode_batch(batch: pa.RecordBatch, job: JobConfig) -> list[RowInput]:
@@ -24,6 +25,7 @@ def decode_batch(batch: pa.RecordBatch, job: JobConfig) -> list[RowInput]:
     scored = _as_python(batch.column(inp.scored_column)) if inp.scored_column is not None else None
     overrides = {key: batch.column(name).to_pylist() for key, name in job.sampling_columns.items()}
     schemas = _as_python(batch.column(inp.schema_column)) if inp.schema_column else [None] * batch.num_rows
+    tools = _as_python(batch.column(inp.tools_column)) if inp.tools_column else [None] * batch.num_rows
     rows = []
     for i, (raw_id, raw_text, raw_schema) in enumerate(zip(ids, texts, schemas)):
         row_overrides = {key: values[i] for key, values in overrides.items() if values[i] is not None}
@@ -43,6 +45,12 @@ def decode_batch(batch: pa.RecordBatch, job: JobConfig) -> list[RowInput]:
                     prompt = _with_system([{"role": "user", "content": prompt}], inp.system_prompt)
             schema = None if raw_schema is None else _decode_text(raw_schema, f"the schema ({inp.schema_column})")
             row = RowInput(request_id, prompt, row_overrides, num_prompt_bytes=_num_bytes(raw_text), schema=schema)
+            if tools[i] is not None or inp.tools is not None:
+                raw_tools = None if tools[i] is None else _decode_text(tools[i], f"the tools ({inp.tools_column})")
+                try:
+                    row.tools = row_tool_request(job, raw_tools)
+                except ValueError as exc:
+                    raise RowError(str(exc)) from None
             if scored is not None:
                 row.continuations = _decode_continuations(scored[i], inp.continuations_column is not None)
                 row.num_prompt_bytes += sum(len(c.encode()) for c in row.continuations)

@@ -12,10 +12,13 @@ from typing import Any
 from batchgen.engine import SamplingParams
 from batchgen.engine.decoding.structured import StructuredOutputError
 from batchgen.engine.text.chat_template import ChatTemplateOptions
+from batchgen.engine.text.tool_parsers import ToolParser
+from batchgen.engine.text.tools import ToolRequest
 from batchgen.openai.structured_fields import error_param
 from batchgen.pipeline.config import JobConfig
 from batchgen.pipeline.score_tokens import encode_scored
 from batchgen.pipeline.structured_job import row_constraint
+from batchgen.pipeline.tool_rows import apply_tools, tool_parser_of
 
 
 class RowError(ValueError):
@@ -56,6 +59,8 @@ class RowInput:
     openai: OpenAIRequest | None = None
     chat: ChatTemplateOptions | None = None  # how its messages render, when not as the job says (a batch line)
     continuations: list[str] | None = None  # task: loglikelihood: what to score after the prompt
+    tools: ToolRequest | None = None  # its tools and tool_choice (pipeline/tool_rows.py)
+    tool_parser: ToolParser | None = None  # a batch line's parser (its body's tools); else the job's
 
 
 @dataclass
@@ -71,6 +76,7 @@ class RowTask:
     sample_key: str | None = None  # None: samples are keyed by request_id (see LLMEngine.add_request)
     openai: OpenAIRequest | None = None
     continuation_token_ids: list[list[int]] | None = None  # task: loglikelihood (token_ids: the context)
+    tool_parser: ToolParser | None = None  # reads its samples' tool calls (tools with tool_choice not none)
 
     @property
     def is_scoring(self) -> bool:
@@ -120,8 +126,15 @@ class RequestBuilder:
                 task.token_ids, task.continuation_token_ids = self._encode_scored(row)
                 return task
             task.params = self._params(row)
+            chat = row.chat or self.chat
+            if row.tools is not None:
+                task.params, chat = self._with_tools(row, task, chat)
+            elif row.tool_parser is not None:  # a batch line's tools: its body's fields set the rest
+                task.tool_parser = row.tool_parser
+                if row.tool_parser.keeps_special_tokens and task.params.skip_special_tokens:
+                    task.params = dataclasses.replace(task.params, skip_special_tokens=False)
             self._compile(task.params, row)
-            task.token_ids = self._encode(row)  # kept on an overlong error: its prompt_tokens tell by how much
+            task.token_ids = self._encode(row, chat)  # kept on an overlong error: its prompt_tokens tell by how much
             task.token_ids = self._fit(task.token_ids, task.params)
         except RowError as exc:
             task.error = str(exc)
@@ -190,10 +203,21 @@ class RequestBuilder:
                 raise RowError(f"{param}: {exc.reason}", param) from None
             raise RowError(str(exc)) from None
 
-    def _encode(self, row: RowInput) -> list[int]:
+    def _with_tools(self, row: RowInput, task: RowTask, chat: ChatTemplateOptions):
+        """The row's tools in its template, its forced calls as its constraint, its parser on the task."""
+        parser = row.tool_parser or tool_parser_of(self.job)
+        try:
+            params, chat = apply_tools(row.tools, parser, task.params, chat)
+        except ValueError as exc:
+            raise RowError(str(exc)) from None
+        if row.tools.is_parsed:
+            task.tool_parser = parser
+        return params, chat
+
+    def _encode(self, row: RowInput, chat: ChatTemplateOptions | None = None) -> list[int]:
         try:
             token_ids = self.engine.encode(row.prompt, allow_special_tokens=self.job.input.allow_special_tokens,
-                                           chat=row.chat or self.chat)
+                                           chat=chat or row.chat or self.chat)
         except Exception as exc:  # a template or tokenizer failure is this row's problem only
             raise RowError(f"cannot tokenize the prompt: {exc}") from None
         if not token_ids:

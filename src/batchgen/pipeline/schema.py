@@ -17,6 +17,11 @@ TOP_LOGPROB = pa.struct([("token_id", pa.int32()), ("token", pa.string()), ("log
 GENERATED_FIELDS = [
     pa.field("sample_index", pa.int32()),
     pa.field("completion", pa.string()),
+    # model.reasoning_parser: the thinking (completion is then the answer) and its tokens
+    pa.field("reasoning", pa.string()),
+    pa.field("reasoning_tokens", pa.int64()),
+    # tools (pipeline/tool_rows.py): OpenAI's tool_calls list as JSON text, null without calls
+    pa.field("tool_calls", pa.string()),
     pa.field("completion_token_ids", pa.list_(pa.int32())),
     pa.field("finish_reason", pa.string()),
     pa.field("prompt_tokens", pa.int64()),
@@ -57,11 +62,17 @@ SCORE_FIELDS = [
 RESERVED_NAMES = {"id"} | {f.name for f in GENERATED_FIELDS} | {f.name for f in SCORE_FIELDS}
 
 
-def generated_fields(logprobs: int | bool | None, with_openai_line: bool = False) -> list[pa.Field]:
-    """The generated columns for sampling.logprobs (false | true | N, or the engine's None | 0 | N)
-    and output.format (openai_batch: the openai_line column)."""
+def generated_fields(logprobs: int | bool | None, with_openai_line: bool = False, with_reasoning: bool = False,
+                     with_tool_calls: bool = False) -> list[pa.Field]:
+    """The generated columns for sampling.logprobs (false | true | N, or the engine's None | 0 | N),
+    output.format (openai_batch: the openai_line column), a reasoning parser (reasoning,
+    reasoning_tokens) and tools (tool_calls)."""
     num = as_num_logprobs(logprobs)
     left_out = {"token_logprobs"} if num is None else set()
+    if not with_reasoning:
+        left_out |= {"reasoning", "reasoning_tokens"}
+    if not with_tool_calls:
+        left_out.add("tool_calls")
     if not num:
         left_out.add("top_logprobs")
     if not with_openai_line:
@@ -77,10 +88,12 @@ def score_fields(logprobs: int | bool | None) -> list[pa.Field]:
 
 def output_schema(id_field: pa.Field, keep_fields: list[pa.Field], with_logprobs: int | bool | None,
                   with_openai_line: bool = False, is_scoring: bool = False,
-                  metric_fields: list[pa.Field] = ()) -> pa.Schema:
+                  metric_fields: list[pa.Field] = (), with_reasoning: bool = False,
+                  with_tool_calls: bool = False) -> pa.Schema:
     """id (the input's type), the generated (or, task: loglikelihood, the score) columns, the metrics'
     verdict columns, then the kept input columns."""
-    fields = score_fields(with_logprobs) if is_scoring else generated_fields(with_logprobs, with_openai_line)
+    fields = score_fields(with_logprobs) if is_scoring else generated_fields(
+        with_logprobs, with_openai_line, with_reasoning, with_tool_calls)
     return pa.schema([pa.field("id", id_field.type), *fields, *metric_fields, *keep_fields])
 
 
@@ -143,6 +156,7 @@ def check_input_schema(file: InputFile, job: JobConfig) -> None:
         if not is_text(t):
             raise wrong(inp.prompt_column, "input.prompt_column", t, "a string type")
     for key, is_right, expected in (("schema_column", is_text, "a string type (a JSON schema per row)"),
+                                    ("tools_column", is_text, "a string type (a JSON list of tools per row)"),
                                     ("continuations_column", is_text_list, "a list of strings"),
                                     ("continuation_column", is_text, "a string type")):
         name = getattr(inp, key)

@@ -9,6 +9,7 @@ thousand holds.
 
 from __future__ import annotations
 
+import json
 from collections import deque
 from collections.abc import Callable
 
@@ -17,12 +18,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchgen.engine import RequestOutput, ScoreOutput
+from batchgen.engine.text.tools import parse_tool_output
 from batchgen.metrics import metric_column, metric_fields_of
 from batchgen.pipeline.json_columns import json_field_names
 from batchgen.pipeline.metric_columns import MetricScorer
 from batchgen.pipeline.output import CommitContext, IdChecksum, WorkUnit
 from batchgen.pipeline.request_builder import RowTask
-from batchgen.pipeline.schema import GENERATED_FIELDS, SCORE_FIELDS, generated_fields
+from batchgen.pipeline.schema import GENERATED_FIELDS, SCORE_FIELDS
 from batchgen.pipeline.storage import PartFile, Storage
 
 # Output rows per write (one Parquet row group each): rows wait as Python objects (~10 KB for a row of
@@ -38,11 +40,19 @@ def sample_rows(task: RowTask, out: RequestOutput) -> list[dict]:
     for c in sorted(out.outputs, key=lambda c: c.index):
         num_tokens = len(c.token_ids)
         has_tokens = c.first_token_time is not None
+        completion = c.content if c.content is not None else c.text
+        finish_reason, tool_calls = c.finish_reason, None
+        if task.tool_parser is not None:
+            completion, calls, finish_reason = parse_tool_output(task.tool_parser, completion, finish_reason)
+            tool_calls = None if calls is None else json.dumps([call.to_openai() for call in calls], ensure_ascii=False)
         rows.append({
             "sample_index": c.index,
-            "completion": c.text,
+            "completion": completion,
+            "reasoning": c.reasoning_content,
+            "reasoning_tokens": c.num_reasoning_tokens,
+            "tool_calls": tool_calls,
             "completion_token_ids": list(c.token_ids),
-            "finish_reason": c.finish_reason,
+            "finish_reason": finish_reason,
             "prompt_tokens": len(out.prompt_token_ids),
             "cached_tokens": out.num_cached_tokens,
             "completion_tokens": num_tokens,
@@ -65,7 +75,7 @@ def error_rows(task: RowTask, n: int) -> list[dict]:
     error, the message, nothing generated."""
     if task.params is not None:
         n = task.params.n
-    row = {f.name: None for f in generated_fields(1)}  # every column; the schema picks its own
+    row = {f.name: None for f in GENERATED_FIELDS}  # every column; the schema picks its own
     row.update(finish_reason="error", error=task.error, prompt_tokens=task.num_prompt_tokens,
                cached_tokens=0, completion_tokens=0)
     return [{**row, "sample_index": i} for i in range(n)]

@@ -67,6 +67,8 @@ class ServerSettings:
     chat_template_kwargs: dict = field(default_factory=dict)  # a job file's input.chat_template_kwargs
     seed: int | None = None  # --seed: unseeded requests keyed by (seed, arrival number), not at random
     sampling_defaults: dict = field(default_factory=dict)  # from generation_config.json (--generation-config)
+    tool_call_parser: str | None = None  # --tool-call-parser: tool calls read from (and forced in) its format
+    enable_auto_tool_choice: bool = False  # --enable-auto-tool-choice: tool_choice auto allowed
 
 
 @dataclass
@@ -175,6 +177,7 @@ def create_app(state: ServerState) -> FastAPI:
         _check_key(request, state.settings.api_key)
         body = parse_request(await read_body(request, *_chat_body_bound(state)), ChatCompletionRequest)
         _check_model(body.model, names)
+        body.bind_tools(state.settings.tool_call_parser, state.settings.enable_auto_tool_choice)
         messages = body.template_messages()
         if state.max_prompt_bytes is not None:  # before the template and the tokenizer see it
             check_prompt_bytes(messages_text(messages), "messages", state.max_prompt_bytes, state.max_model_len)
@@ -296,7 +299,7 @@ async def _generate(state: ServerState, request: Request, body, prompts: list, i
         model = body.model or state.settings.served_model_names[0]
         if body.stream:
             writer = responses.ChunkWriter(is_chat, response_id, int(time.time()), model, body.n,
-                                           body.include_usage)
+                                           body.include_usage, getattr(body, "tool_parser", None))
             stream = _stream(tracker, writer, buffered, len(prompts))
             return _ClosingStream(stream, media_type="text/event-stream",
                                   on_close=lambda: (tracker.abort_unfinished(), release()))
@@ -308,6 +311,8 @@ async def _generate(state: ServerState, request: Request, body, prompts: list, i
     outputs_in_order = [outputs[r] for r in request_ids]
     build = responses.chat_completion if is_chat else responses.completion
     echo = {} if is_chat else {"echo": body.echo, "is_echo_only": body.is_echo_only}
+    if is_chat:
+        echo = {"tool_parser": body.tool_parser}
     return JSONResponse(build(response_id, int(time.time()), model, [o.output for o in outputs_in_order],
                               [o.deltas for o in outputs_in_order], body.n,
                               prompts=[o.prompt for o in outputs_in_order], **echo))

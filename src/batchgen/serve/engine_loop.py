@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from batchgen.engine import CompletionOutput, LLMEngine, RequestOutput, SamplingParams, TopLogprob
+from batchgen.engine.config import SettingError
 from batchgen.engine.core.outputs import PromptLogprobs, RequestOutputKind
 from batchgen.openai.api_error import APIError
 from batchgen.serve.metrics import EngineGauges, Metrics
@@ -59,6 +60,10 @@ class SampleDelta:
     logprobs: list[TokenLogprob] | None  # None unless the request asked for logprobs
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    # With a reasoning parser: the thinking and the answer of `text` (None: not split)
+    reasoning: str | None = None
+    content: str | None = None
+    num_reasoning_tokens: int | None = None
 
 
 @dataclass
@@ -84,7 +89,7 @@ def completion_delta(c: CompletionOutput, token_texts, text: str | None = None, 
         logprobs = [TokenLogprob(t, token, lp, list(top))
                     for t, token, lp, top in zip(token_ids, token_texts(token_ids), c.logprobs[start:end], tops)]
     return SampleDelta(c.index, c.text if text is None else text, token_ids, logprobs, c.finish_reason,
-                       c.stop_reason)
+                       c.stop_reason, c.reasoning_content, c.content, c.num_reasoning_tokens)
 
 
 def prompt_echo(out: RequestOutput, tokenizer) -> PromptEcho:
@@ -170,7 +175,8 @@ class _Record:
     submission: Submission
     num_samples: int
     output: RequestOutput | None = None  # a stream's DELTA outputs so far, joined (RequestOutput.add)
-    sent: dict[int, tuple[int, int]] = field(default_factory=dict)  # a stream's sample index -> (chars, tokens)
+    # a stream's sample index -> (chars, tokens, reasoning chars, answer chars) sent
+    sent: dict[int, tuple[int, int, int, int]] = field(default_factory=dict)
 
 
 class EngineLoop:
@@ -317,7 +323,8 @@ class EngineLoop:
             sub.sink.put(Failed(sub.request_id, exc))
             return
         except ValueError as exc:  # the engine's own checks (vocabulary): this request only
-            sub.sink.put(Failed(sub.request_id, APIError(400, str(exc), code="invalid_value")))
+            param = exc.name if isinstance(exc, SettingError) else None  # a SamplingParams field: the body's
+            sub.sink.put(Failed(sub.request_id, APIError(400, str(exc), param, code="invalid_value")))
             return
         except Exception as exc:
             log.exception("cannot add request %s", sub.request_id)
@@ -381,12 +388,17 @@ class EngineLoop:
     def _unsent(self, record: _Record, c: CompletionOutput, is_finished: bool = True) -> SampleDelta | None:
         """The part of a stream's sample (joined so far) not sent yet; None when an unfinished one has
         nothing worth a chunk."""
-        num_chars, num_tokens = record.sent.get(c.index, (0, 0))
+        num_chars, num_tokens, num_reasoning, num_content = record.sent.get(c.index, (0, 0, 0, 0))
         text = c.text[num_chars:]
         if not is_finished and not text and (c.logprobs is None or num_tokens == len(c.token_ids)):
             return None
-        record.sent[c.index] = (len(c.text), len(c.token_ids))
-        return completion_delta(c, self.engine.tokenizer.token_texts, text, num_tokens)
+        record.sent[c.index] = (len(c.text), len(c.token_ids), len(c.reasoning_content or ""), len(c.content or ""))
+        delta = completion_delta(c, self.engine.tokenizer.token_texts, text, num_tokens)
+        if c.reasoning_content is not None:
+            delta.reasoning = c.reasoning_content[num_reasoning:]
+        if c.content is not None:
+            delta.content = c.content[num_content:]
+        return delta
 
     def _fail_all(self, error: APIError) -> None:
         if self._records:

@@ -8,6 +8,8 @@ choices of a prompt list.
 from __future__ import annotations
 
 from batchgen.engine import RequestOutput
+from batchgen.engine.text.tool_parsers import ToolCallStream, ToolParser
+from batchgen.engine.text.tools import parse_tool_output
 from batchgen.serve.engine_loop import PromptEcho, SampleDelta, TokenLogprob, completion_delta
 
 
@@ -26,8 +28,12 @@ def usage(outputs: list[RequestOutput]) -> dict:
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
     completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     cached = sum(o.num_cached_tokens for o in outputs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+    body = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": cached}}
+    reasoning = [c.num_reasoning_tokens for o in outputs for c in o.outputs if c.num_reasoning_tokens is not None]
+    if reasoning:  # a reasoning parser counted the thinking (OpenAI's field)
+        body["completion_tokens_details"] = {"reasoning_tokens": sum(reasoning)}
+    return body
 
 
 # A log-probability of -inf (a token a structured-output grammar rules out, listed among the top ones)
@@ -96,13 +102,33 @@ def prompt_logprobs_body(prompt: PromptEcho | None) -> list[dict | None] | None:
             for position in prompt.prompt_logprobs]
 
 
+def chat_message(d: SampleDelta, tool_parser: ToolParser | None = None) -> tuple[dict, str | None]:
+    """(a whole sample's assistant message, its finish reason): the answer as content, the thinking as
+    reasoning_content (a reasoning parser), the calls as tool_calls (finish reason tool_calls)."""
+    content = d.content if d.content is not None else d.text
+    message: dict = {"role": "assistant", "content": content}
+    if d.reasoning is not None:
+        message["reasoning_content"] = d.reasoning
+    finish_reason = d.finish_reason
+    if tool_parser is not None:
+        content, calls, finish_reason = parse_tool_output(tool_parser, content, finish_reason)
+        if calls:
+            message["content"] = content or None
+            message["tool_calls"] = [call.to_openai() for call in calls]
+    return message, finish_reason
+
+
 def chat_completion(response_id: str, created: int, model: str, outputs: list[RequestOutput],
-                    deltas: list[list[SampleDelta]], n: int, prompts: list[PromptEcho | None] | None = None) -> dict:
-    """`prompts`: the conversation's PromptEcho when prompt_logprobs was asked (vLLM's top-level field)."""
-    choices = [{"index": p * n + d.index, "message": {"role": "assistant", "content": d.text},
-                "logprobs": chat_logprobs(d.logprobs), "finish_reason": d.finish_reason,
-                "stop_reason": d.stop_reason}
-               for p, prompt_deltas in enumerate(deltas) for d in prompt_deltas]
+                    deltas: list[list[SampleDelta]], n: int, prompts: list[PromptEcho | None] | None = None,
+                    tool_parser: ToolParser | None = None) -> dict:
+    """`prompts`: the conversation's PromptEcho when prompt_logprobs was asked (vLLM's top-level field);
+    `tool_parser`: reads each sample's tool calls (the request's tools, tool_choice not none)."""
+    choices = []
+    for p, prompt_deltas in enumerate(deltas):
+        for d in prompt_deltas:
+            message, finish_reason = chat_message(d, tool_parser)
+            choices.append({"index": p * n + d.index, "message": message, "logprobs": chat_logprobs(d.logprobs),
+                            "finish_reason": finish_reason, "stop_reason": d.stop_reason})
     body = {"id": response_id, "object": "chat.completion", "created": created, "model": model,
             "choices": sorted(choices, key=lambda c: c["index"]), "usage": usage(outputs)}
     if prompts and prompts[0] is not None:
@@ -135,8 +161,12 @@ def completion(response_id: str, created: int, model: str, outputs: list[Request
 class ChunkWriter:
     """The `data: ...` lines of one streamed response (chat or completions)."""
 
-    def __init__(self, is_chat: bool, response_id: str, created: int, model: str, n: int, include_usage: bool):
+    def __init__(self, is_chat: bool, response_id: str, created: int, model: str, n: int, include_usage: bool,
+                 tool_parser: ToolParser | None = None):
+        """`tool_parser`: chat's tool calls are read from each choice's answer as it streams."""
         self.is_chat, self.n, self.include_usage = is_chat, n, include_usage
+        self.tool_parser = tool_parser
+        self.tool_streams: dict[int, ToolCallStream] = {}  # per choice
         self.head = {"id": response_id, "object": "chat.completion.chunk" if is_chat else "text_completion",
                      "created": created, "model": model}
         self.text_offsets: dict[int, int] = {}  # completions' logprobs.text_offset, per choice
@@ -157,9 +187,9 @@ class ChunkWriter:
         for d in deltas:
             index = prompt_index * self.n + d.index
             if self.is_chat:
-                delta = {"content": d.text} if d.text or d.finish_reason is None else {}
+                delta, finish_reason = self._chat_delta(index, d)
                 choice = {"index": index, "delta": delta, "logprobs": chat_logprobs(d.logprobs),
-                          "finish_reason": d.finish_reason}
+                          "finish_reason": finish_reason}
             else:
                 offset = self.text_offsets.get(index, 0)
                 self.text_offsets[index] = offset + len(d.text)
@@ -169,6 +199,30 @@ class ChunkWriter:
                 choice["stop_reason"] = d.stop_reason
             choices.append(choice)
         return self.chunk(choices)
+
+    def _chat_delta(self, index: int, d: SampleDelta) -> tuple[dict, str | None]:
+        """A chat choice's delta: reasoning_content, content and tool_calls pieces (OpenAI's stream: a
+        call's first piece carries its id and name, later ones argument text)."""
+        delta: dict = {}
+        if d.reasoning:
+            delta["reasoning_content"] = d.reasoning
+        content = d.content if d.content is not None else d.text
+        finish_reason = d.finish_reason
+        if self.tool_parser is not None:
+            stream = self.tool_streams.setdefault(index, ToolCallStream(self.tool_parser))
+            content, calls = stream.feed(content)
+            if finish_reason is not None:
+                rest, more = stream.finish()
+                content, calls = content + rest, calls + more
+                if stream.calls and finish_reason == "stop":
+                    finish_reason = "tool_calls"
+            if calls:
+                delta["tool_calls"] = [call.to_openai() for call in calls]
+        if content:
+            delta["content"] = content
+        if not delta and finish_reason is None:
+            delta["content"] = ""
+        return delta, finish_reason
 
     def usage_chunk(self, outputs: list[RequestOutput]) -> dict:
         return self.chunk([], usage(outputs), with_usage=True)

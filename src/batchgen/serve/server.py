@@ -43,7 +43,9 @@ def run_server(config: EngineConfig, serve: ServeConfig, chat: ChatTemplateOptio
                               max_request_body_bytes=serve.max_request_body_bytes,
                               chat_template=chat.chat_template, seed=config.seed,
                               sampling_defaults=dict(engine.generation_defaults.values),
-                              chat_template_kwargs=dict(chat.chat_template_kwargs))
+                              chat_template_kwargs=dict(chat.chat_template_kwargs),
+                              tool_call_parser=config.tool_call_parser,
+                              enable_auto_tool_choice=serve.enable_auto_tool_choice)
     metrics = Metrics(names[0])
     loop = EngineLoop(engine, metrics)
     state = ServerState(loop, settings, metrics, engine.max_model_len, engine.model_cfg.vocab_size,

@@ -42,6 +42,9 @@ class ServeConfig:
     text itself (default: the model's; a job file's input.chat_template)."""
     uvicorn_log_level: UvicornLogLevel = "info"
     """uvicorn's log level."""
+    enable_auto_tool_choice: bool = False
+    """Let chat requests use tool_choice auto: the model may call a tool, read from its output by
+    --tool-call-parser (vLLM's flag; required and named tool choices need neither)."""
 
     def __post_init__(self) -> None:
         check_settings(self, [

@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import torch
 
-from batchgen.engine.config import EngineConfig
+from batchgen.engine.config import EngineConfig, SettingError
 from batchgen.engine.core.output_processor import OutputProcessor, RequestState
 from batchgen.engine.core.outputs import RequestOutput, ScoreOutput
 from batchgen.engine.core.scheduler import Scheduler, SchedulerOutput
@@ -25,6 +25,7 @@ from batchgen.engine.decoding.beam_search import BeamGroup
 from batchgen.engine.decoding.score_group import ScoreGroup, check_score_request
 from batchgen.engine.decoding.speculative import SpecDecoder
 from batchgen.engine.decoding.structured.manager import StructuredOutputManager
+from batchgen.engine.decoding.thinking_budget import EngineReasoning
 from batchgen.engine.kv.capacity import kv_cache_budget_bytes
 from batchgen.engine.kv.gpu_memory import GpuMemoryPlan
 from batchgen.engine.kv.kv_cache_manager import KVCacheManager
@@ -57,7 +58,8 @@ def needs_tokens_on_host(state: RequestState) -> bool:
 # max_model_len may only shrink.
 RUNTIME_SETTINGS = ("block_size", "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching",
                     "kv_cache_memory", "num_kv_blocks", "max_model_len", "kv_cache_dtype", "calculate_kv_scales",
-                    "speculative", "generation_config", "seed", "async_scheduling")
+                    "speculative", "generation_config", "seed", "async_scheduling", "reasoning_parser",
+                    "tool_call_parser")
 
 
 class LLMEngine:
@@ -149,6 +151,9 @@ class LLMEngine:
                                                 _release_callback(self.executor, self.spec),
                                                 is_speculative=self.spec is not None)
         self.requests = self.output_processor.requests  # the unfinished requests, by id
+        # Reasoning (config.reasoning_parser): outputs split, thinking counted and bounded (thinking_budget.py).
+        self.reasoning = EngineReasoning.create(config.reasoning_parser, self.tokenizer)
+        self.output_processor.reasoning = self.reasoning
         # Async scheduling: the step launched last, collected by the next call (None: none in flight),
         # and the unfinished requests that need each step's results on the host (steps run in order
         # while there is one: needs_tokens_on_host).
@@ -204,6 +209,14 @@ class LLMEngine:
         self.check_tensor_parallel_support(params)
         grammars = self.structured.new_states(params.structured_outputs, params.n) \
             if params.structured_outputs is not None else None
+        is_reasoning_opened = False
+        if self.reasoning is not None:
+            is_reasoning_opened = self.reasoning.is_opened_by_prompt(token_ids)
+            grammars = self.reasoning.gates(params.thinking_token_budget, is_reasoning_opened, grammars, params.n)
+        elif params.thinking_token_budget is not None:
+            raise SettingError("SamplingParams", "thinking_token_budget", "needs a reasoning parser "
+                               "(EngineConfig.reasoning_parser: a job's model.reasoning_parser, the server's "
+                               "--reasoning-parser)", params.thinking_token_budget)
         now = time.monotonic()
         # A beam search starts from one sequence (the prompt, computed once); its beams fork from it.
         num_seqs = 1 if params.is_beam_search else params.n
@@ -215,6 +228,7 @@ class LLMEngine:
             seq.prompt_logprobs = None
         state = RequestState(request_id, token_ids, seqs, now, prompt if isinstance(prompt, str) else None,
                              params.output_kind)
+        state.is_reasoning_opened = is_reasoning_opened
         if params.is_beam_search:
             state.beam = BeamGroup(params, self.eos_token_ids, beams=list(seqs))
             seqs[0].beam = state.beam

@@ -35,7 +35,9 @@ from batchgen.engine.decoding.beam_search import BeamGroup
 from batchgen.engine.decoding.prompt_logprobs import prompt_logprobs_output
 from batchgen.engine.decoding.score_group import ScoreGroup
 from batchgen.engine.decoding.stop_strings import IncrementalText, find_stop_string, stop_holdback
+from batchgen.engine.decoding.thinking_budget import EngineReasoning
 from batchgen.engine.kv.kv_cache_manager import KVCacheManager
+from batchgen.engine.text.reasoning import ReasoningStream
 from batchgen.engine.text.tokenizer import Tokenizer
 
 FINAL_ONLY = RequestOutputKind.FINAL_ONLY
@@ -66,6 +68,8 @@ class RequestState:
     reported: list[Reported] = field(default_factory=list)  # DELTA: per sample index
     num_outputs: int = 0  # outputs made so far (a DELTA request sends prompt_logprobs in its first)
     prompt_logprobs: PromptLogprobs | None = None  # made once, when first output
+    is_reasoning_opened: bool = False  # its prompt left the thinking block open (reasoning parser)
+    reasoning_streams: dict[int, ReasoningStream] = field(default_factory=dict)  # DELTA: per sample index
 
 
 class OutputProcessor:
@@ -88,6 +92,7 @@ class OutputProcessor:
         self.is_speculative = is_speculative
         self.requests: dict[str, RequestState] = {}  # the unfinished requests, by id
         self.num_streamed_requests = 0  # unfinished requests whose output_kind is not FINAL_ONLY
+        self.reasoning: EngineReasoning | None = None  # the engine's reasoning parser: outputs split by it
 
     def add(self, state: RequestState) -> None:
         """Register a request the engine just queued."""
@@ -241,7 +246,35 @@ class OutputProcessor:
     def _make_output(self, state: RequestState, is_finished: bool = True) -> RequestOutput:
         """The request's whole output so far (finished: FINAL_ONLY's and CUMULATIVE's last)."""
         completions = [self._completion(seq) for seq in state.seqs]
+        if self.reasoning is not None:
+            for seq, completion in zip(state.seqs, completions):
+                self._split_whole(state, seq, completion)
         return self._request_output(state, completions, self._prompt_logprobs(state), is_finished)
+
+    def _split_whole(self, state: RequestState, seq: Sequence, completion: CompletionOutput) -> None:
+        """A sample's whole text split by the reasoning parser, its reasoning tokens counted."""
+        reasoning = self.reasoning
+        completion.reasoning_content, completion.content = reasoning.parser.split(
+            completion.text, state.is_reasoning_opened)
+        completion.num_reasoning_tokens = reasoning.count(seq.grammar, _text_token_ids(seq),
+                                                          state.is_reasoning_opened)
+
+    def _split_delta(self, state: RequestState, seq: Sequence, completion: CompletionOutput) -> None:
+        """A DELTA piece split by the sample's ReasoningStream (a tag cut between pieces is held back)."""
+        if self.reasoning is None:
+            return
+        stream = state.reasoning_streams.get(seq.sample_index)
+        if stream is None:
+            stream = state.reasoning_streams[seq.sample_index] = ReasoningStream(self.reasoning.parser,
+                                                                                 state.is_reasoning_opened)
+        reasoning, content = stream.feed(completion.text)
+        if seq.is_finished:
+            rest_reasoning, rest_content = stream.finish()
+            reasoning, content = reasoning + rest_reasoning, content + rest_content
+            completion.num_reasoning_tokens = self.reasoning.count(
+                seq.grammar, _text_token_ids(seq), state.is_reasoning_opened)
+        completion.reasoning_content = reasoning if stream.has_thought else None
+        completion.content = content
 
     def _delta_output(self, state: RequestState, is_finished: bool) -> RequestOutput:
         """What is new in each sample since the request's last output (DELTA)."""
@@ -254,7 +287,9 @@ class OutputProcessor:
             text = self._text(seq)
             if num_tokens == reported.num_tokens and len(text) == reported.num_chars and not seq.is_finished:
                 continue
-            completions.append(self._completion(seq, reported.num_tokens, text[reported.num_chars:]))
+            completion = self._completion(seq, reported.num_tokens, text[reported.num_chars:])
+            self._split_delta(state, seq, completion)
+            completions.append(completion)
             reported.num_tokens, reported.num_chars = num_tokens, len(text)
             reported.is_finished = seq.is_finished
         prompt_logprobs = self._prompt_logprobs(state) if state.num_outputs == 0 else None

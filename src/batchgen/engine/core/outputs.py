@@ -71,6 +71,13 @@ class CompletionOutput:
     num_accepted_tokens: int | None = None  # draft tokens accepted (speculative decoding; None when off)
     score: float | None = None  # beam search: the length-penalised score the beams are ranked by
     error: str | None = None  # finish_reason "error": why this sample alone failed
+    # With a reasoning parser (EngineConfig.reasoning_parser): the thinking (None: the sample did not
+    # think), the answer (`text` less the thinking; less the tool calls too where a caller parsed them),
+    # and the tokens between the thinking's markers. `text` stays the whole output, as vLLM's.
+    reasoning_content: str | None = None
+    content: str | None = None
+    num_reasoning_tokens: int | None = None
+    tool_calls: list | None = None  # ToolCalls (engine/text/tool_parsers.py) where a caller parsed them
 
 
 @dataclass
@@ -112,6 +119,10 @@ class RequestOutput:
                     top_logprobs=_copy(new.top_logprobs)))
                 continue
             old.text += new.text
+            if new.reasoning_content is not None:
+                old.reasoning_content = (old.reasoning_content or "") + new.reasoning_content
+            if new.content is not None:
+                old.content = (old.content or "") + new.content
             old.token_ids.extend(new.token_ids)
             if new.logprobs is not None:
                 old.logprobs.extend(new.logprobs)
@@ -129,7 +140,7 @@ def _copy(values: list | None) -> list | None:
 
 # A sample's fields that a later DELTA output restates rather than extends.
 _LATEST_FIELDS = ("cumulative_logprob", "finish_reason", "stop_reason", "first_scheduled_time",
-                  "first_token_time", "last_token_time", "num_accepted_tokens", "score")
+                  "first_token_time", "last_token_time", "num_accepted_tokens", "score", "num_reasoning_tokens")
 
 
 @dataclass

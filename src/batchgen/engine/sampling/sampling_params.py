@@ -125,6 +125,10 @@ class SamplingParams:
     output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY
     """What step() returns for this request (vLLM's RequestOutputKind): FINAL_ONLY, one output when it
     finishes; DELTA, what is new each step it advanced; CUMULATIVE, all of it so far each step."""
+    thinking_token_budget: int | None = None
+    """The most reasoning tokens a sample may write (vLLM's name): past it the reasoning parser's end
+    marker (`</think>`) is forced and the answer follows. Needs a reasoning parser (model.reasoning_parser,
+    --reasoning-parser); null: no limit."""
 
     def __post_init__(self) -> None:
         self._take_structured_outputs()
@@ -166,6 +170,11 @@ class SamplingParams:
              or self.early_stopping == "never", "must be false, true or never"),
             ("output_kind", isinstance(self.output_kind, RequestOutputKind),
              "must be a RequestOutputKind (FINAL_ONLY, DELTA or CUMULATIVE)"),
+            ("thinking_token_budget", self.thinking_token_budget is None or (
+                isinstance(self.thinking_token_budget, int) and not isinstance(self.thinking_token_budget, bool)
+                and self.thinking_token_budget >= 0), "must be null or an integer >= 0"),
+            ("thinking_token_budget", self.thinking_token_budget is None or self.beam_width == 1,
+             "must be null with beam search (beam_width > 1)"),
         ])
         if self.is_beam_search:
             check_settings(self, self._beam_checks())

@@ -36,6 +36,7 @@ class ChatTemplateOptions:
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    tools: list[dict] | None = None
 
     def __post_init__(self) -> None:
         if self.add_generation_prompt and self.continue_final_message:

@@ -62,7 +62,8 @@ class Tokenizer:
             return self.hf.apply_chat_template(
                 list(messages), tokenize=False, chat_template=options.chat_template,
                 add_generation_prompt=options.add_generation_prompt,
-                continue_final_message=options.continue_final_message, **options.chat_template_kwargs)
+                continue_final_message=options.continue_final_message, tools=options.tools,
+                **options.chat_template_kwargs)
         except TemplateError as exc:
             raise ValueError(f"the chat template cannot render these messages: {exc}") from None
 

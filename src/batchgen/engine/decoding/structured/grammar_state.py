@@ -135,7 +135,7 @@ def fill_bitmasks(fills: Sequence[tuple[GrammarState, int, Sequence[int]]], bitm
     in one call on its thread pool; the others, or all without an executor, in turn."""
     batch = []
     for state, row, drafts in fills:
-        if executor is None or drafts or state.is_terminated:
+        if executor is None or drafts or state.is_terminated or not isinstance(state, GrammarState):
             state.fill_bitmask(bitmask, row, drafts)
         else:
             batch.append((state._matcher, row))
