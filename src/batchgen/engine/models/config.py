@@ -33,6 +33,22 @@ class ModelConfig:
     rope_interleaved: bool = False  # GLM-4: rope rotates pairs (2i, 2i + 1), not (i, i + rotary_dim / 2)
     # A query attends to the last this many positions only, itself included (None: all). Read for Phi-3 only.
     sliding_window: int | None = None
+    # Mixture of experts (layers/moe.py): routed experts per MoE layer (0: a dense model), experts each
+    # token runs, each expert's MLP channels (Mixtral: intermediate_size; Qwen3-MoE: moe_intermediate_size).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    # How the router turns logits into weights: "softmax_topk" (softmax over all experts, then the top k:
+    # Mixtral, Qwen3-MoE) or "topk_softmax" (the top k logits, then softmax over them: gpt-oss).
+    moe_router: str = "softmax_topk"
+    moe_renormalize: bool = False  # softmax_topk: the k weights divided by their sum (Mixtral; Qwen3-MoE's norm_topk_prob)
+    moe_router_bias: bool = False  # a bias on the router's logits (gpt-oss)
+    # Layers that keep a dense MLP (intermediate_size wide) in an MoE model (Qwen3-MoE's mlp_only_layers and
+    # decoder_sparse_step); the others hold the experts.
+    moe_dense_layers: tuple[int, ...] = ()
+    # A shared expert every token runs besides the routed ones, this many channels (0: none; Qwen2-MoE),
+    # scaled by sigmoid(shared_expert_gate(x)).
+    shared_expert_intermediate_size: int = 0
     rope_scaling: dict | None = field(default=None, hash=False)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -46,6 +62,14 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def is_moe_layer(self, layer_index: int) -> bool:
+        """Whether that decoder layer holds the experts (else a dense MLP)."""
+        return self.is_moe and layer_index not in self.moe_dense_layers
 
     @property
     def rotary_dim(self) -> int:

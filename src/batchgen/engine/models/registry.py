@@ -18,10 +18,12 @@ from typing import TYPE_CHECKING
 
 from batchgen.engine.models.glm4 import Glm4ForCausalLM
 from batchgen.engine.models.llama import LlamaForCausalLM
+from batchgen.engine.models.mixtral import MixtralForCausalLM
 from batchgen.engine.models.olmo2 import Olmo2ForCausalLM
 from batchgen.engine.models.phi3 import Phi3ForCausalLM
 from batchgen.engine.models.qwen2 import Qwen2ForCausalLM
 from batchgen.engine.models.qwen3 import Qwen3ForCausalLM
+from batchgen.engine.models.qwen3_moe import Qwen3MoeForCausalLM
 
 if TYPE_CHECKING:
     from batchgen.engine.models.config import ModelConfig
@@ -46,6 +48,9 @@ ARCHITECTURES: dict[str, Architecture] = {
     # llama.cpp's "glm4" GGUF files are not read yet (their ffn_up is fused gate/up, post-norm names differ).
     "Glm4ForCausalLM": Architecture(Glm4ForCausalLM, "glm4", gguf_name=None),
     "Phi3ForCausalLM": Architecture(Phi3ForCausalLM, "phi3", gguf_name="phi3"),
+    # Mixture of experts (layers/moe.py); their GGUF files (ffn_*_exps) are not read yet.
+    "MixtralForCausalLM": Architecture(MixtralForCausalLM, "mixtral", gguf_name=None),
+    "Qwen3MoeForCausalLM": Architecture(Qwen3MoeForCausalLM, "qwen3_moe", gguf_name=None),
 }
 
 
