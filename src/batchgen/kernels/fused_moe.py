@@ -21,7 +21,7 @@ Imports only torch.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -62,6 +62,23 @@ def fused_moe_torch(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, 
     for expert, (start, end) in enumerate(zip(starts, bounds)):
         if end > start:
             torch.mm(act[start:end], down[expert].t(), out=out_rows[start:end])
+    return combine(out_rows, order, weights)
+
+
+def fused_moe_modules(x: torch.Tensor, experts: Sequence[tuple[Callable, Callable]], weights: torch.Tensor,
+                      ids: torch.Tensor) -> torch.Tensor:
+    """(T, H) -> (T, H) as fused_moe_torch, each expert's projections given as callables:
+    `experts[e] = (up, down)` with up (n, H) -> (n, I) (the activation applied: oneDNN's SiLU and multiply
+    epilogues, models/cpu_linear.py) and down (n, I) -> (n, H) (prepacked oneDNN GEMMs on the CPU)."""
+    num_tokens, top_k = ids.shape
+    order, counts = sort_by_expert(ids, len(experts))
+    rows = x.index_select(0, order // top_k)  # (T*k, H), grouped by expert
+    out_rows = torch.empty(num_tokens * top_k, x.shape[1], dtype=x.dtype, device=x.device)
+    start = 0
+    for (up, down), count in zip(experts, counts.tolist()):
+        if count:
+            out_rows[start:start + count] = down(up(rows[start:start + count]))
+            start += count
     return combine(out_rows, order, weights)
 
 

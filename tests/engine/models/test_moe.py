@@ -20,7 +20,7 @@ import shutil
 import pytest
 import torch
 
-from batchgen.engine import LLM, SamplingParams
+from batchgen.engine import LLM, SamplingParams, capabilities
 from batchgen.engine.models.config import ModelConfig
 from tests.engine.helpers import run_requests
 from tests.engine.models.test_registry import randomize_weights
@@ -87,9 +87,14 @@ def hf_generate(hf, prompt: list[int]) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
+@pytest.mark.parametrize("experts_path", ["onednn_packed", "torch_mm"])
 @torch.no_grad()
-def test_prompt_logprobs_equal_hfs_log_softmax_and_every_expert_is_routed_to(family, prompts):
+def test_prompt_logprobs_equal_hfs_log_softmax_and_every_expert_is_routed_to(family, prompts, experts_path, monkeypatch):
+    """The experts through prepacked oneDNN layers (the engine's CPU default where oneDNN packs) and through
+    the plain grouped torch GEMMs (where it does not)."""
     architecture, hf, folder = family
+    if experts_path == "torch_mm":
+        monkeypatch.setattr(capabilities, "can_pack", lambda device, dtype: False)
     seen = routed_experts(hf)
     expected = [torch.log_softmax(hf(torch.tensor([ids])).logits[0, :-1].float(), dim=-1) for ids in prompts]
     num_experts = hf.config.num_local_experts
@@ -99,6 +104,8 @@ def test_prompt_logprobs_equal_hfs_log_softmax_and_every_expert_is_routed_to(fam
 
     llm = LLM(str(folder), max_num_batched_tokens=32, **SETTINGS)  # prompts of 33+ tokens prefill in chunks
     assert llm.engine.model_cfg.architecture == architecture and llm.engine.model_cfg.num_experts == num_experts
+    experts = llm.engine.runner.model.layers[0].mlp.experts
+    assert (experts.packed is not None) == (experts_path == "onednn_packed")
     params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
     outputs = run_requests(llm.engine, {f"lp-{i}": (ids, params) for i, ids in enumerate(prompts)})
     for i, ids in enumerate(prompts):

@@ -27,7 +27,7 @@ from torch import nn
 
 from batchgen.engine.models.layers.decoder import DecoderLayer
 from batchgen.engine.models.layers.mlp import GatedMLP
-from batchgen.kernels.fused_moe import fused_moe_torch
+from batchgen.kernels.fused_moe import fused_moe_modules, fused_moe_torch, silu_mul_rows
 
 if TYPE_CHECKING:
     from types import SimpleNamespace
@@ -75,13 +75,50 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(num, 2 * inter, hidden))
         self.down_proj = nn.Parameter(torch.empty(num, hidden, inter))
 
+        self.packed: nn.ModuleList | None = None  # per expert (gate_up, down) oneDNN layers (pack_for_onednn)
+
+    def pack_for_onednn(self, can_fuse_silu_mul: bool) -> int:
+        """CPU: each expert's two projections as prepacked oneDNN layers (models/cpu_linear.py; SiLU * up in
+        the GEMMs' epilogues when `can_fuse_silu_mul`); the (E, ...) tensors are dropped (no second copy).
+        Returns the layers made. Called by cpu_linear.pack_linears."""
+        from batchgen.engine.models.cpu_linear import PackedLinear, PackedSiluMulLinear
+
+        pairs = []
+        for gate_up, down in zip(self.gate_up_proj.detach(), self.down_proj.detach()):
+            up_linear = _linear(gate_up)
+            pairs.append(nn.ModuleList([PackedSiluMulLinear(up_linear) if can_fuse_silu_mul else _SiluMulAfter(
+                PackedLinear(up_linear)), PackedLinear(_linear(down))]))
+        self.packed = nn.ModuleList(pairs)
+        del self.gate_up_proj, self.down_proj
+        return 2 * len(pairs)
+
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, ops: SimpleNamespace) -> torch.Tensor:
         """x (T, H), weights (T, k) float32, ids (T, k) -> (T, H)."""
+        if self.packed is not None:
+            return fused_moe_modules(x, [(up, down) for up, down in self.packed], weights, ids)
         if x.is_cuda:
             from batchgen.kernels.triton_fused_moe import fused_moe_triton
 
             return fused_moe_triton(x, self.gate_up_proj, self.down_proj, weights, ids)
         return fused_moe_torch(x, self.gate_up_proj, self.down_proj, weights, ids, ops.silu_mul)
+
+
+def _linear(weight: torch.Tensor) -> nn.Linear:
+    """A bias-free nn.Linear holding `weight` (out, in) as it is (no copy)."""
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+    linear.weight = nn.Parameter(weight, requires_grad=False)
+    return linear
+
+
+class _SiluMulAfter(nn.Module):
+    """A packed gate_up projection followed by SiLU(gate) * up (where oneDNN's epilogues do not work)."""
+
+    def __init__(self, packed: nn.Module):
+        super().__init__()
+        self.packed = packed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return silu_mul_rows(self.packed(x))
 
 
 class SparseMoE(nn.Module):
