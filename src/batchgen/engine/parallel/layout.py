@@ -41,6 +41,10 @@ _ROW_PARALLEL = {"o_proj": "query", "down_proj": "intermediate"}
 # two or three ranges, which one Shard does not describe; refused by name.
 _FUSED_IN_CHECKPOINT = ("qkv_proj", "gate_up_proj")
 _VOCABULARY = ("embed_tokens", "lm_head")
+# A routed expert's projections (layers/moe.py; Mixtral's w1/w3/w2 and the Qwen names): every rank holds every
+# expert's slice of the expert channels, gate/up rows and down columns (vLLM's tensor parallelism for MoE).
+_EXPERT_COLUMN_PARALLEL = ("w1", "w3", "gate_proj", "up_proj")
+_EXPERT_ROW_PARALLEL = ("w2", "down_proj")
 
 
 def even_split(num_items: int, num_parts: int, part: int) -> tuple[int, int]:
@@ -85,6 +89,8 @@ class TensorParallelLayout:
     total_query_heads: int = 0
     total_kv_heads: int = 0
     total_intermediate: int = 0
+    # MoE: the rank's slice of every routed expert's channels (moe_intermediate_size); (0, 0) in a dense model.
+    moe_intermediate: tuple[int, int] = (0, 0)
 
     @classmethod
     def plan(cls, cfg: ModelConfig, rank: int, world_size: int, is_vocab_parallel: bool = True) -> TensorParallelLayout:
@@ -108,7 +114,8 @@ class TensorParallelLayout:
             vocab = (0, cfg.vocab_size)
         return cls(rank, world_size, cfg.head_dim, query, kv, even_split(cfg.intermediate_size, world_size, rank),
                    vocab, cfg.vocab_size, is_vocab_parallel, total_query_heads=cfg.num_heads,
-                   total_kv_heads=cfg.num_kv_heads, total_intermediate=cfg.intermediate_size)
+                   total_kv_heads=cfg.num_kv_heads, total_intermediate=cfg.intermediate_size,
+                   moe_intermediate=even_split(cfg.moe_intermediate_size, world_size, rank))
 
     @property
     def num_query_heads(self) -> int:
@@ -129,7 +136,8 @@ class TensorParallelLayout:
     def rank_config(self, cfg: ModelConfig) -> ModelConfig:
         """The shapes this rank's modules have: its heads, MLP channels and vocabulary rows."""
         return dataclasses.replace(cfg, num_heads=self.num_query_heads, num_kv_heads=self.num_kv_heads,
-                                   intermediate_size=self.num_intermediate, vocab_size=self.vocab_rows)
+                                   intermediate_size=self.num_intermediate, vocab_size=self.vocab_rows,
+                                   moe_intermediate_size=self.moe_intermediate[1] - self.moe_intermediate[0])
 
     def fused_rows(self, module: str) -> list[tuple[int, int]] | None:
         """The [start, end) rows this rank holds of a checkpoint tensor stored already fused (Phi-3),
@@ -158,6 +166,8 @@ class TensorParallelLayout:
             return None
         module, kind = parts[-2], parts[-1]
         head_dim = self.head_dim
+        if "experts" in parts:
+            return self._expert_shard(name, parts, shape)
         if self.fused_rows(module) is not None:  # stored fused: its rows are no one range
             if kind != "weight" and _is_per_row(shape, kind):
                 raise ValueError(f"checkpoint tensor {name!r}: an already-fused layer's {kind} does not split "
@@ -183,6 +193,17 @@ class TensorParallelLayout:
             return Shard(0, start, min(self.vocab[1], self.vocab_size), self.vocab_rows)
         return None
 
+    def _expert_shard(self, name: str, parts: list[str], shape: tuple[int, ...]) -> Shard | None:
+        """A routed expert's tensor (`...experts.N.<projection>.weight`): its rows (gate, up) or columns (down)
+        of this rank's expert channels."""
+        module, kind = parts[-2], parts[-1]
+        start, end = self.moe_intermediate
+        if kind != "weight" or module not in _EXPERT_COLUMN_PARALLEL + _EXPERT_ROW_PARALLEL:
+            raise ValueError(f"checkpoint tensor {name!r}: only per-expert weights (experts.N.<gate_proj|up_proj|"
+                             f"down_proj|w1|w2|w3>.weight) split with tensor_parallel_size > 1; experts stored "
+                             f"fused or with scales do not yet")
+        return Shard(0 if module in _EXPERT_COLUMN_PARALLEL else 1, start, end, end - start)
+
     def _range(self, what: str) -> tuple[int, int]:
         return {"query": self.query_heads, "kv": self.kv_heads, "intermediate": self.intermediate}[what]
 
@@ -207,6 +228,11 @@ def check_can_split(cfg: ModelConfig, world_size: int) -> None:
     if -(-world_size // cfg.num_kv_heads) > cfg.num_heads // cfg.num_kv_heads:
         raise ValueError(f"tensor_parallel_size {world_size} leaves a rank without a query head: the model has "
                          f"{cfg.num_heads} query heads over {cfg.num_kv_heads} KV heads")
+    if world_size > 1 and cfg.shared_expert_intermediate_size:
+        raise ValueError(f"tensor_parallel_size {world_size}: {cfg.architecture or cfg.model_type}'s shared expert "
+                         "is not split over ranks yet; use tensor_parallel_size 1")
+    if cfg.is_moe and world_size > cfg.moe_intermediate_size:
+        raise ValueError(f"tensor_parallel_size {world_size} exceeds the experts' {cfg.moe_intermediate_size} channels")
     if world_size > cfg.intermediate_size:
         raise ValueError(f"tensor_parallel_size {world_size} exceeds the MLP's {cfg.intermediate_size} channels")
 
