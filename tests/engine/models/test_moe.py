@@ -21,6 +21,8 @@ import pytest
 import torch
 
 from batchgen.engine import LLM, SamplingParams, capabilities
+from batchgen.engine.kv.capacity import weight_bytes
+from batchgen.engine.kv.moe_capacity import num_active_parameters, num_parameters
 from batchgen.engine.models.config import ModelConfig
 from tests.engine.helpers import run_requests
 from tests.engine.models.test_registry import randomize_weights
@@ -186,3 +188,16 @@ def test_the_config_names_the_dense_layers_and_the_router_setting(family):
         assert (stepped.moe_dense_layers, stepped.moe_renormalize) == ((0, 2), True)
     with pytest.raises(ValueError, match="num_experts_per_tok must be in"):
         ModelConfig.from_hf_dict({**json.loads((folder / "config.json").read_text()), "num_experts_per_tok": 99})
+
+
+def test_the_capacity_plan_counts_every_expert_and_the_parameters_a_token_runs_through(family):
+    """weight_bytes equals the engine's measured storage (experts packed for oneDNN or not) and the HF model's
+    parameter count; the active parameters leave out each MoE layer's E - k unrouted experts."""
+    architecture, hf, folder = family
+    llm = LLM(str(folder), **SETTINGS)
+    cfg = llm.engine.model_cfg
+    assert llm.engine.weight_bytes == weight_bytes(cfg, torch.float32)
+    assert num_parameters(cfg) == sum(p.numel() for p in hf.parameters())
+    num_sparse = cfg.num_layers - len(cfg.moe_dense_layers)
+    unrouted = (cfg.num_experts - cfg.num_experts_per_tok) * 3 * cfg.moe_intermediate_size * cfg.hidden_size
+    assert num_active_parameters(cfg) == num_parameters(cfg) - num_sparse * unrouted

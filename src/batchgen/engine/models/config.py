@@ -43,6 +43,7 @@ class ModelConfig:
     moe_router: str = "softmax_topk"
     moe_renormalize: bool = False  # softmax_topk: the k weights divided by their sum (Mixtral; Qwen3-MoE's norm_topk_prob)
     moe_router_bias: bool = False  # a bias on the router's logits (gpt-oss)
+    moe_expert_bias: bool = False  # biases on every expert's gate/up and down projections (gpt-oss)
     # Layers that keep a dense MLP (intermediate_size wide) in an MoE model (Qwen3-MoE's mlp_only_layers and
     # decoder_sparse_step); the others hold the experts.
     moe_dense_layers: tuple[int, ...] = ()
@@ -93,15 +94,22 @@ class ModelConfig:
         return (self.vocab_size, self.hidden_size)
 
     @classmethod
-    def from_hf_dict(cls, cfg: dict) -> ModelConfig:
+    def from_hf_dict(cls, cfg: dict, is_plan_only: bool = False) -> ModelConfig:
         """From a parsed config.json: its architecture looked up in the registry (ValueError naming it
         when it is not registered), the keys every family shares, then what the family reads its own
-        way (its class's `config_fields`)."""
+        way (its class's `config_fields`). `is_plan_only` (`batchgen plan`): an architecture the engine
+        does not run yet but whose shapes the planner reads (registry.PLAN_ONLY_ARCHITECTURES) is read too;
+        loading such a config still refuses it by name."""
         # The registry imports the family files, which import this module for annotations only.
-        from batchgen.engine.models.registry import ARCHITECTURES, hf_architecture
+        from batchgen.engine.models.registry import ARCHITECTURES, PLAN_ONLY_ARCHITECTURES, hf_architecture
 
-        architecture = hf_architecture(cfg)
-        family = ARCHITECTURES[architecture]
+        names = cfg.get("architectures") or []
+        plan_only = next((n for n in names if n in PLAN_ONLY_ARCHITECTURES), None) if is_plan_only else None
+        if plan_only is not None and not any(n in ARCHITECTURES for n in names):
+            architecture, family = plan_only, PLAN_ONLY_ARCHITECTURES[plan_only]
+        else:
+            architecture = hf_architecture(cfg)
+            family = ARCHITECTURES[architecture]
         model_type = cfg.get("model_type", family.model_type)
         num_heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads

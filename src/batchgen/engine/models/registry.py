@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from batchgen.engine.models.glm4 import Glm4ForCausalLM
+from batchgen.engine.models.gpt_oss_shapes import GptOssShapes
 from batchgen.engine.models.llama import LlamaForCausalLM
 from batchgen.engine.models.mixtral import MixtralForCausalLM
 from batchgen.engine.models.olmo2 import Olmo2ForCausalLM
@@ -51,6 +52,13 @@ ARCHITECTURES: dict[str, Architecture] = {
     # Mixture of experts (layers/moe.py); their GGUF files (ffn_*_exps) are not read yet.
     "MixtralForCausalLM": Architecture(MixtralForCausalLM, "mixtral", gguf_name=None),
     "Qwen3MoeForCausalLM": Architecture(Qwen3MoeForCausalLM, "qwen3_moe", gguf_name=None),
+}
+
+
+# Architectures whose config.json `batchgen plan` reads (ModelConfig.from_hf_dict(is_plan_only=True)) but the
+# engine does not run yet: an Architecture whose class only reads the config (constructing it raises).
+PLAN_ONLY_ARCHITECTURES: dict[str, Architecture] = {
+    "GptOssForCausalLM": Architecture(GptOssShapes, "gpt_oss", gguf_name=None),
 }
 
 
