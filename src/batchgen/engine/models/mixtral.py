@@ -17,6 +17,8 @@ if TYPE_CHECKING:
 class MixtralForCausalLM(MoECausalLM):
     """HF's MixtralForCausalLM: every layer sparse, experts intermediate_size wide."""
 
+    is_gguf_qk_permuted = True  # llama.cpp writes it as a "llama" (q/k rows in its interleaved rope order)
+
     def __init__(self, cfg: ModelConfig, max_positions: int, attention_backend: AttentionBackend,
                  parallel: TensorParallel | None = None):
         refuse_sliding_window("MixtralForCausalLM", cfg.sliding_window, max_positions)

@@ -49,9 +49,10 @@ ARCHITECTURES: dict[str, Architecture] = {
     # llama.cpp's "glm4" GGUF files are not read yet (their ffn_up is fused gate/up, post-norm names differ).
     "Glm4ForCausalLM": Architecture(Glm4ForCausalLM, "glm4", gguf_name=None),
     "Phi3ForCausalLM": Architecture(Phi3ForCausalLM, "phi3", gguf_name="phi3"),
-    # Mixture of experts (layers/moe.py); their GGUF files (ffn_*_exps) are not read yet.
+    # Mixture of experts (layers/moe.py). llama.cpp writes Mixtral as "llama" with experts (gguf_loader.py
+    # reads such a file as Mixtral).
     "MixtralForCausalLM": Architecture(MixtralForCausalLM, "mixtral", gguf_name=None),
-    "Qwen3MoeForCausalLM": Architecture(Qwen3MoeForCausalLM, "qwen3_moe", gguf_name=None),
+    "Qwen3MoeForCausalLM": Architecture(Qwen3MoeForCausalLM, "qwen3_moe", gguf_name="qwen3moe"),
 }
 
 
