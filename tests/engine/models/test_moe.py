@@ -1,10 +1,11 @@
-"""Mixture-of-experts families (Mixtral, Qwen3-MoE) against transformers' own classes on tiny random models.
+"""Mixture-of-experts families (Mixtral, Qwen3-MoE, Qwen2-MoE) against transformers' own classes on tiny random models.
 
 Each family is built by transformers (seeded, float32, eager attention, every weight random, norm gains
 included) and saved with save_pretrained (per-expert tensors, as the published checkpoints hold them).
 The tiny configs have enough experts and tokens that every expert is routed to (asserted through a
 hook on HF's routers); Qwen3-MoE has a dense layer among the sparse ones (`mlp_only_layers`) and runs
-without `norm_topk_prob` (Mixtral always renormalises), so both router settings are covered.
+without `norm_topk_prob` (Mixtral always renormalises), so both router settings are covered; Qwen2-MoE
+adds a shared expert beside the routed ones (and q/k/v biases), a dense last layer, and norm_topk_prob.
 
 Shown: prompt log-probabilities within 1e-4 of HF's float32 log-softmax; greedy 32-token outputs equal
 to HF `generate` on 8 prompts, each alone and all in one batch with chunked prefill and prefix caching
@@ -37,6 +38,9 @@ FAMILIES = {
     "Qwen3MoeForCausalLM": dict(intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3, num_experts=16,
                                 num_experts_per_tok=4, norm_topk_prob=False, mlp_only_layers=[1], head_dim=16,
                                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+    "Qwen2MoeForCausalLM": dict(intermediate_size=96, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                                num_hidden_layers=3, num_experts=16, num_experts_per_tok=4, norm_topk_prob=True,
+                                mlp_only_layers=[2], rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
 }
 SETTINGS = dict(dtype="float32", device="cpu", max_model_len=256, kv_cache_memory="64MiB")
 
@@ -99,7 +103,7 @@ def test_prompt_logprobs_equal_hfs_log_softmax_and_every_expert_is_routed_to(fam
         monkeypatch.setattr(capabilities, "can_pack", lambda device, dtype: False)
     seen = routed_experts(hf)
     expected = [torch.log_softmax(hf(torch.tensor([ids])).logits[0, :-1].float(), dim=-1) for ids in prompts]
-    num_experts = hf.config.num_local_experts
+    num_experts = getattr(hf.config, "num_local_experts", None) or hf.config.num_experts
     num_sparse = sum(1 for i in range(hf.config.num_hidden_layers)
                      if i not in getattr(hf.config, "mlp_only_layers", []))
     assert len(seen) == num_sparse and all(s == set(range(num_experts)) for s in seen.values()), seen
@@ -179,6 +183,10 @@ def test_the_config_names_the_dense_layers_and_the_router_setting(family):
     if architecture == "MixtralForCausalLM":
         assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.moe_renormalize,
                 cfg.moe_dense_layers) == (8, 2, 48, True, ())
+    elif architecture == "Qwen2MoeForCausalLM":
+        assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.moe_renormalize,
+                cfg.moe_dense_layers, cfg.shared_expert_intermediate_size, cfg.attention_bias, cfg.qk_norm) == (
+            16, 4, 32, True, (2,), 48, True, False)
     else:
         assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.moe_renormalize,
                 cfg.moe_dense_layers, cfg.qk_norm) == (16, 4, 32, False, (1,), True)

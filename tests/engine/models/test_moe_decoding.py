@@ -1,4 +1,4 @@
-"""The decoding features stay exact on mixture-of-experts models (Mixtral, Qwen3-MoE; the tiny random
+"""The decoding features stay exact on mixture-of-experts models (Mixtral, Qwen3-MoE, Qwen2-MoE; the tiny random
 families of test_moe.py), each against HF transformers running the same weights:
 
 - n-gram speculative decoding: greedy tokens equal HF `generate(use_cache=False)` (the verify chunks run

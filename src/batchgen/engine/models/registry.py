@@ -23,6 +23,7 @@ from batchgen.engine.models.mixtral import MixtralForCausalLM
 from batchgen.engine.models.olmo2 import Olmo2ForCausalLM
 from batchgen.engine.models.phi3 import Phi3ForCausalLM
 from batchgen.engine.models.qwen2 import Qwen2ForCausalLM
+from batchgen.engine.models.qwen2_moe import Qwen2MoeForCausalLM
 from batchgen.engine.models.qwen3 import Qwen3ForCausalLM
 from batchgen.engine.models.qwen3_moe import Qwen3MoeForCausalLM
 
@@ -53,6 +54,7 @@ ARCHITECTURES: dict[str, Architecture] = {
     # reads such a file as Mixtral).
     "MixtralForCausalLM": Architecture(MixtralForCausalLM, "mixtral", gguf_name=None),
     "Qwen3MoeForCausalLM": Architecture(Qwen3MoeForCausalLM, "qwen3_moe", gguf_name="qwen3moe"),
+    "Qwen2MoeForCausalLM": Architecture(Qwen2MoeForCausalLM, "qwen2_moe", gguf_name=None),  # with a shared expert
 }
 
 
