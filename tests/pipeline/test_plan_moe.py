@@ -86,3 +86,35 @@ def test_the_text_plan_names_experts_active_parameters_and_decode_reads():
     assert result.exit_code == 0, result.output
     assert "128 x top 8" in result.output and "30.53 B parameters, 3.35 B active per token" in result.output
     assert "decode reads, 1 seq" in result.output and "6.71 GB" in result.output  # 3,353,032,704 x 2 bytes
+
+
+# The published gpt-oss-120b config.json declares its experts MXFP4 (quantization_config quant_method "mxfp4";
+# router, attention, embeddings and lm_head left out): each expert's 3 x 2880 x 2880 weights in blocks of 32
+# values, 17 bytes a block (16 bytes of 4-bit values, one shared 8-bit scale), its biases bfloat16.
+OSS_EXPERT_BLOCKS = 3 * 2880 * (2880 // 32)
+OSS_MXFP4_BYTES = OSS_PARAMS * BF16 - 36 * 128 * 3 * 2880 * 2880 * BF16 + 36 * 128 * OSS_EXPERT_BLOCKS * 17
+
+
+def test_gpt_oss_120b_with_its_mxfp4_experts_fits_one_80gb_gpu_at_short_context(tmp_path):
+    raw = json.loads((DATA / "gpt-oss-120b" / "config.json").read_text())
+    raw["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (tmp_path / "gpt-oss-120b").mkdir()
+    (tmp_path / "gpt-oss-120b" / "config.json").write_text(json.dumps(raw))
+    result = CliRunner().invoke(app, ["plan", str(tmp_path / "gpt-oss-120b"), "--dtype", "bfloat16", "--max-model-len",
+                                      "8192", "--concurrency", "1", "--memory", "80GB", "--json"])
+    assert result.exit_code == 0, result.output
+    plan = json.loads(result.stdout)
+    assert plan["weight_bytes"] == OSS_MXFP4_BYTES
+    assert round(OSS_MXFP4_BYTES / 1e9, 2) == 65.25  # the published checkpoint's ~65 GB of safetensors
+    assert plan["num_parameters"] == OSS_PARAMS  # a packed value is one parameter
+    assert plan["smallest_tensor_parallel_size"] == 1  # the model card: "fits into a single 80GB GPU"
+    # one token reads its 4 experts of each layer, packed: 128 - 4 experts' bytes left unread
+    assert plan["decode_weight_bytes_one"] == OSS_MXFP4_BYTES - 36 * 124 * (OSS_EXPERT_BLOCKS * 17 + 3 * 2880 * BF16)
+    text = CliRunner().invoke(app, ["plan", str(tmp_path / "gpt-oss-120b"), "--dtype", "bfloat16"]).output
+    assert "128 x top 4, MXFP4 as published" in text
+    # 64 requests of 32k: 4 GPUs (KV heads 2 a GPU: 64 x 32768 x 18432 B x 1.1 = 42.5 GB, weights ~16 GB)
+    # where the bfloat16 experts needed 7
+    many = CliRunner().invoke(app, ["plan", str(tmp_path / "gpt-oss-120b"), "--dtype", "bfloat16", "--max-model-len",
+                                    "32768", "--concurrency", "64", "--memory", "80GB", "--json"])
+    assert json.loads(many.stdout)["smallest_tensor_parallel_size"] == 4

@@ -3,7 +3,9 @@ reads only its top-k experts' weights.
 
 - `expert_block_bytes`: one MoE layer's router and routed experts as the engine holds them (in the model
   dtype: the experts are (E, ...) tensors no quantizer at load swaps; FP8 / int8 / int4 at load quantize
-  the other linear layers), what takes the place of the dense MLP in kv/capacity.weight_bytes;
+  the other linear layers), what takes the place of the dense MLP in kv/capacity.weight_bytes; with
+  moe_expert_format "mxfp4" (gpt-oss's published experts, planned only) each expert's weights at their
+  packed size, 17 bytes per 32 values (16 bytes of 4-bit values, one 8-bit shared scale), biases in dtype;
 - `num_parameters` / `num_active_parameters`: all weights, and those one token runs through (its k
   experts of each MoE layer; embeddings and lm_head included, as model cards count "activated");
 - `decode_weight_bytes`: the weight bytes one decode step of `batch` sequences reads: everything but the
@@ -13,6 +15,8 @@ reads only its top-k experts' weights.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
@@ -26,7 +30,27 @@ def num_moe_layers(cfg: ModelConfig) -> int:
 def expert_block_bytes(cfg: ModelConfig, element_bytes: int) -> int:
     """Router (E x H, plus E bias values with moe_router_bias) and the E routed experts, one MoE layer."""
     router = cfg.num_experts * cfg.hidden_size + (cfg.num_experts if cfg.moe_router_bias else 0)
-    return (router + cfg.num_experts * expert_parameters(cfg)) * element_bytes
+    return router * element_bytes + cfg.num_experts * expert_bytes(cfg, element_bytes)
+
+
+MXFP4_BLOCK_VALUES = 32  # OCP MX: a block of 32 FP4 (E2M1) values, 16 bytes, shares one E8M0 scale byte
+MXFP4_BLOCK_BYTES = MXFP4_BLOCK_VALUES // 2 + 1
+
+
+def expert_bytes(cfg: ModelConfig, element_bytes: int) -> int:
+    """One routed expert as stored: its parameters in `element_bytes` each, or (moe_expert_format "mxfp4")
+    its three projections packed (each row's input channels in blocks of 32, a partial last block taking a
+    whole one: a tensor-parallel rank's slice of down_proj's channels need not be whole blocks) and its
+    biases unpacked."""
+    if cfg.moe_expert_format == "mxfp4":
+        inter, hidden = cfg.moe_intermediate_size, cfg.hidden_size
+        blocks = 2 * inter * -(-hidden // MXFP4_BLOCK_VALUES) + hidden * -(-inter // MXFP4_BLOCK_VALUES)
+        packed = blocks * MXFP4_BLOCK_BYTES
+        biases = (2 * inter + hidden) if cfg.moe_expert_bias else 0
+        return packed + biases * element_bytes
+    if cfg.moe_expert_format:
+        raise ValueError(f"moe_expert_format {cfg.moe_expert_format!r} is not one of '', 'mxfp4'")
+    return expert_parameters(cfg) * element_bytes
 
 
 def expert_parameters(cfg: ModelConfig) -> int:
@@ -37,10 +61,10 @@ def expert_parameters(cfg: ModelConfig) -> int:
 
 
 def num_parameters(cfg: ModelConfig) -> int:
-    """Every weight the model holds (a tied lm_head counted once)."""
+    """Every weight the model holds (a tied lm_head counted once; a packed value counts as one)."""
     from batchgen.engine.kv.capacity import weight_bytes
 
-    return weight_bytes(cfg, torch.float32) // 4
+    return weight_bytes(dataclasses.replace(cfg, moe_expert_format=""), torch.float32) // 4
 
 
 def num_active_parameters(cfg: ModelConfig) -> int:
@@ -65,4 +89,4 @@ def decode_weight_bytes(cfg: ModelConfig, dtype: torch.dtype, batch: int, quanti
     if not cfg.is_moe:
         return total
     untouched = cfg.num_experts - expected_experts_touched(cfg, batch)
-    return int(total - num_moe_layers(cfg) * untouched * expert_parameters(cfg) * dtype_bytes(dtype))
+    return int(total - num_moe_layers(cfg) * untouched * expert_bytes(cfg, dtype_bytes(dtype)))

@@ -44,6 +44,9 @@ class ModelConfig:
     moe_renormalize: bool = False  # softmax_topk: the k weights divided by their sum (Mixtral; Qwen3-MoE's norm_topk_prob)
     moe_router_bias: bool = False  # a bias on the router's logits (gpt-oss)
     moe_expert_bias: bool = False  # biases on every expert's gate/up and down projections (gpt-oss)
+    # How the routed experts' weights are stored: "" (the model dtype) or "mxfp4" (gpt-oss as published: blocks
+    # of 32 4-bit values sharing an 8-bit scale, 17 bytes a block; read by `batchgen plan` only, kv/moe_capacity.py).
+    moe_expert_format: str = ""
     # Layers that keep a dense MLP (intermediate_size wide) in an MoE model (Qwen3-MoE's mlp_only_layers and
     # decoder_sparse_step); the others hold the experts.
     moe_dense_layers: tuple[int, ...] = ()
