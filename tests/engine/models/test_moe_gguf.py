@@ -1,7 +1,8 @@
 """Mixture-of-experts GGUF files (llama.cpp's layout) against HF transformers on the same weights.
 
-Tiny random Mixtral and Qwen3-MoE (every layer sparse: llama.cpp's qwen3moe has no dense layers; Qwen3-MoE
-with norm_topk_prob, as llama.cpp always renormalises) written with the `gguf` package as llama.cpp's
+Tiny random Mixtral, Qwen3-MoE and Qwen2-MoE (every layer sparse: llama.cpp's MoE architectures have no
+dense layers; Qwen3-MoE with norm_topk_prob, Qwen2-MoE without, as llama.cpp renormalises for qwen3moe and
+not for qwen2moe; Qwen2-MoE's shared expert and q/k/v biases) written with the `gguf` package as llama.cpp's
 converter writes them (convert_hf_to_gguf.py): Mixtral as a "llama" file with expert_count (q/k rows in
 its interleaved rope order), Qwen3-MoE as "qwen3moe" with expert_feed_forward_length; the router as
 `ffn_gate_inp`, each projection's experts stacked in one `ffn_*_exps` tensor (E, out, in), or (older
@@ -18,6 +19,7 @@ import pytest
 import torch
 
 from batchgen.engine import LLM, SamplingParams
+from batchgen.engine.kv.capacity import weight_bytes
 from batchgen.engine.loader.gguf_loader import read_gguf_config
 from tests.engine.helpers import run_requests
 from tests.engine.models.test_moe import ATTENTION
@@ -29,8 +31,11 @@ FAMILIES = {
     "Qwen3MoeForCausalLM": dict(intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2, num_experts=16,
                                 num_experts_per_tok=4, norm_topk_prob=True, head_dim=16,
                                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+    "Qwen2MoeForCausalLM": dict(intermediate_size=96, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                                num_hidden_layers=2, num_experts=16, num_experts_per_tok=4, norm_topk_prob=False,
+                                rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
 }
-GGUF_ARCH = {"MixtralForCausalLM": "llama", "Qwen3MoeForCausalLM": "qwen3moe"}
+GGUF_ARCH = {"MixtralForCausalLM": "llama", "Qwen3MoeForCausalLM": "qwen3moe", "Qwen2MoeForCausalLM": "qwen2moe"}
 SETTINGS = dict(dtype="float32", device="cpu", max_model_len=256, kv_cache_memory="64MiB")
 NUM_TOKENS = 16
 
@@ -77,14 +82,16 @@ def write_moe_gguf(hf, architecture: str, path, smollm_path, *, is_per_expert: b
     writer.add_head_count_kv(cfg.num_key_value_heads)
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-    writer.add_expert_count(cfg.num_local_experts if architecture == "MixtralForCausalLM" else cfg.num_experts)
+    writer.add_expert_count(getattr(cfg, "num_local_experts", None) or cfg.num_experts)
     writer.add_expert_used_count(cfg.num_experts_per_tok)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     writer.add_rope_dimension_count(head_dim)
-    if arch == "qwen3moe":
+    if arch in ("qwen3moe", "qwen2moe"):
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
         writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    if arch == "qwen2moe":
+        writer.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
     for key, (kind, contents) in tokenizer_fields(str(smollm_path)).items():
         if kind == gguf.GGUFValueType.ARRAY:
             writer.add_array(key, contents)
@@ -93,10 +100,14 @@ def write_moe_gguf(hf, architecture: str, path, smollm_path, *, is_per_expert: b
     names = {"embed_tokens": "token_embd", "norm": "output_norm", "input_layernorm": "attn_norm",
              "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
              "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
-             "self_attn.k_norm": "attn_k_norm", "post_attention_layernorm": "ffn_norm", "mlp.gate": "ffn_gate_inp"}
+             "self_attn.k_norm": "attn_k_norm", "post_attention_layernorm": "ffn_norm", "mlp.gate": "ffn_gate_inp",
+             "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
+             "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}
     for name, tensor in hf.state_dict().items():
         array = tensor.float().numpy()
-        name = name.removeprefix("model.").removesuffix(".weight")
+        name = name.removeprefix("model.")
+        kind = "bias" if name.endswith(".bias") else "weight"
+        name = name.removesuffix(".weight").removesuffix(".bias")
         if name == "lm_head":
             writer.add_tensor("output.weight", array)
             continue
@@ -113,7 +124,9 @@ def write_moe_gguf(hf, architecture: str, path, smollm_path, *, is_per_expert: b
             if arch == "llama" and rest in ("self_attn.q_proj", "self_attn.k_proj"):
                 heads = cfg.num_attention_heads if rest == "self_attn.q_proj" else cfg.num_key_value_heads
                 array = llama_cpp_permute(array, heads)
-            writer.add_tensor(f"blk.{layer}.{names[rest]}.weight", array)
+            if rest == "mlp.shared_expert_gate":  # llama.cpp's {n_embd} shape
+                array = array.reshape(-1)
+            writer.add_tensor(f"blk.{layer}.{names[rest]}.{kind}", array)
             continue
         for base, stack in stacks.items():
             stack = np.ascontiguousarray(stack)
@@ -156,16 +169,21 @@ def assert_matches_hf(hf, llm: LLM, prompts: list[list[int]], where: str) -> Non
 
 
 @pytest.mark.parametrize("architecture, layout", [
-    ("MixtralForCausalLM", "stacked"), ("MixtralForCausalLM", "per_expert"), ("Qwen3MoeForCausalLM", "stacked")])
+    ("MixtralForCausalLM", "stacked"), ("MixtralForCausalLM", "per_expert"), ("Qwen3MoeForCausalLM", "stacked"),
+    ("Qwen2MoeForCausalLM", "stacked")])
 def test_a_gguf_with_experts_matches_hf(architecture, layout, hf_tokenizer, smollm_path, prompts, tmp_path):
     hf = build_hf(architecture, hf_tokenizer)
     path = write_moe_gguf(hf, architecture, tmp_path / "moe.gguf", smollm_path, is_per_expert=layout == "per_expert")
     cfg = read_gguf_config(path)
     num_experts = FAMILIES[architecture].get("num_local_experts") or FAMILIES[architecture]["num_experts"]
     assert (cfg.architecture, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_renormalize, cfg.moe_dense_layers) \
-        == (architecture, num_experts, FAMILIES[architecture]["num_experts_per_tok"], True, ())
+        == (architecture, num_experts, FAMILIES[architecture]["num_experts_per_tok"],
+            FAMILIES[architecture].get("norm_topk_prob", True), ())
     assert cfg.moe_intermediate_size == FAMILIES[architecture].get("moe_intermediate_size", 48)
-    assert_matches_hf(hf, LLM(str(path), **SETTINGS), prompts, f"{architecture} {layout}")
+    assert cfg.shared_expert_intermediate_size == FAMILIES[architecture].get("shared_expert_intermediate_size", 0)
+    llm = LLM(str(path), **SETTINGS)
+    assert llm.engine.weight_bytes == weight_bytes(cfg, torch.float32)  # the planner's figure for the file
+    assert_matches_hf(hf, llm, prompts, f"{architecture} {layout}")
 
 
 @torch.no_grad()

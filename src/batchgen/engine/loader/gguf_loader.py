@@ -4,7 +4,9 @@ Mixture of experts (llama.cpp's converter): `{arch}.expert_count` / `expert_used
 `expert_feed_forward_length`) in the metadata; the router `blk.L.ffn_gate_inp`; every expert's projection
 stacked in one tensor `blk.L.ffn_{gate,up,down}_exps` ((E, out, in) rows-major), or in older files one
 tensor per expert `blk.L.ffn_gate.E`. A "llama" file with experts is a Mixtral (llama.cpp reads both so);
-llama.cpp renormalises the top-k softmax weights for llama and qwen3moe alike.
+llama.cpp renormalises the top-k softmax weights for llama and qwen3moe, not for qwen2moe (Qwen2-MoE),
+whose shared expert is `ffn_{gate,up,down}_shexp` with its gate `ffn_gate_inp_shexp`
+(`expert_shared_feed_forward_length` wide).
 """
 
 from __future__ import annotations
@@ -30,13 +32,18 @@ _TENSOR_NAMES = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
     "attn_qkv": "self_attn.qkv_proj",  # stored fused (Phi-3)
     "ffn_gate_inp": "mlp.gate",  # an MoE layer's router
+    # qwen2moe's shared expert and its sigmoid gate (llama.cpp may store the gate 1-D: reshaped to (1, H))
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj", "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
 # An MoE layer's experts: llama.cpp's stacked (E, out, in) tensor, or its per-expert base name in older
 # files (blk.L.ffn_gate.E.weight) -> the HF per-expert projection.
 _EXPERT_TENSORS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 _LEGACY_EXPERT_TENSORS = {"ffn_gate": "gate_proj", "ffn_up": "up_proj", "ffn_down": "down_proj"}
 # GGUF architectures whose files may hold experts, and the HF architecture such a file runs as.
-_MOE_ARCHITECTURES = {"llama": "MixtralForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM"}
+_MOE_ARCHITECTURES = {"llama": "MixtralForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM"}
+# Whether llama.cpp renormalises the top-k weights (build_moe_ffn's norm_w): qwen2moe does not.
+_MOE_RENORMALIZES = {"llama": True, "qwen3moe": True, "qwen2moe": False}
 # A family's own meaning of a base name, by HF architecture: Phi-3's ffn_up holds gate and up, fused.
 _FAMILY_TENSOR_NAMES = {"Phi3ForCausalLM": {"ffn_up": "mlp.gate_up_proj"}}
 
@@ -136,9 +143,10 @@ def _phi3_fields(path: Path, field, head_dim: int, names: set[str]) -> dict:
 
 
 def _moe_fields(path: Path, arch: str, field, num_experts: int) -> dict:
-    """The MoE ModelConfig fields of a llama / qwen3moe file: a softmax router over every expert, the top
-    expert_used_count renormalised (llama.cpp's build_moe_ffn with norm_w for both), every layer sparse.
-    ValueError naming the key for a gating or weight scale llama.cpp applies that these families lack."""
+    """The MoE ModelConfig fields of a llama / qwen3moe / qwen2moe file: a softmax router over every expert,
+    the top expert_used_count, renormalised as llama.cpp's build_moe_ffn does for the architecture, every
+    layer sparse; qwen2moe's shared expert. ValueError naming the key for a gating or weight scale
+    llama.cpp applies that these families lack."""
     top_k = field(f"{arch}.expert_used_count", required=True)
     if not 1 <= top_k <= num_experts:
         raise ValueError(f"GGUF file {path}: {arch}.expert_used_count {top_k} is not in [1, {num_experts}]")
@@ -149,8 +157,11 @@ def _moe_fields(path: Path, arch: str, field, num_experts: int) -> dict:
     if scale not in (0.0, 1.0):  # llama.cpp applies it only when != 0
         raise ValueError(f"GGUF file {path}: {arch}.expert_weights_scale {scale} is not supported (1.0)")
     width = field(f"{arch}.expert_feed_forward_length") or field(f"{arch}.feed_forward_length", required=True)
-    return {"num_experts": num_experts, "num_experts_per_tok": top_k, "moe_intermediate_size": width,
-            "moe_router": "softmax_topk", "moe_renormalize": True}
+    fields = {"num_experts": num_experts, "num_experts_per_tok": top_k, "moe_intermediate_size": width,
+              "moe_router": "softmax_topk", "moe_renormalize": _MOE_RENORMALIZES[arch]}
+    if arch == "qwen2moe":
+        fields["shared_expert_intermediate_size"] = field(f"{arch}.expert_shared_feed_forward_length", required=True)
+    return fields
 
 
 def _num_tokens(header: GGUFHeader) -> int:
@@ -217,6 +228,8 @@ def iter_gguf_weights(path: Path, cfg: ModelConfig, skip: frozenset[str] = froze
         array = gguf_shard_array(tensor, spec)
         if spec is not None and spec.dim == 0 and spec.size != array.shape[0]:  # the vocabulary's padded tail
             array = pad_rows(torch.from_numpy(array), spec.size).numpy()
+        if base == "ffn_gate_inp_shexp" and array.ndim == 1:
+            array = array[None, :]
         if parts[0] == "blk" and _is_rope_permuted(cfg, base):
             array = _reverse_permute(array, cfg.num_heads if base == "attn_q" else cfg.num_kv_heads)
         if not array.flags.writeable or not array.flags.c_contiguous:  # F32 tensors are views of the mmap

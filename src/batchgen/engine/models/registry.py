@@ -54,7 +54,7 @@ ARCHITECTURES: dict[str, Architecture] = {
     # reads such a file as Mixtral).
     "MixtralForCausalLM": Architecture(MixtralForCausalLM, "mixtral", gguf_name=None),
     "Qwen3MoeForCausalLM": Architecture(Qwen3MoeForCausalLM, "qwen3_moe", gguf_name="qwen3moe"),
-    "Qwen2MoeForCausalLM": Architecture(Qwen2MoeForCausalLM, "qwen2_moe", gguf_name=None),  # with a shared expert
+    "Qwen2MoeForCausalLM": Architecture(Qwen2MoeForCausalLM, "qwen2_moe", gguf_name="qwen2moe"),  # a shared expert
 }
 
 
