@@ -7,7 +7,8 @@ attention, dense-MLP and expert projection quantized in 32 x 48 blocks (partial 
 input channels), the router, norms, embeddings and lm_head left in float32 (as the published checkpoints
 leave them). HF runs the same weights dequantized by transformers' own fine-grained FP8 dequantizer.
 Shown: prompt log-probabilities within 1e-4 of HF's, greedy tokens equal to HF's, and the FP8 folder giving
-exactly the float folder's log-probabilities; a missing scale is refused by name.
+exactly the float folder's log-probabilities; a missing scale is refused by name; tp=2 over gloo (each
+weight dequantized whole, then split) gives one process's greedy tokens.
 """
 
 from __future__ import annotations
@@ -112,3 +113,22 @@ def test_an_fp8_weight_without_its_block_scales_is_refused_by_name(checkpoints, 
     save_file(tensors, str(folder / "model.safetensors"))
     with pytest.raises(ValueError, match=r"layers\.0\.mlp\.experts\.5\.up_proj\.weight \(no weight_scale_inv\)"):
         LLM(str(folder), **SETTINGS)
+
+
+@pytest.mark.subprocess
+@torch.no_grad()
+def test_tp2_on_a_block_scaled_fp8_checkpoint_equals_one_process(checkpoints, hf_tokenizer):
+    folders, _ = checkpoints
+    gen = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(3, len(hf_tokenizer), (n,), generator=gen).tolist() for n in (9, 30, 52)]
+    params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
+    requests = {f"p{i}": (p, params) for i, p in enumerate(prompts)}
+    expected = run_requests(LLM(str(folders["fp8"]), **SETTINGS).engine, requests)
+    threads = torch.get_num_threads()
+    tp = LLM(str(folders["fp8"]), tensor_parallel_size=2, **SETTINGS)
+    try:
+        got = run_requests(tp.engine, requests)
+    finally:
+        tp.engine.shutdown()
+        torch.set_num_threads(threads)
+    assert {k: v.outputs[0].token_ids for k, v in got.items()} == {k: v.outputs[0].token_ids for k, v in expected.items()}

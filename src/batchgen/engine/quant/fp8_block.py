@@ -6,7 +6,8 @@ ceil(K / bk)): the value of element (n, k) is weight[n, k] x weight_scale_inv[n 
 says "inverse": the quantizer divided by it). Edge blocks may be partial.
 
 Such a checkpoint loads dequantized (`dequantizing_fp8_blocks` on the stream of tensors, the engine's
-loader): its layers are held in the model dtype, or re-quantized per channel by `quantization: fp8`;
+loader; under tensor parallelism each weight is dequantized whole, then cut to the rank's slice): its
+layers are held in the model dtype, or re-quantized per channel by `quantization: fp8`;
 methods.declared_quantization reports no declared quantization for it.
 """
 
