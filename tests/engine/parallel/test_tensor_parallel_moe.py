@@ -66,3 +66,39 @@ def test_tp2_greedy_tokens_equal_one_process(qwen3_moe_folder):
         tp.engine.shutdown()
         torch.set_num_threads(threads)
     assert {k: v.outputs[0].token_ids for k, v in got.items()} == {k: v.outputs[0].token_ids for k, v in expected.items()}
+
+
+def test_the_layout_splits_a_shared_experts_channels_and_keeps_its_gate_whole():
+    cfg = ModelConfig.from_hf_dict({"architectures": ["Qwen2MoeForCausalLM"], "vocab_size": 256, **ATTENTION,
+                                    **FAMILIES["Qwen2MoeForCausalLM"]})
+    layout = TensorParallelLayout.plan(cfg, 1, 2)
+    assert layout.rank_config(cfg).shared_expert_intermediate_size == 24
+    assert layout.shard("model.layers.0.mlp.shared_expert.gate_proj.weight", (48, 64)) == (0, 24, 48, 24)
+    assert layout.shard("model.layers.0.mlp.shared_expert.down_proj.weight", (64, 48)) == (1, 24, 48, 24)
+    assert layout.shard("model.layers.0.mlp.shared_expert_gate.weight", (1, 64)) is None
+    assert layout.shard("model.layers.2.mlp.gate_proj.weight", (96, 64)) == (0, 48, 96, 48)  # the dense layer's
+
+
+@torch.no_grad()
+def test_tp2_with_a_shared_expert_equals_one_process(hf_tokenizer, tmp_path):
+    """Qwen2-MoE: every rank holds half the shared expert's channels; its sigmoid gate, the same on every
+    rank, scales the partial sums the block's all-reduce adds up."""
+    import transformers
+
+    config = transformers.Qwen2MoeConfig(vocab_size=len(hf_tokenizer), **ATTENTION, **FAMILIES["Qwen2MoeForCausalLM"])
+    torch.manual_seed(2)
+    randomize_weights(transformers.Qwen2MoeForCausalLM(config).float().eval()).save_pretrained(tmp_path)
+    hf_tokenizer.save_pretrained(tmp_path)
+    gen = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(3, 1000, (n,), generator=gen).tolist() for n in (11, 29, 47)]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    requests = {f"p{i}": (p, params) for i, p in enumerate(prompts)}
+    expected = run_requests(LLM(str(tmp_path), **SETTINGS).engine, requests)
+    threads = torch.get_num_threads()
+    tp = LLM(str(tmp_path), tensor_parallel_size=2, **SETTINGS)
+    try:
+        got = run_requests(tp.engine, requests)
+    finally:
+        tp.engine.shutdown()
+        torch.set_num_threads(threads)
+    assert {k: v.outputs[0].token_ids for k, v in got.items()} == {k: v.outputs[0].token_ids for k, v in expected.items()}

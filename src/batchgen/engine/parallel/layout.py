@@ -91,6 +91,9 @@ class TensorParallelLayout:
     total_intermediate: int = 0
     # MoE: the rank's slice of every routed expert's channels (moe_intermediate_size); (0, 0) in a dense model.
     moe_intermediate: tuple[int, int] = (0, 0)
+    # ... and of the shared expert's (shared_expert_intermediate_size; Qwen2-MoE), split as a dense MLP is;
+    # its 1 x H sigmoid gate is held whole (every rank scales its partial sums by the same factor).
+    shared_intermediate: tuple[int, int] = (0, 0)
 
     @classmethod
     def plan(cls, cfg: ModelConfig, rank: int, world_size: int, is_vocab_parallel: bool = True) -> TensorParallelLayout:
@@ -115,7 +118,8 @@ class TensorParallelLayout:
         return cls(rank, world_size, cfg.head_dim, query, kv, even_split(cfg.intermediate_size, world_size, rank),
                    vocab, cfg.vocab_size, is_vocab_parallel, total_query_heads=cfg.num_heads,
                    total_kv_heads=cfg.num_kv_heads, total_intermediate=cfg.intermediate_size,
-                   moe_intermediate=even_split(cfg.moe_intermediate_size, world_size, rank))
+                   moe_intermediate=even_split(cfg.moe_intermediate_size, world_size, rank),
+                   shared_intermediate=even_split(cfg.shared_expert_intermediate_size, world_size, rank))
 
     @property
     def num_query_heads(self) -> int:
@@ -137,7 +141,8 @@ class TensorParallelLayout:
         """The shapes this rank's modules have: its heads, MLP channels and vocabulary rows."""
         return dataclasses.replace(cfg, num_heads=self.num_query_heads, num_kv_heads=self.num_kv_heads,
                                    intermediate_size=self.num_intermediate, vocab_size=self.vocab_rows,
-                                   moe_intermediate_size=self.moe_intermediate[1] - self.moe_intermediate[0])
+                                   moe_intermediate_size=self.moe_intermediate[1] - self.moe_intermediate[0],
+                                   shared_expert_intermediate_size=self.shared_intermediate[1] - self.shared_intermediate[0])
 
     def fused_rows(self, module: str) -> list[tuple[int, int]] | None:
         """The [start, end) rows this rank holds of a checkpoint tensor stored already fused (Phi-3),
@@ -168,6 +173,14 @@ class TensorParallelLayout:
         head_dim = self.head_dim
         if "experts" in parts:
             return self._expert_shard(name, parts, shape)
+        if len(parts) >= 3 and parts[-3] == "shared_expert":  # gate/up rows, down columns of its channels
+            start, end = self.shared_intermediate
+            if module in ("gate_proj", "up_proj"):
+                return Shard(0, start, end, end - start) if _is_per_row(shape, kind) else None
+            if module == "down_proj" and kind == "weight" and len(shape) == 2:
+                return Shard(1, start, end, end - start)
+            raise ValueError(f"checkpoint tensor {name!r}: a shared expert's {kind} does not split with "
+                             "tensor_parallel_size > 1")
         if self.fused_rows(module) is not None:  # stored fused: its rows are no one range
             if kind != "weight" and _is_per_row(shape, kind):
                 raise ValueError(f"checkpoint tensor {name!r}: an already-fused layer's {kind} does not split "
@@ -228,9 +241,9 @@ def check_can_split(cfg: ModelConfig, world_size: int) -> None:
     if -(-world_size // cfg.num_kv_heads) > cfg.num_heads // cfg.num_kv_heads:
         raise ValueError(f"tensor_parallel_size {world_size} leaves a rank without a query head: the model has "
                          f"{cfg.num_heads} query heads over {cfg.num_kv_heads} KV heads")
-    if world_size > 1 and cfg.shared_expert_intermediate_size:
-        raise ValueError(f"tensor_parallel_size {world_size}: {cfg.architecture or cfg.model_type}'s shared expert "
-                         "is not split over ranks yet; use tensor_parallel_size 1")
+    if cfg.shared_expert_intermediate_size and world_size > cfg.shared_expert_intermediate_size:
+        raise ValueError(f"tensor_parallel_size {world_size} exceeds the shared expert's "
+                         f"{cfg.shared_expert_intermediate_size} channels")
     if cfg.is_moe and world_size > cfg.moe_intermediate_size:
         raise ValueError(f"tensor_parallel_size {world_size} exceeds the experts' {cfg.moe_intermediate_size} channels")
     if world_size > cfg.intermediate_size:
