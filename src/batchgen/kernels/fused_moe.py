@@ -33,6 +33,14 @@ def silu_mul_rows(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate).mul_(up)
 
 
+def clamped_swiglu_rows(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """(N, 2I) -> (N, I): gpt-oss's SwiGLU: gate clamped above at `limit`, up to [-limit, limit],
+    (up + 1) * gate * sigmoid(alpha * gate)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    gate = gate.clamp(max=limit)
+    return (up.clamp(-limit, limit) + 1) * gate * torch.sigmoid(gate * alpha)
+
+
 def sort_by_expert(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """ids (T, k) -> (order (T*k,) int64: the flat (token, slot) indices grouped by expert, tokens in
     their order within an expert; counts (E,) int64: the rows each expert receives)."""
@@ -43,10 +51,12 @@ def sort_by_expert(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, t
 
 
 def fused_moe_torch(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
-                    ids: torch.Tensor, activation: Callable[[torch.Tensor], torch.Tensor] = silu_mul_rows
+                    ids: torch.Tensor, activation: Callable[[torch.Tensor], torch.Tensor] = silu_mul_rows,
+                    gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None
                     ) -> torch.Tensor:
     """(T, H) -> (T, H): sum over each token's k experts of weight x down(act(gate_up(x))).
-    `activation`: (N, 2I) -> (N, I), e.g. the model's ops.silu_mul (a C kernel on the CPU)."""
+    `activation`: (N, 2I) -> (N, I), e.g. the model's ops.silu_mul (a C kernel on the CPU).
+    `gate_up_bias` (E, 2I) / `down_bias` (E, H): each expert's biases (gpt-oss), added after its GEMMs."""
     num_tokens, top_k = ids.shape
     num_experts, hidden = gate_up.shape[0], x.shape[1]
     order, counts = sort_by_expert(ids, num_experts)
@@ -57,11 +67,15 @@ def fused_moe_torch(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, 
     for expert, (start, end) in enumerate(zip(starts, bounds)):
         if end > start:
             torch.mm(rows[start:end], gate_up[expert].t(), out=projected[start:end])
+            if gate_up_bias is not None:
+                projected[start:end] += gate_up_bias[expert]
     act = activation(projected)  # (T*k, I)
     out_rows = torch.empty(num_tokens * top_k, hidden, dtype=x.dtype, device=x.device)
     for expert, (start, end) in enumerate(zip(starts, bounds)):
         if end > start:
             torch.mm(act[start:end], down[expert].t(), out=out_rows[start:end])
+            if down_bias is not None:
+                out_rows[start:end] += down_bias[expert]
     return combine(out_rows, order, weights)
 
 

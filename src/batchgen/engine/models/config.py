@@ -47,6 +47,10 @@ class ModelConfig:
     # How the routed experts' weights are stored: "" (the model dtype) or "mxfp4" (gpt-oss as published: blocks
     # of 32 4-bit values sharing an 8-bit scale, 17 bytes a block; read by `batchgen plan` only, kv/moe_capacity.py).
     moe_expert_format: str = ""
+    # gpt-oss's clamped SwiGLU in place of SiLU(gate) * up (None: the plain one): gate clamped above at the limit,
+    # up to [-limit, limit], (up + 1) * gate * sigmoid(alpha * gate).
+    moe_swiglu_limit: float | None = None
+    moe_swiglu_alpha: float = 1.702
     # Layers that keep a dense MLP (intermediate_size wide) in an MoE model (Qwen3-MoE's mlp_only_layers and
     # decoder_sparse_step); the others hold the experts.
     moe_dense_layers: tuple[int, ...] = ()

@@ -30,4 +30,6 @@ class GptOssShapes(CausalLM):
         is_mxfp4 = (hf_config.get("quantization_config") or {}).get("quant_method") == "mxfp4"
         return {"moe_expert_format": "mxfp4" if is_mxfp4 else "","num_experts": num_experts, "num_experts_per_tok": top_k,
                 "moe_intermediate_size": hf_config["intermediate_size"], "moe_router": "topk_softmax",
-                "moe_router_bias": True, "moe_expert_bias": True, "attention_bias": bias, "o_proj_bias": bias}
+                "moe_router_bias": True, "moe_expert_bias": True, "attention_bias": bias, "o_proj_bias": bias,
+                "moe_swiglu_limit": float(hf_config.get("swiglu_limit", 7.0)),
+                "moe_swiglu_alpha": float(hf_config.get("swiglu_alpha", 1.702))}

@@ -27,7 +27,7 @@ from torch import nn
 
 from batchgen.engine.models.layers.decoder import DecoderLayer
 from batchgen.engine.models.layers.mlp import GatedMLP
-from batchgen.kernels.fused_moe import fused_moe_modules, fused_moe_torch, silu_mul_rows
+from batchgen.kernels.fused_moe import clamped_swiglu_rows, fused_moe_modules, fused_moe_torch, silu_mul_rows
 
 if TYPE_CHECKING:
     from types import SimpleNamespace
@@ -66,23 +66,31 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    """Every routed expert's weights: gate_up_proj (E, 2I, H), gate rows then up rows; down_proj (E, H, I).
-    Under tensor parallelism I is the rank's slice of every expert's channels."""
+    """Every routed expert's weights: gate_up_proj (E, 2I, H), gate rows then up rows; down_proj (E, H, I);
+    with cfg.moe_expert_bias their biases gate_up_proj_bias (E, 2I) and down_proj_bias (E, H) (gpt-oss, whose
+    clamped SwiGLU cfg.moe_swiglu_limit selects). Under tensor parallelism I is the rank's slice of every
+    expert's channels."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         num, inter, hidden = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
         self.gate_up_proj = nn.Parameter(torch.empty(num, 2 * inter, hidden))
         self.down_proj = nn.Parameter(torch.empty(num, hidden, inter))
+        self.gate_up_proj_bias = nn.Parameter(torch.empty(num, 2 * inter)) if cfg.moe_expert_bias else None
+        self.down_proj_bias = nn.Parameter(torch.empty(num, hidden)) if cfg.moe_expert_bias else None
+        self.swiglu = None if cfg.moe_swiglu_limit is None else (cfg.moe_swiglu_alpha, cfg.moe_swiglu_limit)
 
         self.packed: nn.ModuleList | None = None  # per expert (gate_up, down) oneDNN layers (pack_for_onednn)
 
     def pack_for_onednn(self, can_fuse_silu_mul: bool) -> int:
         """CPU: each expert's two projections as prepacked oneDNN layers (models/cpu_linear.py; SiLU * up in
         the GEMMs' epilogues when `can_fuse_silu_mul`); the (E, ...) tensors are dropped (no second copy).
-        Returns the layers made. Called by cpu_linear.pack_linears."""
+        Returns the layers made (none for biased or clamped-SwiGLU experts: the grouped torch GEMMs run
+        them). Called by cpu_linear.pack_linears."""
         from batchgen.engine.models.cpu_linear import PackedLinear, PackedSiluMulLinear
 
+        if self.gate_up_proj_bias is not None or self.swiglu is not None:
+            return 0
         pairs = []
         for gate_up, down in zip(self.gate_up_proj.detach(), self.down_proj.detach()):
             up_linear = _linear(gate_up)
@@ -96,11 +104,18 @@ class Experts(nn.Module):
         """x (T, H), weights (T, k) float32, ids (T, k) -> (T, H)."""
         if self.packed is not None:
             return fused_moe_modules(x, [(up, down) for up, down in self.packed], weights, ids)
-        if x.is_cuda:
+        is_plain = self.gate_up_proj_bias is None and self.swiglu is None
+        if x.is_cuda and is_plain:
             from batchgen.kernels.triton_fused_moe import fused_moe_triton
 
             return fused_moe_triton(x, self.gate_up_proj, self.down_proj, weights, ids)
-        return fused_moe_torch(x, self.gate_up_proj, self.down_proj, weights, ids, ops.silu_mul)
+        if self.swiglu is None:
+            activation = ops.silu_mul
+        else:
+            alpha, limit = self.swiglu
+            activation = lambda gate_up: clamped_swiglu_rows(gate_up, alpha, limit)  # noqa: E731
+        return fused_moe_torch(x, self.gate_up_proj, self.down_proj, weights, ids, activation,
+                               self.gate_up_proj_bias, self.down_proj_bias)
 
 
 def _linear(weight: torch.Tensor) -> nn.Linear:
@@ -241,6 +256,17 @@ class ExpertCheckpoint:
             raise ValueError(f"{self.where}: checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
                              f"expected {tuple(dest.shape)}")
         dest.copy_(tensor.to(dest.dtype))
+
+
+def gpt_oss_expert_tensors(gate_up: torch.Tensor, gate_up_bias: torch.Tensor, down: torch.Tensor,
+                           down_bias: torch.Tensor) -> dict[str, torch.Tensor]:
+    """gpt-oss's expert tensors as transformers holds them (gate_up_proj (E, H, 2I) with gate and up
+    interleaved along the last dim, gate_up_proj_bias (E, 2I) likewise, down_proj (E, I, H), down_proj_bias
+    (E, H)) -> the Experts module's (gate rows then up rows; weights out x in)."""
+    gate_up_rows = torch.cat((gate_up[..., 0::2], gate_up[..., 1::2]), dim=-1).transpose(1, 2)
+    return {"gate_up_proj": gate_up_rows.contiguous(), "down_proj": down.transpose(1, 2).contiguous(),
+            "gate_up_proj_bias": torch.cat((gate_up_bias[..., 0::2], gate_up_bias[..., 1::2]), dim=-1),
+            "down_proj_bias": down_bias.clone()}
 
 
 def _part(dest: torch.Tensor, part: int | None) -> torch.Tensor:
