@@ -49,3 +49,46 @@ def test_the_gpt_oss_block_equals_transformers_gpt_oss_mlp():
     assert torch.allclose(got, expected[0], rtol=1e-5, atol=1e-5), (got - expected[0]).abs().max()
     routed = torch.topk(torch.nn.functional.linear(x, hf.router.weight, hf.router.bias), 4, dim=-1).indices
     assert set(routed.flatten().tolist()) == set(range(8))  # every expert received tokens
+
+
+@torch.no_grad()
+def test_mxfp4_experts_as_published_give_transformers_dequantized_block():
+    """Random MXFP4 blocks and scales in gpt-oss's checkpoint layout: the Experts tensors dequantized here
+    equal transformers' own dequantization (convert_moe_packed_tensors) passed through the bf16 layout
+    conversion, and the block then equals GptOssMLP holding transformers' dequantized weights."""
+    import transformers
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
+
+    from batchgen.engine.models.layers.moe import gpt_oss_mxfp4_expert_tensors
+
+    gen = torch.Generator().manual_seed(3)
+    num, hidden, inter = 8, 64, 32
+    gate_up_blocks = torch.randint(0, 256, (num, 2 * inter, hidden // 32, 16), generator=gen, dtype=torch.uint8)
+    gate_up_scales = torch.randint(122, 128, (num, 2 * inter, hidden // 32), generator=gen, dtype=torch.uint8)
+    down_blocks = torch.randint(0, 256, (num, hidden, inter // 32, 16), generator=gen, dtype=torch.uint8)
+    down_scales = torch.randint(122, 128, (num, hidden, inter // 32), generator=gen, dtype=torch.uint8)
+    gate_up_bias, down_bias = torch.randn(num, 2 * inter, generator=gen), torch.randn(num, hidden, generator=gen)
+    ours = gpt_oss_mxfp4_expert_tensors(gate_up_blocks, gate_up_scales, gate_up_bias, down_blocks, down_scales,
+                                        down_bias)
+    hf_config = transformers.GptOssConfig(**CONFIG)
+    hf = GptOssMLP(hf_config).float().eval()
+    hf.experts.gate_up_proj.copy_(convert_moe_packed_tensors(gate_up_blocks, gate_up_scales, dtype=torch.float32))
+    hf.experts.down_proj.copy_(convert_moe_packed_tensors(down_blocks, down_scales, dtype=torch.float32))
+    hf.experts.gate_up_proj_bias.copy_(gate_up_bias)
+    hf.experts.down_proj_bias.copy_(down_bias)
+    torch.manual_seed(4)
+    hf.router.weight.normal_(0.0, 0.3)
+    hf.router.bias.normal_(0.0, 0.3)
+    converted = gpt_oss_expert_tensors(hf.experts.gate_up_proj, hf.experts.gate_up_proj_bias, hf.experts.down_proj,
+                                       hf.experts.down_proj_bias)
+    assert all(torch.equal(ours[name], converted[name]) for name in converted)
+    cfg = ModelConfig.from_hf_dict({**hf_config.to_dict(), "architectures": ["GptOssForCausalLM"]}, is_plan_only=True)
+    block = SparseMoE(cfg).eval()
+    block.gate.weight.copy_(hf.router.weight)
+    block.gate.bias.copy_(hf.router.bias)
+    for name, tensor in ours.items():
+        getattr(block.experts, name).copy_(tensor)
+    x = torch.randn(64, 64, generator=gen)
+    expected, _ = hf(x[None])
+    assert torch.allclose(block(x, SimpleNamespace(silu_mul=silu_mul_rows)), expected[0], rtol=1e-5, atol=1e-5)

@@ -269,6 +269,21 @@ def gpt_oss_expert_tensors(gate_up: torch.Tensor, gate_up_bias: torch.Tensor, do
             "down_proj_bias": down_bias.clone()}
 
 
+def gpt_oss_mxfp4_expert_tensors(gate_up_blocks: torch.Tensor, gate_up_scales: torch.Tensor,
+                                 gate_up_bias: torch.Tensor, down_blocks: torch.Tensor, down_scales: torch.Tensor,
+                                 down_bias: torch.Tensor, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """gpt-oss's experts as its checkpoints publish them (`*_blocks` / `*_scales` MXFP4, quant/mxfp4.py: the
+    gate_up rows (E, 2I, H / 32, 16) interleaved gate, up, gate, ...; down (E, H, I / 32, 16); the biases as
+    stored, gate_up_proj_bias interleaved) -> the Experts module's tensors in `dtype`, dequantized exactly."""
+    from batchgen.engine.quant.mxfp4 import dequantize_mxfp4
+
+    gate_up = dequantize_mxfp4(gate_up_blocks, gate_up_scales, dtype)  # (E, 2I, H), rows interleaved
+    return {"gate_up_proj": torch.cat((gate_up[:, 0::2], gate_up[:, 1::2]), dim=1).contiguous(),
+            "down_proj": dequantize_mxfp4(down_blocks, down_scales, dtype),
+            "gate_up_proj_bias": torch.cat((gate_up_bias[..., 0::2], gate_up_bias[..., 1::2]), dim=-1).to(dtype),
+            "down_proj_bias": down_bias.to(dtype)}
+
+
 def _part(dest: torch.Tensor, part: int | None) -> torch.Tensor:
     """The gate (0) or up (1) half of a gate_up tensor's rows (its first dim), or the whole (None)."""
     if part is None:
