@@ -74,3 +74,24 @@ def test_every_tile_candidate_matches_the_reference(rows_per_expert):
         seen.add((tiles.block_m, tiles.block_n, tiles.block_k))
         out = fused_moe_triton(x, gate_up, down, weights, ids, tiles=tiles)
         assert relative_error(out, reference) <= 5e-3, tiles
+
+
+def test_biased_experts_with_the_clamped_swiglu_match_the_torch_path():
+    """gpt-oss's experts: biases after each projection and the clamped SwiGLU, against fused_moe_torch's
+    (itself checked against transformers' GptOssMLP in tests/engine/models/test_moe_gpt_oss_block.py)."""
+    from batchgen.kernels.fused_moe import clamped_swiglu_rows, fused_moe_torch
+
+    x, gate_up, down, weights, ids = problem(13, 4, 48, 40, torch.float32, seed=5)
+    gen = torch.Generator().manual_seed(6)
+    gate_up_bias, down_bias = torch.randn(NUM_EXPERTS, 80, generator=gen), torch.randn(NUM_EXPERTS, 48, generator=gen)
+    x = x * 3.0  # some gate and up values past the limit
+
+    def activation(rows):
+        return clamped_swiglu_rows(rows, 1.702, 2.0)
+
+    reference = fused_moe_torch(x, gate_up, down, weights, ids, activation, gate_up_bias, down_bias)
+    out = fused_moe_triton(x, gate_up, down, weights, ids, activation=activation, gate_up_bias=gate_up_bias,
+                           down_bias=down_bias)
+    assert relative_error(out, reference) <= 1e-5
+    plain = fused_moe_triton(x, gate_up, down, weights, ids)
+    assert relative_error(plain, reference) > 1e-2  # the biases and the clamps changed the result

@@ -10,7 +10,9 @@ scheme of vLLM's fused_moe, written here from its description).
    second) times its expert's weight, optionally scaled by each row's router weight, stored at the
    routed rows' places. Padding rows load nothing and store nothing.
 3. gate_up projection (one launch), SiLU(gate) * up (torch), down projection with the router weights
-   (one launch), the k rows of each token summed (torch).
+   (one launch), the k rows of each token summed (torch). Experts with biases (gpt-oss) add each row's
+   expert's bias after the first launch and its weighted bias after the second (torch gathers), with the
+   activation the caller passes (gpt-oss's clamped SwiGLU).
 
 Shapes as kernels/fused_moe.py: x (T, H), gate_up (E, 2I, H), down (E, H, I), weights / ids (T, k).
 Tiles: kernels/triton_tuning.py's moe_candidates. Checked under TRITON_INTERPRET=1 against
@@ -105,9 +107,11 @@ def grouped_gemm(a: torch.Tensor, weight: torch.Tensor, rows: torch.Tensor, bloc
 
 
 def fused_moe_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
-                     ids: torch.Tensor, tiles: GemmTiles | None = None) -> torch.Tensor:
-    """(T, H) -> (T, H): each token's k experts' SwiGLU MLPs weighted and summed (fused_moe.py's contract).
-    `tiles`: the tuning table's choice for this shape when None (one configuration for both launches)."""
+                     ids: torch.Tensor, tiles: GemmTiles | None = None, activation=silu_mul_rows,
+                     gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None) -> torch.Tensor:
+    """(T, H) -> (T, H): each token's k experts' SwiGLU MLPs weighted and summed (fused_moe.py's contract,
+    `activation` and the optional (E, 2I) / (E, H) biases as fused_moe_torch's). `tiles`: the tuning
+    table's choice for this shape when None (one configuration for both launches)."""
     if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"x must be float16, bfloat16 or float32, got {x.dtype}")
     if gate_up.dim() != 3 or gate_up.shape[2] != x.shape[1] or down.shape[:2] != (gate_up.shape[0], x.shape[1]):
@@ -117,12 +121,17 @@ def fused_moe_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     num_experts, hidden = gate_up.shape[0], x.shape[1]
     num_rows = num_tokens * top_k
     flat_weights = weights.reshape(-1).float().contiguous()
+    flat_ids = ids.reshape(-1)
 
     def run(t: GemmTiles) -> torch.Tensor:
         rows, block_experts = align_by_expert(ids, num_experts, t.block_m)
         projected = grouped_gemm(x, gate_up, rows, block_experts, num_rows, top_k, t)  # (T*k, 2I)
-        act = silu_mul_rows(projected)  # (T*k, I)
+        if gate_up_bias is not None:
+            projected += gate_up_bias[flat_ids]
+        act = activation(projected)  # (T*k, I)
         out_rows = grouped_gemm(act, down, rows, block_experts, num_rows, 1, t, flat_weights)  # (T*k, H)
+        if down_bias is not None:  # the kernel weighted the product; the bias gets the same weight
+            out_rows += (flat_weights[:, None] * down_bias[flat_ids].float()).to(out_rows.dtype)
         return out_rows.view(num_tokens, top_k, hidden).sum(dim=1)
 
     if tiles is None:

@@ -104,16 +104,16 @@ class Experts(nn.Module):
         """x (T, H), weights (T, k) float32, ids (T, k) -> (T, H)."""
         if self.packed is not None:
             return fused_moe_modules(x, [(up, down) for up, down in self.packed], weights, ids)
-        is_plain = self.gate_up_proj_bias is None and self.swiglu is None
-        if x.is_cuda and is_plain:
-            from batchgen.kernels.triton_fused_moe import fused_moe_triton
-
-            return fused_moe_triton(x, self.gate_up_proj, self.down_proj, weights, ids)
         if self.swiglu is None:
-            activation = ops.silu_mul
+            activation = silu_mul_rows if x.is_cuda else ops.silu_mul
         else:
             alpha, limit = self.swiglu
             activation = lambda gate_up: clamped_swiglu_rows(gate_up, alpha, limit)  # noqa: E731
+        if x.is_cuda:
+            from batchgen.kernels.triton_fused_moe import fused_moe_triton
+
+            return fused_moe_triton(x, self.gate_up_proj, self.down_proj, weights, ids, activation=activation,
+                                    gate_up_bias=self.gate_up_proj_bias, down_bias=self.down_proj_bias)
         return fused_moe_torch(x, self.gate_up_proj, self.down_proj, weights, ids, activation,
                                self.gate_up_proj_bias, self.down_proj_bias)
 
