@@ -132,3 +132,19 @@ def test_tp2_on_a_block_scaled_fp8_checkpoint_equals_one_process(checkpoints, hf
         tp.engine.shutdown()
         torch.set_num_threads(threads)
     assert {k: v.outputs[0].token_ids for k, v in got.items()} == {k: v.outputs[0].token_ids for k, v in expected.items()}
+
+
+def test_quantization_fp8_requantizes_the_dequantized_checkpoint_per_channel(checkpoints):
+    """`model.quantization: fp8` on a block-scaled checkpoint: its weights arrive dequantized, so the at-load
+    FP8 quantizer stores the decoder's linear layers per channel (the experts stay in the model dtype), and
+    the planner's weight bytes for it are the engine's."""
+    from batchgen.engine.kv.capacity import weight_bytes
+    from batchgen.engine.quant.fp8_linear import Fp8Linear
+
+    folders, _ = checkpoints
+    llm = LLM(str(folders["fp8"]), quantization="fp8", **SETTINGS)
+    model = llm.engine.runner.model
+    assert isinstance(model.layers[0].self_attn.qkv_proj, Fp8Linear)
+    assert llm.engine.weight_bytes == weight_bytes(llm.engine.model_cfg, torch.float32, "fp8")
+    out = run_requests(llm.engine, {"p": (list(range(5, 40)), SamplingParams(temperature=0, max_tokens=4))})["p"]
+    assert len(out.outputs[0].token_ids) == 4
