@@ -118,3 +118,16 @@ def test_gpt_oss_120b_with_its_mxfp4_experts_fits_one_80gb_gpu_at_short_context(
     many = CliRunner().invoke(app, ["plan", str(tmp_path / "gpt-oss-120b"), "--dtype", "bfloat16", "--max-model-len",
                                     "32768", "--concurrency", "64", "--memory", "80GB", "--json"])
     assert json.loads(many.stdout)["smallest_tensor_parallel_size"] == 4
+
+
+def test_qwen3_30b_a3b_fp8_in_blocks_is_planned_dequantized(tmp_path):
+    """Qwen3-30B-A3B-FP8 declares 128 x 128 FP8 blocks; the engine loads it dequantized, so its plan is the
+    bf16 model's."""
+    raw = json.loads((DATA / "qwen3-30b-a3b" / "config.json").read_text())
+    raw["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                  "weight_block_size": [128, 128]}
+    (tmp_path / "fp8").mkdir()
+    (tmp_path / "fp8" / "config.json").write_text(json.dumps(raw))
+    result = CliRunner().invoke(app, ["plan", str(tmp_path / "fp8"), "--dtype", "bfloat16", "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["weight_bytes"] == QWEN_PARAMS * BF16
