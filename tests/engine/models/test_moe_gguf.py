@@ -8,7 +8,8 @@ its interleaved rope order), Qwen3-MoE as "qwen3moe" with expert_feed_forward_le
 `ffn_gate_inp`, each projection's experts stacked in one `ffn_*_exps` tensor (E, out, in), or (older
 Mixtral files) one `ffn_gate.E` tensor per expert; the bundled GGUF's tokenizer keys. Shown: prompt
 log-probabilities within 1e-4 of HF's float32 log-softmax and greedy tokens equal to HF's, with F32
-experts and with Q8_0 experts (HF given the dequantized values); tp=2 over gloo equals one process.
+experts, with Q8_0 experts (HF given the dequantized values), and with `quantization: gguf` keeping a
+Mixtral's Q8_0 attention blocks; tp=2 over gloo equals one process.
 """
 
 from __future__ import annotations
@@ -40,11 +41,11 @@ SETTINGS = dict(dtype="float32", device="cpu", max_model_len=256, kv_cache_memor
 NUM_TOKENS = 16
 
 
-def build_hf(architecture: str, hf_tokenizer):
+def build_hf(architecture: str, hf_tokenizer, **keys):
     import transformers
 
     config_class = getattr(transformers, architecture.replace("ForCausalLM", "Config"))
-    config = config_class(vocab_size=len(hf_tokenizer), **ATTENTION, **FAMILIES[architecture])
+    config = config_class(vocab_size=len(hf_tokenizer), **ATTENTION, **{**FAMILIES[architecture], **keys})
     config._attn_implementation = "eager"
     torch.manual_seed(1)
     return randomize_weights(getattr(transformers, architecture)(config).float().eval())
@@ -66,9 +67,11 @@ def tokenizer_fields(smollm_path: str) -> dict:
             if key.startswith("tokenizer.")}
 
 
-def write_moe_gguf(hf, architecture: str, path, smollm_path, *, is_per_expert: bool = False, expert_type=None):
+def write_moe_gguf(hf, architecture: str, path, smollm_path, *, is_per_expert: bool = False, expert_type=None,
+                   attention_type=None):
     """The model as llama.cpp's converter writes it (see the module docstring). `is_per_expert`: one tensor per
-    expert (older Mixtral files); `expert_type`: quantize the stacked expert tensors to that GGML type."""
+    expert (older Mixtral files); `expert_type` / `attention_type`: quantize the stacked expert tensors / the
+    attention projections to that GGML type."""
     import gguf
     import numpy as np
 
@@ -126,6 +129,11 @@ def write_moe_gguf(hf, architecture: str, path, smollm_path, *, is_per_expert: b
                 array = llama_cpp_permute(array, heads)
             if rest == "mlp.shared_expert_gate":  # llama.cpp's {n_embd} shape
                 array = array.reshape(-1)
+            if attention_type is not None and rest.startswith("self_attn.") and rest.endswith("_proj") \
+                    and kind == "weight":
+                writer.add_tensor(f"blk.{layer}.{names[rest]}.weight", gguf.quants.quantize(array, attention_type),
+                                  raw_dtype=attention_type)
+                continue
             writer.add_tensor(f"blk.{layer}.{names[rest]}.{kind}", array)
             continue
         for base, stack in stacks.items():
@@ -197,6 +205,29 @@ def test_q8_0_experts_match_hf_on_the_dequantized_weights(hf_tokenizer, smollm_p
         if ".experts." in name:
             param.copy_(torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(param.numpy(), q8_0), q8_0)))
     assert_matches_hf(hf, LLM(str(path), **SETTINGS), prompts, "Qwen3-MoE Q8_0 experts")
+
+
+@torch.no_grad()
+def test_quantization_gguf_keeps_a_mixtrals_q8_0_attention_blocks_and_dequantizes_its_experts(
+        hf_tokenizer, smollm_path, prompts, tmp_path):
+    """quantization gguf on a Mixtral whose attention and experts are Q8_0: q/k/v/o stay int8 blocks (q/k rows
+    back in HF's order), the experts and the router are dequantized; HF holding the dequantized values is
+    the reference."""
+    import gguf
+
+    from batchgen.engine.quant.int_linear import IntLinear
+
+    q8_0 = gguf.GGMLQuantizationType.Q8_0
+    hf = build_hf("MixtralForCausalLM", hf_tokenizer, intermediate_size=64)
+    path = write_moe_gguf(hf, "MixtralForCausalLM", tmp_path / "q8.gguf", smollm_path, expert_type=q8_0,
+                          attention_type=q8_0)
+    for name, param in hf.named_parameters():  # HF runs what the file holds
+        if ".experts." in name or (".self_attn." in name and name.endswith("_proj.weight")):
+            param.copy_(torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(param.numpy(), q8_0), q8_0)))
+    llm = LLM(str(path), quantization="gguf", **SETTINGS)
+    attention = llm.engine.runner.model.layers[1].self_attn
+    assert isinstance(attention.qkv_proj, IntLinear) and isinstance(attention.o_proj, IntLinear)
+    assert_matches_hf(hf, llm, prompts, "Mixtral Q8_0 attention kept")
 
 
 @pytest.mark.subprocess
