@@ -44,8 +44,9 @@ def test_the_layout_gives_each_rank_every_experts_slice_of_channels():
     assert layout.shard("model.layers.0.mlp.experts.5.down_proj.weight", (64, 32)) == (1, 16, 32, 16)
     assert layout.shard("model.layers.1.mlp.down_proj.weight", (64, 96)) == (1, 48, 96, 48)  # the dense layer
     assert layout.shard("model.layers.0.mlp.gate.weight", (16, 64)) is None  # the router: whole on every rank
-    with pytest.raises(ValueError, match="experts stored fused"):
-        layout.shard("model.layers.0.mlp.experts.gate_up_proj", (16, 64, 64))
+    assert layout.shard("model.layers.0.mlp.experts.gate_up_proj", (16, 64, 64)) is None  # fused: cut on loading
+    with pytest.raises(ValueError, match="expert biases and scales do not yet"):
+        layout.shard("model.layers.0.mlp.experts.5.gate_proj.bias", (32,))
     with pytest.raises(ValueError, match="exceeds the experts' 1 channels"):
         check_can_split(dataclasses.replace(cfg, moe_intermediate_size=1), 2)
 
@@ -94,6 +95,37 @@ def test_tp2_with_a_shared_expert_equals_one_process(hf_tokenizer, tmp_path):
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     requests = {f"p{i}": (p, params) for i, p in enumerate(prompts)}
     expected = run_requests(LLM(str(tmp_path), **SETTINGS).engine, requests)
+    threads = torch.get_num_threads()
+    tp = LLM(str(tmp_path), tensor_parallel_size=2, **SETTINGS)
+    try:
+        got = run_requests(tp.engine, requests)
+    finally:
+        tp.engine.shutdown()
+        torch.set_num_threads(threads)
+    assert {k: v.outputs[0].token_ids for k, v in got.items()} == {k: v.outputs[0].token_ids for k, v in expected.items()}
+
+
+@torch.no_grad()
+def test_tp2_on_experts_stored_fused_equals_one_process(qwen3_moe_folder, tmp_path):
+    """The (E, 2I, H) / (E, H, I) tensors transformers 5.x holds in memory, saved as they are: each rank reads
+    them whole and keeps its gate, up and down ranges; tokens equal the per-expert folder's in one process."""
+    import shutil
+
+    import transformers
+    from safetensors.torch import save_file
+
+    hf = transformers.Qwen3MoeForCausalLM.from_pretrained(qwen3_moe_folder)
+    for path in qwen3_moe_folder.iterdir():
+        if path.suffix != ".safetensors":
+            shutil.copy(path, tmp_path / path.name)
+    state = {name: tensor.contiguous() for name, tensor in hf.state_dict().items()}
+    assert any(name.endswith("mlp.experts.gate_up_proj") for name in state)
+    save_file(state, str(tmp_path / "model.safetensors"))
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, 1000, (n,), generator=gen).tolist() for n in (13, 38)]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    requests = {f"p{i}": (p, params) for i, p in enumerate(prompts)}
+    expected = run_requests(LLM(str(qwen3_moe_folder), **SETTINGS).engine, requests)
     threads = torch.get_num_threads()
     tp = LLM(str(tmp_path), tensor_parallel_size=2, **SETTINGS)
     try:

@@ -211,10 +211,12 @@ class TensorParallelLayout:
         of this rank's expert channels."""
         module, kind = parts[-2], parts[-1]
         start, end = self.moe_intermediate
+        if parts[-2] == "experts" and kind in ("gate_up_proj", "down_proj"):  # stored fused (E, 2I, H) / (E, H, I):
+            return None  # read whole; layers/moe.py's ExpertCheckpoint cuts the rank's gate, up and down ranges
         if kind != "weight" or module not in _EXPERT_COLUMN_PARALLEL + _EXPERT_ROW_PARALLEL:
-            raise ValueError(f"checkpoint tensor {name!r}: only per-expert weights (experts.N.<gate_proj|up_proj|"
-                             f"down_proj|w1|w2|w3>.weight) split with tensor_parallel_size > 1; experts stored "
-                             f"fused or with scales do not yet")
+            raise ValueError(f"checkpoint tensor {name!r}: only expert weights (experts.N.<gate_proj|up_proj|"
+                             f"down_proj|w1|w2|w3>.weight, or experts.<gate_up_proj|down_proj> stored fused) split "
+                             f"with tensor_parallel_size > 1; expert biases and scales do not yet")
         return Shard(0 if module in _EXPERT_COLUMN_PARALLEL else 1, start, end, end - start)
 
     def _range(self, what: str) -> tuple[int, int]:

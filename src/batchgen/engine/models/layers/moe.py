@@ -188,9 +188,12 @@ class ExpertCheckpoint:
     MLP's) into the model's parameters and says which it has not seen. The model's load_weights passes
     every other tensor on (`others`)."""
 
-    def __init__(self, params: dict[str, torch.Tensor], where: str):
+    def __init__(self, params: dict[str, torch.Tensor], where: str, channels: tuple[int, int] | None = None):
+        """`channels` (tensor parallelism): the [start, end) of every expert's channels this rank holds; a
+        checkpoint's fused expert tensors arrive whole and are cut here (per-expert ones arrive cut)."""
         self.params = params
         self.where = where
+        self.channels = channels
         self.loaded: set[tuple[str, int | None, int | None]] = set()
 
     @staticmethod
@@ -217,7 +220,7 @@ class ExpertCheckpoint:
             return True
         if match := _FUSED_EXPERTS.match(name):
             target = f"{match.group(1)}.mlp.experts.{match.group(2)}"
-            self._copy(self._param(target, name), tensor, name)
+            self._copy(self._param(target, name), self._rank_channels(tensor, match.group(2)), name)
             self.loaded.add((target, None, None))
             return True
         if match := _SHARED.match(name):
@@ -244,6 +247,17 @@ class ExpertCheckpoint:
                         for e in range(param.shape[0]) for p in parts if (target, e, p) not in self.loaded]
         if missing:
             raise ValueError(f"{self.where}: checkpoint is missing expert tensors: {', '.join(missing[:8])}")
+
+    def _rank_channels(self, tensor: torch.Tensor, param_name: str) -> torch.Tensor:
+        """A whole fused expert tensor cut to this rank's channels: gate_up (E, 2I, H) -> its gate rows and its
+        up rows; down (E, H, I) -> its columns. As it is without tensor parallelism."""
+        if self.channels is None:
+            return tensor
+        start, end = self.channels
+        if param_name == "down_proj":
+            return tensor[:, :, start:end]
+        inter = tensor.shape[1] // 2
+        return torch.cat((tensor[:, start:end], tensor[:, inter + start:inter + end]), dim=1)
 
     def _param(self, target: str, name: str) -> torch.Tensor:
         if target not in self.params:

@@ -29,7 +29,9 @@ class MoECausalLM(CausalLM):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """The expert tensors (per expert, or fused as transformers 5.x holds them) into the (E, ...)
         parameters; the rest through the decoder's loading. Refuses unknown or missing tensors."""
-        experts = ExpertCheckpoint(dict(self.named_parameters()), f"{self.cfg.architecture or self.cfg.model_type}")
+        layout = self.parallel.layout if self.parallel is not None else None
+        experts = ExpertCheckpoint(dict(self.named_parameters()), f"{self.cfg.architecture or self.cfg.model_type}",
+                                   None if layout is None else layout.moe_intermediate)
         super().load_weights(experts.others(weights))
         experts.check_complete()
 
