@@ -136,6 +136,15 @@ def bench_command(
         elif opts.workload == "overhead":
             result = run_overhead(prompt_len=opts.input_len_min, steps=opts.output_len, seed=opts.seed)
             result["machine"] = machine_fingerprint()
+        elif opts.workload == "moe-layer":
+            from batchgen.bench.moe_layer import run_moe_layer
+
+            if opts.num_threads:
+                import torch
+
+                torch.set_num_threads(opts.num_threads)
+            result = run_moe_layer(opts.dtype, opts.seed)
+            result["machine"] = machine_fingerprint()
         elif opts.workload == "serve":
             from batchgen.bench.serve_load import run_serve_bench  # needs the serve extra (httpx)
 
@@ -161,6 +170,10 @@ def bench_command(
         typer.echo(format_overhead(result))
     elif opts.workload == "copy":
         typer.echo(format_copy_report(result))
+    elif opts.workload == "moe-layer":
+        from batchgen.bench.moe_layer import format_moe_layer
+
+        typer.echo(format_moe_layer(result))
     elif opts.workload == "score":
         from batchgen.bench.score_bench import format_score_report
 

@@ -111,6 +111,28 @@ def gemm_candidates(num_rows: int, k: int, weight: str, dtype: torch.dtype) -> l
     return seen
 
 
+def moe_candidates(rows_per_expert: int, k: int, dtype: torch.dtype) -> list[GemmTiles]:
+    """Candidates for the fused MoE's grouped GEMMs (kernels/triton_fused_moe.py), keyed on the routed rows
+    an expert receives on average (T * k / E): BLOCK_M is the expert's padding unit, so decode-sized
+    loads take 16-row blocks (little padding) and prefill-sized ones 64 (weight tiles reused across
+    more rows). BLOCK_K is capped at K's next power of two, as gemm_candidates'."""
+    cap = max(16, 1 << max(k - 1, 1).bit_length())
+    if rows_per_expert <= 16:
+        raw = [(16, 64, 64, 4, 3), (16, 128, 64, 4, 3), (16, 64, 128, 4, 4), (32, 64, 64, 4, 3)]
+    elif rows_per_expert <= 64:
+        raw = [(32, 64, 64, 4, 3), (64, 64, 64, 4, 3), (32, 128, 64, 4, 3)]
+    else:
+        raw = [(64, 128, 64, 4, 3), (128, 128, 64, 8, 3), (64, 64, 64, 4, 4), (128, 64, 32, 4, 3)]
+    if dtype == torch.float32:  # float32 dots: half the tile in the same registers
+        raw = [(m, n, min(bk, 32), w, min(s, 2)) for m, n, bk, w, s in raw]
+    seen: list[GemmTiles] = []
+    for m, n, bk, w, s in raw:
+        tiles = GemmTiles(m, n, min(bk, cap), w, s)
+        if tiles not in seen:
+            seen.append(tiles)
+    return seen
+
+
 def is_autotune_enabled() -> bool:
     return os.environ.get(AUTOTUNE_ENV) == "1"
 

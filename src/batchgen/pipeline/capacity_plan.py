@@ -74,9 +74,17 @@ def read_model(path: str, revision: str | None = None) -> tuple[ModelConfig, Dec
         source = resolve_model(path, revision, config_only=True)
         if source.is_gguf:
             return read_model_config(source), None, True
-        return read_hf_config(source.folder), read_declared_quantization(source), False
+        cfg = read_hf_config(source.folder, is_plan_only=True)
+        return cfg, _declared_besides_experts(cfg, lambda: read_declared_quantization(source)), False
     except (FileNotFoundError, ValueError) as exc:
         raise JobError(str(exc)) from None
+
+
+def _declared_besides_experts(cfg: ModelConfig, read_declared) -> DeclaredQuantization | None:
+    """The folder's declared quantization (`read_declared()`), except where its quantization_config is
+    the experts' own format, already in the config (gpt-oss's MXFP4: moe_expert_format; every other
+    weight unquantized): None then."""
+    return None if cfg.moe_expert_format else read_declared()
 
 
 def read_declared(path: str, revision: str | None = None) -> tuple[DeclaredQuantization | None, bool]:
@@ -111,7 +119,8 @@ def _read_remote_config(uri: str) -> tuple[ModelConfig, DeclaredQuantization | N
             raw = json.load(f)
     except (OSError, json.JSONDecodeError) as exc:
         raise ValueError(f"cannot read {config_uri}: {exc}") from exc
-    return ModelConfig.from_hf_dict(raw), declared_quantization(raw, config_uri), False
+    cfg = ModelConfig.from_hf_dict(raw, is_plan_only=True)
+    return cfg, _declared_besides_experts(cfg, lambda: declared_quantization(raw, config_uri)), False
 
 
 def make_plan(target: PlanTarget, max_model_len: int | None = None, concurrency: int | None = None,
@@ -203,6 +212,18 @@ def format_capacity_plan(target: PlanTarget, plan: CapacityPlan, smallest: int |
          f"{plan.max_num_batched_tokens:,} batched tokens, {plan.concurrency} sampled rows"),
         ("total with margin", _gb(plan.total_bytes), ""),
     ]
+    if cfg.is_moe:  # every expert resident; a token reads its top k (engine/kv/moe_capacity.py)
+        one_gpu = " on one GPU" if tp > 1 else ""
+        rows[1:1] = [
+            ("  experts", f"{cfg.num_experts} x top {cfg.num_experts_per_tok}"
+             + (", MXFP4 as published" if cfg.moe_expert_format == "mxfp4" else ""),
+             f"{plan.num_parameters / 1e9:,.2f} B parameters, {plan.num_active_parameters / 1e9:,.2f} B active per token"),
+            ("  decode reads, 1 seq", _gb(plan.decode_weight_bytes_one),
+             f"weights a decode step reads{one_gpu}: {1e12 / plan.decode_weight_bytes_one:,.0f} steps/s per TB/s"),
+            (f"  decode reads, {plan.concurrency} seqs", _gb(plan.decode_weight_bytes_batch),
+             f"the experts {plan.concurrency} tokens reach in expectation (uniform routing): "
+             f"{1e12 / plan.decode_weight_bytes_batch:,.0f} steps/s per TB/s"),
+        ]
     weights = "" if plan.quantization == "none" else f", {plan.quantization} weights"
     weights += f", {kv_dtype} KV cache" if kv_dtype != dtype else ""
     per_gpu = f", tensor-parallel over {tp} GPUs (sizes per GPU)" if tp > 1 else ""

@@ -136,7 +136,9 @@ def write_config(folder: Path, quantization_config: dict) -> None:
 
 
 @pytest.mark.parametrize("quantization_config, message", [
-    ({"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}, "block-wise"),
+    # block-scaled FP8 loads dequantized (quant/fp8_block.py); a per-channel folder declared so is refused
+    ({"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]},
+     "declares FP8 in blocks .weight_block_size., which hold weight_scale_inv tensors"),
     ({"quant_method": "compressed-tensors", "config_groups": {"group_0": {
         "weights": {"num_bits": 8, "type": "float", "strategy": "block", "block_structure": [128, 128]}}}},
      "block-wise"),

@@ -97,6 +97,18 @@ def weight_bytes(cfg: ModelConfig, dtype: torch.dtype, quantization: str = "none
     if cfg.qk_norm:  # per head (head_dim wide each) or over all heads (q_size and kv_size wide)
         per_layer += (cfg.q_size + cfg.kv_size if cfg.qk_norm_over_heads else 2 * cfg.head_dim) * elem
     total = cfg.num_layers * per_layer + cfg.vocab_size * cfg.hidden_size * elem + cfg.hidden_size * elem
+    if cfg.is_moe:  # the MoE layers hold a router and the experts (kv/moe_capacity.py) instead of the dense MLP
+        from batchgen.engine.kv.moe_capacity import expert_block_bytes, num_moe_layers
+
+        shapes = cfg.linear_shapes()
+        dense_mlp = sum(linear_bytes(*shapes[name], True) + (shapes[name][1] * elem if has_pre_quant else 0)
+                        for name in ("gate_up_proj", "down_proj"))
+        moe_block = expert_block_bytes(cfg, elem)
+        if cfg.shared_expert_intermediate_size:  # a gated MLP (plain linear layers) and its 1 x H gate
+            shared, hidden = cfg.shared_expert_intermediate_size, cfg.hidden_size
+            moe_block += sum(linear_bytes(n, k, True) + (k * elem if has_pre_quant else 0)
+                             for n, k in ((2 * shared, hidden), (hidden, shared), (1, hidden)))
+        total += num_moe_layers(cfg) * (moe_block - dense_mlp)
     is_lm_head_quantized = quantize_lm_head and quantization in ("fp8", "int8", "int4")
     if is_lm_head_quantized or not cfg.tie_word_embeddings:
         total += linear_bytes(*cfg.lm_head_shape, is_lm_head_quantized)
@@ -138,8 +150,13 @@ def activation_workspace_bytes(cfg: ModelConfig, dtype: torch.dtype, max_num_bat
     Per batched token, in `dtype`: the residual and its normed copy (2 x hidden), the fused q/k/v
     output, the attention output (q_size) and the fused gate/up output plus its activated half
     (3 x intermediate). Per sampled sequence: float32 logits and their softmax (2 x vocab x 4).
+    An MoE layer's k routed rows per token instead: each row's gathered input and output (2 x hidden), its
+    gate/up output and activated half (3 x moe_intermediate); the larger of the two kinds of layer counts.
     """
-    per_token = 2 * cfg.hidden_size + cfg.q_size + 2 * cfg.kv_size + cfg.q_size + 3 * cfg.intermediate_size
+    mlp = 3 * cfg.intermediate_size if len(cfg.moe_dense_layers) or not cfg.is_moe else 0
+    if cfg.is_moe:
+        mlp = max(mlp, cfg.num_experts_per_tok * (2 * cfg.hidden_size + 3 * cfg.moe_intermediate_size))
+    per_token = 2 * cfg.hidden_size + cfg.q_size + 2 * cfg.kv_size + cfg.q_size + mlp
     return max_num_batched_tokens * per_token * dtype_bytes(dtype) + max_num_seqs * logits_bytes_per_seq(cfg)
 
 
@@ -166,6 +183,13 @@ class CapacityPlan:
     # Tensor parallelism: every size above is one GPU's, that of the rank holding the most (its
     # weights, its KV heads' bytes per token, its activations; rank 0 gathers the whole logits).
     tensor_parallel_size: int = 1
+    # The whole model's parameters and those one token runs through (equal in a dense model; MoE: a token
+    # reads its top-k experts only, kv/moe_capacity.py), and the weight bytes one decode step reads on one
+    # GPU at 1 sequence and at `concurrency` (the decode bandwidth estimate: bytes / bandwidth = seconds).
+    num_parameters: int = 0
+    num_active_parameters: int = 0
+    decode_weight_bytes_one: int = 0
+    decode_weight_bytes_batch: int = 0
 
     @property
     def kv_tokens_per_request(self) -> int:
@@ -219,7 +243,8 @@ class CapacityPlan:
                  "weight_bytes",
                  "kv_bytes_per_token", "kv_tokens_per_request", "kv_bytes_per_request", "kv_bytes",
                  "total_bytes_before_margin", "fragmentation_bytes", "activation_bytes", "margin_bytes",
-                 "total_bytes", "memory_bytes", "max_concurrency", "fits")
+                 "total_bytes", "memory_bytes", "max_concurrency", "fits", "num_parameters",
+                 "num_active_parameters", "decode_weight_bytes_one", "decode_weight_bytes_batch")
         return {"dtype": str(self.dtype).removeprefix("torch."), "quantization": self.quantization,
                 "kv_cache_dtype": str(self.kv_dtype or self.dtype).removeprefix("torch."),
                 **{name: getattr(self, name) for name in names}}
@@ -235,6 +260,7 @@ def plan_capacity(cfg: ModelConfig, dtype: torch.dtype, max_model_len: int, conc
     quantization_config (its integer layout decides the weight bytes). With `tensor_parallel_size` N,
     one GPU's share: the same arithmetic on each rank's shapes (engine/parallel/layout.py), the
     largest rank's figures (ValueError when the model cannot split over N)."""
+    from batchgen.engine.kv.moe_capacity import decode_weight_bytes, num_active_parameters, num_parameters
     from batchgen.engine.parallel.layout import all_layouts
 
     ranks = [layout.rank_config(cfg) for layout in all_layouts(cfg, tensor_parallel_size)]
@@ -247,4 +273,7 @@ def plan_capacity(cfg: ModelConfig, dtype: torch.dtype, max_model_len: int, conc
         step_activation_bytes=max(activation_workspace_bytes(rank, dtype, max_num_batched_tokens, 0)
                                   for rank in ranks),
         logits_bytes_per_seq=logits_bytes_per_seq(cfg), memory_bytes=memory_bytes, kv_dtype=kv_dtype,
-        tensor_parallel_size=tensor_parallel_size)
+        tensor_parallel_size=tensor_parallel_size, num_parameters=num_parameters(cfg),
+        num_active_parameters=num_active_parameters(cfg),
+        decode_weight_bytes_one=max(decode_weight_bytes(rank, dtype, 1, quantization) for rank in ranks),
+        decode_weight_bytes_batch=max(decode_weight_bytes(rank, dtype, concurrency, quantization) for rank in ranks))

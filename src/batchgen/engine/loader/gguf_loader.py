@@ -1,4 +1,13 @@
-"""GGUF checkpoints: architecture from metadata, weights dequantized with the `gguf` package."""
+"""GGUF checkpoints: architecture from metadata, weights dequantized with the `gguf` package.
+
+Mixture of experts (llama.cpp's converter): `{arch}.expert_count` / `expert_used_count` (and for qwen3moe
+`expert_feed_forward_length`) in the metadata; the router `blk.L.ffn_gate_inp`; every expert's projection
+stacked in one tensor `blk.L.ffn_{gate,up,down}_exps` ((E, out, in) rows-major), or in older files one
+tensor per expert `blk.L.ffn_gate.E`. A "llama" file with experts is a Mixtral (llama.cpp reads both so);
+llama.cpp renormalises the top-k softmax weights for llama and qwen3moe, not for qwen2moe (Qwen2-MoE),
+whose shared expert is `ffn_{gate,up,down}_shexp` with its gate `ffn_gate_inp_shexp`
+(`expert_shared_feed_forward_length` wide).
+"""
 
 from __future__ import annotations
 
@@ -22,6 +31,10 @@ _TENSOR_NAMES = {
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
     "attn_qkv": "self_attn.qkv_proj",  # stored fused (Phi-3)
+    "ffn_gate_inp": "mlp.gate",  # an MoE layer's router
+    # qwen2moe's shared expert and its sigmoid gate (llama.cpp may store the gate 1-D: reshaped to (1, H))
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj", "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
 # A family's own meaning of a base name, by HF architecture: Phi-3's ffn_up holds gate and up, fused;
 # Gemma's four norms a layer are HF's input_layernorm, post_attention_layernorm (after attention),
@@ -37,6 +50,14 @@ _NORM_OFFSET_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 # (i + 1) is a multiple of the pattern; the 27B checkpoint (its layer count) scales queries by
 # (hidden / heads) ** -0.5, every other size by head_dim ** -0.5 (HF: query_pre_attn_scalar).
 _GEMMA_GGUF = {"gemma2": {"pattern": 2, "num_layers_27b": 46}, "gemma3": {"pattern": 6, "num_layers_27b": 62}}
+# An MoE layer's experts: llama.cpp's stacked (E, out, in) tensor, or its per-expert base name in older
+# files (blk.L.ffn_gate.E.weight) -> the HF per-expert projection.
+_EXPERT_TENSORS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+_LEGACY_EXPERT_TENSORS = {"ffn_gate": "gate_proj", "ffn_up": "up_proj", "ffn_down": "down_proj"}
+# GGUF architectures whose files may hold experts, and the HF architecture such a file runs as.
+_MOE_ARCHITECTURES = {"llama": "MixtralForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM"}
+# Whether llama.cpp renormalises the top-k weights (build_moe_ffn's norm_w): qwen2moe does not.
+_MOE_RENORMALIZES = {"llama": True, "qwen3moe": True, "qwen2moe": False}
 
 
 def _reader(path: Path):
@@ -81,6 +102,13 @@ def read_gguf_config(path: Path) -> ModelConfig:
     if field(f"{arch}.rope.scaling.type") == "linear":
         scaling = {"rope_type": "linear", "factor": field(f"{arch}.rope.scaling.factor")}
     family = {}
+    num_experts = field(f"{arch}.expert_count", 0)
+    if num_experts:
+        architecture = _MOE_ARCHITECTURES.get(arch)
+        if architecture is None:
+            raise ValueError(f"GGUF file {path}: architecture {arch!r} with experts is not supported "
+                             f"({', '.join(_MOE_ARCHITECTURES)})")
+        family = _moe_fields(path, arch, field, num_experts)
     if arch == "phi3":  # its rope.dimension_count is the rotary width, not head_dim
         head_dim = field(f"{arch}.attention.key_length") or hidden // num_heads
         family = _phi3_fields(path, field, head_dim, names)
@@ -157,6 +185,28 @@ def _gemma_fields(path: Path, arch: str, field, head_dim: int) -> dict:
     return fields
 
 
+def _moe_fields(path: Path, arch: str, field, num_experts: int) -> dict:
+    """The MoE ModelConfig fields of a llama / qwen3moe / qwen2moe file: a softmax router over every expert,
+    the top expert_used_count, renormalised as llama.cpp's build_moe_ffn does for the architecture, every
+    layer sparse; qwen2moe's shared expert. ValueError naming the key for a gating or weight scale
+    llama.cpp applies that these families lack."""
+    top_k = field(f"{arch}.expert_used_count", required=True)
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"GGUF file {path}: {arch}.expert_used_count {top_k} is not in [1, {num_experts}]")
+    gating = field(f"{arch}.expert_gating_func", 1)  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE: 1 softmax
+    if gating != 1:
+        raise ValueError(f"GGUF file {path}: {arch}.expert_gating_func {gating} is not supported (1: softmax)")
+    scale = field(f"{arch}.expert_weights_scale", 1.0)
+    if scale not in (0.0, 1.0):  # llama.cpp applies it only when != 0
+        raise ValueError(f"GGUF file {path}: {arch}.expert_weights_scale {scale} is not supported (1.0)")
+    width = field(f"{arch}.expert_feed_forward_length") or field(f"{arch}.feed_forward_length", required=True)
+    fields = {"num_experts": num_experts, "num_experts_per_tok": top_k, "moe_intermediate_size": width,
+              "moe_router": "softmax_topk", "moe_renormalize": _MOE_RENORMALIZES[arch]}
+    if arch == "qwen2moe":
+        fields["shared_expert_intermediate_size"] = field(f"{arch}.expert_shared_feed_forward_length", required=True)
+    return fields
+
+
 def _num_tokens(header: GGUFHeader) -> int:
     tokens = header.metadata.get("tokenizer.ggml.tokens")
     if not isinstance(tokens, GGUFArray) or not tokens.is_strings:
@@ -175,6 +225,10 @@ def hf_tensor_name(gguf_name: str, cfg: ModelConfig | None = None) -> str | None
     """The HF name of a GGUF tensor (of the model `cfg`: a family may read a base name its own way), or
     None for tensors the model recomputes (rope_freqs, Phi-3's rope factors)."""
     parts = gguf_name.split(".")
+    if parts[0] == "blk" and parts[2] in _EXPERT_TENSORS:  # stacked: iter_gguf_weights yields it per expert
+        return f"model.layers.{parts[1]}.mlp.experts.{_EXPERT_TENSORS[parts[2]]}"
+    if parts[0] == "blk" and len(parts) == 5 and parts[2] in _LEGACY_EXPERT_TENSORS:  # blk.L.ffn_gate.E.weight
+        return f"model.layers.{parts[1]}.mlp.experts.{parts[3]}.{_LEGACY_EXPERT_TENSORS[parts[2]]}.{parts[4]}"
     if parts[0] == "blk":
         layer, base, kind = parts[1], parts[2], parts[3]
         names = _FAMILY_TENSOR_NAMES.get(cfg.architecture, {}) if cfg is not None else {}
@@ -210,10 +264,15 @@ def iter_gguf_weights(path: Path, cfg: ModelConfig, skip: frozenset[str] = froze
         if name is None or name in skip:
             continue
         base = parts[2] if parts[0] == "blk" else parts[0]
+        if parts[0] == "blk" and base in _EXPERT_TENSORS:
+            yield from _iter_experts(tensor, name, shard)
+            continue
         spec = None if shard is None else shard(name, tuple(int(d) for d in reversed(tensor.shape)))
         array = gguf_shard_array(tensor, spec)
         if spec is not None and spec.dim == 0 and spec.size != array.shape[0]:  # the vocabulary's padded tail
             array = pad_rows(torch.from_numpy(array), spec.size).numpy()
+        if base == "ffn_gate_inp_shexp" and array.ndim == 1:
+            array = array[None, :]
         if parts[0] == "blk" and _is_rope_permuted(cfg, base):
             array = _reverse_permute(array, cfg.num_heads if base == "attn_q" else cfg.num_kv_heads)
         if cfg.architecture in _NORM_OFFSET_ARCHITECTURES and name.endswith("norm.weight"):
@@ -221,3 +280,21 @@ def iter_gguf_weights(path: Path, cfg: ModelConfig, skip: frozenset[str] = froze
         if not array.flags.writeable or not array.flags.c_contiguous:  # F32 tensors are views of the mmap
             array = np.array(array, order="C")
         yield name, torch.from_numpy(array)
+
+
+def _iter_experts(tensor, stacked_name: str, shard: ShardFn | None) -> Iterator[tuple[str, torch.Tensor]]:
+    """A stacked expert tensor (E, out, in) as its E per-expert HF tensors (`...experts.N.<proj>.weight`),
+    each dequantized on its own (a real file's stack is hundreds of MB in float32); `shard`: the
+    rank's rows or columns of each."""
+    from gguf.quants import dequantize
+
+    num_experts, num_rows, num_columns = (int(d) for d in reversed(tensor.shape))
+    layer_prefix, projection = stacked_name.rsplit(".", 1)
+    for expert in range(num_experts):
+        name = f"{layer_prefix}.{expert}.{projection}.weight"
+        array = np.asarray(dequantize(tensor.data[expert], tensor.tensor_type), dtype=np.float32)
+        array = array.reshape(num_rows, num_columns)
+        spec = None if shard is None else shard(name, (num_rows, num_columns))
+        if spec is not None:
+            array = array[spec.start:spec.end] if spec.dim == 0 else array[:, spec.start:spec.end]
+        yield name, torch.from_numpy(np.array(array, order="C"))

@@ -21,10 +21,12 @@ def read_hf_config_dict(folder: Path) -> dict:
         raise ValueError(f"cannot read {path}: {exc}") from exc
 
 
-def read_hf_config(folder: Path) -> ModelConfig:
+def read_hf_config(folder: Path, is_plan_only: bool = False) -> ModelConfig:
+    """`is_plan_only`: also the architectures `batchgen plan` reads but the engine does not run
+    (ModelConfig.from_hf_dict)."""
     cfg = read_hf_config_dict(folder)
     gen_path = folder / "generation_config.json"
-    model_cfg = ModelConfig.from_hf_dict(cfg)
+    model_cfg = ModelConfig.from_hf_dict(cfg, is_plan_only=is_plan_only)
     if gen_path.exists():
         eos = json.loads(gen_path.read_text()).get("eos_token_id")
         if eos is not None:

@@ -110,6 +110,22 @@ def read_declared_quantization(source: ModelSource):
     return declared_quantization(read_hf_config_dict(source.folder), str(source.folder))
 
 
+def _float_weights(source: ModelSource, shard):
+    """An HF folder's tensors (this rank's slices under tensor parallelism); a block-scaled FP8
+    checkpoint's dequantized as they stream in (quant/fp8_block.py), each read whole and then cut (a
+    rank's slice need not fall on block edges)."""
+    from batchgen.engine.loader.hf_loader import read_hf_config_dict
+    from batchgen.engine.parallel.shards import shard_tensors
+    from batchgen.engine.quant.fp8_block import dequantizing_fp8_blocks, fp8_block_size
+
+    block_size = fp8_block_size(read_hf_config_dict(source.folder), source.display_name)
+    if block_size is None:
+        return iter_hf_weights(source.folder, shard)
+    log.info("fp8: %s holds FP8 weights in %d x %d blocks; dequantized at load", source.display_name, *block_size)
+    weights = dequantizing_fp8_blocks(iter_hf_weights(source.folder), block_size, source.display_name)
+    return weights if shard is None else shard_tensors(weights, shard)
+
+
 def resolve_weight_format(config: EngineConfig, source: ModelSource):
     """(format name, DeclaredQuantization or None): what config.quantization loads for this source."""
     from batchgen.engine.quant.methods import resolve_quantization
@@ -169,7 +185,7 @@ def load_model(config: EngineConfig, parallel: TensorParallel | None = None) -> 
             from batchgen.engine.quant.fp8_checkpoint import prepare_fp8_checkpoint
 
             prepare_fp8_checkpoint(model, source.folder)  # FP8 checkpoints load as stored, never re-quantized
-        weights = iter_hf_weights(source.folder, shard)
+        weights = _float_weights(source, shard)
     weights = finite_weights(weights, str(source.folder / source.gguf_file) if source.is_gguf else source.display_name)
     model.load_weights(placing_fp8_scales(model, weights))  # FP8 checkpoints' scales go to their layers
     if parallel is not None:  # every rank's weights are in before any collective (calibration) runs

@@ -42,6 +42,30 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None  # Gemma: the softmax scale is this ** -0.5 (None: head_dim's)
     rope_local_theta: float | None = None  # Gemma 3: the local (sliding) layers' rope base
     hidden_act: str = "silu"  # the gated MLP's activation: silu, or gelu_pytorch_tanh (Gemma's GeGLU)
+    # Mixture of experts (layers/moe.py): routed experts per MoE layer (0: a dense model), experts each
+    # token runs, each expert's MLP channels (Mixtral: intermediate_size; Qwen3-MoE: moe_intermediate_size).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    # How the router turns logits into weights: "softmax_topk" (softmax over all experts, then the top k:
+    # Mixtral, Qwen3-MoE) or "topk_softmax" (the top k logits, then softmax over them: gpt-oss).
+    moe_router: str = "softmax_topk"
+    moe_renormalize: bool = False  # softmax_topk: the k weights divided by their sum (Mixtral; Qwen3-MoE's norm_topk_prob)
+    moe_router_bias: bool = False  # a bias on the router's logits (gpt-oss)
+    moe_expert_bias: bool = False  # biases on every expert's gate/up and down projections (gpt-oss)
+    # How the routed experts' weights are stored: "" (the model dtype) or "mxfp4" (gpt-oss as published: blocks
+    # of 32 4-bit values sharing an 8-bit scale, 17 bytes a block; read by `batchgen plan` only, kv/moe_capacity.py).
+    moe_expert_format: str = ""
+    # gpt-oss's clamped SwiGLU in place of SiLU(gate) * up (None: the plain one): gate clamped above at the limit,
+    # up to [-limit, limit], (up + 1) * gate * sigmoid(alpha * gate).
+    moe_swiglu_limit: float | None = None
+    moe_swiglu_alpha: float = 1.702
+    # Layers that keep a dense MLP (intermediate_size wide) in an MoE model (Qwen3-MoE's mlp_only_layers and
+    # decoder_sparse_step); the others hold the experts.
+    moe_dense_layers: tuple[int, ...] = ()
+    # A shared expert every token runs besides the routed ones, this many channels (0: none; Qwen2-MoE),
+    # scaled by sigmoid(shared_expert_gate(x)).
+    shared_expert_intermediate_size: int = 0
     rope_scaling: dict | None = field(default=None, hash=False)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -55,6 +79,14 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def is_moe_layer(self, layer_index: int) -> bool:
+        """Whether that decoder layer holds the experts (else a dense MLP)."""
+        return self.is_moe and layer_index not in self.moe_dense_layers
 
     @property
     def rotary_dim(self) -> int:
@@ -91,15 +123,22 @@ class ModelConfig:
         return (self.vocab_size, self.hidden_size)
 
     @classmethod
-    def from_hf_dict(cls, cfg: dict) -> ModelConfig:
+    def from_hf_dict(cls, cfg: dict, is_plan_only: bool = False) -> ModelConfig:
         """From a parsed config.json: its architecture looked up in the registry (ValueError naming it
         when it is not registered), the keys every family shares, then what the family reads its own
-        way (its class's `config_fields`)."""
+        way (its class's `config_fields`). `is_plan_only` (`batchgen plan`): an architecture the engine
+        does not run yet but whose shapes the planner reads (registry.PLAN_ONLY_ARCHITECTURES) is read too;
+        loading such a config still refuses it by name."""
         # The registry imports the family files, which import this module for annotations only.
-        from batchgen.engine.models.registry import ARCHITECTURES, hf_architecture
+        from batchgen.engine.models.registry import ARCHITECTURES, PLAN_ONLY_ARCHITECTURES, hf_architecture
 
-        architecture = hf_architecture(cfg)
-        family = ARCHITECTURES[architecture]
+        names = cfg.get("architectures") or []
+        plan_only = next((n for n in names if n in PLAN_ONLY_ARCHITECTURES), None) if is_plan_only else None
+        if plan_only is not None and not any(n in ARCHITECTURES for n in names):
+            architecture, family = plan_only, PLAN_ONLY_ARCHITECTURES[plan_only]
+        else:
+            architecture = hf_architecture(cfg)
+            family = ARCHITECTURES[architecture]
         model_type = cfg.get("model_type", family.model_type)
         num_heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads

@@ -148,4 +148,7 @@ def pack_linears(model: nn.Module, can_fuse: bool) -> int:
                 packed = PackedLinear(child)
             setattr(parent, name, packed)
             num_packed += 1
+    for module in list(model.modules()):  # MoE experts (layers/moe.py) hold (E, ...) tensors, not nn.Linear
+        if hasattr(module, "pack_for_onednn"):
+            num_packed += module.pack_for_onednn(can_fuse)
     return num_packed

@@ -19,12 +19,16 @@ from typing import TYPE_CHECKING
 from batchgen.engine.models.gemma2 import Gemma2ForCausalLM
 from batchgen.engine.models.gemma3 import Gemma3ForCausalLM
 from batchgen.engine.models.glm4 import Glm4ForCausalLM
+from batchgen.engine.models.gpt_oss_shapes import GptOssShapes
 from batchgen.engine.models.llama import LlamaForCausalLM
 from batchgen.engine.models.mistral import MistralForCausalLM
+from batchgen.engine.models.mixtral import MixtralForCausalLM
 from batchgen.engine.models.olmo2 import Olmo2ForCausalLM
 from batchgen.engine.models.phi3 import Phi3ForCausalLM
 from batchgen.engine.models.qwen2 import Qwen2ForCausalLM
+from batchgen.engine.models.qwen2_moe import Qwen2MoeForCausalLM
 from batchgen.engine.models.qwen3 import Qwen3ForCausalLM
+from batchgen.engine.models.qwen3_moe import Qwen3MoeForCausalLM
 
 if TYPE_CHECKING:
     from batchgen.engine.models.config import ModelConfig
@@ -51,6 +55,18 @@ ARCHITECTURES: dict[str, Architecture] = {
     "Phi3ForCausalLM": Architecture(Phi3ForCausalLM, "phi3", gguf_name="phi3"),
     "Gemma2ForCausalLM": Architecture(Gemma2ForCausalLM, "gemma2", gguf_name="gemma2"),
     "Gemma3ForCausalLM": Architecture(Gemma3ForCausalLM, "gemma3_text", gguf_name="gemma3"),
+    # Mixture of experts (layers/moe.py). llama.cpp writes Mixtral as "llama" with experts (gguf_loader.py
+    # reads such a file as Mixtral).
+    "MixtralForCausalLM": Architecture(MixtralForCausalLM, "mixtral", gguf_name=None),
+    "Qwen3MoeForCausalLM": Architecture(Qwen3MoeForCausalLM, "qwen3_moe", gguf_name="qwen3moe"),
+    "Qwen2MoeForCausalLM": Architecture(Qwen2MoeForCausalLM, "qwen2_moe", gguf_name="qwen2moe"),  # a shared expert
+}
+
+
+# Architectures whose config.json `batchgen plan` reads (ModelConfig.from_hf_dict(is_plan_only=True)) but the
+# engine does not run yet: an Architecture whose class only reads the config (constructing it raises).
+PLAN_ONLY_ARCHITECTURES: dict[str, Architecture] = {
+    "GptOssForCausalLM": Architecture(GptOssShapes, "gpt_oss", gguf_name=None),
 }
 
 

@@ -43,6 +43,10 @@ _FUSED_IN_CHECKPOINT = ("qkv_proj", "gate_up_proj")
 _VOCABULARY = ("embed_tokens", "lm_head")
 # Norms whose weight spans a whole projection when a family norms over all heads (OLMo 2).
 _WHOLE_PROJECTION_NORMS = {"q_norm": "query", "k_norm": "kv"}
+# A routed expert's projections (layers/moe.py; Mixtral's w1/w3/w2 and the Qwen names): every rank holds every
+# expert's slice of the expert channels, gate/up rows and down columns (vLLM's tensor parallelism for MoE).
+_EXPERT_COLUMN_PARALLEL = ("w1", "w3", "gate_proj", "up_proj")
+_EXPERT_ROW_PARALLEL = ("w2", "down_proj")
 
 
 def even_split(num_items: int, num_parts: int, part: int) -> tuple[int, int]:
@@ -87,6 +91,11 @@ class TensorParallelLayout:
     total_query_heads: int = 0
     total_kv_heads: int = 0
     total_intermediate: int = 0
+    # MoE: the rank's slice of every routed expert's channels (moe_intermediate_size); (0, 0) in a dense model.
+    moe_intermediate: tuple[int, int] = (0, 0)
+    # ... and of the shared expert's (shared_expert_intermediate_size; Qwen2-MoE), split as a dense MLP is;
+    # its 1 x H sigmoid gate is held whole (every rank scales its partial sums by the same factor).
+    shared_intermediate: tuple[int, int] = (0, 0)
 
     @classmethod
     def plan(cls, cfg: ModelConfig, rank: int, world_size: int, is_vocab_parallel: bool = True) -> TensorParallelLayout:
@@ -110,7 +119,9 @@ class TensorParallelLayout:
             vocab = (0, cfg.vocab_size)
         return cls(rank, world_size, cfg.head_dim, query, kv, even_split(cfg.intermediate_size, world_size, rank),
                    vocab, cfg.vocab_size, is_vocab_parallel, total_query_heads=cfg.num_heads,
-                   total_kv_heads=cfg.num_kv_heads, total_intermediate=cfg.intermediate_size)
+                   total_kv_heads=cfg.num_kv_heads, total_intermediate=cfg.intermediate_size,
+                   moe_intermediate=even_split(cfg.moe_intermediate_size, world_size, rank),
+                   shared_intermediate=even_split(cfg.shared_expert_intermediate_size, world_size, rank))
 
     @property
     def num_query_heads(self) -> int:
@@ -131,7 +142,9 @@ class TensorParallelLayout:
     def rank_config(self, cfg: ModelConfig) -> ModelConfig:
         """The shapes this rank's modules have: its heads, MLP channels and vocabulary rows."""
         return dataclasses.replace(cfg, num_heads=self.num_query_heads, num_kv_heads=self.num_kv_heads,
-                                   intermediate_size=self.num_intermediate, vocab_size=self.vocab_rows)
+                                   intermediate_size=self.num_intermediate, vocab_size=self.vocab_rows,
+                                   moe_intermediate_size=self.moe_intermediate[1] - self.moe_intermediate[0],
+                                   shared_expert_intermediate_size=self.shared_intermediate[1] - self.shared_intermediate[0])
 
     def fused_rows(self, module: str) -> list[tuple[int, int]] | None:
         """The [start, end) rows this rank holds of a checkpoint tensor stored already fused (Phi-3),
@@ -160,6 +173,16 @@ class TensorParallelLayout:
             return None
         module, kind = parts[-2], parts[-1]
         head_dim = self.head_dim
+        if "experts" in parts:
+            return self._expert_shard(name, parts, shape)
+        if len(parts) >= 3 and parts[-3] == "shared_expert":  # gate/up rows, down columns of its channels
+            start, end = self.shared_intermediate
+            if module in ("gate_proj", "up_proj"):
+                return Shard(0, start, end, end - start) if _is_per_row(shape, kind) else None
+            if module == "down_proj" and kind == "weight" and len(shape) == 2:
+                return Shard(1, start, end, end - start)
+            raise ValueError(f"checkpoint tensor {name!r}: a shared expert's {kind} does not split with "
+                             "tensor_parallel_size > 1")
         if self.fused_rows(module) is not None:  # stored fused: its rows are no one range
             if kind != "weight" and _is_per_row(shape, kind):
                 raise ValueError(f"checkpoint tensor {name!r}: an already-fused layer's {kind} does not split "
@@ -193,6 +216,19 @@ class TensorParallelLayout:
             return Shard(0, start, min(self.vocab[1], self.vocab_size), self.vocab_rows)
         return None
 
+    def _expert_shard(self, name: str, parts: list[str], shape: tuple[int, ...]) -> Shard | None:
+        """A routed expert's tensor (`...experts.N.<projection>.weight`): its rows (gate, up) or columns (down)
+        of this rank's expert channels."""
+        module, kind = parts[-2], parts[-1]
+        start, end = self.moe_intermediate
+        if parts[-2] == "experts" and kind in ("gate_up_proj", "down_proj"):  # stored fused (E, 2I, H) / (E, H, I):
+            return None  # read whole; layers/moe.py's ExpertCheckpoint cuts the rank's gate, up and down ranges
+        if kind != "weight" or module not in _EXPERT_COLUMN_PARALLEL + _EXPERT_ROW_PARALLEL:
+            raise ValueError(f"checkpoint tensor {name!r}: only expert weights (experts.N.<gate_proj|up_proj|"
+                             f"down_proj|w1|w2|w3>.weight, or experts.<gate_up_proj|down_proj> stored fused) split "
+                             f"with tensor_parallel_size > 1; expert biases and scales do not yet")
+        return Shard(0 if module in _EXPERT_COLUMN_PARALLEL else 1, start, end, end - start)
+
     def _range(self, what: str) -> tuple[int, int]:
         return {"query": self.query_heads, "kv": self.kv_heads, "intermediate": self.intermediate}[what]
 
@@ -220,6 +256,11 @@ def check_can_split(cfg: ModelConfig, world_size: int) -> None:
     if -(-world_size // cfg.num_kv_heads) > cfg.num_heads // cfg.num_kv_heads:
         raise ValueError(f"tensor_parallel_size {world_size} leaves a rank without a query head: the model has "
                          f"{cfg.num_heads} query heads over {cfg.num_kv_heads} KV heads")
+    if cfg.shared_expert_intermediate_size and world_size > cfg.shared_expert_intermediate_size:
+        raise ValueError(f"tensor_parallel_size {world_size} exceeds the shared expert's "
+                         f"{cfg.shared_expert_intermediate_size} channels")
+    if cfg.is_moe and world_size > cfg.moe_intermediate_size:
+        raise ValueError(f"tensor_parallel_size {world_size} exceeds the experts' {cfg.moe_intermediate_size} channels")
     if world_size > cfg.intermediate_size:
         raise ValueError(f"tensor_parallel_size {world_size} exceeds the MLP's {cfg.intermediate_size} channels")
 

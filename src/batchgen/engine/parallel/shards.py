@@ -13,7 +13,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -35,6 +35,18 @@ def read_safetensors(handle, name: str, shard: ShardFn | None) -> torch.Tensor:
         return handle.get_tensor(name)
     part = view[spec.start:spec.end] if spec.dim == 0 else view[:, spec.start:spec.end]
     return pad_rows(part, spec.size) if spec.dim == 0 else part.contiguous()
+
+
+def shard_tensors(weights: Iterable[tuple[str, torch.Tensor]], shard: ShardFn) -> Iterator[tuple[str, torch.Tensor]]:
+    """Whole tensors (name, tensor) cut to this rank's slice of each, as read_safetensors cuts them (for
+    tensors that must be read whole first: a block-scaled FP8 weight is dequantized before it is split)."""
+    for name, tensor in weights:
+        spec = shard(name, tuple(tensor.shape))
+        if spec is None:
+            yield name, tensor
+            continue
+        part = tensor[spec.start:spec.end] if spec.dim == 0 else tensor[:, spec.start:spec.end]
+        yield name, pad_rows(part, spec.size) if spec.dim == 0 else part.contiguous()
 
 
 def gguf_shard_array(tensor, spec: Shard | None) -> np.ndarray:

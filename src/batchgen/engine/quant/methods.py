@@ -78,6 +78,11 @@ def declared_quantization(hf_config: dict, where: str) -> DeclaredQuantization |
     method = qcfg.get("quant_method")
     if method == "compressed-tensors" and _is_ct_float(qcfg):
         method = "fp8"
+    if method == "fp8" and qcfg.get("weight_block_size"):
+        from batchgen.engine.quant.fp8_block import fp8_block_size
+
+        fp8_block_size(hf_config, where)  # checks the block size and format
+        return None  # dequantized as its tensors stream in (quant/fp8_block.py): held in the model dtype
     if method == "fp8":
         from batchgen.engine.quant.fp8_checkpoint import fp8_quant_config
 

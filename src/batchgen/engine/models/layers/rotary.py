@@ -1,5 +1,5 @@
 """Rotary position embeddings: HF's rotate-half layout or GLM's interleaved pairs; default, linear,
-Llama-3 and LongRoPE scaling, over the whole head or its first channels (partial rotary)."""
+Llama-3, LongRoPE and YaRN scaling, over the whole head or its first channels (partial rotary)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 
 import torch
 
-SCALINGS = ("default", "linear", "llama3", "longrope")
+SCALINGS = ("default", "linear", "llama3", "longrope", "yarn")
 
 
 def rope_type(scaling: dict | None) -> str:
@@ -26,6 +26,8 @@ def rope_inv_freq(dim: int, theta: float, scaling: dict | None, max_positions: i
     inv_freq = 1.0 / (theta ** exponents)
     if kind == "default":
         return inv_freq
+    if kind == "yarn":
+        return yarn_inv_freq(dim, theta, scaling, inv_freq)
     if kind == "linear":
         return inv_freq / scaling["factor"]
     if kind == "llama3":
@@ -45,6 +47,31 @@ def rope_inv_freq(dim: int, theta: float, scaling: dict | None, max_positions: i
     raise ValueError(f"rope_scaling type {kind!r} is not supported ({', '.join(SCALINGS)})")
 
 
+def yarn_inv_freq(dim: int, theta: float, scaling: dict, inv_freq: torch.Tensor) -> torch.Tensor:
+    """YaRN (Qwen3's and gpt-oss's long context): the frequencies that turn fewer than beta_slow times over
+    the original context are interpolated (divided by `factor`), those turning more than beta_fast times
+    kept, a linear ramp between, over the frequency indices (HF's _compute_yarn_parameters; `truncate`,
+    default true, rounds the ramp's ends outward)."""
+    factor = scaling["factor"]
+    original = scaling.get("original_max_position_embeddings")
+    if original is None:
+        raise ValueError("rope_scaling yarn needs original_max_position_embeddings")
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def index_of(rotations: float) -> float:  # the frequency index turning `rotations` times over `original`
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = index_of(beta_fast), index_of(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    kept = 1 - ramp  # the share of each frequency left as it is
+    return inv_freq / factor * (1 - kept) + inv_freq * kept
+
+
 def longrope_factors(scaling: dict, dim: int, max_positions: int | None) -> torch.Tensor:
     """(dim / 2,) LongRoPE's per-frequency divisors: `long_factor` when the model is run past its
     original context (max_positions > original_max_position_embeddings), else `short_factor`."""
@@ -60,8 +87,21 @@ def longrope_factors(scaling: dict, dim: int, max_positions: int | None) -> torc
 def rope_attention_factor(scaling: dict | None) -> float:
     """What cos and sin are multiplied by: LongRoPE's `attention_factor`, by default
     sqrt(1 + ln(factor) / ln(original_max_position_embeddings)) (1 when factor <= 1), in the short
-    and the long regime alike; 1 for the other scalings."""
-    if rope_type(scaling) != "longrope":
+    and the long regime alike; YaRN's `attention_factor`, by default 0.1 ln(factor) + 1 (with `mscale`
+    and `mscale_all_dim`, DeepSeek's: the ratio of that formula at each); 1 for the other scalings."""
+    kind = rope_type(scaling)
+    if kind == "yarn":
+        if scaling.get("attention_factor") is not None:
+            return float(scaling["attention_factor"])
+        factor = scaling["factor"]
+
+        def mscale(weight: float = 1.0) -> float:
+            return 1.0 if factor <= 1 else 0.1 * weight * math.log(factor) + 1.0
+
+        if scaling.get("mscale") and scaling.get("mscale_all_dim"):
+            return mscale(scaling["mscale"]) / mscale(scaling["mscale_all_dim"])
+        return mscale()
+    if kind != "longrope":
         return 1.0
     if scaling.get("attention_factor") is not None:
         return float(scaling["attention_factor"])
