@@ -74,5 +74,6 @@ def _run_held(plan: JobPlan, run: OutputRun, engine: LLMEngine | None, progress:
     after = engine.stats
     record = finish_job(job, run, ran.totals, ran.generation_seconds, engine=engine_report(engine),
                         speculative=speculative_summary(spec_before, after.get("speculative")),
-                        structured=structured_summary(structured_before, after.get("structured")))
-    return RunResult(record, success_path, len(pending), len(skipped), dict(run.redo))
+                        structured=structured_summary(structured_before, after.get("structured")),
+                        num_rows_reused=ran.num_rows_reused)
+    return RunResult(record, success_path, len(pending), len(skipped), dict(run.redo), ran.num_rows_reused)
