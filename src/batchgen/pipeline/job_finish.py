@@ -32,7 +32,8 @@ class RunResult:
 
 def finish_job(job: JobConfig, run: OutputRun, this_run: Totals, generation_seconds: float, *, engine: EngineReport,
                workers: Workers | None = None, speculative: SpeculativeFigures | None = None,
-               structured: StructuredFigures | None = None, num_rows_reused: int = 0) -> RunRecord:
+               structured: StructuredFigures | None = None, num_rows_reused: int = 0,
+               provenance: dict | None = None) -> RunRecord:
     """The run's `_SUCCESS`, written last (after output.jsonl/errors.jsonl for openai_batch output) while
     the run still holds its folder: counts over the whole output, speed and latency over this run.
     `num_rows_reused`: rows this run took from an earlier run's checkpoints (in its parts, not in `this_run`)."""
@@ -45,6 +46,7 @@ def finish_job(job: JobConfig, run: OutputRun, this_run: Totals, generation_seco
                               generation_seconds=generation_seconds, resumed=bool(skipped) or num_rows_reused > 0,
                               engine=engine,
                               generation_config=GenerationDefaults.from_dict(job.generation_config_record),
-                              workers=workers, speculative=speculative, structured=structured)
+                              workers=workers, speculative=speculative, structured=structured,
+                              provenance=provenance)
     run.finish(record, write_batch_outputs=job.writes_batch_output)  # the .jsonl from every committed part
     return record

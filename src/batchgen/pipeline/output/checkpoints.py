@@ -137,6 +137,7 @@ class CheckpointWriter:
         if not self.buffer:
             return
         self.may_write()
+        started = time.monotonic()  # the interval runs from write to write start, however long a put takes
         positions = list(self.buffer)
         rows = [(position, row) for position in positions for row in self.buffer[position]]
         arrays = [pa.array([row[f.name] for _, row in rows], f.type) for f in self.schema
@@ -150,7 +151,7 @@ class CheckpointWriter:
         self.open_files[name] = set(positions)
         self.buffer.clear()
         self.buffer_units.clear()
-        self.last_write = time.monotonic()
+        self.last_write = started
 
     def on_committed(self, unit: WorkUnit) -> None:
         """The unit's part is committed: its buffered rows need no checkpoint, and a checkpoint file whose

@@ -111,7 +111,8 @@ def merged_record(storage: Storage, manifest: dict, workers: Workers, summaries:
         resumed=resumed, engine=EngineReport.from_dict(engine), workers=workers,
         generation_config=GenerationDefaults.from_dict(generation) if generation else None,
         speculative=merge_speculative([_part(SpeculativeFigures, s.get("speculative")) for s in summaries]),
-        structured=merge_structured([_part(StructuredFigures, s.get("structured")) for s in summaries]))
+        structured=merge_structured([_part(StructuredFigures, s.get("structured")) for s in summaries]),
+        provenance=next((s["provenance"] for s in summaries if s.get("provenance")), None))
 
 
 def _part(kind: type, value: dict | None):
