@@ -86,7 +86,8 @@ def run_units(source: UnitSource, input_storage: Storage, output_storage: Storag
     tasks = iter_tasks(source, input_storage, units, RequestBuilder(job, engine), writer, restored, bar.advance)
     feeder = Feeder(engine, tasks,
                     window=job.batching.window, sort_by_length=job.batching.sort_by_length,
-                    max_in_flight=2 * engine.config.max_num_seqs, on_output=on_output, on_error=on_error,
+                    max_in_flight=2 * engine.config.max_num_seqs, max_engine_seqs=engine.config.max_num_seqs,
+                    on_output=on_output, on_error=on_error,
                     on_step=lambda: (bar.on_step(feeder.first_add_time), writer.maybe_checkpoint()))
     try:
         feeder.run()
