@@ -20,7 +20,7 @@ from tests.pipeline.conftest import engine_sections, make_job, read_output, writ
 SUCCESS_KEYS = ("job", "config_hash", "model", "generation_config", "num_requests", "num_rows", "num_errors",
                 "prompt_tokens", "cached_tokens", "completion_tokens", "generation_seconds", "completion_tokens_per_s",
                 "ttft_s", "tpot_s", "resumed", "kernels", "kv_cache", "weights", "workers", "speculative", "structured",
-                "metrics")
+                "metrics", "provenance")
 
 REPO = Path(__file__).resolve().parents[2]
 CHAT_PROMPTS = REPO / "jobs" / "data" / "chat_prompts.parquet"

@@ -7,6 +7,7 @@ import json
 import time
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 import ray
 import yaml
@@ -16,6 +17,7 @@ from batchgen.cli.main import app
 from batchgen.pipeline.config import load_job
 from batchgen.pipeline.errors import JobError
 from batchgen.pipeline.job import run_job
+from batchgen.pipeline.provenance import PARQUET_KEY
 from batchgen.pipeline.ray_driver import run_on_ray
 from tests.pipeline.conftest import read_output, write_parquet
 from tests.pipeline.ray_helpers import Killer, replica_pids
@@ -84,6 +86,13 @@ def test_two_replicas_give_the_local_rows(tmp_path, ray_cluster, tiny_model, loc
     _, local_spec_record = run_locally(tmp_path / "local-ngram", tiny_model, engine=NGRAM)
     assert record["speculative"] == local_spec_record["speculative"]
     assert record["speculative"]["num_verifies"] > 0  # the job did speculate
+    # How the rows were made: the replicas' provenance in _SUCCESS and every part, as a local run gives it.
+    provenance = record["provenance"]
+    assert provenance["engine"]["speculative"] == local_spec_record["provenance"]["engine"]["speculative"]
+    assert provenance == local_spec_record["provenance"]
+    assert provenance["model"]["files"] and provenance["chat_template_sha256"]
+    for part in sorted(out.glob("part-*.parquet")):
+        assert json.loads(pq.read_metadata(part).metadata[PARQUET_KEY]) == provenance
     deadline = time.monotonic() + 30
     while replica_pids() and time.monotonic() < deadline:  # ray.kill returns before the process is gone
         time.sleep(0.1)

@@ -59,6 +59,7 @@ def test_three_shard_processes_give_the_local_rows_and_one_success(tmp_path, tin
     _, local_spec_record = run_locally(tmp_path / "local-ngram", tiny_model, engine=NGRAM)
     assert success["speculative"] == local_spec_record["speculative"] and success["speculative"]["num_verifies"] > 0
     assert success["num_rows"] == NUM_ROWS
+    assert success["provenance"] == local_spec_record["provenance"] and success["provenance"]["model"]["files"]
     workers = success["workers"]
     assert workers["backend"] == "shards" and workers["num_shards"] == 3
     assert sorted(s["index"] for s in workers["shards"]) == [0, 1, 2]

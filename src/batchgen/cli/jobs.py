@@ -81,7 +81,8 @@ def run(
     else:
         redone = f" ({len(result.redone)} of them run again: their part failed verification)" if result.redone else ""
         typer.echo(f"batchgen: {config.name} done: {result.num_units_run} unit(s) run{redone}, "
-                   f"{result.num_units_skipped} already done")
+                   f"{result.num_units_skipped} already done"
+                   + (f", {result.num_rows_reused:,} row(s) reused from checkpoints" if result.num_rows_reused else ""))
         typer.echo(format_summary(result.record, result.success_path))
     if report:
         write_run_report(config)

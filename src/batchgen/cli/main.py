@@ -8,6 +8,7 @@ import typer
 
 from batchgen.cli import jobs
 from batchgen.cli.bench import bench_command
+from batchgen.cli.card import card
 from batchgen.cli.plan import plan_command
 from batchgen.cli.report import report
 from batchgen.cli.serve import register_serve
@@ -29,6 +30,7 @@ register_serve(app)
 app.command("bench")(bench_command)
 app.command("report")(report)
 app.command("plan")(plan_command)
+app.command("card")(card)
 
 
 def main() -> None:

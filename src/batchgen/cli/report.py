@@ -101,6 +101,22 @@ def report(
         return
     typer.echo(f"batchgen: report written to {done.path}")
     typer.echo("\n".join(format_scores(done, against)))
+    if against is not None:
+        typer.echo("\n".join(format_config_differences(done.config_differences)))
+
+
+def format_config_differences(differences: list[tuple[str, object, object]], max_chars: int = 120) -> list[str]:
+    """What the two runs' configurations (`_SUCCESS` with its provenance, and the input manifests) say
+    differently: a line per key, this run's value, then the baseline's."""
+    if not differences:
+        return ["configuration: no difference"]
+
+    def shown(value: object) -> str:
+        text = "(absent)" if type(value).__name__ == "_Absent" else json.dumps(value, default=str)
+        return text if len(text) <= max_chars else text[:max_chars - 3] + "..."
+
+    return ["configuration differences (this run vs --against)"] + [
+        f"  {key}: {shown(new)} vs {shown(old)}" for key, new, old in differences]
 
 
 def format_scores(done, against: str | None) -> list[str]:

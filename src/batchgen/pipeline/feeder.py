@@ -2,7 +2,15 @@
 
 Why bounded: a request's arrival time is when it is handed to the engine, so a queue of millions
 would make every queue_s/ttft_s meaningless; and read-ahead beyond what the engine can start soon
-only costs memory. Two times max_num_seqs keeps the scheduler fed when a batch finishes at once.
+only costs memory. Two bounds, both in sequences (n per request), not requests:
+- `max_engine_seqs` (max_num_seqs): a request is handed over only while the engine holds fewer
+  sequences than that, running or waiting (its `num_unfinished_seqs`; the last request may pass it by
+  n - 1). The feeder refills between steps, so every slot a finished sequence frees is taken at the next
+  step, while nothing queues behind a full batch: queue_s measures the engine (its prefill budget, its
+  KV blocks), not how much the feeder read ahead. A sample that finishes before its siblings frees
+  its slot at once, as the engine counts it, where a count of requests would keep it idle.
+- `max_in_flight` (2 x max_num_seqs): requests in flight, as sequences; the only bound for an engine
+  that does not count its sequences (the tests' fakes).
 """
 
 from __future__ import annotations
@@ -21,12 +29,15 @@ class Feeder:
 
     def __init__(self, engine, tasks: Iterator[RowTask], *, window: int, sort_by_length: bool,
                  max_in_flight: int, on_output: Callable[[RowTask, RequestOutput], None],
-                 on_error: Callable[[RowTask], None], on_step: Callable[[], None] = lambda: None):
+                 on_error: Callable[[RowTask], None], on_step: Callable[[], None] = lambda: None,
+                 max_engine_seqs: int | None = None):
         self.engine = engine
         self.tasks = tasks
         self.window_size = window
         self.sort_by_length = sort_by_length
-        self.max_in_flight = max_in_flight
+        self.max_in_flight = max_in_flight  # sequences of the requests in flight
+        self.max_engine_seqs = max_engine_seqs  # sequences the engine holds (None: no such bound)
+        self.num_seqs_in_flight = 0
         self.on_output = on_output
         self.on_error = on_error
         self.on_step = on_step  # after every engine step (the progress bar's token rate)
@@ -61,13 +72,21 @@ class Feeder:
                 self.last_output_time = time.monotonic()
             self.on_step()
             for out in outputs:
-                self.on_output(self.in_flight.pop(out.request_id), out)
+                task = self.in_flight.pop(out.request_id)
+                self.num_seqs_in_flight -= num_seqs(task)
+                self.on_output(task, out)
                 self._release_twin(out.request_id)
             if self.in_flight and not self.engine.has_unfinished():
                 raise RuntimeError(f"the engine dropped {len(self.in_flight)} requests without an output")
 
+    def _has_room(self) -> bool:
+        if self.num_seqs_in_flight >= self.max_in_flight:
+            return False
+        held = getattr(self.engine, "num_unfinished_seqs", None)
+        return self.max_engine_seqs is None or held is None or held < self.max_engine_seqs
+
     def _fill(self) -> None:
-        while len(self.in_flight) < self.max_in_flight:
+        while self._has_room():
             was_waiting = bool(self.released)
             task = self._next_task()
             if task is None:
@@ -95,6 +114,7 @@ class Feeder:
             if self.first_add_time is None:
                 self.first_add_time = handed_at
             self.in_flight[task.request_id] = task
+            self.num_seqs_in_flight += num_seqs(task)
 
     def _release_twin(self, request_id: str) -> None:
         waiting = self.deferred.get(request_id)
@@ -122,3 +142,9 @@ class Feeder:
                 batch.append(task)
         block_size = getattr(getattr(self.engine, "config", None), "block_size", 16)
         self.window.extend(order_window(batch, self.sort_by_length, block_size))
+
+
+def num_seqs(task: RowTask) -> int:
+    """The sequences a task's request runs: its n samples (a scored context: 1)."""
+    return max(1, getattr(task.params, "n", 1) or 1) if task.params is not None else 1
+

@@ -17,6 +17,7 @@ from batchgen.pipeline.output import (
     raise_if_locked,
     raise_if_refused,
 )
+from batchgen.pipeline.provenance import plan_provenance, with_provenance
 from batchgen.pipeline.summary import speculative_summary, structured_summary
 from batchgen.pipeline.unit_loop import UnitSource, run_units
 
@@ -66,7 +67,8 @@ def _run_held(plan: JobPlan, run: OutputRun, engine: LLMEngine | None, progress:
                  ", ".join(u.output_name for u in skipped), len(pending))
     engine = start_engine(job, engine)  # started already, unless the plan found the folder complete
 
-    source = UnitSource(job, plan.inputs.output_schema(job), plan.repeats)
+    provenance = plan_provenance(plan, engine)  # in every part's metadata and in _SUCCESS
+    source = UnitSource(job, with_provenance(plan.inputs.output_schema(job), provenance), plan.repeats)
     spec_before = engine.stats.get("speculative")  # None: speculation off (or an engine without it)
     structured_before = engine.stats.get("structured")
     ran = run_units(source, plan.input_storage, run.storage, pending, engine, run.commit_context(),
@@ -74,5 +76,6 @@ def _run_held(plan: JobPlan, run: OutputRun, engine: LLMEngine | None, progress:
     after = engine.stats
     record = finish_job(job, run, ran.totals, ran.generation_seconds, engine=engine_report(engine),
                         speculative=speculative_summary(spec_before, after.get("speculative")),
-                        structured=structured_summary(structured_before, after.get("structured")))
-    return RunResult(record, success_path, len(pending), len(skipped), dict(run.redo))
+                        structured=structured_summary(structured_before, after.get("structured")),
+                        num_rows_reused=ran.num_rows_reused, provenance=provenance)
+    return RunResult(record, success_path, len(pending), len(skipped), dict(run.redo), ran.num_rows_reused)

@@ -27,21 +27,26 @@ class RunResult:
     num_units_run: int
     num_units_skipped: int
     redone: dict[str, str] = field(default_factory=dict)  # unit files run again -> why they were not trusted
+    num_rows_reused: int = 0  # output rows taken from an earlier run's checkpoints (output.checkpoint_seconds)
 
 
 def finish_job(job: JobConfig, run: OutputRun, this_run: Totals, generation_seconds: float, *, engine: EngineReport,
                workers: Workers | None = None, speculative: SpeculativeFigures | None = None,
-               structured: StructuredFigures | None = None) -> RunRecord:
+               structured: StructuredFigures | None = None, num_rows_reused: int = 0,
+               provenance: dict | None = None) -> RunRecord:
     """The run's `_SUCCESS`, written last (after output.jsonl/errors.jsonl for openai_batch output) while
-    the run still holds its folder: counts over the whole output, speed and latency over this run."""
-    whole = this_run.copy_counts()  # latency figures: this run only
+    the run still holds its folder: counts over the whole output, speed and latency over this run.
+    `num_rows_reused`: rows this run took from an earlier run's checkpoints (in its parts, not in `this_run`)."""
+    whole = Totals()  # counts over every part: also what an earlier run wrote or checkpointed
     skipped = run.skipped_units
-    for unit in skipped:  # counts cover the whole output, also what an earlier run wrote
+    for unit in run.units:
         with run.storage.fs.open(run.storage.join(unit.output_name), "rb") as f:
             whole.add_table(read_summary_table(f))
     record = RunRecord.of_run(job.name, run.identity.config_hash, whole=whole, this_run=this_run,
-                              generation_seconds=generation_seconds, resumed=bool(skipped), engine=engine,
+                              generation_seconds=generation_seconds, resumed=bool(skipped) or num_rows_reused > 0,
+                              engine=engine,
                               generation_config=GenerationDefaults.from_dict(job.generation_config_record),
-                              workers=workers, speculative=speculative, structured=structured)
+                              workers=workers, speculative=speculative, structured=structured,
+                              provenance=provenance)
     run.finish(record, write_batch_outputs=job.writes_batch_output)  # the .jsonl from every committed part
     return record

@@ -286,6 +286,10 @@ class OutputSection(Section):
     an earlier stage keeps that stage's `completion` as `<earlier stage>_completion` this way."""
     storage_options: dict[str, Any] = Field(default_factory=dict)
     """fsspec options for the output's filesystem (credentials, endpoint); not in the config hash."""
+    checkpoint_seconds: float = Field(default=10.0, gt=0)
+    """Seconds between checkpoints: finished rows are written to `_checkpoints/` at least this often, so a
+    crash or kill -9 loses at most this much finished work (a rerun reuses the rest); a unit's part replaces
+    its rows there. Not in the config hash."""
 
 
 class ClusterSection(Section):

@@ -149,7 +149,8 @@ def run_on_ray(job: JobConfig, *, limit: int | None = None, overwrite: bool = Fa
                                    f"committed in {job.output.path}: {', '.join(missing[:20])}")
             record = finish_job(job, run, this_run, driver.generation_seconds, workers=driver.workers(),
                                 speculative=merge_speculative(driver.speculative),
-                                structured=merge_structured(driver.structured), engine=driver.engine_report)
+                                structured=merge_structured(driver.structured), engine=driver.engine_report,
+                                provenance=driver.provenance)
             return RunResult(record, success_path, len(pending), len(skipped), dict(run.redo))
     finally:
         if connected:
@@ -178,6 +179,7 @@ class _Driver:
         self.failures = 0
         self.retried: set[str] = set()
         self.engine_report = EngineReport()  # the first replica's (every replica loads the same job)
+        self.provenance: dict | None = None  # the first replica's (pipeline/provenance.py)
         self.speculative: list[SpeculativeFigures | None] = []  # each unit's draft and accepted tokens (None: off)
         self.structured: list[StructuredFigures | None] = []  # each unit's constrained requests (None: none)
         self.started: list[dict] = []
@@ -255,6 +257,7 @@ class _Driver:
             replica.where = {"host": result["host"], "pid": result["pid"]}
             if not self.started:
                 self.engine_report = result["engine"]
+                self.provenance = result.get("provenance")
             self.started.append(replica.where)
             return
         unit = replica.in_flight.pop(ref)

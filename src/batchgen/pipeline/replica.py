@@ -18,7 +18,9 @@ import pyarrow as pa
 from batchgen.pipeline.config import JobConfig
 from batchgen.pipeline.id_scan import Position
 from batchgen.pipeline.job_engine import check_engine_can_run, engine_for, engine_report
+from batchgen.pipeline.job_plan import check_model
 from batchgen.pipeline.output import CommitContext, WorkUnit
+from batchgen.pipeline.provenance import engine_provenance, with_provenance
 from batchgen.pipeline.storage import Storage
 from batchgen.pipeline.summary import speculative_summary, structured_summary
 from batchgen.pipeline.unit_loop import UnitSource, run_units
@@ -29,16 +31,19 @@ class EngineReplica:
 
     def __init__(self, job: JobConfig, output_schema: pa.Schema, commit: CommitContext):
         self.job = job
-        self.output_schema = output_schema
         self.commit = commit  # the driver's run: its config hash and run id (the driver holds the lock)
         self.engine = engine_for(job, None)
         check_engine_can_run(job, self.engine)
+        # How this replica's rows are made (the model files where it runs): in each part's metadata.
+        self.provenance = engine_provenance(job, check_model(job.model.path, job.model.revision), self.engine)
+        self.output_schema = with_provenance(output_schema, self.provenance)
         self.input_storage = Storage(job.input.path, job.input.storage_options)
         self.output_storage = Storage(job.output.path, job.output.storage_options)
 
     def ready(self) -> dict:
         """Where this replica runs and what its engine loaded (answered once the engine is loaded)."""
-        return {"host": socket.gethostname(), "pid": os.getpid(), "engine": engine_report(self.engine)}
+        return {"host": socket.gethostname(), "pid": os.getpid(), "engine": engine_report(self.engine),
+                "provenance": self.provenance}
 
     def run_unit(self, unit: WorkUnit, repeats: dict[Position, int]) -> dict:
         """Generate one unit and commit its part; its figures (a Totals) and this process's id."""

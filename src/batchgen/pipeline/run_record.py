@@ -345,12 +345,15 @@ class RunRecord(_Part):
     """A select stage of a multi-stage job: its rule and what it counted (input rows, prompts, rows `where`
     dropped, unscored rows, output rows; dpo_pairs: prompts dropped as single, tied or below min_margin and
     the kept pairs' margin percentiles); None for a model stage or job."""
+    provenance: dict[str, Any] = field(default_factory=dict)
+    """How the output was made, fully resolved (pipeline/provenance.py): batchgen version, model files and
+    settings, engine settings, every sampling key, input settings, chat template hash; {} in older records."""
 
     @classmethod
     def of_run(cls, job: str, config_hash: str, *, whole: Totals, this_run: Totals, generation_seconds: float,
                resumed: bool, engine: EngineReport, generation_config: GenerationDefaults | None = None,
                workers: Workers | None = None, speculative: SpeculativeFigures | None = None,
-               structured: StructuredFigures | None = None) -> RunRecord:
+               structured: StructuredFigures | None = None, provenance: dict[str, Any] | None = None) -> RunRecord:
         """The record of a run: counts over `whole` (every part of the output), speed and latency over
         `this_run` (what this run generated in `generation_seconds`); `workers` None: one local process."""
         return cls(
@@ -362,7 +365,7 @@ class RunRecord(_Part):
             ttft_s=Percentiles.of(this_run.ttft_s), tpot_s=Percentiles.of(this_run.tpot_s), resumed=resumed,
             kernels=engine.kernels, kv_cache=engine.kv_cache, weights=engine.weights,
             workers=workers if workers is not None else Workers.local(), speculative=speculative,
-            structured=structured, metrics=whole.metric_scores())
+            structured=structured, metrics=whole.metric_scores(), provenance=dict(provenance or {}))
 
     def to_dict(self) -> dict[str, Any]:
         values = _fields_dict(self)

@@ -9,7 +9,7 @@ The number formats (`count`, `ms`, ...) are the report's too, so a figure reads 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from batchgen.pipeline.run_record import (
     GenerationDefaults,
@@ -133,6 +133,16 @@ def cached(record: RunRecord) -> str:
     return f"{count(record.cached_tokens)}{hit}"
 
 
+def provenance(p: Mapping[str, Any]) -> str:
+    """The provenance in one line: the version, the model's files, the chat template's hash."""
+    if not p:
+        return NONE
+    files = (p.get("model") or {}).get("files") or {}
+    template = p.get("chat_template_sha256")
+    return (f"batchgen {p.get('batchgen_version') or '?'}; {len(files)} model file(s) hashed; chat template "
+            f"{template[:12] if template else NONE}; every setting in _SUCCESS and each part's metadata")
+
+
 class SummaryRow(NamedTuple):
     """One line of the end-of-run summary: a _SUCCESS key, its label and its value as text."""
 
@@ -167,6 +177,7 @@ def summary_rows(record: RunRecord) -> list[SummaryRow]:
         ("speculative", "speculative", speculative(r.speculative)),
         ("structured", "structured", structured(r.structured)),
         ("metrics", "metrics", metrics(r.metrics)),
+        ("provenance", "provenance", provenance(r.provenance)),
     ]
     return [SummaryRow(*row) for row in rows]
 

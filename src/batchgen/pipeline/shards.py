@@ -32,6 +32,7 @@ from batchgen.pipeline.output import (
     raise_if_locked,
     raise_if_refused,
 )
+from batchgen.pipeline.provenance import plan_provenance, with_provenance
 from batchgen.pipeline.run_record import EngineReport, Percentiles
 from batchgen.pipeline.summary import Totals, read_summary_table, speculative_summary, structured_summary
 from batchgen.pipeline.unit_loop import UnitSource, run_units
@@ -119,10 +120,12 @@ def run_shard(job: JobConfig, shard: ShardSpec, *, engine=None, limit: int | Non
                  shard.count, shard.source, len(mine), len(plan.units), len(skipped), len(pending))
 
         totals, seconds, reports, spec, structured = Totals(), 0.0, EngineReport(), None, None
+        provenance = None
         if pending:
             engine = start_engine(job, engine)
             spec_before, structured_before = engine.stats.get("speculative"), engine.stats.get("structured")
-            source = UnitSource(job, plan.inputs.output_schema(job), plan.repeats)
+            provenance = plan_provenance(plan, engine)
+            source = UnitSource(job, with_provenance(plan.inputs.output_schema(job), provenance), plan.repeats)
             ran = run_units(source, plan.input_storage, run.storage, pending, engine, run.commit_context(),
                             progress=progress)
             totals, seconds, reports = ran.totals, ran.generation_seconds, engine_report(engine)
@@ -132,6 +135,7 @@ def run_shard(job: JobConfig, shard: ShardSpec, *, engine=None, limit: int | Non
         # This run's drafts (None: off, or nothing to run) and constrained requests (None: none).
         summary["speculative"] = None if spec is None else spec.to_dict()
         summary["structured"] = None if structured is None else structured.to_dict()
+        summary["provenance"] = provenance
         run.write_worker_summary(summary)
         finalized = finalize_folder(run.storage)
     if finalized.created:

@@ -20,14 +20,21 @@ from batchgen.pipeline.feeder import Feeder
 from batchgen.pipeline.id_scan import Position, repeat_key
 from batchgen.pipeline.json_columns import with_json_columns
 from batchgen.pipeline.metric_columns import job_metric_scorer
-from batchgen.pipeline.output import CommitContext, WorkUnit, contiguous_runs
+from batchgen.pipeline.output import (
+    CheckpointWriter,
+    CommitContext,
+    RestoredRows,
+    WorkUnit,
+    contiguous_runs,
+    load_checkpoints,
+)
 from batchgen.pipeline.parquet_rows import decode_batch
 from batchgen.pipeline.progress import Progress
 from batchgen.pipeline.reader import read_rows
 from batchgen.pipeline.request_builder import RequestBuilder, RowTask
 from batchgen.pipeline.storage import Storage
 from batchgen.pipeline.summary import Totals
-from batchgen.pipeline.writer import UnitWriter
+from batchgen.pipeline.writer import UnitWriter, checkpoint_schema
 
 log = logging.getLogger("batchgen.pipeline")
 
@@ -43,8 +50,9 @@ class UnitSource:
 
 @dataclass
 class UnitsRun:
-    totals: Totals  # over the rows this call wrote
+    totals: Totals  # over the rows this call generated (not those taken from earlier runs' checkpoints)
     generation_seconds: float
+    num_rows_reused: int = 0  # output rows taken from earlier runs' checkpoints
 
 
 def run_units(source: UnitSource, input_storage: Storage, output_storage: Storage, units: list[WorkUnit],
@@ -61,6 +69,12 @@ def run_units(source: UnitSource, input_storage: Storage, output_storage: Storag
                         openai_lines=openai_lines, is_scoring=job.is_scoring,
                         score_metrics=with_json_columns(job, job_metric_scorer(job)))
     bar = Progress(engine, sum(u.num_rows for u in units), job.name, enabled=progress)
+    restored = load_checkpoints(output_storage, units, commit.config_hash)
+    if restored.rows:
+        log.info("resuming: %d finished request(s) (%d output rows) taken from checkpoints of an earlier run",
+                 len(restored.rows), restored.num_output_rows)
+    writer.checkpoints = CheckpointWriter(output_storage, checkpoint_schema(source.output_schema), commit.config_hash,
+                                          commit.run_id, job.output.checkpoint_seconds, commit.may_commit, restored)
 
     def on_output(task: RowTask, out: RequestOutput | ScoreOutput) -> None:
         writer.add_output(task, out)
@@ -70,10 +84,12 @@ def run_units(source: UnitSource, input_storage: Storage, output_storage: Storag
         writer.add_error(task)
         bar.advance(1)
 
-    feeder = Feeder(engine, iter_tasks(source, input_storage, units, RequestBuilder(job, engine), writer),
+    tasks = iter_tasks(source, input_storage, units, RequestBuilder(job, engine), writer, restored, bar.advance)
+    feeder = Feeder(engine, tasks,
                     window=job.batching.window, sort_by_length=job.batching.sort_by_length,
-                    max_in_flight=2 * engine.config.max_num_seqs, on_output=on_output, on_error=on_error,
-                    on_step=lambda: bar.on_step(feeder.first_add_time))
+                    max_in_flight=2 * engine.config.max_num_seqs, max_engine_seqs=engine.config.max_num_seqs,
+                    on_output=on_output, on_error=on_error,
+                    on_step=lambda: (bar.on_step(feeder.first_add_time), writer.maybe_checkpoint()))
     try:
         feeder.run()
     except BaseException:
@@ -83,12 +99,14 @@ def run_units(source: UnitSource, input_storage: Storage, output_storage: Storag
         bar.close(feeder.generation_seconds)
     if writer.num_open_units:  # every row was handed back, so every unit must have been written
         raise RuntimeError(f"{writer.num_open_units} unit(s) were not completed")
-    return UnitsRun(this_run, feeder.generation_seconds)
+    return UnitsRun(this_run, feeder.generation_seconds, writer.num_restored_rows)
 
 
 def iter_tasks(source: UnitSource, input_storage: Storage, units: list[WorkUnit], builder: RequestBuilder,
-               writer: UnitWriter) -> Iterator[RowTask]:
-    """Every row of `units` as a RowTask, in input order; each unit's id/kept columns go to the writer."""
+               writer: UnitWriter, restored: RestoredRows | None = None,
+               on_restored: Callable[[int], None] = lambda num: None) -> Iterator[RowTask]:
+    """Every row of `units` as a RowTask, in input order; each unit's id/kept columns go to the writer.
+    A row an earlier run's checkpoint holds (`restored`) goes to the writer as it is, not to the engine."""
     job = source.job
     scored = [job.input.scored_column] if job.input.scored_column is not None else []
     columns = list(dict.fromkeys([job.input.id_column, *job.input.prompt_source_columns, *scored, *job.sampling_columns.values(),
@@ -113,6 +131,11 @@ def iter_tasks(source: UnitSource, input_storage: Storage, units: list[WorkUnit]
                 first_offset = position - unit.start
                 position += piece.num_rows
                 for i, row in enumerate(decode(piece, job)):
+                    saved = restored.rows.pop((file.display, unit.start + first_offset + i), None) if restored else None
+                    if saved is not None:
+                        writer.restore(unit.index, first_offset + i, saved)
+                        on_restored(1)
+                        continue
                     task = builder.build(row, unit.index, first_offset + i)
                     occurrence = source.repeats.get((file.path, unit.start + first_offset + i))
                     if occurrence and task.request_id is not None:

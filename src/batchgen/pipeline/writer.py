@@ -22,7 +22,7 @@ from batchgen.engine.text.tools import parse_tool_output
 from batchgen.metrics import metric_column, metric_fields_of
 from batchgen.pipeline.json_columns import json_field_names
 from batchgen.pipeline.metric_columns import MetricScorer
-from batchgen.pipeline.output import CommitContext, IdChecksum, WorkUnit
+from batchgen.pipeline.output import CheckpointWriter, CommitContext, IdChecksum, WorkUnit
 from batchgen.pipeline.request_builder import RowTask
 from batchgen.pipeline.schema import GENERATED_FIELDS, SCORE_FIELDS
 from batchgen.pipeline.storage import PartFile, Storage
@@ -110,6 +110,12 @@ def score_error_rows(task: RowTask) -> list[dict]:
     return [row]
 
 
+def checkpoint_schema(schema: pa.Schema) -> pa.Schema:
+    """The columns a row dict holds (the generated ones): what a checkpoint keeps of a finished request."""
+    generated = {f.name for f in GENERATED_FIELDS} | {f.name for f in SCORE_FIELDS}
+    return pa.schema([f for f in schema if f.name in generated])
+
+
 def _set_line(rows: list[dict], line: str) -> None:
     """A request's output line goes on its sample 0 row (rows come sorted by sample index)."""
     for i, row in enumerate(rows):
@@ -132,6 +138,8 @@ class UnitPart:
         self.sources: deque[pa.RecordBatch] = deque()  # id + kept columns of unwritten rows, input order
         self.ready: dict[int, list[dict]] = {}  # rows that finished before an earlier row of the unit
         self.pending: list[list[dict]] = []  # the in-order prefix not yet written
+        self.restored: set[int] = set()  # offsets whose rows came from a checkpoint (not this run's work)
+        self.pending_restored: list[bool] = []  # per pending request: taken from a checkpoint
         self.num_pending_rows = 0
         self.num_pending_tokens = 0
         self.next_offset = 0  # the first input row (within the unit) not yet moved to `pending`
@@ -149,6 +157,8 @@ class UnitPart:
         while self.next_offset in self.ready:
             done = self.ready.pop(self.next_offset)
             self.pending.append(done)
+            self.pending_restored.append(self.next_offset in self.restored)
+            self.restored.discard(self.next_offset)
             self.num_pending_rows += len(done)
             self.num_pending_tokens += sum(r["completion_tokens"] for r in done)
             self.next_offset += 1
@@ -159,7 +169,8 @@ class UnitPart:
             self.is_complete and bool(self.pending))
 
     def flush(self) -> pa.Table:
-        """Write the pending rows (with their id and kept columns) as one row group; returns them."""
+        """Write the pending rows (with their id and kept columns) as one row group; returns those this run
+        generated (not the ones taken from a checkpoint)."""
         source = self._take_sources(len(self.pending))
         counts = np.array([len(r) for r in self.pending])
         taken = source.take(pa.array(np.repeat(np.arange(len(counts)), counts)))
@@ -176,8 +187,12 @@ class UnitPart:
         self.writer.write_table(table)
         self.ids.update(table.column("id"))
         self.num_rows += table.num_rows
+        fresh = None
+        if any(self.pending_restored):
+            fresh = pa.array(np.repeat(~np.array(self.pending_restored), counts))
         self.pending, self.num_pending_rows, self.num_pending_tokens = [], 0, 0
-        return table
+        self.pending_restored = []
+        return table if fresh is None else table.filter(fresh)
 
     def _take_sources(self, num_rows: int) -> pa.Table:
         pieces = []
@@ -212,7 +227,8 @@ class UnitWriter:
     def __init__(self, storage: Storage, schema: pa.Schema, source_columns: list[str], n: int,
                  commit: CommitContext, on_rows: Callable[[pa.Table], None] = lambda table: None,
                  on_committed: Callable[[WorkUnit], None] = lambda unit: None, openai_lines=None,
-                 is_scoring: bool = False, score_metrics: MetricScorer | None = None):
+                 is_scoring: bool = False, score_metrics: MetricScorer | None = None,
+                 checkpoints: CheckpointWriter | None = None):
         self.storage = storage
         self.schema = schema
         self.source_columns = source_columns
@@ -224,6 +240,8 @@ class UnitWriter:
         self.is_scoring = is_scoring  # task: loglikelihood: one score row per input row
         self.score_metrics = score_metrics  # the job's metrics: verdict columns from the rows (None: none)
         self.parts: dict[int, UnitPart] = {}
+        self.checkpoints = checkpoints  # output.checkpoint_seconds: finished rows made durable as they finish
+        self.num_restored_rows = 0  # output rows taken from earlier runs' checkpoints
 
     def open_unit(self, unit: WorkUnit) -> None:
         self.parts[unit.index] = UnitPart(unit, self.storage.open_part(unit.output_name), self.schema,
@@ -262,13 +280,29 @@ class UnitWriter:
         while self.parts:
             self.parts.popitem()[1].abort()
 
+    def restore(self, unit_index: int, offset: int, rows: list[dict]) -> None:
+        """A request's rows as an earlier run's checkpoint holds them (its unit's source columns added first)."""
+        self.parts[unit_index].restored.add(offset)
+        self.num_restored_rows += len(rows)
+        self._set_rows(unit_index, offset, rows)
+
+    def maybe_checkpoint(self) -> None:
+        if self.checkpoints is not None:
+            self.checkpoints.maybe_write()
+
     def _set(self, task: RowTask, rows: list[dict]) -> None:
-        part = self.parts[task.unit_index]
-        part.set_rows(task.offset, rows)
+        if self.checkpoints is not None:
+            self.checkpoints.add(self.parts[task.unit_index].unit, task.offset, rows)
+        self._set_rows(task.unit_index, task.offset, rows)
+        self.maybe_checkpoint()
+
+    def _set_rows(self, unit_index: int, offset: int, rows: list[dict]) -> None:
+        part = self.parts[unit_index]
+        part.set_rows(offset, rows)
         if part.should_flush:
             self.on_rows(part.flush())
         if part.is_complete:
-            self._commit(self.parts.pop(task.unit_index))
+            self._commit(self.parts.pop(unit_index))
 
     def _commit(self, part: UnitPart) -> None:
         try:
@@ -277,4 +311,6 @@ class UnitWriter:
         except BaseException:
             part.abort()
             raise
+        if self.checkpoints is not None:
+            self.checkpoints.on_committed(part.unit)
         self.on_committed(part.unit)

@@ -46,13 +46,23 @@ class Report:
     scores: list[ShownScore]
     score_changes: list[ScoreChange] = field(default_factory=list)  # with --against: the metrics both runs have
     path: str | None = None  # where write_report put the page
+    # with --against: (key, this run's value, the baseline's) per configuration key that differs
+    config_differences: list[tuple[str, object, object]] = field(default_factory=list)
 
     def scores_dict(self) -> dict:
         """The scores as `batchgen report --json` prints them."""
         out: dict = {"scores": {s.name: s.to_dict() for s in self.scores}}
         if self.score_changes:
             out["against"] = {c.name: c.to_dict() for c in self.score_changes}
+        if self.config_differences:
+            out["config_differences"] = {key: {"new": _json_value(new), "old": _json_value(old)}
+                                         for key, new, old in self.config_differences}
         return out
+
+
+def _json_value(value: object) -> object:
+    """A configuration value as JSON holds it (a key one run lacks: null)."""
+    return None if type(value).__name__ == "_Absent" else value
 
 
 def build_report(config: ReportConfig) -> str:
@@ -91,7 +101,8 @@ def render_report(config: ReportConfig) -> Report:
         "fmt": fmt,
     }
     html = _environment().get_template("report.html.j2").render(**context)
-    return Report(html, figures.scores, comparison.score_changes if comparison else [])
+    return Report(html, figures.scores, comparison.score_changes if comparison else [],
+                  config_differences=comparison.config_differences if comparison else [])
 
 
 def write_report(config: ReportConfig) -> str:

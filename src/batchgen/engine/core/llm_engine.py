@@ -301,6 +301,12 @@ class LLMEngine:
     def num_unfinished_requests(self) -> int:
         return len(self.requests)
 
+    @property
+    def num_unfinished_seqs(self) -> int:
+        """Sequences running or waiting for a slot (n per sampled request, a beam search's beams): what
+        the batch pipeline's feeder bounds, so that a request's queue time measures the engine."""
+        return len(self.scheduler.running) + len(self.scheduler.waiting)
+
     # ---- the loop -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput | ScoreOutput]:
         """Schedule, run the model once, sample; returns the step's outputs, per request as its

@@ -11,9 +11,16 @@
 Modules: run.py (the run's hold), folder.py (the folder's state and manifest), lock.py / lease.py (one run
 at a time: flock locally, a lease on object stores; lock_holder.py: the holder and the errors both raise),
 create_once.py, commits.py, fingerprint.py (the input pinned), units.py, finalize.py, shared_storage.py (a
-Ray cluster sees one folder).
+Ray cluster sees one folder), checkpoints.py (finished rows durable every output.checkpoint_seconds).
 """
 
+from batchgen.pipeline.output.checkpoints import (
+    CHECKPOINTS_DIR,
+    CheckpointWriter,
+    RestoredRows,
+    load_checkpoints,
+    remove_checkpoints,
+)
 from batchgen.pipeline.output.commits import CommitContext, IdChecksum
 from batchgen.pipeline.output.finalize import Finalized, finalize_folder
 from batchgen.pipeline.output.fingerprint import FileFingerprint, fingerprint_files
@@ -41,4 +48,5 @@ __all__ = [
     "check_output_outside_input", "check_output_shared", "contiguous_runs", "describe_redo", "finalize_folder",
     "fingerprint_files", "open_run", "plan_units", "probe_nodes", "raise_if_locked", "raise_if_refused",
     "unit_file_name",
+    "CHECKPOINTS_DIR", "CheckpointWriter", "RestoredRows", "load_checkpoints", "remove_checkpoints",
 ]

@@ -18,6 +18,7 @@ import pyarrow.parquet as pq
 from batchgen.pipeline.batch_output import LINE_COLUMN, write_batch_outputs
 from batchgen.pipeline.errors import JobError
 from batchgen.pipeline.input_file import InputFile
+from batchgen.pipeline.output.checkpoints import remove_checkpoints
 from batchgen.pipeline.output.commits import CommitRecord, read_records, verify_part
 from batchgen.pipeline.output.create_once import create_text_once
 from batchgen.pipeline.output.folder import MANIFEST_NAME, SUCCESS_NAME, WORKERS_DIR
@@ -110,7 +111,8 @@ def merged_record(storage: Storage, manifest: dict, workers: Workers, summaries:
         resumed=resumed, engine=EngineReport.from_dict(engine), workers=workers,
         generation_config=GenerationDefaults.from_dict(generation) if generation else None,
         speculative=merge_speculative([_part(SpeculativeFigures, s.get("speculative")) for s in summaries]),
-        structured=merge_structured([_part(StructuredFigures, s.get("structured")) for s in summaries]))
+        structured=merge_structured([_part(StructuredFigures, s.get("structured")) for s in summaries]),
+        provenance=next((s["provenance"] for s in summaries if s.get("provenance")), None))
 
 
 def _part(kind: type, value: dict | None):
@@ -129,6 +131,7 @@ def finalize_folder(storage: Storage, workers: Workers | None = None) -> Finaliz
         return Finalized(None, False, missing)
     if storage.fs.exists(storage.join(SUCCESS_NAME)):
         return Finalized(RunRecord.from_json(storage.read_text(SUCCESS_NAME)), False, [])
+    remove_checkpoints(storage)  # every unit is committed: what they saved is in the parts
     part_names = [unit_file_name(index) for index in range(manifest["units"]["count"])]
     if part_names and _has_openai_lines(storage, part_names[0]):
         write_batch_outputs(storage, part_names)

@@ -21,6 +21,7 @@ import fsspec.utils
 
 from batchgen.pipeline.batch_output import ERRORS_JSONL, OUTPUT_JSONL
 from batchgen.pipeline.errors import JobError
+from batchgen.pipeline.output.checkpoints import CHECKPOINTS_DIR
 from batchgen.pipeline.output.commits import COMMITS_DIR, read_records, record_name, verify_part
 from batchgen.pipeline.output.fingerprint import FileFingerprint, describe_changes, to_manifest
 from batchgen.pipeline.output.units import WorkUnit
@@ -139,7 +140,7 @@ class OutputFolder:
         if overwrite:
             self.clear()
             state = FolderState(frozenset(), False, None)
-        self.storage.remove_leftover_temps(("", COMMITS_DIR))
+        self.storage.remove_leftover_temps(("", COMMITS_DIR, CHECKPOINTS_DIR))
         if state.is_complete([u.output_name for u in units]):
             return state
         if state.has_success:
@@ -163,6 +164,7 @@ class OutputFolder:
                     or is_temp_name(name):
                 self.storage.remove(name)
         self.storage.remove_tree(COMMITS_DIR)
+        self.storage.remove_tree(CHECKPOINTS_DIR)
         self.storage.remove_tree(WORKERS_DIR)
 
     def write_success(self, record: RunRecord) -> str:

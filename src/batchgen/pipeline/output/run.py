@@ -20,6 +20,7 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 
 from batchgen.pipeline.errors import JobError
+from batchgen.pipeline.output.checkpoints import remove_checkpoints
 from batchgen.pipeline.output.commits import CommitContext, record_name
 from batchgen.pipeline.output.create_once import create_text_once
 from batchgen.pipeline.output.fingerprint import FileFingerprint
@@ -144,6 +145,7 @@ class OutputRun:
             self.check()
             write_jsonl(self.storage, self.identity.unit_names)
         self.check()
+        remove_checkpoints(self.storage)  # every unit is committed: what they saved is in the parts
         return self.folder.write_success(record)
 
     def write_worker_summary(self, summary: dict) -> None:
