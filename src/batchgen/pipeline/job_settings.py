@@ -38,6 +38,8 @@ ENGINE_ONLY = {
                "sets it, the CPU's C kernels replace those ops and it brought no gain there",
     "seed": "keys requests that carry no seed (LLM calls, a server's requests); every job row is keyed by "
             "sampling.seed and its id",
+    "runner": "a job's task says what runs: task: reward needs a sequence classifier (auto detects it from "
+              "the checkpoint's architecture), the generating tasks a causal LM",
 }
 
 # SamplingParams fields that are not job keys, with the reason.

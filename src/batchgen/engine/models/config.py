@@ -38,6 +38,10 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     # The HF `architectures` name models/registry.py runs it as; None (a config built in code): model_type's.
     architecture: str | None = None
+    # A sequence classifier's (`*ForSequenceClassification`, layers/sequence_classifier.py): its score
+    # head's labels (0: a causal LM) and the pad token its last-token pooling skips (config.json's).
+    num_labels: int = 0
+    pad_token_id: int | None = None
 
     @property
     def q_size(self) -> int:
@@ -74,10 +78,10 @@ class ModelConfig:
         when it is not registered), the keys every family shares, then what the family reads its own
         way (its class's `config_fields`)."""
         # The registry imports the family files, which import this module for annotations only.
-        from batchgen.engine.models.registry import ARCHITECTURES, hf_architecture
+        from batchgen.engine.models.registry import architecture as registered, hf_architecture
 
         architecture = hf_architecture(cfg)
-        family = ARCHITECTURES[architecture]
+        family = registered(architecture)
         model_type = cfg.get("model_type", family.model_type)
         num_heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
