@@ -12,6 +12,7 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+import pytest
 import torch
 
 from tests.engine.models.test_registry import randomize_weights
@@ -73,3 +74,10 @@ def hf_rewards(hf_model, token_lists: list[list[int]], batched: bool) -> torch.T
         ids[row, :len(tokens)] = torch.tensor(tokens)
         mask[row, :len(tokens)] = 1
     return hf_model(ids, attention_mask=mask).logits
+
+
+@pytest.fixture(scope="module")
+def tiny_reward_model(hf_tokenizer, tmp_path_factory):
+    """(HF LlamaForSequenceClassification, its folder): one label, a reward model's shape."""
+    folder = tmp_path_factory.mktemp("tiny-reward")
+    return save_tiny_classifier("LlamaForSequenceClassification", hf_tokenizer, folder), folder
