@@ -159,6 +159,9 @@ class InputSection(Section):
     schema_column: str | None = None
     """A JSON schema per row (its JSON text) constraining that row's output; null cells:
     sampling.structured."""
+    completion_column: str | None = None
+    """task: reward: the column of completions scored after each row's prompt (a string per row); null:
+    `completion` (a generate job's output column)."""
 
     @field_validator("chat_template_kwargs")
     @classmethod

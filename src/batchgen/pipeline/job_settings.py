@@ -24,7 +24,8 @@ KV_CACHE_HASH_KEYS = ("kv_cache_dtype", "calculate_kv_scales")
 # config hash (and resume).
 HASHED_WHEN_SET = {
     "model": ("revision", "generation_config"),
-    "input": ("chat_template", "chat_template_kwargs", "continuations_column", "continuation_column"),
+    "input": ("chat_template", "chat_template_kwargs", "continuations_column", "continuation_column",
+              "completion_column"),
     "sampling": ("include_stop_str_in_output", "beam_width", "length_penalty", "early_stopping"),
 }
 
