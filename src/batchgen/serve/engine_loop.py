@@ -26,7 +26,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from batchgen.engine import CompletionOutput, LLMEngine, RequestOutput, SamplingParams, TopLogprob
+from batchgen.engine import (
+    CompletionOutput,
+    LLMEngine,
+    PoolingRequestOutput,
+    RequestOutput,
+    SamplingParams,
+    TopLogprob,
+)
 from batchgen.engine.core.outputs import PromptLogprobs, RequestOutputKind
 from batchgen.openai.api_error import APIError
 from batchgen.serve.metrics import EngineGauges, Metrics
@@ -287,6 +294,11 @@ class EngineLoop:
             return
         try:
             token_ids, params = sub.prepare(self.engine)
+            if params is None:  # a pooling model's request (pooling_routes.py): scored, nothing sampled
+                self.engine.add_pooling_request(sub.request_id, token_ids)
+                self._records[sub.request_id] = _Record(sub, 1)
+                sub.sink.put(Admitted(sub.request_id))
+                return
             if sub.is_streaming:  # each step's new tokens and text come back from the engine
                 params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
             self.engine.add_request(sub.request_id, None, params, prompt_token_ids=token_ids,
@@ -330,6 +342,10 @@ class EngineLoop:
     def _finish(self, record: _Record, out: RequestOutput) -> None:
         """The request's whole output: each sample whole, or for a stream what it has not sent yet."""
         del self._records[out.request_id]
+        if isinstance(out, PoolingRequestOutput):  # its data is the whole answer
+            self.metrics.count_end("stop", 1)
+            record.submission.sink.put(Finished(out.request_id, out, []))
+            return
         deltas = [self._unsent(record, c) if record.submission.is_streaming
                   else completion_delta(c, self.engine.tokenizer.token_texts) for c in out.outputs]
         prompt = None

@@ -42,6 +42,7 @@ class ModelConfig:
     # head's labels (0: a causal LM) and the pad token its last-token pooling skips (config.json's).
     num_labels: int = 0
     pad_token_id: int | None = None
+    label_names: tuple[str, ...] = ()  # config.json's id2label in id order (the server's /classify `label`)
 
     @property
     def q_size(self) -> int:

@@ -60,10 +60,11 @@ class SequenceClassifierHead:
     def config_fields(cls, hf_config: dict) -> dict:
         """The family's fields, then the head's: num_labels (HF: len(id2label), 2 by default) and the
         pad token HF's pooling skips."""
-        labels = hf_config.get("id2label")
-        num_labels = hf_config.get("num_labels") or (len(labels) if labels else 2)
-        return {**super().config_fields(hf_config), "num_labels": int(num_labels),
-                "pad_token_id": hf_config.get("pad_token_id")}
+        labels = hf_config.get("id2label") or {}
+        num_labels = int(hf_config.get("num_labels") or len(labels) or 2)
+        names = tuple(str(labels.get(str(i), labels.get(i, f"LABEL_{i}"))) for i in range(num_labels))
+        return {**super().config_fields(hf_config), "num_labels": num_labels,
+                "pad_token_id": hf_config.get("pad_token_id"), "label_names": names}
 
     def tie_weights(self) -> None:
         """No lm_head to tie (tie_word_embeddings of the base model does not concern the score head)."""
