@@ -37,10 +37,10 @@ from batchgen.openai.structured_fields import compile_request_constraint
 from batchgen.serve import responses
 from batchgen.serve.engine_loop import Admitted, EngineLoop, EventSink, Failed, Finished, Progress, Submission
 from batchgen.serve.metrics import Metrics
+from batchgen.serve.pooling_routes import add_pooling_routes
 from batchgen.serve.prompt_encoder import PromptEncoder, encode_prompt, is_large, is_token_ids
 from batchgen.serve.request_body import read_body
 from batchgen.serve.settings import DEFAULT_MAX_REQUEST_BODY_BYTES
-from batchgen.serve.pooling_routes import add_pooling_routes
 from batchgen.serve.tokenizer_routes import add_tokenizer_routes
 
 log = logging.getLogger("batchgen.serve")

@@ -79,7 +79,8 @@ class ModelConfig:
         when it is not registered), the keys every family shares, then what the family reads its own
         way (its class's `config_fields`)."""
         # The registry imports the family files, which import this module for annotations only.
-        from batchgen.engine.models.registry import architecture as registered, hf_architecture
+        from batchgen.engine.models.registry import architecture as registered
+        from batchgen.engine.models.registry import hf_architecture
 
         architecture = hf_architecture(cfg)
         family = registered(architecture)

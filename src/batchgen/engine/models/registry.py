@@ -17,7 +17,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from batchgen.engine.models.glm4 import Glm4ForCausalLM
-from batchgen.engine.models.layers.sequence_classifier import CAUSAL_SUFFIX, CLASSIFIER_SUFFIX, classifier_class
+from batchgen.engine.models.layers.sequence_classifier import (
+    CAUSAL_SUFFIX,
+    CLASSIFIER_SUFFIX,
+    classifier_class,
+)
 from batchgen.engine.models.llama import LlamaForCausalLM
 from batchgen.engine.models.olmo2 import Olmo2ForCausalLM
 from batchgen.engine.models.phi3 import Phi3ForCausalLM
