@@ -145,6 +145,8 @@ def bench_command(
         elif opts.workload == "reward":
             from batchgen.bench.reward_bench import DEFAULT_NUM_PROMPTS, run_reward_bench
 
+            if opts.dtype != "float32":  # its rewards are compared with HF's float32 logits
+                raise ValueError(f"--workload reward runs float32; got --dtype {opts.dtype}")
             result = run_reward_bench(opts.model, num_prompts=opts.num_requests or DEFAULT_NUM_PROMPTS,
                                       input_len_min=opts.input_len_min, input_len_max=opts.input_len_max,
                                       output_len=opts.output_len, seed=opts.seed, num_threads=opts.num_threads,
