@@ -1,5 +1,6 @@
 """task: reward: (chat prompt, completion) rows scored by a tiny random reward model equal HF
-`AutoModelForSequenceClassification`'s float32 logits within 1e-4; the completions of a prompt share
+`AutoModelForSequenceClassification`'s float32 logits within 1e-4 (a one-label Llama; a two-label Qwen3,
+written as a list per row); the completions of a prompt share
 its blocks in the prefix cache; bad rows become error rows; a deleted part is redone on resume and two
 static shards give the same rows; a model without a classification head, and the job file's impossible
 combinations, are refused naming the model, its architecture or the key, before any weight loads."""
@@ -19,7 +20,13 @@ from batchgen.pipeline.job import run_job
 from batchgen.pipeline.job_plan import plan_job
 from batchgen.pipeline.shards import ShardSpec, run_shard
 from tests.pipeline.conftest import read_output, write_parquet
-from tests.tiny_reward import conversation, hf_rewards, pairs, tiny_reward_model  # noqa: F401  (fixture)
+from tests.tiny_reward import (  # noqa: F401  (tiny_reward_model: a fixture)
+    conversation,
+    hf_rewards,
+    pairs,
+    save_tiny_classifier,
+    tiny_reward_model,
+)
 
 TOLERANCE = 1e-4
 NUM_PAIRS = 40
@@ -64,6 +71,23 @@ def test_rewards_equal_hf_logits_and_prompts_are_computed_once(rewarded, hf_toke
     assert all(row["finish_reason"] == "stop" and row["error"] is None for row in rows[:NUM_PAIRS])
     assert sum(row["cached_tokens"] for row in rows[:NUM_PAIRS]) > 0  # shared prompts from the prefix cache
     assert result.record.num_errors == 2
+
+
+def test_a_two_label_qwen3_model_writes_a_list_per_row_equal_to_hf(hf_tokenizer, tmp_path):
+    hf = save_tiny_classifier("Qwen3ForSequenceClassification", hf_tokenizer, tmp_path / "qwen3-rm", num_labels=2,
+                              seed=5)
+    data = pairs()
+    path = write_parquet(tmp_path / "in.parquet", {"id": [i // 4 for i in range(NUM_PAIRS)],
+                                                    "messages": [m for m, _ in data],
+                                                    "completion": [c for _, c in data]})
+    run_job(reward_job(tmp_path, tmp_path / "qwen3-rm", path), progress=False)
+    table = read_output(tmp_path / "out")
+    assert table.schema.field("reward").type == pa.list_(pa.float32())
+    token_lists = [hf_tokenizer.apply_chat_template(conversation(m, c), tokenize=True, return_dict=False)
+                   for m, c in data]
+    reference = hf_rewards(hf, token_lists, batched=True)  # (40, 2)
+    ours = torch.tensor(table.column("reward").to_pylist())
+    assert ours.shape == (NUM_PAIRS, 2) and (ours - reference).abs().max().item() <= TOLERANCE
 
 
 def test_bad_rows_become_error_rows_naming_what_is_wrong(rewarded):
