@@ -143,7 +143,7 @@ BASE = {"name": "t", "model": {"path": "smollm2-135m-instruct"}, "task": "loglik
     ({"sampling": {"logprobs": 3}}, "sampling.logprobs: must be false or true with task: loglikelihood"),
     ({"sampling_columns": {"temperature": "t"}}, "sampling_columns: does not apply to task: loglikelihood"),
     ({"task": "generate"}, "input.continuations_column: applies to task: loglikelihood only"),
-    ({"task": "score"}, "task: Input should be 'generate' or 'loglikelihood'"),
+    ({"task": "score"}, "task: Input should be 'generate', 'loglikelihood'"),
     ({"engine": {"tensor_parallel_size": 2}}, "engine.tensor_parallel_size: must be 1 with task: loglikelihood"),
     ({"sampling": {"structured": {"regex": "[ab]"}}}, "sampling.structured: does not apply to task: loglikelihood"),
     ({"input": {"path": "in.parquet", "continuations_column": "choices", "schema_column": "s"}},

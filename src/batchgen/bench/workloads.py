@@ -17,8 +17,9 @@ from batchgen.engine.text.token_prefix import num_shared_prefix
 # overhead: bench/overhead.py (null model); serve: random prompts through `batchgen serve`; copy:
 # bench/copy_bench.py (speculative decoding on prompts whose answers copy them); score:
 # bench/score_bench.py (continuations scored after shared contexts); moe-layer: bench/moe_layer.py (one
-# MoE block's forward against transformers' block and a per-expert loop)
-WORKLOADS = ("random", "chat", "shared-prefix", "overhead", "serve", "copy", "score", "moe-layer")
+# MoE block's forward against transformers' block and a per-expert loop); reward: bench/reward_bench.py
+# ((prompt, completion) pairs scored by a reward model, 4 completions per prompt)
+WORKLOADS = ("random", "chat", "shared-prefix", "overhead", "serve", "copy", "score", "moe-layer", "reward")
 CHAT_PROMPTS_FILE = "chat_prompts.parquet"
 
 

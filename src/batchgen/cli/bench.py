@@ -45,7 +45,8 @@ def bench_command(
     workload: Annotated[str, typer.Option(help=f"One of: {', '.join(WORKLOADS)}.")] = "random",
     model: Annotated[str, typer.Option(help="Model alias, HF folder or .gguf file.")] = DEFAULT_MODEL,
     num_requests: Annotated[int | None, typer.Option(
-        help="Requests (default 64; chat: the whole prompt set; score: contexts, default 32).")] = None,
+        help="Requests (default 64; chat: the whole prompt set; score: contexts, default 32; reward: prompts, "
+             "default 250, 4 completions each).")] = None,
     input_len_min: Annotated[int, typer.Option(
         help="random: shortest prompt in tokens; overhead: every prompt's length; score: shortest context.")] = 100,
     input_len_max: Annotated[int, typer.Option(help="random: longest prompt in tokens; score: longest context.")] = 200,
@@ -150,6 +151,15 @@ def bench_command(
 
             log_dir = Path(tempfile.mkdtemp(prefix="batchgen-bench-serve-"))  # the server's log
             result = run_serve_bench(opts, _parse_rates(request_rates), max_concurrency, log_dir, _say)
+        elif opts.workload == "reward":
+            from batchgen.bench.reward_bench import DEFAULT_NUM_PROMPTS, run_reward_bench
+
+            if opts.dtype != "float32":  # its rewards are compared with HF's float32 logits
+                raise ValueError(f"--workload reward runs float32; got --dtype {opts.dtype}")
+            result = run_reward_bench(opts.model, num_prompts=opts.num_requests or DEFAULT_NUM_PROMPTS,
+                                      input_len_min=opts.input_len_min, input_len_max=opts.input_len_max,
+                                      output_len=opts.output_len, seed=opts.seed, num_threads=opts.num_threads,
+                                      is_peer=opts.is_peer, overrides=overrides, say=_say)
         else:
             result = run_bench(opts)
     except (ValueError, FileNotFoundError, PeerUnavailable, VllmPeerUnavailable) as exc:
@@ -178,6 +188,10 @@ def bench_command(
         from batchgen.bench.score_bench import format_score_report
 
         typer.echo(format_score_report(result))
+    elif opts.workload == "reward":
+        from batchgen.bench.reward_bench import format_reward_report
+
+        typer.echo(format_reward_report(result))
     elif opts.workload == "serve":
         from batchgen.bench.serve_load import format_serve_report
 

@@ -14,6 +14,12 @@ from batchgen.engine.core.outputs import (
 )
 from batchgen.engine.decoding.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from batchgen.engine.llm import LLM
+from batchgen.engine.pooling.outputs import (
+    ClassificationOutput,
+    ClassificationRequestOutput,
+    PoolingOutput,
+    PoolingRequestOutput,
+)
 from batchgen.engine.sampling.sampling_params import SamplingParams
 
 __all__ = [
@@ -32,4 +38,8 @@ __all__ = [
     "SamplingParams",
     "ScoreOutput",
     "TopLogprob",
+    "ClassificationOutput",
+    "ClassificationRequestOutput",
+    "PoolingOutput",
+    "PoolingRequestOutput",
 ]

@@ -27,6 +27,7 @@ ATTENTION_BACKENDS = ("auto", "cpu", "sdpa", "triton", "torch")
 # vLLM's names: auto = the model dtype; fp8 = fp8_e4m3 (float8_e4m3fn); fp8_e5m2 (float8_e5m2).
 KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 KV_CACHE_DTYPE_CHOICES = ("auto", *KV_CACHE_DTYPES)
+RUNNERS = ("auto", "generate", "pooling")  # vLLM's --runner
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 _SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
                "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -248,6 +249,10 @@ class EngineConfig:
     tool_call_parser: str | None = None
     """How tool calls are read from outputs and written when forced (vLLM's --tool-call-parser): hermes |
     llama3_json | mistral (engine/text/tool_parsers.py); null: tool calls are not parsed."""
+    runner: str = "auto"
+    """vLLM's name: generate (a causal LM samples tokens) or pooling (a `*ForSequenceClassification`
+    model scores its input: LLM.classify / reward / encode, task: reward); auto: pooling for a sequence
+    classifier's checkpoint, generate otherwise. A model without the head the runner needs is refused."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "speculative", as_speculative_config(self.speculative))
@@ -285,6 +290,7 @@ class EngineConfig:
              and not isinstance(self.tensor_parallel_size, bool) and self.tensor_parallel_size >= 1, "must be >= 1"),
             _parser_name("reasoning_parser", self.reasoning_parser),
             _parser_name("tool_call_parser", self.tool_call_parser),
+            _one_of("runner", self.runner, RUNNERS),
         ])
 
     @property

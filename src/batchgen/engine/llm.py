@@ -13,6 +13,7 @@ from batchgen.engine.core.llm_engine import LLMEngine
 from batchgen.engine.core.outputs import RequestOutput, RequestOutputKind, ScoreOutput
 from batchgen.engine.decoding.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from batchgen.engine.decoding.score_group import encode_continuations
+from batchgen.engine.pooling.llm_methods import PoolingMethods
 from batchgen.engine.sampling.sampling_params import SamplingParams
 from batchgen.engine.text.chat_template import ChatTemplateOptions
 from batchgen.engine.text.tool_parsers import get_tool_parser
@@ -44,8 +45,11 @@ class _Prompt:
     token_ids: list[int] | None = None
 
 
-class LLM:
+class LLM(PoolingMethods):
     """`LLM("smollm2-135m-instruct", dtype="float32", device="cpu")`.
+
+    A sequence classifier (`*ForSequenceClassification`, e.g. a reward model) loads as a pooling model
+    (`runner="pooling"`, or auto): `classify`, `reward` and `encode` (engine/pooling/llm_methods.py).
 
     Keywords are EngineConfig's fields (the job file's `model` and `engine` keys, plus the
     engine-only ones); EngineConfig checks them. `speculative_config=` is vLLM's name for `speculative=`.
@@ -236,6 +240,10 @@ class LLM:
             context_ids, cont_ids = encode_continuations(encode, item[0], list(item[1]))
             self.engine.add_score_request(request_id, context_ids, cont_ids)
         return self._collect(self._add_all(zip(contexts, continuations), add), use_tqdm)
+
+    def _parsed_prompts(self, prompts: Any) -> list[_Prompt]:
+        """One prompt or a list of them, each as text / messages or token ids (TypeError otherwise)."""
+        return [self._prompt(p) for p in _prompt_list(prompts)]
 
     def _add_all(self, items, add) -> list[str]:
         """`add(request_id, item)` for each item; the ids in order. When one cannot be added, those

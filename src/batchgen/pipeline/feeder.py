@@ -103,6 +103,8 @@ class Feeder:
                 keys = {} if task.sample_key is None else {"sample_key": task.sample_key}
                 if task.is_scoring:
                     self.engine.add_score_request(task.request_id, task.token_ids, task.continuation_token_ids)
+                elif task.is_reward:
+                    self.engine.add_pooling_request(task.request_id, task.token_ids)
                 else:
                     self.engine.add_request(task.request_id, None, task.params, prompt_token_ids=task.token_ids,
                                             **keys)

@@ -15,6 +15,7 @@ from batchgen.pipeline.input_file import InputFile
 from batchgen.pipeline.json_columns import check_json_columns, job_json_fields
 from batchgen.pipeline.output import FileFingerprint, fingerprint_files
 from batchgen.pipeline.reader import inspect_file, list_input_files
+from batchgen.pipeline.reward_job import reward_type
 from batchgen.pipeline.schema import RESERVED_NAMES, check_input_schema, output_schema
 from batchgen.pipeline.storage import Storage
 from batchgen.pipeline.tool_rows import job_has_tools
@@ -39,7 +40,8 @@ class JobInputs:
                              metric_fields=[metric_field(name, spec) for name, spec in job.metrics.items()]
                              + job_json_fields(job),
                              with_reasoning=job.model.reasoning_parser is not None,
-                             with_tool_calls=job_has_tools(job))
+                             with_tool_calls=job_has_tools(job),
+                             reward_type=reward_type(job.num_labels) if job.is_reward else None)
 
 
 def read_inputs(job: JobConfig) -> JobInputs:

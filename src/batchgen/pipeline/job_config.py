@@ -34,6 +34,7 @@ from batchgen.pipeline.job_settings import (
     MODEL_PATH_FIELD,
     SAMPLING_RENAMED,
 )
+from batchgen.pipeline.reward_job import reward_job_errors
 from batchgen.pipeline.tool_rows import check_job_tools
 
 CONTINUATION_KEYS = ("continuations_column", "continuation_column")
@@ -45,9 +46,11 @@ class JobConfig(Section):
     name: str = Field(min_length=1)
     """The job's name: `_SUCCESS` records it, and the default output folder is out/<name>/ (default: the
     job file's name without .yaml)."""
-    task: Literal["generate", "loglikelihood"] = "generate"
+    task: Literal["generate", "loglikelihood", "reward"] = "generate"
     """generate: each row's prompt is completed. loglikelihood (lm-evaluation-harness' name; vLLM's
-    "score" is a cross-encoder's): each row's prompt is a context whose given continuations are scored."""
+    "score" is a cross-encoder's): each row's prompt is a context whose given continuations are scored.
+    reward: each row's prompt and its completion (input.completion_column) are scored by a reward model
+    (a `*ForSequenceClassification` checkpoint), written as `reward`."""
     model: ModelSection
     """What is loaded: EngineConfig's model fields (model.path is EngineConfig.model)."""
     engine: EngineSection = Field(default_factory=EngineSection)
@@ -75,6 +78,8 @@ class JobConfig(Section):
     # A stage of a multi-stage job: {earlier stage: its identity} of the stages it reads (pipeline/stages/),
     # part of its config hash, so a changed earlier stage reruns this one.
     _upstream_identities: dict[str, str] = PrivateAttr(default_factory=dict)
+    # task: reward: the reward model's labels (set by job_plan.plan_job from its config.json).
+    _num_labels: int = PrivateAttr(default=1)
 
     @field_validator("sampling_columns")
     @classmethod
@@ -100,7 +105,8 @@ class JobConfig(Section):
         if self.input.is_batch_file and self.sampling_columns:
             errors.append(_key_error(("sampling_columns",), "does not apply to input.format openai_batch: "
                                      "each line's body sets its own sampling fields", self.sampling_columns))
-        errors += self._task_errors()
+        errors += self._task_errors() if not self.is_reward else []
+        errors += [_key_error(*error) for error in reward_job_errors(self)]
         errors += self._metric_errors()
         if self.output.parse_json and not (self.sampling.structured or {}).keys() & {"json", "json_file"}:
             errors.append(_key_error(("output", "parse_json"), "needs a JSON schema in sampling.structured (json or "
@@ -193,6 +199,19 @@ class JobConfig(Section):
         return self.task == "loglikelihood"
 
     @property
+    def is_reward(self) -> bool:
+        """task: reward: rows are (prompt, completion) pairs scored by a reward model (reward_job.py)."""
+        return self.task == "reward"
+
+    @property
+    def num_labels(self) -> int:
+        """task: reward: the reward model's labels (1 until job_plan.plan_job reads its config)."""
+        return self._num_labels
+
+    def record_num_labels(self, num_labels: int) -> None:
+        self._num_labels = num_labels
+
+    @property
     def writes_batch_output(self) -> bool:
         """output.format openai_batch: the job also writes output.jsonl and errors.jsonl."""
         return self.output.format == BATCH_FORMAT
@@ -215,7 +234,7 @@ class JobConfig(Section):
             errors.append(_structured_error(exc, self.sampling.structured))
         else:
             # null: checked against the model's own (preflight); a loglikelihood job generates nothing
-            if self.model.max_model_len is not None and not self.is_scoring:
+            if self.model.max_model_len is not None and not self.is_scoring and not self.is_reward:
                 rule = max_tokens_rule(params.max_tokens, self.model.max_model_len)
                 if rule:
                     errors.append(_key_error(("sampling", "max_tokens"), rule, params.max_tokens))
@@ -259,7 +278,7 @@ class JobConfig(Section):
             "sampling": sampling,
             "sampling_columns": dict(sorted(self.sampling_columns.items())),
         }
-        if self.is_scoring:
+        if self.task != "generate":
             payload["task"] = self.task
         kv_cache = {key: getattr(self.engine, key) for key in KV_CACHE_HASH_KEYS
                     if getattr(self.engine, key) != getattr(EngineConfig, key)}

@@ -31,6 +31,7 @@ from batchgen.pipeline.output import (
     check_output_outside_input,
     plan_units,
 )
+from batchgen.pipeline.reward_job import check_model_task
 from batchgen.pipeline.storage import Storage
 
 
@@ -110,7 +111,7 @@ def apply_generation_config(job: JobConfig, source: ModelSource | None) -> Gener
     given = job.sampling.model_fields_set
     # A scoring job samples nothing, and beam search keeps greedy settings (as the server's
     # use_beam_search): the file's sampling values apply to neither, its max_new_tokens to beams only.
-    usable = () if job.is_scoring else ("max_tokens",) if job.sampling.beam_width > 1 else None
+    usable = () if job.is_scoring or job.is_reward else ("max_tokens",) if job.sampling.beam_width > 1 else None
     applied = {key: value for key, value in defaults.values.items()
                if key not in given and (usable is None or key in usable)}
     if applied:
@@ -149,6 +150,7 @@ def plan_job(job: JobConfig, limit: int | None = None) -> JobPlan:
     model_source = check_model(job.model.path, job.model.revision)
     apply_generation_config(job, model_source)
     check_model_limits(job)
+    job.record_num_labels(check_model_task(job))  # before any weight: the task needs the model's head
     inputs = read_inputs(job)
     output = OutputFolder(Storage(job.output.path, job.output.storage_options))
     check_output_outside_input(output.storage, inputs.storage)
@@ -173,6 +175,7 @@ def format_job_plan(plan: JobPlan, max_units_shown: int = 20) -> str:
         (f"units    {len(plan.units)} of <= {job.input.rows_per_unit:,} rows; " + (
             "each line's n output rows (OpenAI batch file)" if job.input.is_batch_file
             else f"{plan.num_rows:,} score rows (task: loglikelihood, {job.input.scored_column})" if job.is_scoring
+            else f"{plan.num_rows:,} reward rows (task: reward, {job.num_labels} label(s))" if job.is_reward
             else f"{plan.num_rows * job.sampling.n:,} output rows (n={job.sampling.n})")),
     ]
     generation = job.generation_config_record

@@ -179,6 +179,10 @@ class InputSection(Section):
     """OpenAI's parallel_tool_calls for the rows with tools: false, a forced (required) output is one
     call, then the sample ends."""
 
+    completion_column: str | None = None
+    """task: reward: the column of completions scored after each row's prompt (a string per row); null:
+    `completion` (a generate job's output column)."""
+
     @field_validator("prompt_template")
     @classmethod
     def _check_prompt_template(cls, value: str | None) -> str | None:

@@ -25,7 +25,7 @@ KV_CACHE_HASH_KEYS = ("kv_cache_dtype", "calculate_kv_scales")
 HASHED_WHEN_SET = {
     "model": ("revision", "generation_config", "reasoning_parser", "tool_call_parser"),
     "input": ("chat_template", "chat_template_kwargs", "continuations_column", "continuation_column",
-              "prompt_template", "tools_column", "tools", "tool_choice", "parallel_tool_calls"),
+              "prompt_template", "tools_column", "tools", "tool_choice", "parallel_tool_calls", "completion_column"),
     "sampling": ("include_stop_str_in_output", "beam_width", "length_penalty", "early_stopping",
                  "thinking_token_budget"),
 }
@@ -40,6 +40,8 @@ ENGINE_ONLY = {
                "sets it, the CPU's C kernels replace those ops and it brought no gain there",
     "seed": "keys requests that carry no seed (LLM calls, a server's requests); every job row is keyed by "
             "sampling.seed and its id",
+    "runner": "a job's task says what runs: task: reward needs a sequence classifier (auto detects it from "
+              "the checkpoint's architecture), the generating tasks a causal LM",
 }
 
 # SamplingParams fields that are not job keys, with the reason.

@@ -25,7 +25,7 @@ def check_model_limits(job: JobConfig) -> None:
     if job.model.max_model_len is not None and not sampling.stop_token_ids:
         return  # nothing to ask the model (a GGUF's metadata takes seconds to read)
     model_cfg, _, _ = read_model(job.model.path, job.model.revision)
-    if job.model.max_model_len is None and not job.is_scoring:  # a loglikelihood job generates nothing
+    if job.model.max_model_len is None and not job.is_scoring and not job.is_reward:  # a loglikelihood job generates nothing
         own_len = model_cfg.max_position_embeddings  # what the engine uses when max_model_len is null
         rule = max_tokens_rule(sampling.max_tokens, own_len, "the model's own context length")
         if rule:

@@ -13,6 +13,7 @@ from batchgen.pipeline.config import JobConfig
 from batchgen.pipeline.prompt_template import render_prompt, template_columns
 from batchgen.pipeline.reader import binary_type
 from batchgen.pipeline.request_builder import RowError, RowInput
+from batchgen.pipeline.reward_job import completion_column
 from batchgen.pipeline.tool_rows import row_tool_request
 
 
@@ -23,6 +24,7 @@ def decode_batch(batch: pa.RecordBatch, job: JobConfig) -> list[RowInput]:
     texts = (_rendered(batch, inp.prompt_template) if inp.prompt_template is not None
              else _as_python(batch.column(inp.text_column)))
     scored = _as_python(batch.column(inp.scored_column)) if inp.scored_column is not None else None
+    completions = _as_python(batch.column(completion_column(job))) if job.is_reward else None
     overrides = {key: batch.column(name).to_pylist() for key, name in job.sampling_columns.items()}
     schemas = _as_python(batch.column(inp.schema_column)) if inp.schema_column else [None] * batch.num_rows
     tools = _as_python(batch.column(inp.tools_column)) if inp.tools_column else [None] * batch.num_rows
@@ -54,6 +56,9 @@ def decode_batch(batch: pa.RecordBatch, job: JobConfig) -> list[RowInput]:
             if scored is not None:
                 row.continuations = _decode_continuations(scored[i], inp.continuations_column is not None)
                 row.num_prompt_bytes += sum(len(c.encode()) for c in row.continuations)
+            if completions is not None:
+                row.completion = _decode_text(completions[i], "completion", allow_empty=True)
+                row.num_prompt_bytes += len(completions[i])
             rows.append(row)
         except RowError as exc:
             rows.append(RowInput(request_id, error=str(exc)))

@@ -16,6 +16,7 @@ from batchgen.engine.text.tool_parsers import ToolParser
 from batchgen.engine.text.tools import ToolRequest
 from batchgen.openai.structured_fields import error_param
 from batchgen.pipeline.config import JobConfig
+from batchgen.pipeline.reward_job import reward_tokens
 from batchgen.pipeline.score_tokens import encode_scored
 from batchgen.pipeline.structured_job import row_constraint
 from batchgen.pipeline.tool_rows import apply_tools, tool_parser_of
@@ -61,6 +62,7 @@ class RowInput:
     continuations: list[str] | None = None  # task: loglikelihood: what to score after the prompt
     tools: ToolRequest | None = None  # its tools and tool_choice (pipeline/tool_rows.py)
     tool_parser: ToolParser | None = None  # a batch line's parser (its body's tools); else the job's
+    completion: str | None = None  # task: reward: the completion scored after the prompt
 
 
 @dataclass
@@ -77,6 +79,8 @@ class RowTask:
     openai: OpenAIRequest | None = None
     continuation_token_ids: list[list[int]] | None = None  # task: loglikelihood (token_ids: the context)
     tool_parser: ToolParser | None = None  # reads its samples' tool calls (tools with tool_choice not none)
+    is_reward: bool = False  # task: reward: token_ids are the prompt and completion a reward model scores
+    sample_index: int = 0  # task: reward: the row's occurrence of its id in the input
 
     @property
     def is_scoring(self) -> bool:
@@ -125,6 +129,10 @@ class RequestBuilder:
             if self.job.is_scoring:
                 task.token_ids, task.continuation_token_ids = self._encode_scored(row)
                 return task
+            if self.job.is_reward:
+                task.is_reward = True
+                task.token_ids = self._encode_reward(row)
+                return task
             task.params = self._params(row)
             chat = row.chat or self.chat
             if row.tools is not None:
@@ -163,6 +171,21 @@ class RequestBuilder:
             raise RowError(f"a continuation of {longest} tokens leaves no room for the context within "
                            f"max_model_len {max_model_len}")
         return context[-num_keep:], continuations  # truncate_left, as lm-evaluation-harness cuts a context
+
+    def _encode_reward(self, row: RowInput) -> list[int]:
+        """The prompt and completion as the reward model reads them (reward_job.py), fitted to max_model_len."""
+        try:
+            token_ids = reward_tokens(self.engine, row.prompt, row.completion, self.job.input.allow_special_tokens,
+                                      row.chat or self.chat)
+        except Exception as exc:  # a template or tokenizer failure is this row's problem only
+            raise RowError(f"cannot tokenize the prompt and completion: {exc}") from None
+        max_model_len = self.engine.max_model_len
+        if len(token_ids) <= max_model_len:
+            return token_ids
+        if self.job.input.on_overlong == "error":
+            raise RowError(f"overlong prompt and completion: {len(token_ids)} tokens > max_model_len "
+                           f"{max_model_len} (input.on_overlong: error)")
+        return token_ids[-max_model_len:]  # truncate_left: the completion and the end of the prompt stay
 
     def _params(self, row: RowInput) -> SamplingParams:
         if row.params is not None:

@@ -60,6 +60,25 @@ SCORE_FIELDS = [
     pa.field("error", pa.string()),
 ]
 RESERVED_NAMES = {"id"} | {f.name for f in GENERATED_FIELDS} | {f.name for f in SCORE_FIELDS}
+# task: reward (reward_job.py): one row per input row; `reward` is float32, or a list of float32 per label
+# (reward_fields). A row that could not be scored has finish_reason error and a null reward.
+REWARD_FIELDS = [
+    pa.field("sample_index", pa.int32()),  # the row's occurrence of its id in the input (0 for the first)
+    pa.field("reward", pa.float32()),
+    pa.field("finish_reason", pa.string()),  # stop | error
+    pa.field("prompt_tokens", pa.int64()),  # the tokens the reward model read: prompt and completion
+    pa.field("cached_tokens", pa.int64()),  # of those, from the prefix cache
+    pa.field("completion_tokens", pa.int64()),  # 0: nothing is generated
+    pa.field("queue_s", pa.float64()),
+    pa.field("e2e_s", pa.float64()),
+    pa.field("error", pa.string()),
+]
+REWARD_NAMES = {"id"} | {f.name for f in REWARD_FIELDS}  # what a reward job's kept columns may not be named
+
+
+def reward_fields(reward_type: pa.DataType) -> list[pa.Field]:
+    """A reward job's columns, `reward` of the model's type (reward_job.reward_type)."""
+    return [pa.field("reward", reward_type) if f.name == "reward" else f for f in REWARD_FIELDS]
 
 
 def generated_fields(logprobs: int | bool | None, with_openai_line: bool = False, with_reasoning: bool = False,
@@ -89,11 +108,13 @@ def score_fields(logprobs: int | bool | None) -> list[pa.Field]:
 def output_schema(id_field: pa.Field, keep_fields: list[pa.Field], with_logprobs: int | bool | None,
                   with_openai_line: bool = False, is_scoring: bool = False,
                   metric_fields: list[pa.Field] = (), with_reasoning: bool = False,
-                  with_tool_calls: bool = False) -> pa.Schema:
+                  with_tool_calls: bool = False, reward_type: pa.DataType | None = None) -> pa.Schema:
     """id (the input's type), the generated (or, task: loglikelihood, the score) columns, the metrics'
-    verdict columns, then the kept input columns."""
+    verdict columns, then the kept input columns. `reward_type`: task: reward's columns, `reward` of that type."""
     fields = score_fields(with_logprobs) if is_scoring else generated_fields(
         with_logprobs, with_openai_line, with_reasoning, with_tool_calls)
+    if reward_type is not None:
+        fields = reward_fields(reward_type)
     return pa.schema([pa.field("id", id_field.type), *fields, *metric_fields, *keep_fields])
 
 
@@ -164,6 +185,11 @@ def check_input_schema(file: InputFile, job: JobConfig) -> None:
             t = column(name, f"input.{key}")
             if not is_right(t):
                 raise wrong(name, f"input.{key}", t, expected)
+    if job.is_reward:
+        name = job.input.completion_column or "completion"
+        t = column(name, "input.completion_column")
+        if not is_text(t):
+            raise wrong(name, "input.completion_column", t, "a string type")
     for key, name in job.sampling_columns.items():
         t = column(name, f"sampling_columns.{key}")
         kind = OVERRIDABLE_SAMPLING_KEYS[key]
@@ -175,7 +201,7 @@ def check_input_schema(file: InputFile, job: JobConfig) -> None:
     for input_name in job.output.keep_columns:
         column(input_name, "output.keep_columns")
         name = job.output.rename_columns.get(input_name, input_name)  # the output's name
-        if name in RESERVED_NAMES:
+        if name in (REWARD_NAMES if job.is_reward else RESERVED_NAMES):
             raise JobError(f"output.keep_columns: {name!r} clashes with an output column of the same name")
         if name in {metric_column(m) for m in job.metrics}:
             raise JobError(f"output.keep_columns: {name!r} clashes with the verdict column of metric "

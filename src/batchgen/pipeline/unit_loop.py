@@ -32,6 +32,7 @@ from batchgen.pipeline.parquet_rows import decode_batch
 from batchgen.pipeline.progress import Progress
 from batchgen.pipeline.reader import read_rows
 from batchgen.pipeline.request_builder import RequestBuilder, RowTask
+from batchgen.pipeline.reward_job import completion_column
 from batchgen.pipeline.storage import Storage
 from batchgen.pipeline.summary import Totals
 from batchgen.pipeline.writer import UnitWriter, checkpoint_schema
@@ -67,7 +68,8 @@ def run_units(source: UnitSource, input_storage: Storage, output_storage: Storag
     writer = UnitWriter(output_storage, source.output_schema, [job.input.id_column, *job.output.keep_columns],
                         n, commit, on_rows=this_run.add_table, on_committed=on_committed,
                         openai_lines=openai_lines, is_scoring=job.is_scoring,
-                        score_metrics=with_json_columns(job, job_metric_scorer(job)))
+                        score_metrics=with_json_columns(job, job_metric_scorer(job)),
+                        num_labels=job.num_labels if job.is_reward else None)
     bar = Progress(engine, sum(u.num_rows for u in units), job.name, enabled=progress)
     restored = load_checkpoints(output_storage, units, commit.config_hash)
     if restored.rows:
@@ -109,6 +111,8 @@ def iter_tasks(source: UnitSource, input_storage: Storage, units: list[WorkUnit]
     A row an earlier run's checkpoint holds (`restored`) goes to the writer as it is, not to the engine."""
     job = source.job
     scored = [job.input.scored_column] if job.input.scored_column is not None else []
+    if job.is_reward:
+        scored.append(completion_column(job))
     columns = list(dict.fromkeys([job.input.id_column, *job.input.prompt_source_columns, *scored, *job.sampling_columns.values(),
                                   *([job.input.schema_column] if job.input.schema_column else []),
                                   *([job.input.tools_column] if job.input.tools_column else []),
@@ -140,6 +144,7 @@ def iter_tasks(source: UnitSource, input_storage: Storage, units: list[WorkUnit]
                     occurrence = source.repeats.get((file.path, unit.start + first_offset + i))
                     if occurrence and task.request_id is not None:
                         task.request_id = repeat_key(task.request_id, occurrence)
+                        task.sample_index = occurrence  # task: reward's sample_index
                     yield task
 
 

@@ -24,7 +24,8 @@ from batchgen.pipeline.json_columns import json_field_names
 from batchgen.pipeline.metric_columns import MetricScorer
 from batchgen.pipeline.output import CheckpointWriter, CommitContext, IdChecksum, WorkUnit
 from batchgen.pipeline.request_builder import RowTask
-from batchgen.pipeline.schema import GENERATED_FIELDS, SCORE_FIELDS
+from batchgen.pipeline.reward_job import reward_error_row, reward_rows
+from batchgen.pipeline.schema import GENERATED_FIELDS, REWARD_FIELDS, SCORE_FIELDS
 from batchgen.pipeline.storage import PartFile, Storage
 
 # Output rows per write (one Parquet row group each): rows wait as Python objects (~10 KB for a row of
@@ -125,12 +126,15 @@ def _set_line(rows: list[dict], line: str) -> None:
 class UnitPart:
     """One unit on its way to its part file: input-side columns, finished rows, the open Parquet writer."""
 
-    def __init__(self, unit: WorkUnit, file: PartFile, schema: pa.Schema, score_metrics: MetricScorer | None = None):
+    def __init__(self, unit: WorkUnit, file: PartFile, schema: pa.Schema, score_metrics: MetricScorer | None = None,
+                 is_reward: bool = False):
         self.unit = unit
         self.file = file
         self.schema = schema
         self.score_metrics = score_metrics
         generated = {f.name for f in GENERATED_FIELDS} | {f.name for f in SCORE_FIELDS}
+        if is_reward:  # a reward job may keep a `completion` column: only its own columns are generated
+            generated = {f.name for f in REWARD_FIELDS}
         metric_columns = {metric_column(name) for name in metric_fields_of(schema)} | json_field_names(schema)
         self.sources_schema = pa.schema([f for f in schema if f.name not in generated | metric_columns])  # id, kept
         self.rows_schema = pa.schema([f for f in schema if f.name not in metric_columns])  # without verdicts
@@ -227,7 +231,7 @@ class UnitWriter:
     def __init__(self, storage: Storage, schema: pa.Schema, source_columns: list[str], n: int,
                  commit: CommitContext, on_rows: Callable[[pa.Table], None] = lambda table: None,
                  on_committed: Callable[[WorkUnit], None] = lambda unit: None, openai_lines=None,
-                 is_scoring: bool = False, score_metrics: MetricScorer | None = None,
+                 is_scoring: bool = False, score_metrics: MetricScorer | None = None, num_labels: int | None = None,
                  checkpoints: CheckpointWriter | None = None):
         self.storage = storage
         self.schema = schema
@@ -239,13 +243,14 @@ class UnitWriter:
         self.openai_lines = openai_lines  # batch_output.OpenAILines: fills openai_line (openai_batch output)
         self.is_scoring = is_scoring  # task: loglikelihood: one score row per input row
         self.score_metrics = score_metrics  # the job's metrics: verdict columns from the rows (None: none)
+        self.num_labels = num_labels  # task: reward: the reward model's labels (None: another task)
         self.parts: dict[int, UnitPart] = {}
         self.checkpoints = checkpoints  # output.checkpoint_seconds: finished rows made durable as they finish
         self.num_restored_rows = 0  # output rows taken from earlier runs' checkpoints
 
     def open_unit(self, unit: WorkUnit) -> None:
         self.parts[unit.index] = UnitPart(unit, self.storage.open_part(unit.output_name), self.schema,
-                                          self.score_metrics)
+                                          self.score_metrics, is_reward=self.num_labels is not None)
 
     def add_source(self, unit_index: int, batch: pa.RecordBatch) -> None:
         part = self.parts[unit_index]
@@ -257,12 +262,18 @@ class UnitWriter:
         if isinstance(out, ScoreOutput):
             self._set(task, score_rows(out))
             return
+        if self.num_labels is not None:  # a reward job's PoolingRequestOutput
+            self._set(task, reward_rows(out, self.num_labels, task.sample_index))
+            return
         rows = sample_rows(task, out)
         if self.openai_lines is not None:
             _set_line(rows, self.openai_lines.success(task, out))
         self._set(task, rows)
 
     def add_error(self, task: RowTask) -> None:
+        if self.num_labels is not None:
+            self._set(task, reward_error_row(task.error, task.num_prompt_tokens, task.sample_index))
+            return
         if self.is_scoring:
             self._set(task, score_error_rows(task))
             return

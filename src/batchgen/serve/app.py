@@ -37,6 +37,7 @@ from batchgen.openai.structured_fields import compile_request_constraint
 from batchgen.serve import responses
 from batchgen.serve.engine_loop import Admitted, EngineLoop, EventSink, Failed, Finished, Progress, Submission
 from batchgen.serve.metrics import Metrics
+from batchgen.serve.pooling_routes import add_pooling_routes
 from batchgen.serve.prompt_encoder import PromptEncoder, encode_prompt, is_large, is_token_ids
 from batchgen.serve.request_body import TooLarge, body_too_large, read_body
 from batchgen.serve.request_bounds import (
@@ -193,6 +194,9 @@ def create_app(state: ServerState) -> FastAPI:
         return await _generate(state, request, body, body.prompts(), is_chat=False)
 
     add_tokenizer_routes(app, state, lambda request: _check_key(request, state.settings.api_key))
+    if state.loop.engine.is_pooling:  # a sequence classifier: /classify and /pooling, as vLLM's
+        add_pooling_routes(app, state, lambda request: _check_key(request, state.settings.api_key),
+                           lambda model: _check_model(model, names), _Tracker)
     return app
 
 

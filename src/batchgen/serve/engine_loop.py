@@ -26,7 +26,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from batchgen.engine import CompletionOutput, LLMEngine, RequestOutput, SamplingParams, TopLogprob
+from batchgen.engine import (
+    CompletionOutput,
+    LLMEngine,
+    PoolingRequestOutput,
+    RequestOutput,
+    SamplingParams,
+    TopLogprob,
+)
 from batchgen.engine.config import SettingError
 from batchgen.engine.core.outputs import PromptLogprobs, RequestOutputKind
 from batchgen.openai.api_error import APIError
@@ -315,6 +322,11 @@ class EngineLoop:
             return
         try:
             token_ids, params = sub.prepare(self.engine)
+            if params is None:  # a pooling model's request (pooling_routes.py): scored, nothing sampled
+                self.engine.add_pooling_request(sub.request_id, token_ids)
+                self._records[sub.request_id] = _Record(sub, 1)
+                sub.sink.put(Admitted(sub.request_id))
+                return
             if sub.is_streaming:  # each step's new tokens and text come back from the engine
                 params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
             self.engine.add_request(sub.request_id, None, params, prompt_token_ids=token_ids,
@@ -359,6 +371,10 @@ class EngineLoop:
     def _finish(self, record: _Record, out: RequestOutput) -> None:
         """The request's whole output: each sample whole, or for a stream what it has not sent yet."""
         del self._records[out.request_id]
+        if isinstance(out, PoolingRequestOutput):  # its data is the whole answer
+            self.metrics.count_end("stop", 1)
+            record.submission.sink.put(Finished(out.request_id, out, []))
+            return
         failed = next((c for c in out.outputs if c.finish_reason == "error"), None)
         if failed is not None:  # one sample failed alone in the engine (its grammar): this request's error
             self.metrics.count_end("error", record.num_samples)

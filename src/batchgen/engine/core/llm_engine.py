@@ -30,6 +30,8 @@ from batchgen.engine.kv.capacity import kv_cache_budget_bytes
 from batchgen.engine.kv.gpu_memory import GpuMemoryPlan
 from batchgen.engine.kv.kv_cache_manager import KVCacheManager
 from batchgen.engine.loader.model_loader import LoadedModel
+from batchgen.engine.models.layers.sequence_classifier import pooled_length
+from batchgen.engine.models.registry import is_classifier
 from batchgen.engine.runner.cpu_allocator import keep_freed_memory
 from batchgen.engine.runner.executor import UniprocExecutor, make_executor
 from batchgen.engine.runner.model_runner import LaunchedStep, ModelRunner, StepResult
@@ -48,7 +50,7 @@ def needs_tokens_on_host(state: RequestState) -> bool:
     run in order while it is unfinished: a grammar's next mask on the token just sampled, a beam
     search's next beams on its candidates, a scored context's forks on its end, the next prefill
     chunk's prompt log-probability rows on those recorded."""
-    if state.beam is not None or state.score is not None:
+    if state.beam is not None or state.score is not None or state.is_pooling:
         return True
     return any(seq.grammar is not None or seq.num_prompt_logprob_rows for seq in state.seqs)
 
@@ -105,6 +107,9 @@ class LLMEngine:
         self.capabilities = loaded.capabilities  # which kernels run here, decided when the model loaded
         self.model_cfg = loaded.model_cfg
         self.tokenizer = tokenizer
+        # A sequence classifier runs as a pooling model (add_pooling_request), a causal LM generates.
+        self.is_pooling = is_classifier(self.model_cfg.architecture)
+        check_runner(config.runner, self.is_pooling, config.model, self.model_cfg.architecture)
         # The rotary tables cover loaded.max_model_len positions; a sharing engine may use fewer.
         self.max_model_len = min(config.max_model_len or loaded.max_model_len, loaded.max_model_len)
         self.weight_bytes = loaded.weight_bytes
@@ -198,6 +203,7 @@ class LLMEngine:
         """
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in the engine")
+        self._check_generates()
         token_ids = prompt_token_ids if prompt_token_ids is not None else self.encode(prompt)
         if not token_ids:
             raise ValueError("the prompt is empty")
@@ -262,6 +268,7 @@ class LLMEngine:
         ScoreOutput. Raises ValueError for an empty context or continuation, or one past max_model_len."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in the engine")
+        self._check_generates()
         self.check_tensor_parallel_support(None)
         check_score_request(context_token_ids, continuation_token_ids, self.max_model_len,
                             self.model_cfg.vocab_size)
@@ -274,6 +281,39 @@ class LLMEngine:
             self.in_order_requests.add(request_id)
         for seq in state.seqs:
             self.scheduler.add(seq)
+
+    def add_pooling_request(self, request_id: str, prompt_token_ids: list[int]) -> None:
+        """Queue a pooling model's request (a sequence classifier's: its prompt prefilled, nothing
+        sampled); step() hands back a PoolingRequestOutput whose `outputs.data` is the score head's
+        logits (num_labels,) at the last token that is not the config's pad token, as HF's
+        `*ForSequenceClassification` pools (the tokens after it are not run). Prompts that share a
+        prefix share its KV through the prefix cache when queued one after another.
+        ValueError for a model without a classification head, an empty prompt, one past max_model_len or
+        a token id outside the vocabulary."""
+        if not self.is_pooling:
+            raise ValueError(f"{self.config.model} ({self.model_cfg.architecture}) has no classification head: "
+                             "pooling requests need a `*ForSequenceClassification` model")
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in the engine")
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty")
+        token_ids = list(prompt_token_ids[:pooled_length(prompt_token_ids, self.model_cfg.pad_token_id)])
+        if len(token_ids) > self.max_model_len:
+            raise ValueError(f"the prompt has {len(token_ids)} tokens; max_model_len is {self.max_model_len}")
+        if any(t < 0 or t >= self.model_cfg.vocab_size for t in token_ids):
+            raise ValueError(f"a token id is outside the vocabulary [0, {self.model_cfg.vocab_size})")
+        now = time.monotonic()
+        seq = Sequence(request_id, 0, token_ids, _POOLING_PARAMS, now, self.max_model_len)
+        seq.is_prompt_only = True
+        self.output_processor.add(RequestState(request_id, token_ids, [seq], now, None, is_pooling=True))
+        if self.is_async:  # its output is made from the step's results on the host
+            self.in_order_requests.add(request_id)
+        self.scheduler.add(seq)
+
+    def _check_generates(self) -> None:
+        if self.is_pooling:
+            raise ValueError(f"{self.config.model} ({self.model_cfg.architecture}) is a pooling model: it scores "
+                             "prompts (LLM.classify / reward / encode, task: reward) and generates nothing")
 
     def abort_request(self, request_id: str) -> bool:
         """Drop an unfinished request: its sequences leave the waiting and running queues and their
@@ -431,6 +471,21 @@ class LLMEngine:
             "structured": self.structured.stats(self.runner.step_bitmask.stats),
             "tensor_parallel": self.executor.report(),
         }
+
+
+# A pooling sequence's parameters: never read (it samples nothing), there because a Sequence has them.
+_POOLING_PARAMS = SamplingParams(temperature=0.0, max_tokens=1)
+
+
+def check_runner(runner: str, is_pooling: bool, model: str, architecture: str | None) -> None:
+    """ValueError when the model lacks what `runner` (EngineConfig.runner) runs: pooling needs a
+    sequence classifier, generate a causal LM. Names the model and its architecture."""
+    if runner == "pooling" and not is_pooling:
+        raise ValueError(f"runner pooling needs a sequence classifier (`*ForSequenceClassification`, a score head); "
+                         f"{model} is {architecture}, which has no classification head")
+    if runner == "generate" and is_pooling:
+        raise ValueError(f"runner generate needs a causal LM; {model} is {architecture}, a sequence classifier "
+                         "(runner pooling)")
 
 
 def _check_shares_weights(other: LLMEngine, config: EngineConfig) -> None:

@@ -17,8 +17,11 @@ StepUpdate it returns, this processor:
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+import torch
 
 from batchgen.engine.core.outputs import (
     CompletionOutput,
@@ -37,6 +40,7 @@ from batchgen.engine.decoding.score_group import ScoreGroup
 from batchgen.engine.decoding.stop_strings import IncrementalText, find_stop_string, stop_holdback
 from batchgen.engine.decoding.thinking_budget import EngineReasoning
 from batchgen.engine.kv.kv_cache_manager import KVCacheManager
+from batchgen.engine.pooling.outputs import PoolingOutput, PoolingRequestOutput
 from batchgen.engine.text.reasoning import ReasoningStream
 from batchgen.engine.text.tokenizer import Tokenizer
 
@@ -65,6 +69,7 @@ class RequestState:
     output_kind: RequestOutputKind = FINAL_ONLY
     beam: BeamGroup | None = None
     score: ScoreGroup | None = None
+    is_pooling: bool = False  # a pooling model's request: one prompt-only sequence, its pooled logits the output
     reported: list[Reported] = field(default_factory=list)  # DELTA: per sample index
     num_outputs: int = 0  # outputs made so far (a DELTA request sends prompt_logprobs in its first)
     prompt_logprobs: PromptLogprobs | None = None  # made once, when first output
@@ -143,6 +148,12 @@ class OutputProcessor:
         """A scored context's part computed its prompt: the context forks its continuations (holding its
         blocks), a continuation's score is recorded; the last one finishes the request."""
         state = self.requests[seq.request_id]
+        if state.is_pooling:
+            self.scheduler.finish(seq)
+            self.release(seq)
+            outputs.append(pooling_output(state, seq))
+            self.remove(seq.request_id)
+            return
         group = state.score
         if seq is group.context:
             group.num_cached_tokens = seq.num_cached_tokens or 0
@@ -378,3 +389,11 @@ def _text_token_ids(seq: Sequence) -> list[int]:
 
 def _earliest(values) -> float | None:
     return min((v for v in values if v is not None), default=None)
+
+
+def pooling_output(state: RequestState, seq: Sequence) -> PoolingRequestOutput:
+    """A pooling request's output: the score head's logits at its last token (pooling/outputs.py)."""
+    metrics = RequestMetrics(arrival_time=state.arrival_time, first_scheduled_time=seq.times.first_scheduled_time,
+                             first_token_time=None, last_token_time=time.monotonic())
+    return PoolingRequestOutput(state.request_id, PoolingOutput(torch.tensor(seq.pooled, dtype=torch.float32)),
+                                list(state.prompt_token_ids), True, seq.num_cached_tokens or 0, metrics)

@@ -76,7 +76,7 @@ class Sequence:
                  "block_ids", "block_hashes", "num_registered_blocks",
                  "status", "finish_reason", "stop_reason", "error", "cumulative_logprob", "output_logprobs",
                  "output_top_logprobs", "num_accepted_tokens",
-                 "times", "text_state", "grammar", "prompt_logprobs", "beam")
+                 "times", "text_state", "grammar", "prompt_logprobs", "beam", "pooled")
 
     def __init__(self, request_id: str, sample_index: int, prompt_token_ids: list[int],
                  params: SamplingParams, arrival_time: float, max_total_tokens: int,
@@ -123,6 +123,9 @@ class Sequence:
             else None
         # Beam search: the group this beam belongs to (beam_search.py), which collects its candidates.
         self.beam: BeamGroup | None = None
+        # A pooling model's sequence: the score head's logits at its last prompt token, once computed
+        # (engine/pooling/pool_rows.py).
+        self.pooled: list[float] | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -71,6 +71,11 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     # The HF `architectures` name models/registry.py runs it as; None (a config built in code): model_type's.
     architecture: str | None = None
+    # A sequence classifier's (`*ForSequenceClassification`, layers/sequence_classifier.py): its score
+    # head's labels (0: a causal LM) and the pad token its last-token pooling skips (config.json's).
+    num_labels: int = 0
+    pad_token_id: int | None = None
+    label_names: tuple[str, ...] = ()  # config.json's id2label in id order (the server's /classify `label`)
 
     @property
     def q_size(self) -> int:
@@ -131,6 +136,7 @@ class ModelConfig:
         loading such a config still refuses it by name."""
         # The registry imports the family files, which import this module for annotations only.
         from batchgen.engine.models.registry import ARCHITECTURES, PLAN_ONLY_ARCHITECTURES, hf_architecture
+        from batchgen.engine.models.registry import architecture as registered
 
         names = cfg.get("architectures") or []
         plan_only = next((n for n in names if n in PLAN_ONLY_ARCHITECTURES), None) if is_plan_only else None
@@ -138,7 +144,7 @@ class ModelConfig:
             architecture, family = plan_only, PLAN_ONLY_ARCHITECTURES[plan_only]
         else:
             architecture = hf_architecture(cfg)
-            family = ARCHITECTURES[architecture]
+            family = registered(architecture)
         model_type = cfg.get("model_type", family.model_type)
         num_heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads

@@ -20,6 +20,11 @@ from batchgen.engine.models.gemma2 import Gemma2ForCausalLM
 from batchgen.engine.models.gemma3 import Gemma3ForCausalLM
 from batchgen.engine.models.glm4 import Glm4ForCausalLM
 from batchgen.engine.models.gpt_oss_shapes import GptOssShapes
+from batchgen.engine.models.layers.sequence_classifier import (
+    CAUSAL_SUFFIX,
+    CLASSIFIER_SUFFIX,
+    classifier_class,
+)
 from batchgen.engine.models.llama import LlamaForCausalLM
 from batchgen.engine.models.mistral import MistralForCausalLM
 from batchgen.engine.models.mixtral import MixtralForCausalLM
@@ -70,13 +75,33 @@ PLAN_ONLY_ARCHITECTURES: dict[str, Architecture] = {
 }
 
 
+# Sequence classifiers (reward models): `XForSequenceClassification` for every registered `XForCausalLM`,
+# the same decoder with a score head (layers/sequence_classifier.py). Derived, so a family added above
+# gets its classifier too.
+CLASSIFIERS: dict[str, Architecture] = {
+    name.removesuffix(CAUSAL_SUFFIX) + CLASSIFIER_SUFFIX: Architecture(
+        classifier_class(arch.model_class, name.removesuffix(CAUSAL_SUFFIX) + CLASSIFIER_SUFFIX), arch.model_type)
+    for name, arch in ARCHITECTURES.items() if name.endswith(CAUSAL_SUFFIX)
+}
+
+
+def architecture(name: str) -> Architecture:
+    """The registered architecture `name` (a causal LM's or a sequence classifier's); KeyError if none."""
+    return ARCHITECTURES[name] if name in ARCHITECTURES else CLASSIFIERS[name]
+
+
+def is_classifier(name: str | None) -> bool:
+    """Whether the architecture `name` is a registered sequence classifier (a pooling model)."""
+    return name in CLASSIFIERS
+
+
 def hf_architecture(hf_config: dict) -> str:
     """The registered architecture a parsed config.json names: the first of its `architectures` that
-    is registered, else (no `architectures`) its model_type's (default "llama"). ValueError naming
-    what it asked for and what is supported."""
+    is registered (a causal LM or a sequence classifier), else (no `architectures`) its model_type's
+    (default "llama"). ValueError naming what it asked for and what is supported."""
     names = hf_config.get("architectures") or []
     for name in names:
-        if name in ARCHITECTURES:
+        if name in ARCHITECTURES or name in CLASSIFIERS:
             return name
     if names:
         raise ValueError(f"architecture {' / '.join(map(repr, names))} is not supported; supported: "
@@ -98,6 +123,8 @@ def model_class(cfg: ModelConfig) -> type[CausalLM]:
     """The class that runs `cfg`: its `architecture`'s, or (a config built in code without one) its
     model_type's."""
     name = cfg.architecture or _by_model_type(cfg.model_type, f"model_type {cfg.model_type!r}")
+    if name in CLASSIFIERS:
+        return CLASSIFIERS[name].model_class
     if name not in ARCHITECTURES:
         raise ValueError(f"architecture {name!r} is not supported; supported: {', '.join(ARCHITECTURES)}")
     return ARCHITECTURES[name].model_class

@@ -42,6 +42,7 @@ from batchgen.engine.decoding.prompt_logprobs import (
 from batchgen.engine.decoding.structured.step_bitmask import StepBitmask
 from batchgen.engine.models.config import ModelConfig
 from batchgen.engine.models.layers.causal_lm import CausalLM
+from batchgen.engine.pooling.pool_rows import add_pool_sections, record_pooled
 from batchgen.engine.runner.decode_graphs import DecodeGraphs
 from batchgen.engine.runner.device_stream import ImmediateStream
 from batchgen.engine.runner.step_inputs import (
@@ -138,6 +139,10 @@ class ModelRunner:
         # Tensor parallelism: rank 0's executor sends each packed step to the workers here, before
         # the forward (engine/parallel/mp_executor.py); None: one process.
         self.step_sink = None
+        # A pooling model (a sequence classifier): its steps keep the score head's logits of the pooled
+        # rows (pooling/pool_rows.py), never sample. `pool_seqs`: the prepared step's pooled sequences.
+        self.is_pooling = getattr(model, "is_pooling", False)
+        self.pool_seqs = None
 
     def release(self, seq: Sequence) -> None:
         """`seq` finished or was aborted: give back what the runner keeps for it (its penalty row)."""
@@ -204,6 +209,8 @@ class ModelRunner:
         batch = add_sampling_sections(packer, seqs, self.eos_token_ids, self.model_cfg.vocab_size, self.penalties,
                                       offsets)
         prompt_plan = add_prompt_logprob_sections(packer, decodes + prefills, query_lens)
+        if self.is_pooling:
+            self.pool_seqs = add_pool_sections(packer, decodes + prefills, query_lens)
         if blocks_to_copy:
             packer.add_sections(BlockCopySections([s for s, _ in blocks_to_copy], [d for _, d in blocks_to_copy]),
                                 "c.")
@@ -223,6 +230,9 @@ class ModelRunner:
         """Logits (N, V) float32 of the step's sampling rows: a graph replay for a decode-only step
         of a captured size, else the eager model; with prompt log-probability rows, also their normed
         hidden states (R, H) (eager)."""
+        pool_rows = step.tensors.get("q.pool_rows")
+        if pool_rows is not None:  # a pooling model's: the score head's logits (R, num_labels) of those rows
+            return self.model(step.input_ids, step.positions, self.kv_caches, meta, pool_rows)
         prompt_rows = step.tensors.get("p.prompt_rows")
         if prompt_rows is not None:
             return self.model(step.input_ids, step.positions, self.kv_caches, meta, step.logits_indices, prompt_rows)
@@ -246,6 +256,11 @@ class ModelRunner:
         if blocks_to_copy:
             copy_blocks(self.kv_caches, step.tensors["c.copy_src"], step.tensors["c.copy_dst"], self.block_size)
         logits = self.forward(step, meta)  # (N, V), or with prompt rows ((N, V), (R, H))
+        if self.pool_seqs is not None:  # (R, num_labels): no sampling rows in a pooling model's step
+            record_pooled(logits.cpu().numpy(), self.pool_seqs)
+            self.pool_seqs = None
+            timings.add(prepare=prepared - start, forward=time.perf_counter() - prepared)
+            return []
         prompt_values = None
         if prompt_plan is not None:
             logits, hidden = logits
@@ -351,6 +366,9 @@ class ModelRunner:
             scheduled.append(ScheduledSeq(seq, n))
         step, meta, sampling, batch, _ = self.prepare(scheduled)
         logits = self.model(step.input_ids, step.positions, self.kv_caches, meta, step.logits_indices)
+        if self.is_pooling:  # the forward with every row pooled is the step at its largest; nothing samples
+            logits.cpu()
+            return
         read_back(self.sampler.sample(logits, batch, [s.seq for s in sampling], self.penalties))
 
     @torch.inference_mode()
