@@ -111,7 +111,8 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = self.make_rotary(max_positions)
         self.backend = attention_backend
-        attention_backend.configure_layers(self.attention_layers(max_positions), cfg.attention_scale)
+        if attention_backend is not None:  # None: a model built only to hold weights (build_empty_model)
+            attention_backend.configure_layers(self.attention_layers(max_positions), cfg.attention_scale)
         if parallel is not None and cfg.qk_norm_over_heads:  # OLMo 2: q/k norms over heads split across ranks
             layout = parallel.layout
             for layer in self.layers:
