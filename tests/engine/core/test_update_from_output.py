@@ -120,16 +120,19 @@ def test_a_beams_row_is_its_candidates_and_a_prompt_only_part_is_done_when_its_p
     assert update.prompts_done == [part] and part.num_computed_tokens == 5
 
 
-def test_a_token_its_grammar_does_not_allow_is_an_error():
+def test_a_token_its_grammar_refuses_ends_that_sample_with_an_error():
     class Refusing:
+        library_error = "lexer out of fuel"
+
         def accept_token(self, token_id: int) -> bool:
             return False
 
     sched = make_scheduler(num_blocks=16)
     seq = prefilled(sched, [1, 2, 3])
     seq.grammar = Refusing()
-    with pytest.raises(RuntimeError, match="grammar's mask did not allow"):
-        step(sched, [(9, -1.0)])
+    step(sched, [(9, -1.0)])  # the step goes on: only this sample ends
+    assert seq.is_finished and seq.finish_reason == "error"
+    assert "refused token 9" in seq.error and "lexer out of fuel" in seq.error
 
 
 def test_scheduled_seq_rows_of_other_sequences_are_applied_in_order():
