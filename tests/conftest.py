@@ -82,3 +82,12 @@ def smollm_hf_folder(hf_model, hf_tokenizer, tmp_path_factory):
     del plain
     gc.collect()
     return folder
+
+
+@pytest.fixture(scope="session")
+def lora_adapters(smollm_hf_folder, tmp_path_factory):
+    """LoRA adapters A-D made with peft on the bundled model in HF form (tests/lora_adapters.py):
+    (peft model holding all four, {name: PEFT folder})."""
+    from tests.lora_adapters import build_adapters
+
+    return build_adapters(smollm_hf_folder, tmp_path_factory.mktemp("lora-adapters"))

@@ -14,6 +14,7 @@ from batchgen.engine.core.outputs import (
 )
 from batchgen.engine.decoding.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from batchgen.engine.llm import LLM
+from batchgen.engine.lora.request import LoRARequest
 from batchgen.engine.sampling.sampling_params import SamplingParams
 
 __all__ = [
@@ -32,4 +33,5 @@ __all__ = [
     "SamplingParams",
     "ScoreOutput",
     "TopLogprob",
+    "LoRARequest",
 ]

@@ -13,6 +13,7 @@ from batchgen.engine.core.llm_engine import LLMEngine
 from batchgen.engine.core.outputs import RequestOutput, RequestOutputKind, ScoreOutput
 from batchgen.engine.decoding.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from batchgen.engine.decoding.score_group import encode_continuations
+from batchgen.engine.lora.request import LoRARequest
 from batchgen.engine.sampling.sampling_params import SamplingParams
 from batchgen.engine.text.chat_template import ChatTemplateOptions
 
@@ -77,21 +78,25 @@ class LLM:
         return SamplingParams(**self.engine.generation_defaults.values)
 
     def generate(self, prompts: Any, sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
+                 use_tqdm: bool = False,
+                 lora_request: LoRARequest | Seq[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Generate for one prompt or a list of them; outputs come back in input order.
 
         A prompt is a string, vLLM's `{"prompt": str}` (TextPrompt) or `{"prompt_token_ids": [...]}`
         (TokensPrompt), a list of token ids, or a chat conversation (a list of messages, rendered with
         the model's chat template; `chat` takes template settings). Anything else is a TypeError.
-        `sampling_params=None`: `get_default_sampling_params()`.
+        `sampling_params=None`: `get_default_sampling_params()`. `lora_request` (vLLM's): the LoRA adapter
+        of every prompt, or a list with one (or None: the base model) per prompt; needs enable_lora.
         """
-        return self._generate([self._prompt(p) for p in _prompt_list(prompts)], sampling_params, use_tqdm)
+        return self._generate([self._prompt(p) for p in _prompt_list(prompts)], sampling_params, use_tqdm,
+                              lora_request)
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Seq[SamplingParams] | None = None, use_tqdm: bool = False,
              chat_template: str | None = None, chat_template_content_format: str = "auto",
              add_generation_prompt: bool = True, continue_final_message: bool = False,
-             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict[str, Any] | None = None,
+             lora_request: LoRARequest | Seq[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """vLLM's offline chat: one conversation (a list of {role, content} messages) or a list of them,
         rendered with the model's chat template (or `chat_template`, its text), then generated like
         `generate` (the same batching and seeding); outputs come back in input order.
@@ -101,6 +106,7 @@ class LLM:
         message instead; `chat_template_kwargs` are extra template variables (e.g. enable_thinking).
         `chat_template_content_format` is accepted for vLLM's signature only: message content goes
         to the template as given (a string, for the templates this engine's models ship).
+        `lora_request`: as in `generate`.
         """
         if chat_template_content_format not in ("auto", "string", "openai"):
             raise ValueError(f"chat_template_content_format must be auto, string or openai; "
@@ -115,7 +121,7 @@ class LLM:
                 raise TypeError(f"messages[{i}] is not a conversation: LLM.chat takes a list of "
                                 "{'role', 'content'} messages or a list of such lists")
         prompts = [_Prompt(None, self.engine.encode(c, chat=options)) for c in conversations]
-        return self._generate(prompts, sampling_params, use_tqdm)
+        return self._generate(prompts, sampling_params, use_tqdm, lora_request)
 
     # ---- shared by generate and chat --------------------------------------------------------------
     def _prompt(self, prompt: Any) -> _Prompt:
@@ -135,17 +141,27 @@ class LLM:
         return token_ids
 
     def _generate(self, prompts: list[_Prompt], sampling_params: SamplingParams | Seq[SamplingParams] | None,
-                  use_tqdm: bool) -> list[RequestOutput]:
+                  use_tqdm: bool, lora_request: LoRARequest | Seq[LoRARequest | None] | None = None
+                  ) -> list[RequestOutput]:
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(sampling_params)} SamplingParams")
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            lora_requests = [lora_request] * len(prompts)
+        else:
+            lora_requests = list(lora_request)
+            if len(lora_requests) != len(prompts):
+                raise ValueError(f"{len(prompts)} prompts but {len(lora_requests)} LoRA requests")
+            for i, request in enumerate(lora_requests):
+                if request is not None and not isinstance(request, LoRARequest):
+                    raise TypeError(f"lora_request[{i}] is a {type(request).__name__}, not a LoRARequest or None")
         seed = self.engine.config.seed
 
-        def add(request_id: str, item: tuple[_Prompt, SamplingParams]) -> None:
-            prompt, params = item
+        def add(request_id: str, item: tuple[_Prompt, SamplingParams, LoRARequest | None]) -> None:
+            prompt, params, lora = item
             if params.output_kind is not RequestOutputKind.FINAL_ONLY:  # as vLLM's LLM: one output per request
                 params = dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
             # A seeded request's samples depend on (seed, sample index) alone, as the server's do:
@@ -156,8 +172,8 @@ class LLM:
             else:
                 sample_key = None if seed is None else f"engine-seed-{seed}/{request_id}"
             self.engine.add_request(request_id, prompt.prompt, params, prompt_token_ids=prompt.token_ids,
-                                    sample_key=sample_key)
-        return self._collect(self._add_all(zip(prompts, sampling_params), add), use_tqdm)
+                                    sample_key=sample_key, lora_request=lora)
+        return self._collect(self._add_all(zip(prompts, sampling_params, lora_requests), add), use_tqdm)
 
     def beam_search(self, prompts: Any, params: BeamSearchParams, use_tqdm: bool = False) -> list[BeamSearchOutput]:
         """vLLM's `LLM.beam_search`: the `params.beam_width` best beams of each prompt, best first (HF's
