@@ -58,7 +58,8 @@ def needs_tokens_on_host(state: RequestState) -> bool:
 # max_model_len may only shrink.
 RUNTIME_SETTINGS = ("block_size", "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching",
                     "kv_cache_memory", "num_kv_blocks", "max_model_len", "kv_cache_dtype", "calculate_kv_scales",
-                    "speculative", "generation_config", "seed", "async_scheduling")
+                    "speculative", "generation_config", "seed", "async_scheduling",
+                    "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras")
 
 
 class LLMEngine:

@@ -124,7 +124,8 @@ LORA_MODULE_PARTS = {"qkv_proj": 3, "o_proj": 1, "gate_up_proj": 2, "down_proj":
 def wrap_lora_modules(model: nn.Module, num_slots: int, max_lora_rank: int, state: LoRAStepState,
                       dtype: torch.dtype, device: torch.device) -> dict[str, LoRALinear]:
     """Swap every decoder layer's targetable projection for a LoRALinear over it (in place); returns
-    them by module name. An MLP whose gate_up_proj applies SiLU * up inside its GEMMs (the oneDNN
+    them by module name. A model another engine wrapped gets new wrappers over the same base layers (the
+    other engine's manager puts its own back at its next adapter step). An MLP whose gate_up_proj applies SiLU * up inside its GEMMs (the oneDNN
     epilogue layer, models/cpu_linear.py) gets a plain packed layer under the wrapper: the adapter's
     delta must join gate and up before the activation."""
     from batchgen.engine.models.cpu_linear import PackedLinear
@@ -132,8 +133,10 @@ def wrap_lora_modules(model: nn.Module, num_slots: int, max_lora_rank: int, stat
     wrapped = {}
     for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
-            if child_name not in LORA_MODULE_PARTS or isinstance(child, LoRALinear) or ".layers." not in f".{name}.":
+            if child_name not in LORA_MODULE_PARTS or ".layers." not in f".{name}.":
                 continue
+            if isinstance(child, LoRALinear):
+                child = child.base
             if getattr(child, "applies_silu_mul", False):
                 plain = nn.Linear(child.in_features, child.out_features, bias=False, device="meta")
                 plain.weight = nn.Parameter(child.weight, requires_grad=False)

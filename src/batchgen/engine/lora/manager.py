@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from batchgen.engine.lora.layers import LoRALinear, LoRAStepMapping, LoRAStepState, wrap_lora_modules
+from batchgen.engine.lora.layers import LoRAStepMapping, LoRAStepState, wrap_lora_modules
 from batchgen.engine.lora.peft_adapter import LoRAAdapter, LoRAError, read_peft_adapter
 from batchgen.engine.lora.request import LoRARequest
 from batchgen.engine.runner.step_inputs import StepPacker, int_section
@@ -45,10 +45,8 @@ class LoRAManager:
 
     def __init__(self, model: nn.Module, max_loras: int, max_lora_rank: int, max_cpu_loras: int,
                  dtype: torch.dtype, device: torch.device, base_model_name: str | None = None):
-        if any(isinstance(m, LoRALinear) for m in model.modules()):
-            raise ValueError("this model's layers already serve another engine's adapters: an engine with "
-                             "enable_lora loads its own weights (no weights_from)")
         self.model = model
+        model.lora_owner = self  # an engine sharing these weights later takes the layers over (wrap_lora_modules)
         self.max_loras, self.max_lora_rank, self.max_cpu_loras = max_loras, max_lora_rank, max_cpu_loras
         self.base_model_name = base_model_name
         self.state = LoRAStepState(use_triton=device.type == "cuda" and _has_triton())
@@ -112,11 +110,21 @@ class LoRAManager:
         self.stats.num_slot_loads += 1
         return slot
 
+    def _take_layers_back(self) -> None:
+        """Another engine sharing these weights (with_engine_settings) put its own LoRA layers in the
+        model since this one's last adapter step: put this engine's back (same base layers, its slots)."""
+        for name, layer in self.layers.items():
+            parent, child = name.rsplit(".", 1)
+            setattr(self.model.get_submodule(parent), child, layer)
+        self.model.lora_owner = self
+
     # ---- steps ------------------------------------------------------------------------------------
     def add_step_sections(self, packer: StepPacker, lora_ids: list[int], num_tokens: list[int]) -> None:
         """Slots for the step's adapters, and its LoRASections packed: `lora_ids[i]` is the i-th sequence
         of the flat batch's adapter (0: the base), `num_tokens[i]` its tokens in the batch."""
         self.num_steps += 1
+        if any(lora_ids) and getattr(self.model, "lora_owner", None) is not self:
+            self._take_layers_back()
         if not any(lora_ids):
             self._mapping_parts = None
             return
