@@ -58,6 +58,7 @@ class ServerSettings:
     chat_template_kwargs: dict = field(default_factory=dict)  # a job file's input.chat_template_kwargs
     seed: int | None = None  # --seed: unseeded requests keyed by (seed, arrival number), not at random
     sampling_defaults: dict = field(default_factory=dict)  # from generation_config.json (--generation-config)
+    lora_requests: dict = field(default_factory=dict)  # --lora-modules: name -> LoRARequest
 
 
 @dataclass
@@ -106,6 +107,8 @@ def create_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="batchgen", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.batchgen = state
     names = state.settings.served_model_names
+    adapters = state.settings.lora_requests
+    model_names = names + [name for name in adapters if name not in names]  # what `model` may name
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
@@ -137,14 +140,17 @@ def create_app(state: ServerState) -> FastAPI:
         return {"object": "list", "data": [
             {"id": name, "object": "model", "created": state.created, "owned_by": "batchgen",
              "root": state.settings.model_path, "parent": None, "max_model_len": state.max_model_len}
-            for name in names]}
+            for name in names] + [
+            {"id": name, "object": "model", "created": state.created, "owned_by": "batchgen",
+             "root": lora.lora_path, "parent": names[0], "max_model_len": state.max_model_len}
+            for name, lora in adapters.items()]}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         _check_key(request, state.settings.api_key)
         body = parse_request(await read_body(request, state.settings.max_request_body_bytes),
                              ChatCompletionRequest)
-        _check_model(body.model, names)
+        _check_model(body.model, model_names)
         messages = body.template_messages()
         chat = body.chat_options(state.settings.chat_template, state.settings.chat_template_kwargs)
         return await _generate(state, request, body, [messages], is_chat=True, chat=chat)
@@ -154,7 +160,7 @@ def create_app(state: ServerState) -> FastAPI:
         _check_key(request, state.settings.api_key)
         body = parse_request(await read_body(request, state.settings.max_request_body_bytes),
                              CompletionRequest)
-        _check_model(body.model, names)
+        _check_model(body.model, model_names)
         return await _generate(state, request, body, body.prompts(), is_chat=False)
 
     add_tokenizer_routes(app, state, lambda request: _check_key(request, state.settings.api_key))
@@ -235,7 +241,8 @@ async def _generate(state: ServerState, request: Request, body, prompts: list, i
                        if is_large(p) else p for p, name in zip(prompts, field_names)]
         for request_id, prompt, field_name in zip(request_ids, prompts, field_names):
             state.loop.submit(Submission(request_id, _prepare(body, prompt, field_name, state, chat), sample_key,
-                                         sink, body.stream, echo=getattr(body, "echo", False)))
+                                         sink, body.stream, echo=getattr(body, "echo", False),
+                                         lora_request=state.settings.lora_requests.get(body.model)))
         tracker = _Tracker(state.loop, request_ids, sink)
         buffered = await tracker.admitted(request)
         model = body.model or state.settings.served_model_names[0]

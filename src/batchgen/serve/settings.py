@@ -37,10 +37,31 @@ class ServeConfig:
     text itself (default: the model's; a job file's input.chat_template)."""
     uvicorn_log_level: UvicornLogLevel = "info"
     """uvicorn's log level."""
+    lora_modules: tuple[str, ...] | None = None
+    """LoRA adapters served by name (vLLM's flag): `name=path` entries (a PEFT folder or a Hugging Face repo
+    id in the local cache); a request's `model: name` runs that adapter, /v1/models lists them. Turns
+    enable_lora on."""
 
     def __post_init__(self) -> None:
         check_settings(self, [
             ("max_queued_requests", self.max_queued_requests >= 0, "must be >= 0"),
             ("max_request_body_bytes", self.max_request_body_bytes >= 1, "must be >= 1"),
             ("shutdown_timeout", self.shutdown_timeout >= 0, "must be >= 0"),
+            ("lora_modules", all(_is_lora_module(m) for m in self.lora_modules or ()),
+             "must be name=path entries"),
         ])
+        check_settings(self, [  # the entries read as name=path
+            ("lora_modules", len(self.lora_paths) == len(self.lora_modules or ()), "must name each adapter once"),
+            ("lora_modules", not set(self.lora_paths) & set(self.served_model_name or ()),
+             "must not reuse a --served-model-name"),
+        ])
+
+    @property
+    def lora_paths(self) -> dict[str, str]:
+        """--lora-modules as {name: path}, in the order given."""
+        return dict(tuple(part.strip() for part in m.split("=", 1)) for m in self.lora_modules or ())
+
+
+def _is_lora_module(entry: str) -> bool:
+    name, sep, path = entry.partition("=")
+    return bool(sep and name.strip() and path.strip())

@@ -1,0 +1,42 @@
+"""`batchgen serve --lora-modules A=path B=path` (vLLM's flag): several entries after one flag, read as
+{name: path}; entries that are not name=path, a name given twice or one that is also a served model name
+are refused by flag before any model loads; an adapter that cannot be read stops the server at start."""
+
+from __future__ import annotations
+
+import pytest
+
+from batchgen.cli.serve import parse_serve_flags
+from batchgen.engine.config import EngineConfig
+from batchgen.engine.text.chat_template import ChatTemplateOptions
+from batchgen.serve.server import EXIT_BAD_USAGE, run_server
+from batchgen.serve.settings import ServeConfig
+from tests.conftest import TEST_ENGINE_KWARGS
+
+
+def test_lora_modules_take_several_entries_after_one_flag():
+    flags = parse_serve_flags(["m", "--lora-modules", "A=/x/a", "B = /x/b", "--enable-lora", "--max-lora-rank", "64"])
+    serve, engine = flags.serve_config(), flags.engine_config()
+    assert serve.lora_paths == {"A": "/x/a", "B": "/x/b"}
+    assert list(serve.lora_paths) == ["A", "B"]  # ids 1, 2 in the order given
+    assert engine.enable_lora and engine.max_lora_rank == 64
+    assert parse_serve_flags(["m"]).serve_config().lora_paths == {}
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--lora-modules", "A"], "--lora-modules must be name=path entries"),
+    (["--lora-modules", "=/x/a"], "--lora-modules must be name=path entries"),
+    (["--lora-modules", "A=/x/a", "A=/x/b"], "--lora-modules must name each adapter once"),
+    (["--served-model-name", "base", "--lora-modules", "base=/x/a"], "must not reuse a --served-model-name"),
+])
+def test_a_bad_lora_module_names_the_flag(argv, message):
+    with pytest.raises(ValueError, match=message):
+        parse_serve_flags(["m", *argv]).serve_config()
+
+
+def test_an_adapter_that_cannot_be_read_stops_the_server_at_start(smollm_hf_folder, tmp_path, capsys):
+    config = EngineConfig(model=str(smollm_hf_folder), **TEST_ENGINE_KWARGS)  # enable_lora: turned on by the flag
+    serve = ServeConfig(lora_modules=(f"A={tmp_path / 'missing'}",))
+    assert run_server(config, serve, ChatTemplateOptions()) == EXIT_BAD_USAGE
+    err = capsys.readouterr().err
+    assert "--lora-modules" in err and "'A'" in err
