@@ -11,6 +11,7 @@ from batchgen.pipeline.batch_file import BATCH_SUFFIX, inspect_batch_files
 from batchgen.pipeline.column_types import unify_column_types
 from batchgen.pipeline.config import JobConfig
 from batchgen.pipeline.input_file import InputFile
+from batchgen.pipeline.lora_job import uses_lora
 from batchgen.pipeline.output import FileFingerprint, fingerprint_files
 from batchgen.pipeline.reader import inspect_file, list_input_files
 from batchgen.pipeline.schema import check_input_schema, output_schema
@@ -32,7 +33,8 @@ class JobInputs:
         logprobs = 1 if job.input.is_batch_file else job.sampling.logprobs
         return output_schema(pa.field("id", self.column_types[job.input.id_column]), keep, logprobs,
                              with_openai_line=job.writes_batch_output, is_scoring=job.is_scoring,
-                             metric_fields=[metric_field(name, spec) for name, spec in job.metrics.items()])
+                             metric_fields=[metric_field(name, spec) for name, spec in job.metrics.items()],
+                             with_lora=uses_lora(job))
 
 
 def read_inputs(job: JobConfig) -> JobInputs:

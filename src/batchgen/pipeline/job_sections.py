@@ -72,6 +72,10 @@ class _ModelPath(Section):
     path: str = Field(min_length=1)
     """The model: a bundled alias, a Hugging Face folder, a `.gguf` file, a Hugging Face repo id (org/name)
     or an fsspec URI; relative to the job file's folder."""
+    lora_modules: dict[str, str] = Field(default_factory=dict)
+    """LoRA adapters over the model, by name: {name: PEFT folder (relative to the job file's folder) or
+    Hugging Face repo id}. Turns engine.enable_lora on. One adapter without input.lora_column runs every
+    row; several need input.lora_column."""
 
 
 ModelSection = derive_section("ModelSection", EngineConfig, "model", MODEL_KEYS, base=_ModelPath)
@@ -113,7 +117,8 @@ InputFormat = Literal["auto", "parquet", "openai_batch"]
 # settings), with the one value they may hold there: any other value is refused rather than ignored.
 # (Those values are what a batch job's own section holds, so a dumped job validates again.)
 _BATCH_FILE_VALUES = {"id_column": BATCH_ID_COLUMN, "prompt_column": None, "messages_column": None,
-                      "system_prompt": None, "apply_chat_template": True, "schema_column": None}
+                      "system_prompt": None, "apply_chat_template": True, "schema_column": None,
+                      "lora_column": None}
 
 
 class InputSection(Section):
@@ -159,6 +164,9 @@ class InputSection(Section):
     schema_column: str | None = None
     """A JSON schema per row (its JSON text) constraining that row's output; null cells:
     sampling.structured."""
+    lora_column: str | None = None
+    """The LoRA adapter of each row: a name in model.lora_modules, or null for the base model. Rows of
+    different adapters and of the base run in the same engine steps."""
 
     @field_validator("chat_template_kwargs")
     @classmethod

@@ -22,6 +22,7 @@ def decode_batch(batch: pa.RecordBatch, job: JobConfig) -> list[RowInput]:
     scored = _as_python(batch.column(inp.scored_column)) if inp.scored_column is not None else None
     overrides = {key: batch.column(name).to_pylist() for key, name in job.sampling_columns.items()}
     schemas = _as_python(batch.column(inp.schema_column)) if inp.schema_column else [None] * batch.num_rows
+    adapters = _as_python(batch.column(inp.lora_column)) if inp.lora_column else [None] * batch.num_rows
     rows = []
     for i, (raw_id, raw_text, raw_schema) in enumerate(zip(ids, texts, schemas)):
         row_overrides = {key: values[i] for key, values in overrides.items() if values[i] is not None}
@@ -39,6 +40,8 @@ def decode_batch(batch: pa.RecordBatch, job: JobConfig) -> list[RowInput]:
                     prompt = _with_system([{"role": "user", "content": prompt}], inp.system_prompt)
             schema = None if raw_schema is None else _decode_text(raw_schema, f"the schema ({inp.schema_column})")
             row = RowInput(request_id, prompt, row_overrides, num_prompt_bytes=_num_bytes(raw_text), schema=schema)
+            if adapters[i] is not None:  # null: the base model
+                row.lora_name = _decode_text(adapters[i], f"the LoRA adapter ({inp.lora_column})")
             if scored is not None:
                 row.continuations = _decode_continuations(scored[i], inp.continuations_column is not None)
                 row.num_prompt_bytes += sum(len(c.encode()) for c in row.continuations)

@@ -54,7 +54,9 @@ SCORE_FIELDS = [
     pa.field("e2e_s", pa.float64()),
     pa.field("error", pa.string()),
 ]
-RESERVED_NAMES = {"id"} | {f.name for f in GENERATED_FIELDS} | {f.name for f in SCORE_FIELDS}
+# model.lora_modules: the adapter each row ran with (null: the base model), after the generated columns.
+LORA_FIELD = pa.field("lora_name", pa.string())
+RESERVED_NAMES = {"id", LORA_FIELD.name} | {f.name for f in GENERATED_FIELDS} | {f.name for f in SCORE_FIELDS}
 
 
 def generated_fields(logprobs: int | bool | None, with_openai_line: bool = False) -> list[pa.Field]:
@@ -77,11 +79,12 @@ def score_fields(logprobs: int | bool | None) -> list[pa.Field]:
 
 def output_schema(id_field: pa.Field, keep_fields: list[pa.Field], with_logprobs: int | bool | None,
                   with_openai_line: bool = False, is_scoring: bool = False,
-                  metric_fields: list[pa.Field] = ()) -> pa.Schema:
-    """id (the input's type), the generated (or, task: loglikelihood, the score) columns, the metrics'
-    verdict columns, then the kept input columns."""
+                  metric_fields: list[pa.Field] = (), with_lora: bool = False) -> pa.Schema:
+    """id (the input's type), the generated (or, task: loglikelihood, the score) columns, lora_name (a
+    job with adapters), the metrics' verdict columns, then the kept input columns."""
     fields = score_fields(with_logprobs) if is_scoring else generated_fields(with_logprobs, with_openai_line)
-    return pa.schema([pa.field("id", id_field.type), *fields, *metric_fields, *keep_fields])
+    lora = [LORA_FIELD] if with_lora else []
+    return pa.schema([pa.field("id", id_field.type), *fields, *lora, *metric_fields, *keep_fields])
 
 
 def is_text_list(t: pa.DataType) -> bool:
@@ -140,6 +143,7 @@ def check_input_schema(file: InputFile, job: JobConfig) -> None:
         if not is_text(t):
             raise wrong(inp.prompt_column, "input.prompt_column", t, "a string type")
     for key, is_right, expected in (("schema_column", is_text, "a string type (a JSON schema per row)"),
+                                    ("lora_column", is_text, "a string type (an adapter's name per row)"),
                                     ("continuations_column", is_text_list, "a list of strings"),
                                     ("continuation_column", is_text, "a string type")):
         name = getattr(inp, key)

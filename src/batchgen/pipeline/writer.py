@@ -21,7 +21,7 @@ from batchgen.metrics import metric_column, metric_fields_of
 from batchgen.pipeline.metric_columns import MetricScorer
 from batchgen.pipeline.output import CommitContext, IdChecksum, WorkUnit
 from batchgen.pipeline.request_builder import RowTask
-from batchgen.pipeline.schema import GENERATED_FIELDS, SCORE_FIELDS, generated_fields
+from batchgen.pipeline.schema import GENERATED_FIELDS, LORA_FIELD, SCORE_FIELDS, generated_fields
 from batchgen.pipeline.storage import PartFile, Storage
 
 # Output rows per write (one Parquet row group each): rows wait as Python objects (~10 KB for a row of
@@ -113,7 +113,7 @@ class UnitPart:
         self.file = file
         self.schema = schema
         self.score_metrics = score_metrics
-        generated = {f.name for f in GENERATED_FIELDS} | {f.name for f in SCORE_FIELDS}
+        generated = {f.name for f in GENERATED_FIELDS} | {f.name for f in SCORE_FIELDS} | {LORA_FIELD.name}
         metric_columns = {metric_column(name) for name in metric_fields_of(schema)}
         self.sources_schema = pa.schema([f for f in schema if f.name not in generated | metric_columns])  # id, kept
         self.rows_schema = pa.schema([f for f in schema if f.name not in metric_columns])  # without verdicts
@@ -252,6 +252,8 @@ class UnitWriter:
             self.parts.popitem()[1].abort()
 
     def _set(self, task: RowTask, rows: list[dict]) -> None:
+        for row in rows:  # the lora_name column, where the schema has it
+            row[LORA_FIELD.name] = task.lora_name
         part = self.parts[task.unit_index]
         part.set_rows(task.offset, rows)
         if part.should_flush:

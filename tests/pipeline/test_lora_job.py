@@ -1,0 +1,107 @@
+"""A job over LoRA adapters: model.lora_modules {A, B} and input.lora_column (A, B and null rows mixed)
+give peft's greedy outputs for each row's adapter, and every output row names its adapter; one adapter
+without a column runs every row; an unknown name is an error row; the adapters enter the config hash;
+impossible combinations and an unreadable adapter are refused naming the key."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pytest
+
+from batchgen.pipeline.config import validate_job
+from batchgen.pipeline.errors import JobError
+from batchgen.pipeline.job import run_job
+from tests.conftest import TEST_ENGINE_KWARGS
+from tests.engine.prompts import QUESTIONS
+from tests.lora_adapters import peft_greedy
+from tests.pipeline.conftest import engine_sections, read_output, write_parquet
+
+MAX_TOKENS = 8
+ADAPTERS = ["A", "B", None, "A", "B", None]
+ENGINE = {**TEST_ENGINE_KWARGS, "max_loras": 2, "max_lora_rank": 16}
+
+
+def lora_job(tmp_path, model_folder, modules: dict | None, input_path="in.parquet", engine=ENGINE, **input_keys):
+    sections = engine_sections(engine, model=str(model_folder))
+    if modules is not None:  # None: a job file without the key
+        sections["model"]["lora_modules"] = {name: str(path) for name, path in modules.items()}
+    raw = {"name": "lora-job", **sections, "input": {"path": input_path, "prompt_column": "prompt", **input_keys},
+           "sampling": {"max_tokens": MAX_TOKENS}, "output": {"path": str(tmp_path / "out")}}
+    return validate_job(raw, tmp_path)
+
+
+@pytest.fixture(scope="module")
+def rows(tmp_path_factory):
+    """Six questions with adapters A, B and the base in turn, and one row naming an adapter not in the job."""
+    tmp = tmp_path_factory.mktemp("lora-job-input")
+    table = pa.table({"id": list(range(len(ADAPTERS) + 1)), "prompt": QUESTIONS[:len(ADAPTERS) + 1],
+                      "adapter": [*ADAPTERS, "Z"]})
+    return write_parquet(tmp / "in.parquet", table)
+
+
+@pytest.fixture(scope="module")
+def expected(lora_adapters, lora_llm, hf_tokenizer):
+    """peft's greedy tokens for every question under A, under B and under the base."""
+    peft_model, _ = lora_adapters
+    ids = [lora_llm.engine.encode([{"role": "user", "content": q}]) for q in QUESTIONS[:len(ADAPTERS)]]
+    return {name: peft_greedy(peft_model, name, ids, MAX_TOKENS, lora_llm.engine.eos_token_ids,
+                              hf_tokenizer.pad_token_id) for name in ("A", "B", None)}
+
+
+def test_rows_of_two_adapters_and_the_base_in_one_job_equal_peft(tmp_path, rows, lora_adapters, lora_llm,
+                                                                  smollm_hf_folder, expected):
+    _, folders = lora_adapters
+    job = lora_job(tmp_path, smollm_hf_folder, {"A": folders["A"], "B": folders["B"]}, str(rows),
+                   lora_column="adapter")
+    engine = lora_llm.with_engine_settings(max_loras=2).engine
+    run_job(job, engine=engine, progress=False)
+    out = read_output(tmp_path / "out").to_pylist()
+    assert expected["A"] != expected[None] and expected["B"] != expected[None]  # the adapters change outputs
+    assert [r["lora_name"] for r in out] == [*ADAPTERS, "Z"]
+    for i, name in enumerate(ADAPTERS):
+        assert out[i]["error"] is None
+        assert out[i]["completion_token_ids"] == expected[name][i], f"row {i}, adapter {name}"
+    assert "'Z'" in out[-1]["error"] and "model.lora_modules" in out[-1]["error"]
+    assert engine.stats["lora"]["tokens_by_adapter"]["A"] > 0 and engine.stats["lora"]["tokens_by_adapter"]["B"] > 0
+
+
+def test_one_adapter_without_a_column_runs_every_row(tmp_path, rows, lora_adapters, lora_llm, smollm_hf_folder,
+                                                     expected):
+    _, folders = lora_adapters
+    job = lora_job(tmp_path, smollm_hf_folder, {"B": folders["B"]}, str(rows))
+    run_job(job, engine=lora_llm.with_engine_settings(max_loras=2).engine, progress=False)
+    out = read_output(tmp_path / "out").to_pylist()
+    assert [r["lora_name"] for r in out] == ["B"] * (len(ADAPTERS) + 1)
+    assert [r["completion_token_ids"] for r in out[:len(ADAPTERS)]] == expected["B"]
+
+
+def test_the_adapters_enter_the_config_hash(tmp_path, smollm_hf_folder):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    plain = lora_job(tmp_path, smollm_hf_folder, None)
+    one = lora_job(tmp_path, smollm_hf_folder, {"A": tmp_path / "a"})
+    other_path = lora_job(tmp_path, smollm_hf_folder, {"A": tmp_path / "b"})
+    two = lora_job(tmp_path, smollm_hf_folder, {"A": tmp_path / "a", "B": tmp_path / "b"}, lora_column="adapter")
+    hashes = {job.config_hash() for job in (plain, one, other_path, two)}
+    assert len(hashes) == 4
+    # a job without adapters keeps the hash it had before the keys existed (its outputs still resume)
+    assert lora_job(tmp_path, smollm_hf_folder, {}).config_hash() == plain.config_hash()
+    assert one.engine_config().enable_lora and not plain.engine_config().enable_lora
+    # a relative adapter folder is the job file's folder's
+    assert lora_job(tmp_path, smollm_hf_folder, {"A": "a"}).model.lora_modules["A"] == str(tmp_path / "a")
+
+
+@pytest.mark.parametrize("modules, input_keys, message", [
+    ({}, {"lora_column": "adapter"}, "input.lora_column: needs model.lora_modules"),
+    ({"A": "a", "B": "b"}, {}, "input.lora_column: must name the column of each row's adapter"),
+])
+def test_impossible_combinations_name_the_key(tmp_path, smollm_hf_folder, modules, input_keys, message):
+    with pytest.raises(JobError, match=message):
+        lora_job(tmp_path, smollm_hf_folder, modules, **input_keys)
+
+
+def test_an_adapter_that_cannot_be_read_fails_the_job_at_start(tmp_path, rows, lora_llm, smollm_hf_folder):
+    job = lora_job(tmp_path, smollm_hf_folder, {"A": tmp_path / "missing"}, str(rows))
+    with pytest.raises(JobError, match=r"model.lora_modules.A: .*'A'.*not a folder"):
+        run_job(job, engine=lora_llm.with_engine_settings(max_loras=2).engine, progress=False)
+    assert not list((tmp_path / "out").glob("part-*.parquet"))
