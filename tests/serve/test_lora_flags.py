@@ -1,10 +1,12 @@
 """`batchgen serve --lora-modules A=path B=path` (vLLM's flag): several entries after one flag, read as
-{name: path}; entries that are not name=path, a name given twice or one that is also a served model name
-are refused by flag before any model loads; an adapter that cannot be read stops the server at start."""
+{name: path} (a job file's model.lora_modules when the flag is not given); entries that are not
+name=path, a name given twice or one that is also a served model name are refused by flag before any
+model loads; an adapter that cannot be read stops the server at start."""
 
 from __future__ import annotations
 
 import pytest
+import yaml
 
 from batchgen.cli.serve import parse_serve_flags
 from batchgen.engine.config import EngineConfig
@@ -21,6 +23,17 @@ def test_lora_modules_take_several_entries_after_one_flag():
     assert list(serve.lora_paths) == ["A", "B"]  # ids 1, 2 in the order given
     assert engine.enable_lora and engine.max_lora_rank == 64
     assert parse_serve_flags(["m"]).serve_config().lora_paths == {}
+
+
+def test_a_job_files_adapters_are_served_unless_the_flag_replaces_them(tmp_path):
+    (tmp_path / "adapters" / "a").mkdir(parents=True)  # (a missing org/name path is a Hub repo id, as model.path)
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump({"model": {"path": "smollm2-135m-instruct", "lora_modules": {"A": "adapters/a"}},
+                                   "input": {"path": "in.parquet"}}))
+    flags = parse_serve_flags([str(job)])
+    assert flags.serve_config().lora_paths == {"A": str(tmp_path / "adapters" / "a")}
+    assert flags.engine_config().enable_lora
+    assert parse_serve_flags([str(job), "--lora-modules", "B=/x/b"]).serve_config().lora_paths == {"B": "/x/b"}
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -167,6 +167,9 @@ class ServeFlags:
             values["served_model_name"] = tuple(values["served_model_name"]) or None
         if values.get("lora_modules") is not None:
             values["lora_modules"] = tuple(values["lora_modules"]) or None
+        if values.get("lora_modules") is None and self.job is not None and self.job.model.lora_modules:
+            # a job file's adapters are served under their names (--lora-modules replaces them)
+            values["lora_modules"] = tuple(f"{name}={path}" for name, path in self.job.model.lora_modules.items())
         try:
             return ServeConfig(**values)
         except SettingError as exc:
