@@ -1,7 +1,7 @@
 """The Triton SGMV shrink/expand (LoRA on CUDA) against the torch reference, under TRITON_INTERPRET=1:
 segments of one token and of many (scattered rows), ranks 8/16/32/64, an empty segment, a slot whose
-adapter does not target the module (rank 0), base tokens left bit-for-bit as they were; and LoRALinear's
-Triton path equals its torch path."""
+adapter does not target the module (rank 0), base tokens left bit-for-bit as they were, every tile
+candidate of the tuning table; and LoRALinear's Triton path equals its torch path."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernel module is im
 
 from batchgen.kernels.reference import lora_segments_ref  # noqa: E402
 from batchgen.kernels.triton_lora import sgmv_expand, sgmv_shrink  # noqa: E402
+from batchgen.kernels.triton_tuning import lora_candidates  # noqa: E402
 
 pytestmark = pytest.mark.triton
 
@@ -58,6 +59,21 @@ def test_shrink_then_expand_equals_the_reference(dtype, tolerance):
     assert torch.equal(out[base_rows], untouched)  # base tokens exactly as the base layer wrote them
     rank0_rows = order[starts[4]:starts[5]].long()
     assert torch.equal(out[rank0_rows], step()[1].to(dtype)[rank0_rows])  # rank 0: nothing added
+
+
+@pytest.mark.parametrize("max_segment_len", [1, 20], ids=["decode", "prefill"])
+def test_every_tuning_candidate_matches_the_reference(max_segment_len):
+    x, out, lora_a, lora_b, order, starts, slots, ranks = step()
+    expected = lora_segments_ref(x, out, lora_a, lora_b, order, starts, slots, ranks)
+    longest = max(SEGMENT_SIZES)  # the grid must cover the longest segment, whatever bucket picked the tiles
+    for shrink_tiles in lora_candidates("shrink", max_segment_len, torch.float32):
+        shrunk = sgmv_shrink(x, lora_a, order, starts, slots, ranks, longest, tiles=shrink_tiles)
+        for expand_tiles in lora_candidates("expand", max_segment_len, torch.float32)[:2]:
+            result = sgmv_expand(shrunk, lora_b, out.clone(), order, starts, slots, ranks, longest, tiles=expand_tiles)
+            torch.testing.assert_close(result, expected, atol=1e-5, rtol=1e-5, msg=f"{shrink_tiles} {expand_tiles}")
+    for expand_tiles in lora_candidates("expand", max_segment_len, torch.float32)[2:]:
+        result = sgmv_expand(shrunk, lora_b, out.clone(), order, starts, slots, ranks, longest, tiles=expand_tiles)
+        torch.testing.assert_close(result, expected, atol=1e-5, rtol=1e-5, msg=str(expand_tiles))
 
 
 def test_a_step_without_segments_changes_nothing():

@@ -12,9 +12,9 @@ no segment and are left as the base layer wrote them.
   folded into B when it is installed).
 
 Products are accumulated in float32 with IEEE float32 inputs (no TF32), so the result matches the torch
-reference to float32 rounding for every activation dtype. Tiles: BLOCK_T tokens of one segment by
-BLOCK_R rank columns (shrink) or BLOCK_N output columns (expand); an empty segment launches programs
-that return at once.
+reference to float32 rounding for every activation dtype. Tiles (kernels/triton_tuning.py
+lora_candidates): BLOCK_T tokens of one segment by BLOCK_R rank columns (shrink) or BLOCK_N output
+columns (expand); an empty segment launches programs that return at once.
 """
 
 from __future__ import annotations
@@ -23,8 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-SHRINK_BLOCK_T, SHRINK_BLOCK_K, SHRINK_BLOCK_R = 16, 64, 16
-EXPAND_BLOCK_T, EXPAND_BLOCK_N, EXPAND_BLOCK_R = 16, 64, 16
+from batchgen.kernels.triton_tuning import LoRATiles, choose, lora_candidates
 
 
 @triton.jit
@@ -96,34 +95,62 @@ def _check(x: torch.Tensor, weights: torch.Tensor, what: str) -> None:
 
 
 def sgmv_shrink(x: torch.Tensor, lora_a: torch.Tensor, token_order: torch.Tensor, seg_starts: torch.Tensor,
-                seg_slots: torch.Tensor, slot_ranks: torch.Tensor, max_segment_len: int) -> torch.Tensor:
+                seg_slots: torch.Tensor, slot_ranks: torch.Tensor, max_segment_len: int,
+                tiles: LoRATiles | None = None) -> torch.Tensor:
     """`x` (T, in), `lora_a` (S, in, R_max): (T', R_max) float32, row i = x[token_order[i]] @ A[slot]
-    over the slot's rank (the columns past it 0). `max_segment_len`: the longest segment (the grid)."""
+    over the slot's rank (the columns past it 0). `max_segment_len`: the longest segment (the grid).
+    `tiles`: the configuration (default: the tuning table's choice)."""
     _check(x, lora_a, "shrink")
-    num_segments = seg_slots.numel()
     out = torch.zeros(token_order.numel(), lora_a.shape[2], dtype=torch.float32, device=x.device)
-    if num_segments == 0 or max_segment_len == 0:
+    if seg_slots.numel() == 0 or max_segment_len == 0:
         return out
-    grid = (num_segments, triton.cdiv(max_segment_len, SHRINK_BLOCK_T), triton.cdiv(lora_a.shape[2], SHRINK_BLOCK_R))
-    _sgmv_shrink_kernel[grid](
-        x, lora_a, out, token_order, seg_starts, seg_slots, slot_ranks,
-        x.shape[1], x.stride(0), lora_a.stride(0), lora_a.stride(1), out.stride(0),
-        BLOCK_T=SHRINK_BLOCK_T, BLOCK_K=SHRINK_BLOCK_K, BLOCK_R=SHRINK_BLOCK_R)
+
+    def launch(t: LoRATiles) -> None:
+        grid = (seg_slots.numel(), triton.cdiv(max_segment_len, t.block_t), triton.cdiv(lora_a.shape[2], t.block_out))
+        _sgmv_shrink_kernel[grid](
+            x, lora_a, out, token_order, seg_starts, seg_slots, slot_ranks,
+            x.shape[1], x.stride(0), lora_a.stride(0), lora_a.stride(1), out.stride(0),
+            BLOCK_T=t.block_t, BLOCK_K=t.block_red, BLOCK_R=t.block_out, num_warps=t.num_warps,
+            num_stages=t.num_stages)
+
+    if tiles is None:
+        key = ("lora_shrink", max_segment_len <= 16, x.shape[1], lora_a.shape[2], x.dtype)
+        tiles = choose(key, lora_candidates("shrink", max_segment_len, x.dtype), launch,
+                       is_capturing=_is_capturing(x))
+    launch(tiles)
     return out
 
 
 def sgmv_expand(shrunk: torch.Tensor, lora_b: torch.Tensor, out: torch.Tensor, token_order: torch.Tensor,
                 seg_starts: torch.Tensor, seg_slots: torch.Tensor, slot_ranks: torch.Tensor,
-                max_segment_len: int) -> torch.Tensor:
+                max_segment_len: int, tiles: LoRATiles | None = None) -> torch.Tensor:
     """`out[token_order[i]] += shrunk[i, :rank] @ B[slot][:rank]` for every listed token, in place;
-    `lora_b` (S, R_max, out). Returns `out`."""
+    `lora_b` (S, R_max, out). Returns `out`. `tiles`: as in sgmv_shrink."""
     _check(out, lora_b, "expand")
-    num_segments = seg_slots.numel()
-    if num_segments == 0 or max_segment_len == 0:
+    if seg_slots.numel() == 0 or max_segment_len == 0:
         return out
-    grid = (num_segments, triton.cdiv(max_segment_len, EXPAND_BLOCK_T), triton.cdiv(out.shape[1], EXPAND_BLOCK_N))
-    _sgmv_expand_kernel[grid](
-        shrunk, lora_b, out, token_order, seg_starts, seg_slots, slot_ranks,
-        out.shape[1], shrunk.stride(0), lora_b.stride(0), lora_b.stride(1), out.stride(0),
-        BLOCK_T=EXPAND_BLOCK_T, BLOCK_N=EXPAND_BLOCK_N, BLOCK_R=EXPAND_BLOCK_R)
+
+    def launch(t: LoRATiles, target: torch.Tensor = out) -> None:
+        grid = (seg_slots.numel(), triton.cdiv(max_segment_len, t.block_t), triton.cdiv(target.shape[1], t.block_out))
+        _sgmv_expand_kernel[grid](
+            shrunk, lora_b, target, token_order, seg_starts, seg_slots, slot_ranks,
+            target.shape[1], shrunk.stride(0), lora_b.stride(0), lora_b.stride(1), target.stride(0),
+            BLOCK_T=t.block_t, BLOCK_N=t.block_out, BLOCK_R=t.block_red, num_warps=t.num_warps,
+            num_stages=t.num_stages)
+
+    if tiles is None:
+        key = ("lora_expand", max_segment_len <= 16, lora_b.shape[1], out.shape[1], out.dtype)
+        scratch = None
+
+        def timed(t: LoRATiles) -> None:  # autotuning times on a copy: the expand adds in place
+            nonlocal scratch
+            scratch = out.clone() if scratch is None else scratch
+            launch(t, scratch)
+        tiles = choose(key, lora_candidates("expand", max_segment_len, out.dtype), timed,
+                       is_capturing=_is_capturing(out))
+    launch(tiles)
     return out
+
+
+def _is_capturing(t: torch.Tensor) -> bool:
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
