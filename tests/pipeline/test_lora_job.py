@@ -1,6 +1,7 @@
 """A job over LoRA adapters: model.lora_modules {A, B} and input.lora_column (A, B and null rows mixed)
 give peft's greedy outputs for each row's adapter, and every output row names its adapter; one adapter
-without a column runs every row; an unknown name is an error row; the adapters enter the config hash;
+without a column runs every row; an unknown name is an error row; a deleted part is redone with the same
+rows on resume; the adapters enter the config hash;
 impossible combinations and an unreadable adapter are refused naming the key."""
 
 from __future__ import annotations
@@ -52,10 +53,17 @@ def test_rows_of_two_adapters_and_the_base_in_one_job_equal_peft(tmp_path, rows,
                                                                   smollm_hf_folder, expected):
     _, folders = lora_adapters
     job = lora_job(tmp_path, smollm_hf_folder, {"A": folders["A"], "B": folders["B"]}, str(rows),
-                   lora_column="adapter")
+                   lora_column="adapter", rows_per_unit=4)
     engine = lora_llm.with_engine_settings(max_loras=2).engine
     run_job(job, engine=engine, progress=False)
     out = read_output(tmp_path / "out").to_pylist()
+    # resume: a deleted part is run again (same config hash, adapters included) with the same rows
+    (tmp_path / "out" / "part-00001.parquet").unlink()
+    again = run_job(job, engine=lora_llm.with_engine_settings(max_loras=2).engine, progress=False)
+    assert (again.num_units_run, again.num_units_skipped) == (1, 1)
+    def rows_of(table):
+        return [(r["id"], r["lora_name"], r["completion_token_ids"], r["error"]) for r in table]
+    assert rows_of(read_output(tmp_path / "out").to_pylist()) == rows_of(out)
     assert expected["A"] != expected[None] and expected["B"] != expected[None]  # the adapters change outputs
     assert [r["lora_name"] for r in out] == [*ADAPTERS, "Z"]
     for i, name in enumerate(ADAPTERS):
