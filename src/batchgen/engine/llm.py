@@ -149,15 +149,7 @@ class LLM:
             sampling_params = [sampling_params] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(sampling_params)} SamplingParams")
-        if lora_request is None or isinstance(lora_request, LoRARequest):
-            lora_requests = [lora_request] * len(prompts)
-        else:
-            lora_requests = list(lora_request)
-            if len(lora_requests) != len(prompts):
-                raise ValueError(f"{len(prompts)} prompts but {len(lora_requests)} LoRA requests")
-            for i, request in enumerate(lora_requests):
-                if request is not None and not isinstance(request, LoRARequest):
-                    raise TypeError(f"lora_request[{i}] is a {type(request).__name__}, not a LoRARequest or None")
+        lora_requests = _lora_list(lora_request, len(prompts), "prompts")
         seed = self.engine.config.seed
 
         def add(request_id: str, item: tuple[_Prompt, SamplingParams, LoRARequest | None]) -> None:
@@ -186,21 +178,24 @@ class LLM:
                 for out in outputs]
 
     def score_continuations(self, contexts: str | Seq[str], continuations: Seq[str] | Seq[Seq[str]],
-                            use_tqdm: bool = False) -> list[ScoreOutput]:
+                            use_tqdm: bool = False,
+                            lora_request: LoRARequest | Seq[LoRARequest | None] | None = None) -> list[ScoreOutput]:
         """The log-probability of each continuation given its context (lm-evaluation-harness'
         loglikelihood: `sum_logprob`, `is_greedy`), each context computed once for all its continuations
         (score_group.py). Raw text: contexts and continuations are tokenized as lm-evaluation-harness
-        does (context + continuation as one text, split after the context's tokens)."""
+        does (context + continuation as one text, split after the context's tokens). `lora_request`: the
+        adapter of every context, or one (or None) per context, as in `generate`."""
         if isinstance(contexts, str):
             contexts, continuations = [contexts], [continuations]
         if len(contexts) != len(continuations):
             raise ValueError(f"{len(contexts)} contexts but {len(continuations)} continuation lists")
+        lora_requests = _lora_list(lora_request, len(contexts), "contexts")
         encode = self.engine.tokenizer.encode
 
-        def add(request_id: str, item: tuple[str, Seq[str]]) -> None:
+        def add(request_id: str, item: tuple[str, Seq[str], LoRARequest | None]) -> None:
             context_ids, cont_ids = encode_continuations(encode, item[0], list(item[1]))
-            self.engine.add_score_request(request_id, context_ids, cont_ids)
-        return self._collect(self._add_all(zip(contexts, continuations), add), use_tqdm)
+            self.engine.add_score_request(request_id, context_ids, cont_ids, lora_request=item[2])
+        return self._collect(self._add_all(zip(contexts, continuations, lora_requests), add), use_tqdm)
 
     def _add_all(self, items, add) -> list[str]:
         """`add(request_id, item)` for each item; the ids in order. When one cannot be added, those
@@ -309,3 +304,17 @@ def _check_names(settings: dict) -> None:
     if unknown:
         raise TypeError(f"unknown engine setting(s) {', '.join(unknown)}; "
                         f"EngineConfig's are: {', '.join(names)}")
+
+
+def _lora_list(lora_request: LoRARequest | Seq[LoRARequest | None] | None, count: int,
+               what: str) -> list[LoRARequest | None]:
+    """One LoRARequest (or None) per prompt: the one given for all, or the list checked."""
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * count
+    requests = list(lora_request)
+    if len(requests) != count:
+        raise ValueError(f"{count} {what} but {len(requests)} LoRA requests")
+    for i, request in enumerate(requests):
+        if request is not None and not isinstance(request, LoRARequest):
+            raise TypeError(f"lora_request[{i}] is a {type(request).__name__}, not a LoRARequest or None")
+    return requests

@@ -54,3 +54,19 @@ def test_prompt_logprobs_within_1e4_of_peft(lora_adapters, lora_llm, lora_reques
         ours = torch.tensor([position[t].logprob for position, t in zip(out.prompt_logprobs[1:], ids[1:])])
         expected = torch.tensor(peft_prompt_logprobs(peft_model, ADAPTER_OF[i], ids))
         assert (ours - expected).abs().max().item() <= 1e-4, f"prompt {i}, adapter {ADAPTER_OF[i]}"
+
+
+def test_scored_continuations_under_an_adapter_equal_peft(lora_adapters, lora_llm, lora_requests):
+    """LLM.score_continuations with lora_request: each continuation's summed log-probability is peft's."""
+    peft_model, _ = lora_adapters
+    contexts = ["The capital of France is", "Two plus two equals"]
+    continuations = [[" Paris", " a big city"], [" four", " 5"]]
+    requests = [lora_requests["A"], lora_requests["B"]]
+    outputs = lora_llm.score_continuations(contexts, continuations, lora_request=requests)
+    base = lora_llm.score_continuations(contexts, continuations)
+    for out, base_out, request in zip(outputs, base, requests):
+        for scored, base_scored in zip(out.continuations, base_out.continuations):
+            ids = list(out.prompt_token_ids) + list(scored.token_ids)
+            expected = sum(peft_prompt_logprobs(peft_model, request.lora_name, ids)[-len(scored.token_ids):])
+            assert abs(scored.sum_logprob - expected) <= 1e-4, (request.lora_name, scored.token_ids)
+            assert abs(scored.sum_logprob - base_scored.sum_logprob) > 1e-3  # the adapter changed the score
