@@ -23,6 +23,9 @@ def test_lora_modules_take_several_entries_after_one_flag():
     assert list(serve.lora_paths) == ["A", "B"]  # ids 1, 2 in the order given
     assert engine.enable_lora and engine.max_lora_rank == 64
     assert parse_serve_flags(["m"]).serve_config().lora_paths == {}
+    json_form = parse_serve_flags(["m", "--lora-modules", '{"name": "C", "path": "/x/c", "base_model_name": "m"}',
+                                   "D=/x/d"]).serve_config()  # vLLM's JSON form, mixed with name=path
+    assert json_form.lora_paths == {"C": "/x/c", "D": "/x/d"}
 
 
 def test_a_job_files_adapters_are_served_unless_the_flag_replaces_them(tmp_path):
@@ -37,8 +40,10 @@ def test_a_job_files_adapters_are_served_unless_the_flag_replaces_them(tmp_path)
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--lora-modules", "A"], "--lora-modules must be name=path entries"),
-    (["--lora-modules", "=/x/a"], "--lora-modules must be name=path entries"),
+    (["--lora-modules", "A"], "--lora-modules must be name=path"),
+    (["--lora-modules", "=/x/a"], "--lora-modules must be name=path"),
+    (["--lora-modules", '{"name": "A"}'], "--lora-modules must be name=path"),
+    (["--lora-modules", '{"name": "A", '], "--lora-modules must be name=path"),
     (["--lora-modules", "A=/x/a", "A=/x/b"], "--lora-modules must name each adapter once"),
     (["--served-model-name", "base", "--lora-modules", "base=/x/a"], "must not reuse a --served-model-name"),
 ])

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Literal
 
@@ -38,8 +39,8 @@ class ServeConfig:
     uvicorn_log_level: UvicornLogLevel = "info"
     """uvicorn's log level."""
     lora_modules: tuple[str, ...] | None = None
-    """LoRA adapters served by name (vLLM's flag): `name=path` entries (a PEFT folder or a Hugging Face repo
-    id in the local cache); a request's `model: name` runs that adapter, /v1/models lists them. Turns
+    """LoRA adapters served by name (vLLM's flag): `name=path` entries, or vLLM's JSON form
+    `{"name": ..., "path": ...}` (a PEFT folder or a Hugging Face repo id in the local cache); a request's `model: name` runs that adapter, /v1/models lists them. Turns
     enable_lora on."""
 
     def __post_init__(self) -> None:
@@ -48,7 +49,7 @@ class ServeConfig:
             ("max_request_body_bytes", self.max_request_body_bytes >= 1, "must be >= 1"),
             ("shutdown_timeout", self.shutdown_timeout >= 0, "must be >= 0"),
             ("lora_modules", all(_is_lora_module(m) for m in self.lora_modules or ()),
-             "must be name=path entries"),
+             "must be name=path (or JSON {name, path}) entries"),
         ])
         check_settings(self, [  # the entries read as name=path
             ("lora_modules", len(self.lora_paths) == len(self.lora_modules or ()), "must name each adapter once"),
@@ -59,9 +60,28 @@ class ServeConfig:
     @property
     def lora_paths(self) -> dict[str, str]:
         """--lora-modules as {name: path}, in the order given."""
-        return dict(tuple(part.strip() for part in m.split("=", 1)) for m in self.lora_modules or ())
+        return dict(_lora_module(m) for m in self.lora_modules or ())
+
+
+def _lora_module(entry: str) -> tuple[str, str]:
+    """`name=path`, or vLLM's JSON form `{"name": ..., "path": ..., "base_model_name": ...}`: (name, path);
+    ValueError for anything else."""
+    if entry.lstrip().startswith("{"):
+        value = json.loads(entry)
+        name, path = (value.get("name"), value.get("path")) if isinstance(value, dict) else (None, None)
+        if not isinstance(name, str) or not isinstance(path, str):
+            raise ValueError("a JSON entry needs string name and path")
+    else:
+        name, _, path = entry.partition("=")
+    name, path = name.strip(), path.strip()
+    if not name or not path:
+        raise ValueError("needs a name and a path")
+    return name, path
 
 
 def _is_lora_module(entry: str) -> bool:
-    name, sep, path = entry.partition("=")
-    return bool(sep and name.strip() and path.strip())
+    try:
+        _lora_module(entry)
+    except ValueError:  # json.JSONDecodeError too
+        return False
+    return True
