@@ -1,10 +1,13 @@
 """A job over LoRA adapters: model.lora_modules {A, B} and input.lora_column (A, B and null rows mixed)
 give peft's greedy outputs for each row's adapter, and every output row names its adapter; one adapter
-without a column runs every row; an unknown name is an error row; a deleted part is redone with the same
+without a column runs every row; an OpenAI batch line's model picks its adapter; an unknown name is an
+error row; a deleted part is redone with the same
 rows on resume; the adapters enter the config hash;
 impossible combinations and an unreadable adapter are refused naming the key."""
 
 from __future__ import annotations
+
+import json
 
 import pyarrow as pa
 import pytest
@@ -81,6 +84,28 @@ def test_one_adapter_without_a_column_runs_every_row(tmp_path, rows, lora_adapte
     out = read_output(tmp_path / "out").to_pylist()
     assert [r["lora_name"] for r in out] == ["B"] * (len(ADAPTERS) + 1)
     assert [r["completion_token_ids"] for r in out[:len(ADAPTERS)]] == expected["B"]
+
+
+def test_a_batch_lines_model_picks_its_adapter(tmp_path, lora_adapters, lora_llm, smollm_hf_folder, expected):
+    """OpenAI batch lines: `model` names an adapter of model.lora_modules (as the server's does); another
+    name runs the base; each response names the adapter that ran."""
+    _, folders = lora_adapters
+    models = ["A", "B", "gpt-4o-mini"]
+    lines = [{"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions",
+              "body": {"model": model, "messages": [{"role": "user", "content": QUESTIONS[i]}]}}
+             for i, model in enumerate(models)]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    sections = engine_sections(ENGINE, model=str(smollm_hf_folder))
+    sections["model"]["lora_modules"] = {"A": str(folders["A"]), "B": str(folders["B"])}
+    job = validate_job({"name": "lora-batch", **sections, "input": {"path": "in.jsonl"},
+                        "sampling": {"max_tokens": MAX_TOKENS}, "output": {"path": str(tmp_path / "out")}}, tmp_path)
+    run_job(job, engine=lora_llm.with_engine_settings(max_loras=2).engine, progress=False)
+    out = read_output(tmp_path / "out").to_pylist()
+    assert [r["lora_name"] for r in out] == ["A", "B", None]
+    assert [r["completion_token_ids"] for r in out] == [expected["A"][0], expected["B"][1], expected[None][2]]
+    responses = [json.loads(x) for x in (tmp_path / "out" / "output.jsonl").read_text().splitlines()]
+    assert {x["custom_id"]: x["response"]["body"]["model"] for x in responses} == \
+        {"r0": "A", "r1": "B", "r2": str(smollm_hf_folder)}
 
 
 def test_the_adapters_enter_the_config_hash(tmp_path, smollm_hf_folder):

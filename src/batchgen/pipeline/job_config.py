@@ -162,7 +162,7 @@ class JobConfig(Section):
         if column is not None and not modules:
             return [_key_error(("input", "lora_column"), "needs model.lora_modules (the adapters its cells name)",
                                column)]
-        if column is None and len(modules) > 1:
+        if column is None and len(modules) > 1 and not self.input.is_batch_file:  # a batch line's model picks
             return [_key_error(("input", "lora_column"), "must name the column of each row's adapter when "
                                "model.lora_modules holds several (one adapter runs every row)", None)]
         return [_key_error(("model", "lora_modules", name), "must be a non-empty path", path)

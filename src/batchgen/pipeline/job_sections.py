@@ -75,7 +75,7 @@ class _ModelPath(Section):
     lora_modules: dict[str, str] = Field(default_factory=dict)
     """LoRA adapters over the model, by name: {name: PEFT folder (relative to the job file's folder) or
     Hugging Face repo id}. Turns engine.enable_lora on. One adapter without input.lora_column runs every
-    row; several need input.lora_column."""
+    row; several need input.lora_column (in an OpenAI batch file, each line's `model` names its adapter)."""
 
 
 ModelSection = derive_section("ModelSection", EngineConfig, "model", MODEL_KEYS, base=_ModelPath)
