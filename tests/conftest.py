@@ -82,3 +82,29 @@ def smollm_hf_folder(hf_model, hf_tokenizer, tmp_path_factory):
     del plain
     gc.collect()
     return folder
+
+
+@pytest.fixture(scope="session")
+def lora_adapters(smollm_hf_folder, tmp_path_factory):
+    """LoRA adapters A-D made with peft on the bundled model in HF form (tests/lora_adapters.py):
+    (peft model holding all four, {name: PEFT folder})."""
+    from tests.lora_adapters import build_adapters
+
+    return build_adapters(smollm_hf_folder, tmp_path_factory.mktemp("lora-adapters"))
+
+
+@pytest.fixture(scope="session")
+def lora_requests(lora_adapters):
+    """{name: LoRARequest} for adapters A-D, ids 1-4 in name order."""
+    from batchgen.engine import LoRARequest
+
+    _, folders = lora_adapters
+    return {name: LoRARequest(name, i + 1, str(folder)) for i, (name, folder) in enumerate(sorted(folders.items()))}
+
+
+@pytest.fixture(scope="session")
+def lora_llm(smollm_hf_folder):
+    """One engine with enable_lora (4 slots, rank <= 16) over the bundled model in HF form."""
+    from batchgen.engine import LLM
+
+    return LLM(str(smollm_hf_folder), enable_lora=True, max_loras=4, max_lora_rank=16, **TEST_ENGINE_KWARGS)

@@ -16,10 +16,11 @@ from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "SamplingParams", "__version__"]
+__all__ = ["LLM", "SamplingParams", "__version__", "LoRARequest"]
 
 if TYPE_CHECKING:
     from batchgen.engine.llm import LLM
+    from batchgen.engine.lora.request import LoRARequest
     from batchgen.engine.sampling.sampling_params import SamplingParams
 
 
@@ -32,4 +33,8 @@ def __getattr__(name: str):
         from batchgen.engine.sampling.sampling_params import SamplingParams
 
         return SamplingParams
+    if name == "LoRARequest":
+        from batchgen.engine.lora.request import LoRARequest
+
+        return LoRARequest
     raise AttributeError(f"module 'batchgen' has no attribute {name!r}")

@@ -31,6 +31,7 @@ from batchgen.pipeline.job import run_job
 from batchgen.pipeline.job_settings import (
     ENGINE_ONLY,
     JOB_DEFAULTS,
+    MODEL_JOB_KEYS,
     MODEL_KEYS,
     MODEL_PATH_FIELD,
     ROW_OVERRIDABLE,
@@ -76,7 +77,7 @@ def test_every_engine_and_sampling_field_is_a_job_key_or_listed_with_a_reason():
     # ... and nothing else: no job key the engine does not know, no key in two sections.
     assert set(SamplingSection.model_fields) == \
         (field_names(SamplingParams) - set(SAMPLING_ONLY) - set(RENAMED_FIELDS)) | set(SAMPLING_RENAMED)
-    assert set(ModelSection.model_fields) == {"path", *MODEL_KEYS}
+    assert set(ModelSection.model_fields) == {*MODEL_JOB_KEYS, *MODEL_KEYS}
     assert not set(ModelSection.model_fields) & set(EngineSection.model_fields)
     assert set(EngineSection.model_fields) | set(MODEL_KEYS) | set(ENGINE_ONLY) | {MODEL_PATH_FIELD} == \
         field_names(EngineConfig)
@@ -112,7 +113,7 @@ def test_a_field_added_to_sampling_params_is_caught_or_learned():
 @pytest.mark.parametrize("section, model, owner", SECTIONS)
 def test_job_defaults_are_the_engines_except_the_documented_table(section, model, owner):
     for key, field in model.model_fields.items():
-        if key == "path":
+        if key in MODEL_JOB_KEYS:
             continue
         job = field.get_default(call_default_factory=True)
         if (section, key) in JOB_DEFAULTS:
@@ -129,7 +130,7 @@ def test_the_job_builds_exactly_its_engine_config_and_sampling_params(tmp_path):
     config, params = job.engine_config(), job.sampling_params()
     assert config.model == job.model.path
     for section in (job.model, job.engine):
-        for key, value in section.model_dump(exclude={"path"}).items():
+        for key, value in section.model_dump(exclude=set(MODEL_JOB_KEYS)).items():
             assert getattr(config, key) == value, key
     # The job's logprobs false is the engine's None (true: 0, N: N).
     own_names = [k for k in SamplingSection.model_fields if k not in SAMPLING_RENAMED]

@@ -34,6 +34,21 @@ def test_window_groups_shared_prefixes_and_sorts_by_length():
     assert [t.request_id for t in order_window(tasks, sort_by_length=False)] == [t.request_id for t in tasks]
 
 
+def test_rows_of_different_adapters_are_not_grouped_by_a_shared_prefix():
+    """Blocks are never shared across LoRA adapters, so a prefix shared across them groups nothing; the
+    window's common header is still measured over all rows."""
+    header = list(range(100, 120))
+    shared = list(range(500, 540))
+    tasks = [task("a-long", header + shared + [1] * 30), task("b-short", header + shared + [2]),
+             task("a-short", header + shared + [3]), task("base-mid", header + [4] * 20)]
+    for t, adapter in zip(tasks, ["A", "B", "A", None]):
+        t.lora_name = adapter
+    names = [t.request_id for t in order_window(tasks, sort_by_length=True, block_size=16)]
+    # A's two rows share the prefix and sit together; B's row is a group of its own, by its length.
+    assert names.index("a-long") - names.index("a-short") == 1
+    assert names == ["base-mid", "b-short", "a-short", "a-long"]  # groups by mean length
+
+
 def test_queue_stays_bounded_and_files_keep_input_order(tmp_path, fake_engine_for):
     prompts = [("x" * (50 - i)) if i % 2 else f"shared prefix {i}" for i in range(40)]
     path = write_parquet(tmp_path / "in.parquet", {"id": list(range(100, 140)), "prompt": prompts})

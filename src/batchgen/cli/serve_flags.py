@@ -42,6 +42,7 @@ SERVER_FLAG_DETAILS = {
     "api_key": {"envvar": API_KEY_ENV, "show_envvar": True},
     "chat_template": {"metavar": "FILE_OR_TEMPLATE"},
     "served_model_name": {"metavar": "NAME [NAME ...]"},
+    "lora_modules": {"metavar": "NAME=PATH [NAME=PATH ...]"},
 }
 
 
@@ -109,7 +110,7 @@ class ServeCommand(TyperCommand):
     """typer's command, where `--served-model-name A B` takes every name up to the next flag (vLLM's
     argparse nargs='+', which click has no option for)."""
 
-    variadic_flags = (flag_name("served_model_name"),)
+    variadic_flags = (flag_name("served_model_name"), flag_name("lora_modules"))
 
     def parse_args(self, ctx: typer.Context, args: list[str]) -> list[str]:
         """vLLM's `--served-model-name A B` (several values after one flag) spread into click's
@@ -164,6 +165,11 @@ class ServeFlags:
         values = dict(self.server)
         if values.get("served_model_name") is not None:
             values["served_model_name"] = tuple(values["served_model_name"]) or None
+        if values.get("lora_modules") is not None:
+            values["lora_modules"] = tuple(values["lora_modules"]) or None
+        if values.get("lora_modules") is None and self.job is not None and self.job.model.lora_modules:
+            # a job file's adapters are served under their names (--lora-modules replaces them)
+            values["lora_modules"] = tuple(f"{name}={path}" for name, path in self.job.model.lora_modules.items())
         try:
             return ServeConfig(**values)
         except SettingError as exc:

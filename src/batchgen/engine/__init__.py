@@ -14,6 +14,7 @@ from batchgen.engine.core.outputs import (
 )
 from batchgen.engine.decoding.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from batchgen.engine.llm import LLM
+from batchgen.engine.lora.request import LoRARequest
 from batchgen.engine.pooling.outputs import (
     ClassificationOutput,
     ClassificationRequestOutput,
@@ -42,4 +43,5 @@ __all__ = [
     "ClassificationRequestOutput",
     "PoolingOutput",
     "PoolingRequestOutput",
+    "LoRARequest",
 ]

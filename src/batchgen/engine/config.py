@@ -253,6 +253,17 @@ class EngineConfig:
     """vLLM's name: generate (a causal LM samples tokens) or pooling (a `*ForSequenceClassification`
     model scores its input: LLM.classify / reward / encode, task: reward); auto: pooling for a sequence
     classifier's checkpoint, generate otherwise. A model without the head the runner needs is refused."""
+    enable_lora: bool = False
+    """Serve LoRA adapters (PEFT folders) over the base model (vLLM's name): requests name one
+    (LoRARequest) and rows of different adapters and of the base run in the same step."""
+    max_loras: int = 1
+    """Distinct adapters in one step at most (vLLM's name): the scheduler admits no request whose
+    adapter would be one more; each has a slot of stacked weights on the device."""
+    max_lora_rank: int = 16
+    """The largest rank an adapter may have (vLLM's name; sizes the device slots)."""
+    max_cpu_loras: int | None = None
+    """Adapters kept loaded in host memory at most, least recently used evicted and read again when
+    asked (vLLM's name); null: max_loras."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "speculative", as_speculative_config(self.speculative))
@@ -291,6 +302,12 @@ class EngineConfig:
             _parser_name("reasoning_parser", self.reasoning_parser),
             _parser_name("tool_call_parser", self.tool_call_parser),
             _one_of("runner", self.runner, RUNNERS),
+            ("max_loras", isinstance(self.max_loras, int) and self.max_loras >= 1, "must be >= 1"),
+            ("max_lora_rank", isinstance(self.max_lora_rank, int) and self.max_lora_rank >= 1, "must be >= 1"),
+            ("max_cpu_loras", self.max_cpu_loras is None or (isinstance(self.max_cpu_loras, int)
+             and self.max_cpu_loras >= self.max_loras), "must be >= max_loras or null"),
+            ("enable_lora", not self.enable_lora or self.tensor_parallel_size == 1,
+             "is not implemented with tensor_parallel_size > 1"),
         ])
 
     @property
@@ -320,8 +337,9 @@ class EngineConfig:
     def is_async_scheduling(self) -> bool:
         """Whether steps may be launched one ahead. Never with speculative decoding (its drafts come from
         each step's tokens on the host) or tensor parallelism (the workers get each step's inputs from
-        the host, before the device could fill in the previous step's tokens)."""
-        if self.speculative is not None or self.tensor_parallel_size > 1:
+        the host, before the device could fill in the previous step's tokens), nor with LoRA adapters (a
+        step may load an adapter into the slot the step in flight reads)."""
+        if self.speculative is not None or self.tensor_parallel_size > 1 or self.enable_lora:
             return False
         if self.async_scheduling is None:
             return self.torch_device.type == "cuda"
@@ -331,6 +349,11 @@ class EngineConfig:
     def num_cuda_graph_seqs(self) -> int:
         """The largest decode batch captured as a CUDA graph."""
         return min(self.max_cuda_graph_size or self.max_num_seqs, self.max_num_seqs)
+
+    @property
+    def num_cpu_loras(self) -> int:
+        """Adapters kept in host memory at most."""
+        return self.max_cpu_loras or self.max_loras
 
     def replace(self, **changes) -> EngineConfig:
         return dataclasses.replace(self, **changes)

@@ -13,6 +13,7 @@ from batchgen.engine.core.llm_engine import LLMEngine
 from batchgen.engine.core.outputs import RequestOutput, RequestOutputKind, ScoreOutput
 from batchgen.engine.decoding.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from batchgen.engine.decoding.score_group import encode_continuations
+from batchgen.engine.lora.request import LoRARequest
 from batchgen.engine.pooling.llm_methods import PoolingMethods
 from batchgen.engine.sampling.sampling_params import SamplingParams
 from batchgen.engine.text.chat_template import ChatTemplateOptions
@@ -89,22 +90,26 @@ class LLM(PoolingMethods):
         return SamplingParams(**self.engine.generation_defaults.values)
 
     def generate(self, prompts: Any, sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
+                 use_tqdm: bool = False,
+                 lora_request: LoRARequest | Seq[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Generate for one prompt or a list of them; outputs come back in input order.
 
         A prompt is a string, vLLM's `{"prompt": str}` (TextPrompt) or `{"prompt_token_ids": [...]}`
         (TokensPrompt), a list of token ids, or a chat conversation (a list of messages, rendered with
         the model's chat template; `chat` takes template settings). Anything else is a TypeError.
-        `sampling_params=None`: `get_default_sampling_params()`.
+        `sampling_params=None`: `get_default_sampling_params()`. `lora_request` (vLLM's): the LoRA adapter
+        of every prompt, or a list with one (or None: the base model) per prompt; needs enable_lora.
         """
-        return self._generate([self._prompt(p) for p in _prompt_list(prompts)], sampling_params, use_tqdm)
+        return self._generate([self._prompt(p) for p in _prompt_list(prompts)], sampling_params, use_tqdm,
+                              lora_request)
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Seq[SamplingParams] | None = None, use_tqdm: bool = False,
              chat_template: str | None = None, chat_template_content_format: str = "auto",
              add_generation_prompt: bool = True, continue_final_message: bool = False,
              chat_template_kwargs: dict[str, Any] | None = None, tools: list[dict] | None = None,
-             tool_choice: str | dict | None = None) -> list[RequestOutput]:
+             tool_choice: str | dict | None = None,
+             lora_request: LoRARequest | Seq[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """vLLM's offline chat: one conversation (a list of {role, content} messages) or a list of them,
         rendered with the model's chat template (or `chat_template`, its text), then generated like
         `generate` (the same batching and seeding); outputs come back in input order.
@@ -120,6 +125,8 @@ class LLM(PoolingMethods):
         tool_call_parser, else the tools are only shown): required and a named function are forced
         (engine/text/tools.py), and each sample's calls are read into `CompletionOutput.tool_calls`
         (its `content` then holds the text outside them, finish_reason `tool_calls`).
+
+        `lora_request`: as in `generate`.
         """
         if chat_template_content_format not in ("auto", "string", "openai"):
             raise ValueError(f"chat_template_content_format must be auto, string or openai; "
@@ -138,7 +145,7 @@ class LLM(PoolingMethods):
         if tool_request is not None:
             options, sampling_params, parser = self._with_tools(tool_request, tool_choice, options, sampling_params)
         prompts = [_Prompt(None, self.engine.encode(template_messages(c), chat=options)) for c in conversations]
-        outputs = self._generate(prompts, sampling_params, use_tqdm)
+        outputs = self._generate(prompts, sampling_params, use_tqdm, lora_request)
         if parser is not None:
             for completion in (c for out in outputs for c in out.outputs):
                 text = completion.content if completion.content is not None else completion.text
@@ -190,17 +197,19 @@ class LLM(PoolingMethods):
         return token_ids
 
     def _generate(self, prompts: list[_Prompt], sampling_params: SamplingParams | Seq[SamplingParams] | None,
-                  use_tqdm: bool) -> list[RequestOutput]:
+                  use_tqdm: bool, lora_request: LoRARequest | Seq[LoRARequest | None] | None = None
+                  ) -> list[RequestOutput]:
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(sampling_params)} SamplingParams")
+        lora_requests = _lora_list(lora_request, len(prompts), "prompts")
         seed = self.engine.config.seed
 
-        def add(request_id: str, item: tuple[_Prompt, SamplingParams]) -> None:
-            prompt, params = item
+        def add(request_id: str, item: tuple[_Prompt, SamplingParams, LoRARequest | None]) -> None:
+            prompt, params, lora = item
             if params.output_kind is not RequestOutputKind.FINAL_ONLY:  # as vLLM's LLM: one output per request
                 params = dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
             # A seeded request's samples depend on (seed, sample index) alone, as the server's do:
@@ -211,8 +220,8 @@ class LLM(PoolingMethods):
             else:
                 sample_key = None if seed is None else f"engine-seed-{seed}/{request_id}"
             self.engine.add_request(request_id, prompt.prompt, params, prompt_token_ids=prompt.token_ids,
-                                    sample_key=sample_key)
-        return self._collect(self._add_all(zip(prompts, sampling_params), add), use_tqdm)
+                                    sample_key=sample_key, lora_request=lora)
+        return self._collect(self._add_all(zip(prompts, sampling_params, lora_requests), add), use_tqdm)
 
     def beam_search(self, prompts: Any, params: BeamSearchParams, use_tqdm: bool = False) -> list[BeamSearchOutput]:
         """vLLM's `LLM.beam_search`: the `params.beam_width` best beams of each prompt, best first (HF's
@@ -225,21 +234,24 @@ class LLM(PoolingMethods):
                 for out in outputs]
 
     def score_continuations(self, contexts: str | Seq[str], continuations: Seq[str] | Seq[Seq[str]],
-                            use_tqdm: bool = False) -> list[ScoreOutput]:
+                            use_tqdm: bool = False,
+                            lora_request: LoRARequest | Seq[LoRARequest | None] | None = None) -> list[ScoreOutput]:
         """The log-probability of each continuation given its context (lm-evaluation-harness'
         loglikelihood: `sum_logprob`, `is_greedy`), each context computed once for all its continuations
         (score_group.py). Raw text: contexts and continuations are tokenized as lm-evaluation-harness
-        does (context + continuation as one text, split after the context's tokens)."""
+        does (context + continuation as one text, split after the context's tokens). `lora_request`: the
+        adapter of every context, or one (or None) per context, as in `generate`."""
         if isinstance(contexts, str):
             contexts, continuations = [contexts], [continuations]
         if len(contexts) != len(continuations):
             raise ValueError(f"{len(contexts)} contexts but {len(continuations)} continuation lists")
+        lora_requests = _lora_list(lora_request, len(contexts), "contexts")
         encode = self.engine.tokenizer.encode
 
-        def add(request_id: str, item: tuple[str, Seq[str]]) -> None:
+        def add(request_id: str, item: tuple[str, Seq[str], LoRARequest | None]) -> None:
             context_ids, cont_ids = encode_continuations(encode, item[0], list(item[1]))
-            self.engine.add_score_request(request_id, context_ids, cont_ids)
-        return self._collect(self._add_all(zip(contexts, continuations), add), use_tqdm)
+            self.engine.add_score_request(request_id, context_ids, cont_ids, lora_request=item[2])
+        return self._collect(self._add_all(zip(contexts, continuations, lora_requests), add), use_tqdm)
 
     def _parsed_prompts(self, prompts: Any) -> list[_Prompt]:
         """One prompt or a list of them, each as text / messages or token ids (TypeError otherwise)."""
@@ -352,3 +364,17 @@ def _check_names(settings: dict) -> None:
     if unknown:
         raise TypeError(f"unknown engine setting(s) {', '.join(unknown)}; "
                         f"EngineConfig's are: {', '.join(names)}")
+
+
+def _lora_list(lora_request: LoRARequest | Seq[LoRARequest | None] | None, count: int,
+               what: str) -> list[LoRARequest | None]:
+    """One LoRARequest (or None) per prompt: the one given for all, or the list checked."""
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * count
+    requests = list(lora_request)
+    if len(requests) != count:
+        raise ValueError(f"{count} {what} but {len(requests)} LoRA requests")
+    for i, request in enumerate(requests):
+        if request is not None and not isinstance(request, LoRARequest):
+            raise TypeError(f"lora_request[{i}] is a {type(request).__name__}, not a LoRARequest or None")
+    return requests

@@ -185,3 +185,18 @@ def int_weight_matmul_ref(x: torch.Tensor, codes: torch.Tensor, scales: torch.Te
     groups = g_idx.long() if g_idx is not None else torch.arange(k, device=codes.device) // group_size
     w = (codes.float() - zeros.float()[:, groups]) * scales.float()[:, groups]  # (N, K)
     return (x.float() @ w.t()).to(x.dtype)
+
+
+def lora_segments_ref(x: torch.Tensor, out: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+                      token_order: torch.Tensor, seg_starts: torch.Tensor, seg_slots: torch.Tensor,
+                      slot_ranks: torch.Tensor) -> torch.Tensor:
+    """SGMV shrink + expand, one token at a time in float64: out[t] + x[t] @ A[slot][:, :r] @ B[slot][:r]
+    for every token t of every segment (a new tensor in out's dtype; tokens in no segment unchanged)."""
+    result = out.double().clone()
+    for s in range(seg_slots.numel()):
+        slot = int(seg_slots[s])
+        rank = int(slot_ranks[slot])
+        for i in range(int(seg_starts[s]), int(seg_starts[s + 1])):
+            t = int(token_order[i])
+            result[t] += x[t].double() @ lora_a[slot, :, :rank].double() @ lora_b[slot, :rank].double()
+    return result.to(out.dtype)

@@ -2,7 +2,7 @@
 
 Paged attention is keyed on (head size, query heads per KV head, dtype, FP8 cache), the engine's
 constants; the weight-only GEMMs (FP8 W8A16, integer W4A16/W8A16) on (M bucket, K, weight kind,
-dtype). Each key has a short list of candidates and the FIRST one runs: a fixed choice, so the same
+dtype); the LoRA SGMV shrink/expand on (kind, segment-length bucket, shape, dtype). Each key has a short list of candidates and the FIRST one runs: a fixed choice, so the same
 shapes give the same tiles and the same bits in every process (a job rerun reproduces its outputs;
 attention's tiles also never change within an engine, which its batch invariance needs).
 
@@ -65,6 +65,50 @@ class GemmTiles:
             size = getattr(self, name)
             if size < 16 or size & (size - 1):
                 raise ValueError(f"block sizes must be powers of two >= 16 (tl.dot), got {name}={size}")
+
+
+@dataclass(frozen=True)
+class LoRATiles:
+    """One SGMV (LoRA shrink or expand) configuration: block_t tokens of one segment per tile, block_red
+    the reduced dimension's tile (the shrink's input features, the expand's rank) and block_out the
+    output tile (the shrink's rank columns, the expand's output features)."""
+
+    block_t: int
+    block_red: int
+    block_out: int
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self) -> None:
+        for name in ("block_t", "block_red", "block_out"):
+            size = getattr(self, name)
+            if size < 16 or size & (size - 1):
+                raise ValueError(f"block sizes must be powers of two >= 16 (tl.dot), got {name}={size}")
+
+
+def lora_candidates(kind: str, max_segment_len: int, dtype: torch.dtype) -> list[LoRATiles]:
+    """Candidates for a LoRA "shrink" or "expand", the default first. Decode steps (segments of at most
+    16 tokens, the common case) take 16-token tiles and spend the tile on the long dimension (the
+    shrink's K, the expand's output features); prefill segments take taller token tiles. Ranks are
+    small (8-64), so their tile stays 16 or 32."""
+    if kind == "shrink":
+        raw = ([(16, 64, 16, 4, 2), (16, 128, 16, 4, 3), (16, 64, 32, 4, 2), (32, 64, 16, 4, 2)]
+               if max_segment_len <= 16 else
+               [(64, 64, 16, 4, 2), (32, 64, 32, 4, 2), (32, 128, 16, 4, 3), (16, 64, 16, 4, 2)])
+    elif kind == "expand":
+        raw = ([(16, 16, 64, 4, 2), (16, 16, 128, 4, 2), (16, 32, 64, 4, 2), (32, 16, 64, 4, 2)]
+               if max_segment_len <= 16 else
+               [(64, 16, 64, 4, 2), (32, 16, 128, 4, 2), (64, 32, 64, 8, 2), (16, 16, 64, 4, 2)])
+    else:
+        raise ValueError(f"kind must be shrink or expand, got {kind!r}")
+    if dtype == torch.float32:  # float32 dots: one stage of loads
+        raw = [(t, r, o, w, 1) for t, r, o, w, _ in raw]
+    seen: list[LoRATiles] = []
+    for values in raw:
+        tiles = LoRATiles(*values)
+        if tiles not in seen:
+            seen.append(tiles)
+    return seen
 
 
 def attention_candidates(head_size: int, num_queries_per_kv: int, dtype: torch.dtype,

@@ -6,8 +6,10 @@ refuses the same fields by name: `tools`, `response_format`, `logit_bias`, ...).
 purpose:
 - a sampling field the body leaves out takes the job's `sampling` section (the job file is where a
   batch's defaults live; its temperature is 0 unless set), not OpenAI's default;
-- `model` is ignored: the job's model.path runs every line, whatever model a line names (batch files
-  written for OpenAI name OpenAI's models), and each response names the model that ran;
+- `model` picks one of the job's LoRA adapters (model.lora_modules) by its name, as the server's
+  `model` does; any other name is ignored: the job's model.path (or the job's one adapter) runs the line,
+  whatever model it names (batch files written for OpenAI name OpenAI's models), and each response
+  names the model that ran;
 - `stream` and `stream_options` are refused (a batch has nothing to stream to);
 - a body with `seed` draws its samples by (seed, sample index), as the server does, so a line gives
   what the same body sent to `batchgen serve` gives; without one, by (sampling.seed, custom_id,
@@ -78,10 +80,12 @@ def _decode(custom_id: str, raw: dict, endpoint: str | None, job: JobConfig) -> 
     chat = request.chat_options(job.input.chat_template, job.input.chat_template_kwargs) \
         if endpoint == "chat" else None
     seeded = "seed" in request.model_fields_set and request.seed is not None
+    adapter = request.model if request.model in job.model.lora_modules else None
     return RowInput(custom_id, prompt, overrides, num_prompt_bytes=_num_bytes(prompt), params=params,
                     sample_key="" if seeded else None,
                     openai=OpenAIRequest(endpoint, structured_param=fields.get("structured_outputs")), chat=chat,
-                    tool_parser=request.tool_parser if endpoint == "chat" else None)
+                    tool_parser=request.tool_parser if endpoint == "chat" else None,
+                    lora_name=adapter)
 
 
 def _overrides(request, endpoint: str) -> tuple[dict[str, Any], dict[str, str]]:

@@ -39,7 +39,7 @@ class OpenAILines:
     """Makes each request's output line. `tokenizer`: the engine's (token texts for logprobs)."""
 
     def __init__(self, job: JobConfig, config_hash: str, tokenizer):
-        self.model = job.model.path  # the model that ran (a line's own `model` is ignored)
+        self.model = job.model.path  # the model that ran (a line's own `model` names only an adapter)
         self.config_hash = config_hash
         self.tokenizer = tokenizer
         # A Parquet row is a chat request when it went through the chat template.
@@ -57,7 +57,7 @@ class OpenAILines:
             "id": ("chatcmpl-" if endpoint == "chat" else "cmpl-") + ids["body"],
             "object": "chat.completion" if endpoint == "chat" else "text_completion",
             "created": int(time.time()),
-            "model": self.model,
+            "model": task.lora_name or self.model,  # the adapter that ran, as the server names it
             "choices": choices,
             "usage": {"prompt_tokens": num_prompt, "completion_tokens": num_completion,
                       "total_tokens": num_prompt + num_completion,

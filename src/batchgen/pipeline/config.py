@@ -80,6 +80,8 @@ def validate_job(raw: dict, base_dir: Path, source: str = "job") -> JobConfig:
     except ValidationError as exc:
         raise JobError(f"{source}: invalid job\n" + format_validation_error(exc)) from None
     job.model.path = _resolve_model_path(job.model.path, base_dir)
+    job.model.lora_modules = {name: _resolve_model_path(path, base_dir)  # folders or Hub repo ids, as model.path
+                              for name, path in job.model.lora_modules.items()}
     if job.model.generation_config not in (GENERATION_AUTO, GENERATION_NONE):  # a folder
         job.model.generation_config = _resolve_path(job.model.generation_config, base_dir)
     if job.input.chat_template is not None:

@@ -101,13 +101,15 @@ class Feeder:
             try:
                 # sample_key only when set: fakes and older engines take no such argument
                 keys = {} if task.sample_key is None else {"sample_key": task.sample_key}
+                lora = {} if task.lora_request is None else {"lora_request": task.lora_request}  # likewise
                 if task.is_scoring:
-                    self.engine.add_score_request(task.request_id, task.token_ids, task.continuation_token_ids)
+                    self.engine.add_score_request(task.request_id, task.token_ids, task.continuation_token_ids,
+                                                  **lora)
                 elif task.is_reward:
                     self.engine.add_pooling_request(task.request_id, task.token_ids)
                 else:
                     self.engine.add_request(task.request_id, None, task.params, prompt_token_ids=task.token_ids,
-                                            **keys)
+                                            **keys, **lora)
             except ValueError as exc:  # the engine's own checks (empty, too long): this row's error
                 task.error = str(exc)
                 self.on_error(task)

@@ -13,6 +13,7 @@ from batchgen.pipeline.config import JobConfig
 from batchgen.pipeline.errors import JobError
 from batchgen.pipeline.input_file import InputFile
 from batchgen.pipeline.json_columns import check_json_columns, job_json_fields
+from batchgen.pipeline.lora_job import uses_lora
 from batchgen.pipeline.output import FileFingerprint, fingerprint_files
 from batchgen.pipeline.reader import inspect_file, list_input_files
 from batchgen.pipeline.reward_job import reward_type
@@ -41,7 +42,8 @@ class JobInputs:
                              + job_json_fields(job),
                              with_reasoning=job.model.reasoning_parser is not None,
                              with_tool_calls=job_has_tools(job),
-                             reward_type=reward_type(job.num_labels) if job.is_reward else None)
+                             reward_type=reward_type(job.num_labels) if job.is_reward else None,
+                             with_lora=uses_lora(job))
 
 
 def read_inputs(job: JobConfig) -> JobInputs:

@@ -112,6 +112,7 @@ class JobConfig(Section):
             errors.append(_key_error(("output", "parse_json"), "needs a JSON schema in sampling.structured (json or "
                                      "json_file): its properties are the columns", True))
         errors += [_key_error(*problem) for problem in check_job_tools(self)]
+        errors += self._lora_errors()
         if self.input.is_batch_file and self.output.keep_columns:
             errors.append(_key_error(("output", "keep_columns"), "does not apply to input.format "
                                      "openai_batch: a batch file has no columns besides custom_id (the output's id)",
@@ -168,6 +169,18 @@ class JobConfig(Section):
             errors.append(_key_error(("input", "schema_column"), f"does not apply to task: loglikelihood ({rule})",
                                      inp.schema_column))
         return errors
+
+    def _lora_errors(self) -> list[InitErrorDetails]:
+        """input.lora_column names adapters of model.lora_modules; several adapters need it."""
+        modules, column = self.model.lora_modules, self.input.lora_column
+        if column is not None and not modules:
+            return [_key_error(("input", "lora_column"), "needs model.lora_modules (the adapters its cells name)",
+                               column)]
+        if column is None and len(modules) > 1 and not self.input.is_batch_file:  # a batch line's model picks
+            return [_key_error(("input", "lora_column"), "must name the column of each row's adapter when "
+                               "model.lora_modules holds several (one adapter runs every row)", None)]
+        return [_key_error(("model", "lora_modules", name), "must be a non-empty path", path)
+                for name, path in modules.items() if not name or not path.strip()]
 
     def _metric_errors(self) -> list[InitErrorDetails]:
         """Each metric fits the task; the columns the metrics read join output.keep_columns (the report
@@ -245,7 +258,10 @@ class JobConfig(Section):
     def engine_config(self) -> EngineConfig:
         """The engine's config for this job: the `model` section (path -> model) and the `engine` section."""
         model = self.model.model_dump()
-        return EngineConfig(**{MODEL_PATH_FIELD: model.pop("path")}, **model, **self.engine.model_dump())
+        engine = self.engine.model_dump()
+        if model.pop("lora_modules"):  # adapters need the engine's LoRA layers
+            engine["enable_lora"] = True
+        return EngineConfig(**{MODEL_PATH_FIELD: model.pop("path")}, **model, **engine)
 
     def sampling_params(self, **row_overrides: Any) -> SamplingParams:
         """The job's SamplingParams (the `sampling` section), with a row's overrides if given (a row's

@@ -9,6 +9,7 @@ import dataclasses
 from batchgen.engine import EngineConfig, LLMEngine
 from batchgen.pipeline.config import JobConfig
 from batchgen.pipeline.errors import JobError
+from batchgen.pipeline.lora_job import job_lora_requests
 from batchgen.pipeline.model_files import needs_chat_template
 from batchgen.pipeline.run_record import EngineReport
 from batchgen.pipeline.structured_job import check_job_constraint
@@ -50,8 +51,14 @@ def _differing_fields(a: EngineConfig, b: EngineConfig) -> str:
 
 def check_engine_can_run(job: JobConfig, engine: LLMEngine) -> None:
     """JobError when `engine` cannot run this job: its sampling.structured constraint does not compile, the job needs
-    a chat template the model lacks, or the job's template does not render."""
+    a chat template the model lacks, the job's template does not render, or an adapter of model.lora_modules
+    cannot run over the model."""
     check_job_constraint(job, engine.compile_grammar)
+    for name, request in job_lora_requests(job).items():  # each read once, here: not an error in every row
+        try:
+            engine.add_lora(request)
+        except ValueError as exc:
+            raise JobError(f"model.lora_modules.{name}: {exc}") from None
     if needs_chat_template(job) and not engine.tokenizer.has_chat_template:
         raise JobError(f"model.path: {job.model.path} has no chat template; set input.apply_chat_template: "
                        "false and use prompt_column (raw prompts), or give one in input.chat_template")

@@ -73,6 +73,10 @@ class _ModelPath(Section):
     path: str = Field(min_length=1)
     """The model: a bundled alias, a Hugging Face folder, a `.gguf` file, a Hugging Face repo id (org/name)
     or an fsspec URI; relative to the job file's folder."""
+    lora_modules: dict[str, str] = Field(default_factory=dict)
+    """LoRA adapters over the model, by name: {name: PEFT folder (relative to the job file's folder) or
+    Hugging Face repo id}. Turns engine.enable_lora on. One adapter without input.lora_column runs every
+    row; several need input.lora_column (in an OpenAI batch file, each line's `model` names its adapter)."""
 
 
 ModelSection = derive_section("ModelSection", EngineConfig, "model", MODEL_KEYS, base=_ModelPath)
@@ -116,7 +120,7 @@ InputFormat = Literal["auto", "parquet", "openai_batch"]
 _BATCH_FILE_VALUES = {"id_column": BATCH_ID_COLUMN, "prompt_column": None, "messages_column": None,
                       "system_prompt": None, "apply_chat_template": True, "schema_column": None,
                       "prompt_template": None, "tools_column": None, "tools": None, "tool_choice": None,
-                      "parallel_tool_calls": True}
+                      "parallel_tool_calls": True, "lora_column": None}
 
 
 class InputSection(Section):
@@ -178,7 +182,9 @@ class InputSection(Section):
     parallel_tool_calls: bool = True
     """OpenAI's parallel_tool_calls for the rows with tools: false, a forced (required) output is one
     call, then the sample ends."""
-
+    lora_column: str | None = None
+    """The LoRA adapter of each row: a name in model.lora_modules, or null for the base model. Rows of
+    different adapters and of the base run in the same engine steps."""
     completion_column: str | None = None
     """task: reward: the column of completions scored after each row's prompt (a string per row); null:
     `completion` (a generate job's output column)."""

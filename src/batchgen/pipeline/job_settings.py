@@ -14,6 +14,9 @@ from __future__ import annotations
 MODEL_KEYS = ("revision", "dtype", "quantization", "fp8_mode", "quantize_lm_head", "int_calibration", "max_model_len",
               "generation_config", "reasoning_parser", "tool_call_parser")
 MODEL_PATH_FIELD = "model"
+# `model:` keys that are not EngineConfig fields: model.path (EngineConfig.model), and the LoRA adapters
+# (each row's LoRARequest; the engine only needs enable_lora, which they turn on).
+MODEL_JOB_KEYS = ("path", "lora_modules")
 
 # `engine:` keys that change outputs, so they join the config hash (when not at their default, so a
 # job that leaves them alone keeps its hash): an FP8 KV cache changes the numbers attention reads.
@@ -23,9 +26,10 @@ KV_CACHE_HASH_KEYS = ("kv_cache_dtype", "calculate_kv_scales")
 # something other than their default, so the output folders of jobs that leave them alone keep their
 # config hash (and resume).
 HASHED_WHEN_SET = {
-    "model": ("revision", "generation_config", "reasoning_parser", "tool_call_parser"),
+    "model": ("revision", "generation_config", "reasoning_parser", "tool_call_parser", "lora_modules"),
     "input": ("chat_template", "chat_template_kwargs", "continuations_column", "continuation_column",
-              "prompt_template", "tools_column", "tools", "tool_choice", "parallel_tool_calls", "completion_column"),
+              "prompt_template", "tools_column", "tools", "tool_choice", "parallel_tool_calls", "completion_column",
+              "lora_column"),
     "sampling": ("include_stop_str_in_output", "beam_width", "length_penalty", "early_stopping",
                  "thinking_token_budget"),
 }

@@ -23,13 +23,18 @@ def order_window(tasks: list[RowTask], sort_by_length: bool, block_size: int = 1
     """The order to hand `tasks` (all with token ids) to the engine; input order when not sorting."""
     if not sort_by_length or len(tasks) < 2:
         return list(tasks)
-    trie = sorted(tasks, key=lambda t: t.token_ids)
-    # The lexicographically first and last share exactly what every member shares.
-    num_common = num_shared_prefix(trie[0].token_ids, trie[-1].token_ids)
+    # Rows of different LoRA adapters share no KV blocks (the adapter is part of a block's hash): each
+    # adapter's rows form their own trie.
+    trie = sorted(tasks, key=lambda t: (t.lora_name or "", t.token_ids))
+    # The lexicographically first and last token ids share exactly what every member shares.
+    first, last = (trie[0], trie[-1]) if trie[0].lora_name == trie[-1].lora_name else (
+        min(trie, key=lambda t: t.token_ids), max(trie, key=lambda t: t.token_ids))
+    num_common = num_shared_prefix(first.token_ids, last.token_ids)
     threshold = num_common + block_size
     groups: list[list[RowTask]] = [[trie[0]]]
     for prev, cur in itertools.pairwise(trie):
-        if num_shared_prefix(prev.token_ids, cur.token_ids, cap=threshold) >= threshold:
+        if prev.lora_name == cur.lora_name and \
+                num_shared_prefix(prev.token_ids, cur.token_ids, cap=threshold) >= threshold:
             groups[-1].append(cur)
         else:
             groups.append([cur])

@@ -28,6 +28,7 @@ def decode_batch(batch: pa.RecordBatch, job: JobConfig) -> list[RowInput]:
     overrides = {key: batch.column(name).to_pylist() for key, name in job.sampling_columns.items()}
     schemas = _as_python(batch.column(inp.schema_column)) if inp.schema_column else [None] * batch.num_rows
     tools = _as_python(batch.column(inp.tools_column)) if inp.tools_column else [None] * batch.num_rows
+    adapters = _as_python(batch.column(inp.lora_column)) if inp.lora_column else [None] * batch.num_rows
     rows = []
     for i, (raw_id, raw_text, raw_schema) in enumerate(zip(ids, texts, schemas)):
         row_overrides = {key: values[i] for key, values in overrides.items() if values[i] is not None}
@@ -53,6 +54,8 @@ def decode_batch(batch: pa.RecordBatch, job: JobConfig) -> list[RowInput]:
                     row.tools = row_tool_request(job, raw_tools)
                 except ValueError as exc:
                     raise RowError(str(exc)) from None
+            if adapters[i] is not None:  # null: the base model
+                row.lora_name = _decode_text(adapters[i], f"the LoRA adapter ({inp.lora_column})")
             if scored is not None:
                 row.continuations = _decode_continuations(scored[i], inp.continuations_column is not None)
                 row.num_prompt_bytes += sum(len(c.encode()) for c in row.continuations)

@@ -11,11 +11,13 @@ from typing import Any
 
 from batchgen.engine import SamplingParams
 from batchgen.engine.decoding.structured import StructuredOutputError
+from batchgen.engine.lora.request import LoRARequest
 from batchgen.engine.text.chat_template import ChatTemplateOptions
 from batchgen.engine.text.tool_parsers import ToolParser
 from batchgen.engine.text.tools import ToolRequest
 from batchgen.openai.structured_fields import error_param
 from batchgen.pipeline.config import JobConfig
+from batchgen.pipeline.lora_job import job_adapter, job_lora_requests
 from batchgen.pipeline.reward_job import reward_tokens
 from batchgen.pipeline.score_tokens import encode_scored
 from batchgen.pipeline.structured_job import row_constraint
@@ -63,6 +65,7 @@ class RowInput:
     tools: ToolRequest | None = None  # its tools and tool_choice (pipeline/tool_rows.py)
     tool_parser: ToolParser | None = None  # a batch line's parser (its body's tools); else the job's
     completion: str | None = None  # task: reward: the completion scored after the prompt
+    lora_name: str | None = None  # the row's adapter (input.lora_column); None: the job's adapter, if one
 
 
 @dataclass
@@ -81,6 +84,8 @@ class RowTask:
     tool_parser: ToolParser | None = None  # reads its samples' tool calls (tools with tool_choice not none)
     is_reward: bool = False  # task: reward: token_ids are the prompt and completion a reward model scores
     sample_index: int = 0  # task: reward: the row's occurrence of its id in the input
+    lora_name: str | None = None  # the adapter the row asked for (the output's lora_name); None: the base
+    lora_request: LoRARequest | None = None  # that adapter, as the engine takes it
 
     @property
     def is_scoring(self) -> bool:
@@ -115,12 +120,20 @@ class RequestBuilder:
         self.default_params = job.sampling_params()
         self.chat = job.input.chat_options
         self.max_prompt_bytes = max_prompt_bytes(job, engine.max_model_len)
+        self.lora_requests = job_lora_requests(job)
+        self.job_adapter = job_adapter(job)
 
     def build(self, row: RowInput, unit_index: int, offset: int) -> RowTask:
         task = RowTask(unit_index, offset, row.request_id, error=row.error, sample_key=row.sample_key,
-                       openai=row.openai)
+                       openai=row.openai, lora_name=row.lora_name or self.job_adapter)
         if task.is_error:
             return task
+        if task.lora_name is not None:
+            task.lora_request = self.lora_requests.get(task.lora_name)
+            if task.lora_request is None:
+                task.error = (f"LoRA adapter {task.lora_name!r} (column {self.job.input.lora_column!r}) is not in "
+                              f"model.lora_modules ({', '.join(self.lora_requests)})")
+                return task
         if row.num_prompt_bytes > self.max_prompt_bytes:
             task.error = (f"the prompt is {row.num_prompt_bytes} bytes, over input.max_prompt_bytes "
                           f"({self.max_prompt_bytes}); not tokenized")

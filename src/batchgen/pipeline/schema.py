@@ -59,7 +59,9 @@ SCORE_FIELDS = [
     pa.field("e2e_s", pa.float64()),
     pa.field("error", pa.string()),
 ]
-RESERVED_NAMES = {"id"} | {f.name for f in GENERATED_FIELDS} | {f.name for f in SCORE_FIELDS}
+# model.lora_modules: the adapter each row ran with (null: the base model), after the generated columns.
+LORA_FIELD = pa.field("lora_name", pa.string())
+RESERVED_NAMES = {"id", LORA_FIELD.name} | {f.name for f in GENERATED_FIELDS} | {f.name for f in SCORE_FIELDS}
 # task: reward (reward_job.py): one row per input row; `reward` is float32, or a list of float32 per label
 # (reward_fields). A row that could not be scored has finish_reason error and a null reward.
 REWARD_FIELDS = [
@@ -108,14 +110,17 @@ def score_fields(logprobs: int | bool | None) -> list[pa.Field]:
 def output_schema(id_field: pa.Field, keep_fields: list[pa.Field], with_logprobs: int | bool | None,
                   with_openai_line: bool = False, is_scoring: bool = False,
                   metric_fields: list[pa.Field] = (), with_reasoning: bool = False,
-                  with_tool_calls: bool = False, reward_type: pa.DataType | None = None) -> pa.Schema:
-    """id (the input's type), the generated (or, task: loglikelihood, the score) columns, the metrics'
-    verdict columns, then the kept input columns. `reward_type`: task: reward's columns, `reward` of that type."""
+                  with_tool_calls: bool = False, reward_type: pa.DataType | None = None,
+                  with_lora: bool = False) -> pa.Schema:
+    """id (the input's type), the generated (or, task: loglikelihood, the score) columns, lora_name (a
+    job with adapters), the metrics' verdict columns, then the kept input columns. `reward_type`: task:
+    reward's columns, `reward` of that type."""
     fields = score_fields(with_logprobs) if is_scoring else generated_fields(
         with_logprobs, with_openai_line, with_reasoning, with_tool_calls)
     if reward_type is not None:
         fields = reward_fields(reward_type)
-    return pa.schema([pa.field("id", id_field.type), *fields, *metric_fields, *keep_fields])
+    lora = [LORA_FIELD] if with_lora else []
+    return pa.schema([pa.field("id", id_field.type), *fields, *lora, *metric_fields, *keep_fields])
 
 
 def is_text_list(t: pa.DataType) -> bool:
@@ -178,6 +183,7 @@ def check_input_schema(file: InputFile, job: JobConfig) -> None:
             raise wrong(inp.prompt_column, "input.prompt_column", t, "a string type")
     for key, is_right, expected in (("schema_column", is_text, "a string type (a JSON schema per row)"),
                                     ("tools_column", is_text, "a string type (a JSON list of tools per row)"),
+                                    ("lora_column", is_text, "a string type (an adapter's name per row)"),
                                     ("continuations_column", is_text_list, "a list of strings"),
                                     ("continuation_column", is_text, "a string type")):
         name = getattr(inp, key)

@@ -116,6 +116,7 @@ def iter_tasks(source: UnitSource, input_storage: Storage, units: list[WorkUnit]
     columns = list(dict.fromkeys([job.input.id_column, *job.input.prompt_source_columns, *scored, *job.sampling_columns.values(),
                                   *([job.input.schema_column] if job.input.schema_column else []),
                                   *([job.input.tools_column] if job.input.tools_column else []),
+                                  *([job.input.lora_column] if job.input.lora_column else []),
                                   *job.output.keep_columns]))
     decode = decode_batch_lines if job.input.is_batch_file else decode_batch
     for run in contiguous_runs(units):

@@ -25,7 +25,12 @@ from batchgen.pipeline.metric_columns import MetricScorer
 from batchgen.pipeline.output import CheckpointWriter, CommitContext, IdChecksum, WorkUnit
 from batchgen.pipeline.request_builder import RowTask
 from batchgen.pipeline.reward_job import reward_error_row, reward_rows
-from batchgen.pipeline.schema import GENERATED_FIELDS, REWARD_FIELDS, SCORE_FIELDS
+from batchgen.pipeline.schema import (
+    GENERATED_FIELDS,
+    LORA_FIELD,
+    REWARD_FIELDS,
+    SCORE_FIELDS,
+)
 from batchgen.pipeline.storage import PartFile, Storage
 
 # Output rows per write (one Parquet row group each): rows wait as Python objects (~10 KB for a row of
@@ -132,7 +137,7 @@ class UnitPart:
         self.file = file
         self.schema = schema
         self.score_metrics = score_metrics
-        generated = {f.name for f in GENERATED_FIELDS} | {f.name for f in SCORE_FIELDS}
+        generated = {f.name for f in GENERATED_FIELDS} | {f.name for f in SCORE_FIELDS} | {LORA_FIELD.name}
         if is_reward:  # a reward job may keep a `completion` column: only its own columns are generated
             generated = {f.name for f in REWARD_FIELDS}
         metric_columns = {metric_column(name) for name in metric_fields_of(schema)} | json_field_names(schema)
@@ -302,6 +307,8 @@ class UnitWriter:
             self.checkpoints.maybe_write()
 
     def _set(self, task: RowTask, rows: list[dict]) -> None:
+        for row in rows:  # the lora_name column, where the schema has it
+            row[LORA_FIELD.name] = task.lora_name
         if self.checkpoints is not None:
             self.checkpoints.add(self.parts[task.unit_index].unit, task.offset, rows)
         self._set_rows(task.unit_index, task.offset, rows)

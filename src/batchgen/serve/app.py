@@ -70,6 +70,7 @@ class ServerSettings:
     sampling_defaults: dict = field(default_factory=dict)  # from generation_config.json (--generation-config)
     tool_call_parser: str | None = None  # --tool-call-parser: tool calls read from (and forced in) its format
     enable_auto_tool_choice: bool = False  # --enable-auto-tool-choice: tool_choice auto allowed
+    lora_requests: dict = field(default_factory=dict)  # --lora-modules: name -> LoRARequest
 
 
 @dataclass
@@ -135,6 +136,8 @@ def create_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="batchgen", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.batchgen = state
     names = state.settings.served_model_names
+    adapters = state.settings.lora_requests
+    model_names = names + [name for name in adapters if name not in names]  # what `model` may name
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
@@ -171,13 +174,16 @@ def create_app(state: ServerState) -> FastAPI:
         return {"object": "list", "data": [
             {"id": name, "object": "model", "created": state.created, "owned_by": "batchgen",
              "root": state.settings.model_path, "parent": None, "max_model_len": state.max_model_len}
-            for name in names]}
+            for name in names] + [
+            {"id": name, "object": "model", "created": state.created, "owned_by": "batchgen",
+             "root": lora.lora_path, "parent": names[0], "max_model_len": state.max_model_len}
+            for name, lora in adapters.items()]}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         _check_key(request, state.settings.api_key)
         body = parse_request(await read_body(request, *_chat_body_bound(state)), ChatCompletionRequest)
-        _check_model(body.model, names)
+        _check_model(body.model, model_names)
         body.bind_tools(state.settings.tool_call_parser, state.settings.enable_auto_tool_choice)
         messages = body.template_messages()
         if state.max_prompt_bytes is not None:  # before the template and the tokenizer see it
@@ -190,7 +196,7 @@ def create_app(state: ServerState) -> FastAPI:
         _check_key(request, state.settings.api_key)
         body = parse_request(await read_body(request, state.settings.max_request_body_bytes),
                              CompletionRequest)
-        _check_model(body.model, names)
+        _check_model(body.model, model_names)
         return await _generate(state, request, body, body.prompts(), is_chat=False)
 
     add_tokenizer_routes(app, state, lambda request: _check_key(request, state.settings.api_key))
@@ -297,7 +303,8 @@ async def _generate(state: ServerState, request: Request, body, prompts: list, i
                        if is_large(p) else p for p, name in zip(prompts, field_names)]
         for request_id, prompt, field_name in zip(request_ids, prompts, field_names):
             state.loop.submit(Submission(request_id, _prepare(body, prompt, field_name, state, chat), sample_key,
-                                         sink, body.stream, echo=getattr(body, "echo", False)))
+                                         sink, body.stream, echo=getattr(body, "echo", False),
+                                         lora_request=state.settings.lora_requests.get(body.model)))
         tracker = _Tracker(state.loop, request_ids, sink)
         buffered = await tracker.admitted(request)
         model = body.model or state.settings.served_model_names[0]

@@ -175,6 +175,7 @@ class Submission:
     is_streaming: bool
     arrival_time: float = field(default_factory=time.monotonic)  # when the HTTP request arrived
     echo: bool = False  # the response shows the prompt (completions' echo)
+    lora_request: object | None = None  # the LoRARequest `model` named (--lora-modules); None: the base
 
 
 @dataclass
@@ -330,7 +331,7 @@ class EngineLoop:
             if sub.is_streaming:  # each step's new tokens and text come back from the engine
                 params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
             self.engine.add_request(sub.request_id, None, params, prompt_token_ids=token_ids,
-                                    sample_key=sub.sample_key)
+                                    sample_key=sub.sample_key, lora_request=sub.lora_request)
         except APIError as exc:
             sub.sink.put(Failed(sub.request_id, exc))
             return

@@ -28,7 +28,14 @@ def run_server(config: EngineConfig, serve: ServeConfig, chat: ChatTemplateOptio
     template cannot render (checked once, before serving)."""
     import uvicorn
 
+    if serve.lora_modules and not config.enable_lora:
+        config = config.replace(enable_lora=True)
     engine = LLMEngine(config)
+    try:  # every adapter read and checked once, before serving
+        lora_requests = lora_requests_from(serve.lora_paths, engine)
+    except ValueError as exc:
+        print(f"batchgen serve: --lora-modules: {exc}", file=sys.stderr)
+        return EXIT_BAD_USAGE
     if chat.chat_template is not None or chat.chat_template_kwargs:
         try:  # once, at start: a template that cannot render fails here, not in every request
             engine.tokenizer.check_chat_template(chat)
@@ -45,7 +52,8 @@ def run_server(config: EngineConfig, serve: ServeConfig, chat: ChatTemplateOptio
                               sampling_defaults=dict(engine.generation_defaults.values),
                               chat_template_kwargs=dict(chat.chat_template_kwargs),
                               tool_call_parser=config.tool_call_parser,
-                              enable_auto_tool_choice=serve.enable_auto_tool_choice)
+                              enable_auto_tool_choice=serve.enable_auto_tool_choice,
+                              lora_requests=lora_requests)
     metrics = Metrics(names[0])
     loop = EngineLoop(engine, metrics)
     state = ServerState(loop, settings, metrics, engine.max_model_len, engine.model_cfg.vocab_size,
@@ -81,6 +89,17 @@ def run_server(config: EngineConfig, serve: ServeConfig, chat: ChatTemplateOptio
         state.encoder.close()
     log.info("stopped")
     return 0
+
+
+def lora_requests_from(paths: dict[str, str], engine: LLMEngine) -> dict:
+    """{name: LoRARequest} for --lora-modules (ids 1, 2, ... in the order given), each read by the engine."""
+    from batchgen.engine.lora import LoRARequest
+
+    requests = {}
+    for i, (name, path) in enumerate(paths.items()):
+        requests[name] = LoRARequest(name, i + 1, path)
+        engine.add_lora(requests[name])
+    return requests
 
 
 def _make_server_class():

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Literal
 
@@ -45,6 +46,10 @@ class ServeConfig:
     enable_auto_tool_choice: bool = False
     """Let chat requests use tool_choice auto: the model may call a tool, read from its output by
     --tool-call-parser (vLLM's flag; required and named tool choices need neither)."""
+    lora_modules: tuple[str, ...] | None = None
+    """LoRA adapters served by name (vLLM's flag): `name=path` entries, or vLLM's JSON form
+    `{"name": ..., "path": ...}` (a PEFT folder or a Hugging Face repo id in the local cache); a request's `model: name` runs that adapter, /v1/models lists them. Turns
+    enable_lora on."""
 
     def __post_init__(self) -> None:
         check_settings(self, [
@@ -53,4 +58,40 @@ class ServeConfig:
             ("health_stall_timeout", self.health_stall_timeout > 0, "must be > 0"),
             ("max_request_body_bytes", self.max_request_body_bytes >= 1, "must be >= 1"),
             ("shutdown_timeout", self.shutdown_timeout >= 0, "must be >= 0"),
+            ("lora_modules", all(_is_lora_module(m) for m in self.lora_modules or ()),
+             "must be name=path (or JSON {name, path}) entries"),
         ])
+        check_settings(self, [  # the entries read as name=path
+            ("lora_modules", len(self.lora_paths) == len(self.lora_modules or ()), "must name each adapter once"),
+            ("lora_modules", not set(self.lora_paths) & set(self.served_model_name or ()),
+             "must not reuse a --served-model-name"),
+        ])
+
+    @property
+    def lora_paths(self) -> dict[str, str]:
+        """--lora-modules as {name: path}, in the order given."""
+        return dict(_lora_module(m) for m in self.lora_modules or ())
+
+
+def _lora_module(entry: str) -> tuple[str, str]:
+    """`name=path`, or vLLM's JSON form `{"name": ..., "path": ..., "base_model_name": ...}`: (name, path);
+    ValueError for anything else."""
+    if entry.lstrip().startswith("{"):
+        value = json.loads(entry)
+        name, path = (value.get("name"), value.get("path")) if isinstance(value, dict) else (None, None)
+        if not isinstance(name, str) or not isinstance(path, str):
+            raise ValueError("a JSON entry needs string name and path")
+    else:
+        name, _, path = entry.partition("=")
+    name, path = name.strip(), path.strip()
+    if not name or not path:
+        raise ValueError("needs a name and a path")
+    return name, path
+
+
+def _is_lora_module(entry: str) -> bool:
+    try:
+        _lora_module(entry)
+    except ValueError:  # json.JSONDecodeError too
+        return False
+    return True

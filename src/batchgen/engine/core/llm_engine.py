@@ -30,6 +30,7 @@ from batchgen.engine.kv.capacity import kv_cache_budget_bytes
 from batchgen.engine.kv.gpu_memory import GpuMemoryPlan
 from batchgen.engine.kv.kv_cache_manager import KVCacheManager
 from batchgen.engine.loader.model_loader import LoadedModel
+from batchgen.engine.lora import LoRAManager, LoRARequest
 from batchgen.engine.models.layers.sequence_classifier import pooled_length
 from batchgen.engine.models.registry import is_classifier
 from batchgen.engine.runner.cpu_allocator import keep_freed_memory
@@ -61,7 +62,7 @@ def needs_tokens_on_host(state: RequestState) -> bool:
 RUNTIME_SETTINGS = ("block_size", "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching",
                     "kv_cache_memory", "num_kv_blocks", "max_model_len", "kv_cache_dtype", "calculate_kv_scales",
                     "speculative", "generation_config", "seed", "async_scheduling", "reasoning_parser",
-                    "tool_call_parser")
+                    "tool_call_parser", "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras")
 
 
 class LLMEngine:
@@ -146,7 +147,12 @@ class LLMEngine:
                  num_blocks, config.block_size, self.kv_bytes_per_token * num_blocks * config.block_size / 1e6)
         self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv_cache_manager)
+        # LoRA adapters: the targeted projections wrapped before the runner captures any decode graph.
+        self.lora = None if not config.enable_lora else LoRAManager(
+            loaded.model, config.max_loras, config.max_lora_rank, config.num_cpu_loras,
+            getattr(torch, loaded.capabilities.compute_dtype), device, config.model)
         self.executor.start(loaded, num_blocks, self.eos_token_ids, self.max_model_len)
+        self.runner.lora = self.lora
         self.timings = self.runner.timings  # host time per step, by part (bench --workload overhead)
         self.num_generated_tokens = 0  # tokens appended to sequences since start (progress rates)
         # Speculative decoding (off: None). A draft model loads here, after the target's KV pool.
@@ -192,7 +198,8 @@ class LLMEngine:
         raise TypeError("a prompt is a string, a list of chat messages ({role, content}) or a list of token ids")
 
     def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams,
-                    prompt_token_ids: list[int] | None = None, sample_key: str | None = None) -> None:
+                    prompt_token_ids: list[int] | None = None, sample_key: str | None = None,
+                    lora_request: LoRARequest | None = None) -> None:
         """Queue a request (n sequences). Raises ValueError for an empty or overlong prompt, stop
         token ids outside the vocabulary, or a structured-output constraint that cannot be compiled
         (StructuredOutputError, naming its field).
@@ -200,10 +207,14 @@ class LLMEngine:
         Sample i draws from a generator keyed by (params.seed, sample key, i). The sample key is the
         request id unless `sample_key` is given: a job's rows are keyed by their ids, while a caller
         whose request ids are not stable (a server) passes "" for (seed, i) alone or a random key.
+
+        `lora_request`: the LoRA adapter the request runs with (None: the base model); needs
+        enable_lora. It is read now: LoRAError (a ValueError) naming the adapter and key when it cannot run.
         """
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in the engine")
         self._check_generates()
+        lora_int_id = self.add_lora(lora_request)
         token_ids = prompt_token_ids if prompt_token_ids is not None else self.encode(prompt)
         if not token_ids:
             raise ValueError("the prompt is empty")
@@ -232,6 +243,8 @@ class LLMEngine:
             seq.grammar = grammar
         for seq in seqs[1:]:  # the n samples share one prompt: sample 0 computes its log-probabilities
             seq.prompt_logprobs = None
+        for seq in seqs:
+            seq.lora_int_id = lora_int_id
         state = RequestState(request_id, token_ids, seqs, now, prompt if isinstance(prompt, str) else None,
                              params.output_kind)
         state.is_reasoning_opened = is_reasoning_opened
@@ -243,6 +256,16 @@ class LLMEngine:
             self.in_order_requests.add(request_id)
         for seq in seqs:
             self.scheduler.add(seq)
+
+    def add_lora(self, lora_request: LoRARequest | None) -> int:
+        """Register and read an adapter (vLLM's add_lora); its lora_int_id (0 for None: the base)."""
+        if lora_request is None:
+            return 0
+        if self.lora is None:
+            raise ValueError(f"LoRA adapter {lora_request.lora_name!r} asked for, but the engine was started "
+                             "without enable_lora (--enable-lora)")
+        self.lora.add(lora_request)
+        return lora_request.lora_int_id
 
     def check_tensor_parallel_support(self, params: SamplingParams | None) -> None:
         """ValueError for what tensor parallelism does not run yet: scoring continuations (`params`
@@ -263,18 +286,23 @@ class LLMEngine:
         return self.structured.compile(constraint)
 
     def add_score_request(self, request_id: str, context_token_ids: list[int],
-                          continuation_token_ids: list[list[int]], sample_key: str | None = None) -> None:
+                          continuation_token_ids: list[list[int]], sample_key: str | None = None,
+                          lora_request: LoRARequest | None = None) -> None:
         """Queue the scoring of continuations of one context (score_group.py); step() hands back a
-        ScoreOutput. Raises ValueError for an empty context or continuation, or one past max_model_len."""
+        ScoreOutput. Raises ValueError for an empty context or continuation, or one past max_model_len.
+        `lora_request`: as in add_request."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in the engine")
         self._check_generates()
+        lora_int_id = self.add_lora(lora_request)
         self.check_tensor_parallel_support(None)
         check_score_request(context_token_ids, continuation_token_ids, self.max_model_len,
                             self.model_cfg.vocab_size)
         now = time.monotonic()
         group = ScoreGroup(request_id, list(context_token_ids), [list(c) for c in continuation_token_ids], now)
         seqs = group.first_sequences(self.max_model_len, sample_key)
+        for seq in seqs:
+            seq.lora_int_id = lora_int_id
         state = RequestState(request_id, group.context_token_ids, seqs, now, None, score=group)
         self.output_processor.add(state)
         if self.is_async:
@@ -470,6 +498,7 @@ class LLMEngine:
             "speculative": self.spec.stats.as_dict() if self.spec is not None else None,
             "structured": self.structured.stats(self.runner.step_bitmask.stats),
             "tensor_parallel": self.executor.report(),
+            "lora": self.lora.report() if self.lora is not None else None,
         }
 
 

@@ -149,9 +149,17 @@ class Scheduler:
         running_next.extend(queue)  # out of budget this step; they keep their blocks
 
         # Admit waiting sequences only when nothing was preempted (the pool is not under pressure).
+        # LoRA: a sequence whose adapter would be one more than max_loras among the running ones waits
+        # (skipped, keeping its place) while later ones of running adapters or the base are admitted.
+        loras = {s.lora_int_id for s in running_next if s.lora_int_id} if self.config.enable_lora else set()
+        skipped: list[Sequence] = []
         while (self.waiting and out.num_preempted == 0 and budget > 0
                and len(running_next) < self.config.max_num_seqs):
             seq = self.waiting[0]
+            if seq.lora_int_id and seq.lora_int_id not in loras:
+                if len(loras) >= self.config.max_loras:
+                    skipped.append(self.waiting.popleft())
+                    continue
             hits = self.kv_cache_manager.get_computed_blocks(seq)
             num_cached = len(hits) * self.kv_cache_manager.block_size
             num_new = min(seq.num_tokens - num_cached, budget)
@@ -168,6 +176,9 @@ class Scheduler:
             out.scheduled.append(ScheduledSeq(seq, num_new))
             running_next.append(seq)
             budget -= num_new
+            if seq.lora_int_id:
+                loras.add(seq.lora_int_id)
+        self.waiting.extendleft(reversed(skipped))
         self.running = running_next
         out.blocks_to_copy = self.kv_cache_manager.take_copies()
         self.stats.num_block_copies += len(out.blocks_to_copy)

@@ -76,7 +76,7 @@ class Sequence:
                  "block_ids", "block_hashes", "num_registered_blocks",
                  "status", "finish_reason", "stop_reason", "error", "cumulative_logprob", "output_logprobs",
                  "output_top_logprobs", "num_accepted_tokens",
-                 "times", "text_state", "grammar", "prompt_logprobs", "beam", "pooled")
+                 "times", "text_state", "grammar", "prompt_logprobs", "beam", "pooled", "lora_int_id")
 
     def __init__(self, request_id: str, sample_index: int, prompt_token_ids: list[int],
                  params: SamplingParams, arrival_time: float, max_total_tokens: int,
@@ -126,6 +126,8 @@ class Sequence:
         # A pooling model's sequence: the score head's logits at its last prompt token, once computed
         # (engine/pooling/pool_rows.py).
         self.pooled: list[float] | None = None
+        # The LoRA adapter it runs with (LoRARequest.lora_int_id; 0: the base model).
+        self.lora_int_id = 0
 
     @property
     def num_tokens(self) -> int:
@@ -192,6 +194,7 @@ class Sequence:
         child.times = SequenceTimes(times.arrival_time, times.first_scheduled_time, times.first_token_time,
                                     times.last_token_time)
         child.beam = self.beam
+        child.lora_int_id = self.lora_int_id
         return child
 
     def add_pending_token(self) -> None:

@@ -27,7 +27,9 @@ class KVCacheManager:
         bs = self.block_size
         while len(seq.block_hashes) < num_full_blocks:
             i = len(seq.block_hashes)
-            parent = hash(seq.block_hashes[-1]) if seq.block_hashes else NO_PARENT
+            # An adapter's KV differs from the base's for the same tokens: its chain starts from its id.
+            parent = hash(seq.block_hashes[-1]) if seq.block_hashes else \
+                (hash(("lora", seq.lora_int_id)) if seq.lora_int_id else NO_PARENT)
             seq.block_hashes.append(hash_block(parent, tuple(seq.token_ids[i * bs:(i + 1) * bs])))
         return seq.block_hashes[:num_full_blocks]
 
@@ -126,6 +128,7 @@ class KVCacheManager:
         """`child` (the parent's tokens, maybe more after them) holds the parent's blocks and counts its
         computed tokens: its first write into a block still shared copies it (allocate_slots)."""
         child.block_ids = list(parent.block_ids)
+        child.lora_int_id = parent.lora_int_id  # a scored context's continuations run its adapter
         for block_id in child.block_ids:
             self.pool.ref_counts[block_id] += 1
         child.num_computed_tokens = parent.num_computed_tokens

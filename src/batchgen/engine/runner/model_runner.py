@@ -143,6 +143,8 @@ class ModelRunner:
         # rows (pooling/pool_rows.py), never sample. `pool_seqs`: the prepared step's pooled sequences.
         self.is_pooling = getattr(model, "is_pooling", False)
         self.pool_seqs = None
+        # LoRA adapters (enable_lora): the engine's LoRAManager (engine/lora/manager.py), set by the engine.
+        self.lora = None
 
     def release(self, seq: Sequence) -> None:
         """`seq` finished or was aborted: give back what the runner keeps for it (its penalty row)."""
@@ -218,8 +220,12 @@ class ModelRunner:
             feed = feed_sections(decodes, feed_from.rows)
             if feed.feed_rows:
                 packer.add_sections(feed, "f.")
+        if self.lora is not None:  # each token's adapter slot, grouped by slot
+            self.lora.add_step_sections(packer, [s.seq.lora_int_id for s in decodes + prefills], query_lens)
         tensors = packer.send()  # the one host-to-device copy
         step = make_step_inputs(tensors, query_lens, context_lens, tables, len(decodes), max_seq_len, self.block_size)
+        if self.lora is not None:
+            step.lora = self.lora.mapping(tensors)
         attach_sampling_tensors(batch, tensors)
         if self.step_sink is not None:
             self.step_sink(step, packer.sent)
@@ -233,11 +239,21 @@ class ModelRunner:
         pool_rows = step.tensors.get("q.pool_rows")
         if pool_rows is not None:  # a pooling model's: the score head's logits (R, num_labels) of those rows
             return self.model(step.input_ids, step.positions, self.kv_caches, meta, pool_rows)
+        if step.lora is not None:  # the LoRA layers read the step's adapter segments (eager: graphs hold none)
+            self.lora.state.mapping = step.lora
+            try:
+                return self._forward_eager(step, meta)
+            finally:
+                self.lora.state.mapping = None
+        if self.graphs is not None and step.is_decode_only and self.graphs.fits(step.num_seqs) \
+                and "p.prompt_rows" not in step.tensors:
+            return self.graphs.run(step)
+        return self._forward_eager(step, meta)
+
+    def _forward_eager(self, step: StepInputs, meta) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         prompt_rows = step.tensors.get("p.prompt_rows")
         if prompt_rows is not None:
             return self.model(step.input_ids, step.positions, self.kv_caches, meta, step.logits_indices, prompt_rows)
-        if self.graphs is not None and step.is_decode_only and self.graphs.fits(step.num_seqs):
-            return self.graphs.run(step)
         return self.model(step.input_ids, step.positions, self.kv_caches, meta, step.logits_indices)
 
     @torch.inference_mode()

@@ -182,6 +182,7 @@ class StepInputs:
     query_lens_t: torch.Tensor  # (S,)
     block_tables_t: torch.Tensor  # (S, W) padded with block 0 (never read past a sequence's seq_len)
     tensors: dict[str, torch.Tensor]  # every section by name, the sampler's included
+    lora: object | None = None  # LoRA adapters: the step's LoRAStepMapping (engine/lora/), None: base only
 
     @property
     def num_seqs(self) -> int:
