@@ -27,6 +27,10 @@ def test_matches_a_deque_under_random_operations():
             (queue.appendleft if to_left else queue.append)(items[next_item])
             (reference.appendleft if to_left else reference.append)(items[next_item])
             next_item += 1
+        elif op < 0.55 and next_item + 3 <= len(items):  # admission skipped some and puts them back
+            queue.extendleft(items[next_item:next_item + 3])
+            reference.extendleft(items[next_item:next_item + 3])
+            next_item += 3
         elif op < 0.75 and reference:
             victim = rng.choice(reference)
             queue.remove(victim); reference.remove(victim)

@@ -26,6 +26,10 @@ class WaitingQueue:
     def appendleft(self, seq: Sequence) -> None:
         self._queue.appendleft(seq)
 
+    def extendleft(self, seqs) -> None:
+        """Put `seqs` back at the head, each before the one put before it (as deque.extendleft)."""
+        self._queue.extendleft(seqs)
+
     def remove(self, seq: Sequence) -> None:
         """Forget `seq` (it must be waiting here)."""
         self._removed.add(id(seq))
