@@ -212,7 +212,7 @@ def format_capacity_plan(target: PlanTarget, plan: CapacityPlan, smallest: int |
          f"{plan.max_num_batched_tokens:,} batched tokens, {plan.concurrency} sampled rows"),
         ("total with margin", _gb(plan.total_bytes), ""),
     ]
-    if cfg.is_moe:  # every expert resident; a token reads its top k (engine/kv/moe_capacity.py)
+    if cfg.is_moe:  # every expert resident; a token reads its top k (engine/kv/expert_bytes.py)
         one_gpu = " on one GPU" if tp > 1 else ""
         rows[1:1] = [
             ("  experts", f"{cfg.num_experts} x top {cfg.num_experts_per_tok}"

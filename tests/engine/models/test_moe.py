@@ -22,8 +22,7 @@ import pytest
 import torch
 
 from batchgen.engine import LLM, SamplingParams, capabilities
-from batchgen.engine.kv.capacity import weight_bytes
-from batchgen.engine.kv.moe_capacity import num_active_parameters, num_parameters
+from batchgen.engine.kv.capacity import num_active_parameters, num_parameters, weight_bytes
 from batchgen.engine.models.config import ModelConfig
 from tests.engine.helpers import run_requests
 from tests.engine.models.test_registry import randomize_weights

@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
 import torch
 
 from batchgen.engine.config import EngineConfig, parse_memory_size
+from batchgen.engine.kv.expert_bytes import (
+    expert_block_bytes,
+    expert_bytes,
+    expert_parameters,
+    num_moe_layers,
+)
 from batchgen.engine.models.config import ModelConfig
 from batchgen.engine.quant.int_formats.rtn import INT4_GROUP_SIZE
 
@@ -97,9 +104,7 @@ def weight_bytes(cfg: ModelConfig, dtype: torch.dtype, quantization: str = "none
     if cfg.qk_norm:  # per head (head_dim wide each) or over all heads (q_size and kv_size wide)
         per_layer += (cfg.q_size + cfg.kv_size if cfg.qk_norm_over_heads else 2 * cfg.head_dim) * elem
     total = cfg.num_layers * per_layer + cfg.vocab_size * cfg.hidden_size * elem + cfg.hidden_size * elem
-    if cfg.is_moe:  # the MoE layers hold a router and the experts (kv/moe_capacity.py) instead of the dense MLP
-        from batchgen.engine.kv.moe_capacity import expert_block_bytes, num_moe_layers
-
+    if cfg.is_moe:  # the MoE layers hold a router and the experts (kv/expert_bytes.py) instead of the dense MLP
         shapes = cfg.linear_shapes()
         dense_mlp = sum(linear_bytes(*shapes[name], True) + (shapes[name][1] * elem if has_pre_quant else 0)
                         for name in ("gate_up_proj", "down_proj"))
@@ -164,6 +169,36 @@ def logits_bytes_per_seq(cfg: ModelConfig) -> int:
     return 2 * cfg.vocab_size * 4
 
 
+# Mixture-of-experts figures (kv/expert_bytes.py's docstring has the arithmetic).
+def num_parameters(cfg: ModelConfig) -> int:
+    """Every weight the model holds (a tied lm_head counted once; a packed value counts as one)."""
+    return weight_bytes(dataclasses.replace(cfg, moe_expert_format=""), torch.float32) // 4
+
+
+def num_active_parameters(cfg: ModelConfig) -> int:
+    """The weights one token runs through: all but the routed experts it is not sent to."""
+    inactive = cfg.num_experts - cfg.num_experts_per_tok
+    return num_parameters(cfg) - num_moe_layers(cfg) * inactive * expert_parameters(cfg)
+
+
+def expected_experts_touched(cfg: ModelConfig, batch: int) -> float:
+    """Distinct experts of one MoE layer that `batch` tokens reach, in expectation under uniform routing."""
+    if not cfg.is_moe:
+        return 0.0
+    return cfg.num_experts * (1.0 - (1.0 - cfg.num_experts_per_tok / cfg.num_experts) ** batch)
+
+
+def decode_weight_bytes(cfg: ModelConfig, dtype: torch.dtype, batch: int, quantization: str = "none",
+                        declared=None, int_calibration: str = EngineConfig.int_calibration) -> int:
+    """Weight bytes one decode step of `batch` sequences reads (see the module docstring); a dense model's
+    step reads all of them."""
+    total = weight_bytes(cfg, dtype, quantization, declared=declared, int_calibration=int_calibration)
+    if not cfg.is_moe:
+        return total
+    untouched = cfg.num_experts - expected_experts_touched(cfg, batch)
+    return int(total - num_moe_layers(cfg) * untouched * expert_bytes(cfg, dtype_bytes(dtype)))
+
+
 @dataclass(frozen=True)
 class CapacityPlan:
     """Memory for `concurrency` requests of `max_model_len` tokens each; sizes in bytes."""
@@ -184,7 +219,7 @@ class CapacityPlan:
     # weights, its KV heads' bytes per token, its activations; rank 0 gathers the whole logits).
     tensor_parallel_size: int = 1
     # The whole model's parameters and those one token runs through (equal in a dense model; MoE: a token
-    # reads its top-k experts only, kv/moe_capacity.py), and the weight bytes one decode step reads on one
+    # reads its top-k experts only, kv/expert_bytes.py), and the weight bytes one decode step reads on one
     # GPU at 1 sequence and at `concurrency` (the decode bandwidth estimate: bytes / bandwidth = seconds).
     num_parameters: int = 0
     num_active_parameters: int = 0
@@ -260,7 +295,6 @@ def plan_capacity(cfg: ModelConfig, dtype: torch.dtype, max_model_len: int, conc
     quantization_config (its integer layout decides the weight bytes). With `tensor_parallel_size` N,
     one GPU's share: the same arithmetic on each rank's shapes (engine/parallel/layout.py), the
     largest rank's figures (ValueError when the model cannot split over N)."""
-    from batchgen.engine.kv.moe_capacity import decode_weight_bytes, num_active_parameters, num_parameters
     from batchgen.engine.parallel.layout import all_layouts
 
     ranks = [layout.rank_config(cfg) for layout in all_layouts(cfg, tensor_parallel_size)]
@@ -275,5 +309,6 @@ def plan_capacity(cfg: ModelConfig, dtype: torch.dtype, max_model_len: int, conc
         logits_bytes_per_seq=logits_bytes_per_seq(cfg), memory_bytes=memory_bytes, kv_dtype=kv_dtype,
         tensor_parallel_size=tensor_parallel_size, num_parameters=num_parameters(cfg),
         num_active_parameters=num_active_parameters(cfg),
-        decode_weight_bytes_one=max(decode_weight_bytes(rank, dtype, 1, quantization) for rank in ranks),
-        decode_weight_bytes_batch=max(decode_weight_bytes(rank, dtype, concurrency, quantization) for rank in ranks))
+        decode_weight_bytes_one=max(decode_weight_bytes(rank, dtype, 1, quantization, declared, int_calibration) for rank in ranks),
+        decode_weight_bytes_batch=max(decode_weight_bytes(rank, dtype, concurrency, quantization, declared, int_calibration)
+                                      for rank in ranks))

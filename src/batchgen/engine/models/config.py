@@ -54,7 +54,7 @@ class ModelConfig:
     moe_router_bias: bool = False  # a bias on the router's logits (gpt-oss)
     moe_expert_bias: bool = False  # biases on every expert's gate/up and down projections (gpt-oss)
     # How the routed experts' weights are stored: "" (the model dtype) or "mxfp4" (gpt-oss as published: blocks
-    # of 32 4-bit values sharing an 8-bit scale, 17 bytes a block; read by `batchgen plan` only, kv/moe_capacity.py).
+    # of 32 4-bit values sharing an 8-bit scale, 17 bytes a block; read by `batchgen plan` only, kv/expert_bytes.py).
     moe_expert_format: str = ""
     # gpt-oss's clamped SwiGLU in place of SiLU(gate) * up (None: the plain one): gate clamped above at the limit,
     # up to [-limit, limit], (up + 1) * gate * sigmoid(alpha * gate).

@@ -6,19 +6,15 @@ reads only its top-k experts' weights.
   the other linear layers), what takes the place of the dense MLP in kv/capacity.weight_bytes; with
   moe_expert_format "mxfp4" (gpt-oss's published experts, planned only) each expert's weights at their
   packed size, 17 bytes per 32 values (16 bytes of 4-bit values, one 8-bit shared scale), biases in dtype;
-- `num_parameters` / `num_active_parameters`: all weights, and those one token runs through (its k
+- `num_parameters` / `num_active_parameters` (kv/capacity.py): all weights, and those one token runs through (its k
   experts of each MoE layer; embeddings and lm_head included, as model cards count "activated");
-- `decode_weight_bytes`: the weight bytes one decode step of `batch` sequences reads: everything but the
+- `decode_weight_bytes` (kv/capacity.py): the weight bytes one decode step of `batch` sequences reads: everything but the
   routed experts once, and of each MoE layer's experts the number a batch touches in expectation under
   uniform routing, E x (1 - (1 - k/E)^batch): k at batch 1, approaching E as the batch grows. The
   decode-time bandwidth estimate divides a memory bandwidth by it.
 """
 
 from __future__ import annotations
-
-import dataclasses
-
-import torch
 
 from batchgen.engine.models.config import ModelConfig
 
@@ -58,35 +54,3 @@ def expert_parameters(cfg: ModelConfig) -> int:
     2I + H)."""
     inter, hidden = cfg.moe_intermediate_size, cfg.hidden_size
     return 3 * inter * hidden + ((2 * inter + hidden) if cfg.moe_expert_bias else 0)
-
-
-def num_parameters(cfg: ModelConfig) -> int:
-    """Every weight the model holds (a tied lm_head counted once; a packed value counts as one)."""
-    from batchgen.engine.kv.capacity import weight_bytes
-
-    return weight_bytes(dataclasses.replace(cfg, moe_expert_format=""), torch.float32) // 4
-
-
-def num_active_parameters(cfg: ModelConfig) -> int:
-    """The weights one token runs through: all but the routed experts it is not sent to."""
-    inactive = cfg.num_experts - cfg.num_experts_per_tok
-    return num_parameters(cfg) - num_moe_layers(cfg) * inactive * expert_parameters(cfg)
-
-
-def expected_experts_touched(cfg: ModelConfig, batch: int) -> float:
-    """Distinct experts of one MoE layer that `batch` tokens reach, in expectation under uniform routing."""
-    if not cfg.is_moe:
-        return 0.0
-    return cfg.num_experts * (1.0 - (1.0 - cfg.num_experts_per_tok / cfg.num_experts) ** batch)
-
-
-def decode_weight_bytes(cfg: ModelConfig, dtype: torch.dtype, batch: int, quantization: str = "none") -> int:
-    """Weight bytes one decode step of `batch` sequences reads (see the module docstring); a dense model's
-    step reads all of them."""
-    from batchgen.engine.kv.capacity import dtype_bytes, weight_bytes
-
-    total = weight_bytes(cfg, dtype, quantization)
-    if not cfg.is_moe:
-        return total
-    untouched = cfg.num_experts - expected_experts_touched(cfg, batch)
-    return int(total - num_moe_layers(cfg) * untouched * expert_bytes(cfg, dtype_bytes(dtype)))
