@@ -12,6 +12,7 @@ from trl.data_utils import is_conversational
 from batchgen.pipeline.stages import StagedJob, load_any_job
 from batchgen.pipeline.stages.run import run_staged_job
 from tests.pipeline.conftest import engine_sections
+from tests.tiny_reward import tiny_reward_model  # noqa: F401  (a fixture)
 
 pytestmark = pytest.mark.slow  # two three-stage runs on the bundled model, the judges constrained to JSON
 
@@ -42,3 +43,27 @@ def test_example_stage_jobs_validate_and_run(tmp_path, engine, name):
     final = pq.read_table(tmp_path / stage / "part-00000.parquet")
     assert final.column_names[:len(columns)] == columns and final.num_rows <= 1
     assert all(is_conversational(row) for row in final.to_pylist())
+
+
+def test_the_reward_model_dpo_example_validates_and_runs(tmp_path, engine, tiny_reward_model):  # noqa: F811
+    """jobs/dpo_pipeline.yaml with its Hub reward model replaced by the tiny local one (no network here)."""
+    _, reward_model = tiny_reward_model
+    staged = load_any_job(JOBS / "dpo_pipeline.yaml")
+    assert isinstance(staged, StagedJob) and [s.name for s in staged.stages] == ["generate", "score", "pairs"]
+    sections = engine_sections()
+    overrides = [f"{section}.{key}={value}" for section in ("model", "engine") for key, value in sections[section].items()]
+    staged = load_any_job(JOBS / "dpo_pipeline.yaml", [
+        *overrides, f"output.path={tmp_path}", "stages.generate.sampling.max_tokens=8",
+        f"stages.score.model.path={reward_model}", "stages.score.model.max_model_len=256",
+        "stages.pairs.select.min_margin=0"], limit=1)
+    results = {r.stage.name: r for r in run_staged_job(staged, engine=engine, progress=False)}
+    assert all(r.num_units_run == 1 for r in results.values()) and all((tmp_path / s / "_SUCCESS").exists() for s in results)
+
+    score = pq.read_table(tmp_path / "score" / "part-00000.parquet")
+    assert score.num_rows == 4 and score.schema.field("reward").type == "float"  # one prompt's 4 samples
+    rewards = score.column("reward").to_pylist()
+    final = pq.read_table(tmp_path / "pairs" / "part-00000.parquet").to_pylist()
+    assert len(final) == (1 if max(rewards) > min(rewards) else 0)
+    for row in final:
+        assert (row["chosen_score"], row["rejected_score"]) == pytest.approx((max(rewards), min(rewards)))
+        assert is_conversational(row)
