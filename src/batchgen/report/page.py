@@ -24,6 +24,7 @@ from batchgen.report.config import ReportConfig
 from batchgen.report.metric_scores import ShownScore
 from batchgen.report.run_stats import RunFigures, RunStats
 from batchgen.report.score_changes import ScoreChange
+from batchgen.report.select_stage import select_figures
 from batchgen.report.source import RunFolder
 
 _LATENCY_TITLES = {"queue_s": "queue", "ttft_s": "time to first token", "tpot_s": "time per output token",
@@ -90,9 +91,11 @@ def render_report(config: ReportConfig) -> Report:
         "baseline": old,
         "figures": figures,
         "summary": summary_rows(new.success),
+        "select": select_figures(new.success),
         "warnings": folder_warnings(new, figures) + (folder_warnings(old, comparison.old) if old else []),
         "latency": [(name, _LATENCY_TITLES[name], figures.latency[name]) for name in figures.latency_columns],
-        "is_scoring": new.schema is not None and output_task(new) == "loglikelihood",
+        "is_scoring": (new.schema is not None and (new.success is None or new.success.select is None)
+                       and output_task(new) == "loglikelihood"),  # a select stage's rows: neither task's
         "batch_files": {name: new.count_lines(name) for name in new.batch_files},
         "comparison": comparison,
         "compare_rows": compare_rows(new, old, comparison) if comparison else [],
@@ -136,6 +139,8 @@ def folder_warnings(run: RunFolder, figures: RunFigures) -> list[str]:
               ("num_errors", figures.num_error_requests), ("completion_tokens", figures.completion_tokens),
               ("prompt_tokens", figures.prompt_tokens), ("cached_tokens", figures.cached_tokens))
     for key, counted in checks:
+        if key == "num_requests" and run.success.select is not None:
+            continue  # a select stage's num_requests counts the prompts it read, not its rows
         recorded = getattr(run.success, key)
         if recorded != counted:
             warnings.append(f"{run.url}: _SUCCESS says {key} {recorded:,}, the part files hold {counted:,} "

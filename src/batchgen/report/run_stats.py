@@ -158,7 +158,10 @@ class RunStats:
         self.part_tokens[part_index] += int(tokens.sum())
         finish_reason = _column(batch, "finish_reason", pa.string())
         self.finish_code[rows] = self.finish.encode(finish_reason)
-        first = pc.equal(batch.column("sample_index"), 0).fill_null(False)
+        if "sample_index" in batch.schema.names:
+            first = pc.equal(batch.column("sample_index"), 0).fill_null(False)
+        else:  # a select stage's rows (dpo pairs, best of n): one row per prompt
+            first = pa.array(np.ones(n, dtype=bool))
         failed = pc.equal(finish_reason, "error").fill_null(False)
         self.num_requests += pc.sum(first).as_py() or 0
         self.num_error_requests += pc.sum(pc.and_(first, failed)).as_py() or 0

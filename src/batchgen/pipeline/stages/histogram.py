@@ -29,11 +29,16 @@ def histogram(values) -> dict[str, list] | None:
     return {"edges": [float(e) for e in edges], "counts": [int(c) for c in counts]}
 
 
+def is_integer_histogram(hist: dict[str, list]) -> bool:
+    """Whether the bins are one per integer, centred on it (labelled by the integer)."""
+    edges = hist["edges"]
+    return all(e + 0.5 == round(e + 0.5) for e in edges) and all(b - a == 1.0 for a, b in zip(edges, edges[1:]))
+
+
 def format_histogram(hist: dict[str, list]) -> str:
     """One line: each non-empty bin as `centre: count` for integer bins, `[low, high): count` otherwise."""
     edges, counts = hist["edges"], hist["counts"]
-    is_integer = all(e + 0.5 == round(e + 0.5) for e in edges) and all(
-        b - a == 1.0 for a, b in zip(edges, edges[1:]))
+    is_integer = is_integer_histogram(hist)
     parts = []
     for i, n in enumerate(counts):
         if not n:
