@@ -10,8 +10,10 @@ import json
 from collections import defaultdict
 
 import numpy as np
+import pytest
 
 from batchgen.report import ReportConfig, build_report
+from batchgen.report.config import ReportError
 from tests.pipeline.stages.test_select_stage import NUM_PROMPTS, N, _run, _samples
 from tests.report.folders import row, write_run
 from tests.report.html_cells import keyed_cells
@@ -76,3 +78,9 @@ def test_a_model_runs_page_has_no_select_section(tmp_path):
     write_run(str(tmp_path / "run"), [row(i) for i in range(3)])
     html = build_report(ReportConfig(out=str(tmp_path / "run")))
     assert 'id="summary-table"' in html and 'id="select"' not in html
+
+
+def test_a_multi_stage_jobs_top_folder_is_refused_naming_its_stage_folders(tmp_path):
+    _dpo_stage(tmp_path)
+    with pytest.raises(ReportError, match=r"multi-stage job's folder: report one stage's output folder, .*out/pick$"):
+        build_report(ReportConfig(out=str(tmp_path / "out")))

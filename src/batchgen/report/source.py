@@ -58,6 +58,7 @@ class RunFolder:
         self.manifest = self._read_json(MANIFEST_NAME) if MANIFEST_NAME in entries else None
         names = sorted(n for n in entries if PART_RE.fullmatch(n))
         if not names and self.success is None:
+            self._refuse_a_staged_jobs_folder(entries)
             raise ReportError(f"{url} holds no part-*.parquet files and no {SUCCESS_NAME}: "
                               "not a batchgen output folder")
         self.schema: pa.Schema | None = None
@@ -106,6 +107,18 @@ class RunFolder:
             while chunk := f.read(_COUNT_CHUNK):
                 count += chunk.count(b"\n")
         return count
+
+    def _refuse_a_staged_jobs_folder(self, entries: dict) -> None:
+        """A multi-stage job's output.path holds one folder per stage (and `_stages.json`), not rows: say
+        which folders the report can be given."""
+        from batchgen.pipeline.stages.run import STAGES_NAME
+
+        if STAGES_NAME not in entries:
+            return
+        stages = self._read_json(STAGES_NAME).get("stages")
+        folders = [str(s.get("folder")) for s in stages if isinstance(s, dict)] if isinstance(stages, list) else []
+        raise ReportError(f"{self.url} is a multi-stage job's folder: report one stage's output folder, "
+                          f"{' or '.join(self.storage.join(f) for f in folders) or 'one of its sub-folders'}")
 
     def _record(self, success: dict) -> RunRecord:
         """`_SUCCESS` as the run record (ReportError naming the file when it is not one)."""
