@@ -150,7 +150,7 @@ def run_on_ray(job: JobConfig, *, limit: int | None = None, overwrite: bool = Fa
             record = finish_job(job, run, this_run, driver.generation_seconds, workers=driver.workers(),
                                 speculative=merge_speculative(driver.speculative),
                                 structured=merge_structured(driver.structured), engine=driver.engine_report,
-                                provenance=driver.provenance)
+                                provenance=driver.provenance, num_rows_reused=driver.num_rows_reused)
             return RunResult(record, success_path, len(pending), len(skipped), dict(run.redo))
     finally:
         if connected:
@@ -180,6 +180,7 @@ class _Driver:
         self.retried: set[str] = set()
         self.engine_report = EngineReport()  # the first replica's (every replica loads the same job)
         self.provenance: dict | None = None  # the first replica's (pipeline/provenance.py)
+        self.num_rows_reused = 0  # output rows the replicas took from earlier runs' checkpoints
         self.speculative: list[SpeculativeFigures | None] = []  # each unit's draft and accepted tokens (None: off)
         self.structured: list[StructuredFigures | None] = []  # each unit's constrained requests (None: none)
         self.started: list[dict] = []
@@ -262,6 +263,7 @@ class _Driver:
             return
         unit = replica.in_flight.pop(ref)
         totals.merge(result["totals"])
+        self.num_rows_reused += result.get("num_rows_reused", 0)
         self.speculative.append(result.get("speculative"))
         self.structured.append(result.get("structured"))
         bar.update(unit.num_rows)

@@ -52,6 +52,6 @@ class EngineReplica:
         ran = run_units(source, self.input_storage, self.output_storage, [unit], self.engine, self.commit,
                         progress=False)
         return {"unit": unit.index, "totals": ran.totals, "generation_seconds": ran.generation_seconds,
-                "pid": os.getpid(),
+                "pid": os.getpid(), "num_rows_reused": ran.num_rows_reused,
                 "speculative": speculative_summary(spec_before, self.engine.stats.get("speculative")),
                 "structured": structured_summary(structured_before, self.engine.stats.get("structured"))}

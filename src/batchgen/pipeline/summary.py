@@ -40,7 +40,9 @@ class Totals:
     metric_verdicts: dict[str, list[np.ndarray]] = field(default_factory=dict)
     metric_ids: dict[str, list[list]] = field(default_factory=dict)
 
-    def add_table(self, table: pa.Table) -> None:
+    def add_table(self, table: pa.Table, with_latency: bool = True) -> None:
+        """Count a part's (or a unit's) rows; `with_latency` False: counts and metrics only (a whole
+        output's counts keep no per-row token times: its latency figures are one run's)."""
         first = table.filter(pc.equal(table["sample_index"], 0))
         self.num_requests += first.num_rows
         self.num_rows += table.num_rows
@@ -49,7 +51,7 @@ class Totals:
         self.cached_tokens += _sum(first["cached_tokens"])
         self.completion_tokens += _sum(table["completion_tokens"])
         for name in ("ttft_s", "tpot_s"):  # a loglikelihood job's rows have no token times
-            if name in table.column_names:
+            if with_latency and name in table.column_names:
                 getattr(self, name).append(table[name].drop_null().to_numpy())
         for name, kind in metric_fields_of(table.schema).items():
             self.metric_kinds[name] = kind
