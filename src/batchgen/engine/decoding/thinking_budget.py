@@ -27,10 +27,12 @@ from collections.abc import Sequence
 
 import torch
 
+from batchgen.engine.decoding.structured.grammar_state import TokenAcceptor
+
 _START, _THINK, _ANSWER = "start", "think", "answer"
 
 
-class ReasoningGate:
+class ReasoningGate(TokenAcceptor):
     def __init__(self, budget: int | None, start_ids: Sequence[int], end_ids: Sequence[int],
                  starts_thinking: bool | None, inner=None):
         """`starts_thinking`: True (inside the thinking from the first token), None (if the output opens
@@ -108,18 +110,6 @@ class ReasoningGate:
 
     def _end_thinking(self, end: int) -> None:
         self.phase, self.reasoning_end, self.num_forced = _ANSWER, end, 0
-
-    def accept_tokens(self, token_ids: Sequence[int]) -> bool:
-        return all(self.accept_token(t) for t in token_ids)
-
-    def validate_tokens(self, token_ids: Sequence[int]) -> int:
-        num_valid = 0
-        for token in token_ids:
-            if not self.accept_token(token):
-                break
-            num_valid += 1
-        self.rollback(num_valid)
-        return num_valid
 
     def rollback(self, num_tokens: int) -> None:
         if not 0 <= num_tokens <= len(self.tokens):

@@ -33,7 +33,33 @@ def fill_row(matcher, bitmask: torch.Tensor, row: int) -> None:
     matcher.unsafe_compute_mask_ptr(target.data_ptr(), target.numel() * target.element_size())
 
 
-class GrammarState:
+class TokenAcceptor:
+    """What a sequence's grammar slot offers the scheduler and speculation beyond accept_token and
+    rollback (which each kind defines): GrammarState, and the reasoning gate (thinking_budget.py)."""
+
+    def accept_token(self, token_id: int) -> bool:
+        raise NotImplementedError
+
+    def rollback(self, num_tokens: int) -> None:
+        raise NotImplementedError
+
+    def accept_tokens(self, token_ids: Sequence[int]) -> bool:
+        """Advance through `token_ids` in order; at the first refused one stop and return False (the
+        tokens before it stay accepted)."""
+        return all(self.accept_token(t) for t in token_ids)
+
+    def validate_tokens(self, token_ids: Sequence[int]) -> int:
+        """How many leading `token_ids` would be accepted in a row from here; the state is unchanged."""
+        num_valid = 0
+        for token in token_ids:
+            if not self.accept_token(token):
+                break
+            num_valid += 1
+        self.rollback(num_valid)
+        return num_valid
+
+
+class GrammarState(TokenAcceptor):
     def __init__(self, grammar):
         """`grammar`: a CompiledGrammar (compiler.py), shared read-only between requests."""
         self.grammar = grammar
@@ -69,22 +95,6 @@ class GrammarState:
     def library_error(self) -> str:
         """The matcher's own account of why it stopped taking tokens ('' when it has none)."""
         return library_message(self._matcher.get_error()) if self._matcher.is_error() else ""
-
-    def accept_tokens(self, token_ids: Sequence[int]) -> bool:
-        """Advance through `token_ids` in order; at the first refused one stop and return False (the
-        tokens before it stay accepted)."""
-        return all(self.accept_token(t) for t in token_ids)
-
-    def validate_tokens(self, token_ids: Sequence[int]) -> int:
-        """How many leading `token_ids` the grammar would accept in a row from here; the state is
-        unchanged."""
-        num_valid = 0
-        for token in token_ids:
-            if not self.accept_token(token):
-                break
-            num_valid += 1
-        self.rollback(num_valid)
-        return num_valid
 
     def rollback(self, num_tokens: int) -> None:
         """Take back the last `num_tokens` accepted tokens (a terminated state comes back to life when
