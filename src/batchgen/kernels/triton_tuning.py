@@ -33,6 +33,13 @@ log = logging.getLogger("batchgen.kernels")
 AUTOTUNE_ENV = "BATCHGEN_TRITON_AUTOTUNE"
 
 
+def _check_block_sizes(tiles, names: tuple[str, ...]) -> None:
+    for name in names:
+        size = getattr(tiles, name)
+        if size < 16 or size & (size - 1):
+            raise ValueError(f"block sizes must be powers of two >= 16 (tl.dot), got {name}={size}")
+
+
 @dataclass(frozen=True)
 class AttentionTiles:
     """One paged-attention configuration: query rows (queries x heads of a group) and keys per tile."""
@@ -61,10 +68,7 @@ class GemmTiles:
     group_m: int = 8
 
     def __post_init__(self) -> None:
-        for name in ("block_m", "block_n", "block_k"):
-            size = getattr(self, name)
-            if size < 16 or size & (size - 1):
-                raise ValueError(f"block sizes must be powers of two >= 16 (tl.dot), got {name}={size}")
+        _check_block_sizes(self, ("block_m", "block_n", "block_k"))
 
 
 @dataclass(frozen=True)
@@ -80,10 +84,7 @@ class LoRATiles:
     num_stages: int = 2
 
     def __post_init__(self) -> None:
-        for name in ("block_t", "block_red", "block_out"):
-            size = getattr(self, name)
-            if size < 16 or size & (size - 1):
-                raise ValueError(f"block sizes must be powers of two >= 16 (tl.dot), got {name}={size}")
+        _check_block_sizes(self, ("block_t", "block_red", "block_out"))
 
 
 def lora_candidates(kind: str, max_segment_len: int, dtype: torch.dtype) -> list[LoRATiles]:
