@@ -149,7 +149,6 @@ def test_config_hash_covers_what_changes_outputs_only(tmp_path):
         assert load_job(job_file, [item]).config_hash() != base, item
     fp8_kv = {load_job(job_file, [f"engine.kv_cache_dtype={name}"]).config_hash() for name in ("fp8", "fp8_e5m2")}
     assert len(fp8_kv) == 2
-    assert load_job(job_file).config_hash(limit=10) != base  # a limited run must not pass for a full one
 
 
 def test_job_file_problems_are_job_errors(tmp_path):

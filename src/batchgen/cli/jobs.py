@@ -22,7 +22,7 @@ SetOpt = Annotated[list[str] | None, typer.Option(
     help="Override a job key, e.g. --set sampling.temperature=0.7 (repeatable; the value is read as YAML; "
          "paths given here are relative to the current directory).")]
 LimitOpt = Annotated[int | None, typer.Option(
-    "--limit", min=1, help="Only the first N input rows (a limited run writes to its own config hash).")]
+    "--limit", min=1, help="Only the first N input rows; a later run with a larger N, or none, reuses their rows.")]
 
 
 def run(
@@ -82,7 +82,8 @@ def run(
         redone = f" ({len(result.redone)} of them run again: their part failed verification)" if result.redone else ""
         typer.echo(f"batchgen: {config.name} done: {result.num_units_run} unit(s) run{redone}, "
                    f"{result.num_units_skipped} already done"
-                   + (f", {result.num_rows_reused:,} row(s) reused from checkpoints" if result.num_rows_reused else ""))
+                   + (f", {result.num_rows_generated:,} row(s) generated, {result.num_rows_reused:,} row(s) reused from "
+                      "checkpoints" if result.num_rows_reused else ""))
         typer.echo(format_summary(result.record, result.success_path))
     if report:
         write_run_report(config)

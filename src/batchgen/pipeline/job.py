@@ -78,4 +78,5 @@ def _run_held(plan: JobPlan, run: OutputRun, engine: LLMEngine | None, progress:
                         speculative=speculative_summary(spec_before, after.get("speculative")),
                         structured=structured_summary(structured_before, after.get("structured")),
                         num_rows_reused=ran.num_rows_reused, provenance=provenance)
-    return RunResult(record, success_path, len(pending), len(skipped), dict(run.redo), ran.num_rows_reused)
+    return RunResult(record, success_path, len(pending), len(skipped), dict(run.redo), ran.num_rows_reused,
+                     ran.totals.num_rows)

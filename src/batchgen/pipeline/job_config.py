@@ -270,10 +270,14 @@ class JobConfig(Section):
         values["structured_outputs"] = self.sampling.constraint()
         return SamplingParams(**{**values, **row_overrides})
 
-    def config_hash(self, limit: int | None = None) -> str:
+    def config_hash(self) -> str:
         """sha256 over what changes outputs: model, input, sampling, sampling_columns, the KV cache's
         format when not the default (engine.kv_cache_dtype, engine.calculate_kv_scales: FP8 KV changes
-        the numbers), the metrics when there are any (their verdict columns) and --limit, if set.
+        the numbers) and the metrics when there are any (their verdict columns).
+
+        Not --limit: a run over fewer rows is the same job (its rows are the full job's first rows), so a
+        larger --limit or the full job resumes it; the output folder's manifest and commit records say
+        which rows a folder holds.
 
         Engine knobs other than the KV cache's, batching, cluster, output and storage options
         (credentials) are left out; a job with the default KV cache keeps the hash it had before
@@ -307,8 +311,6 @@ class JobConfig(Section):
         if self.metrics:  # its parts carry the verdict columns
             payload["metrics"] = {name: spec.model_dump(exclude={"min"})  # a threshold changes no verdict
                                   for name, spec in sorted(self.metrics.items())}
-        if limit is not None:  # a limited run covers different rows: its units must not pass for complete
-            payload["limit"] = limit
         if self._upstream_identities:  # a stage: what it reads is the earlier stages' output
             payload["upstream"] = dict(sorted(self._upstream_identities.items()))
             payload["keep_columns"] = [self.output.keep_columns, dict(sorted(self.output.rename_columns.items()))]

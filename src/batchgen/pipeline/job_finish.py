@@ -28,6 +28,7 @@ class RunResult:
     num_units_skipped: int
     redone: dict[str, str] = field(default_factory=dict)  # unit files run again -> why they were not trusted
     num_rows_reused: int = 0  # output rows taken from an earlier run's checkpoints (output.checkpoint_seconds)
+    num_rows_generated: int = 0  # output rows this run generated (not reused, not in units already done)
 
 
 def finish_job(job: JobConfig, run: OutputRun, this_run: Totals, generation_seconds: float, *, engine: EngineReport,

@@ -159,7 +159,7 @@ def plan_job(job: JobConfig, limit: int | None = None) -> JobPlan:
     repeats = {} if job.input.is_batch_file else scan_ids(
         inputs.storage, units, job.input.id_column, inputs.column_types[job.input.id_column],
         job.input.allow_duplicate_ids)
-    config_hash = job.config_hash(limit)
+    config_hash = job.config_hash()
     return JobPlan(job, config_hash, model_source, inputs.storage, inputs.files, units, output,
                    output.state(config_hash, inputs.fingerprint, units), limit, inputs, repeats)
 

@@ -151,7 +151,8 @@ def run_on_ray(job: JobConfig, *, limit: int | None = None, overwrite: bool = Fa
                                 speculative=merge_speculative(driver.speculative),
                                 structured=merge_structured(driver.structured), engine=driver.engine_report,
                                 provenance=driver.provenance, num_rows_reused=driver.num_rows_reused)
-            return RunResult(record, success_path, len(pending), len(skipped), dict(run.redo))
+            return RunResult(record, success_path, len(pending), len(skipped), dict(run.redo),
+                             driver.num_rows_reused, this_run.num_rows)
     finally:
         if connected:
             ray.shutdown()

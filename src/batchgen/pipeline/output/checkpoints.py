@@ -11,6 +11,13 @@ input position (`_input_file`, `_input_row`: the file as the commit records name
 that file), not its unit, so checkpoints stay valid when the units are cut differently (a larger
 `--limit`).
 
+Trials that grow: `--limit` is not part of the config hash, so a run over more rows (a larger `--limit`,
+or none) resumes a smaller one. Its last unit was cut short by the limit; that part covers the first
+rows of a unit the larger run plans whole. The larger run (under the folder's lock, before any row is
+generated) turns such a part into a checkpoint file, `_checkpoints/grown-part-NNNNN.parquet`, and
+removes the part and its record: its rows are then reused like any checkpointed rows, and the unit's
+whole part replaces them.
+
 A rerun reads every checkpoint, takes the rows of its pending units from them instead of generating
 them again, and writes each unit's part as before (input order, one part per unit, the same commit
 record): the final layout never holds a checkpoint. A checkpoint file is deleted once every row it
@@ -166,6 +173,39 @@ class CheckpointWriter:
                 path = f"{CHECKPOINTS_DIR}/{name}"
                 if self.storage.fs.exists(self.storage.join(path)):
                     self.storage.remove(path)
+
+
+GROWN_PREFIX = "grown-"
+
+
+def requests_of_part(sample_index: list[int]) -> list[int]:
+    """The request (0, 1, ...) of each row of a part, in row order: a request's rows come sorted by
+    sample_index from 0 (one row per request for scoring, n for generation, a batch line's own n)."""
+    request, requests = -1, []
+    for index in sample_index:
+        if index == 0:
+            request += 1
+        requests.append(max(request, 0))
+    return requests
+
+
+def part_to_checkpoint(storage: Storage, part: str, file: str, start: int, stop: int, config_hash: str) -> bool:
+    """Rewrite a committed part of input rows [start, stop) of `file` as a checkpoint file (every column
+    of the part, and each row's input position); False, writing nothing, when its rows cannot be mapped to
+    input rows one request each (then the unit is simply generated again)."""
+    with storage.fs.open(storage.join(part), "rb") as f:
+        table = pq.read_table(f)
+    if "sample_index" not in table.column_names:
+        return False
+    requests = requests_of_part(table.column("sample_index").to_pylist())
+    if (requests[-1] + 1 if requests else 0) != stop - start:  # e.g. repeated ids of a reward job
+        return False
+    table = table.replace_schema_metadata({CONFIG_KEY: config_hash.encode()})
+    table = table.append_column(FILE_COLUMN, pa.array([file] * table.num_rows, pa.string()))
+    table = table.append_column(ROW_COLUMN, pa.array([start + r for r in requests], pa.int64()))
+    name = f"{CHECKPOINTS_DIR}/{GROWN_PREFIX}{part}"
+    storage.write_atomic(name, lambda target: pq.write_table(table, target))
+    return True
 
 
 def remove_checkpoints(storage: Storage) -> None:

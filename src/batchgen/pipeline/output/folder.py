@@ -21,8 +21,8 @@ import fsspec.utils
 
 from batchgen.pipeline.batch_output import ERRORS_JSONL, OUTPUT_JSONL
 from batchgen.pipeline.errors import JobError
-from batchgen.pipeline.output.checkpoints import CHECKPOINTS_DIR
-from batchgen.pipeline.output.commits import COMMITS_DIR, read_records, record_name, verify_part
+from batchgen.pipeline.output.checkpoints import CHECKPOINTS_DIR, part_to_checkpoint
+from batchgen.pipeline.output.commits import COMMITS_DIR, CommitRecord, read_records, record_name, verify_part
 from batchgen.pipeline.output.fingerprint import FileFingerprint, describe_changes, to_manifest
 from batchgen.pipeline.output.units import WorkUnit
 from batchgen.pipeline.run_record import RunRecord
@@ -52,6 +52,10 @@ class FolderState:
     refusal: str | None  # why this folder may not be resumed (None: it is ours or empty)
     redo: dict[str, str] = field(default_factory=dict)  # unit files present but not trusted -> why
     has_manifest: bool = False
+    # Parts of a smaller run of this job (--limit) that cover the first rows of a unit this run plans
+    # whole: their rows are reused (prepare turns them into checkpoints) -> the committed (smaller) unit.
+    grown: dict[str, WorkUnit] = field(default_factory=dict)
+    is_manifest_current: bool = True  # the manifest's units are this plan's (not a smaller or larger run's)
 
     def is_complete(self, unit_names: list[str]) -> bool:
         """_SUCCESS and every unit's file: the folder is the truth, so a deleted file is work to redo."""
@@ -65,7 +69,10 @@ class FolderState:
         if self.is_complete(unit_names):
             return "complete (_SUCCESS present): a run has nothing to do"
         redo = f"; {describe_redo(self.redo)}" if self.redo else ""
-        if num_done or self.redo:
+        if self.grown:
+            redo += (f"; {len(self.grown)} part(s) of a run over fewer rows (--limit) grow: their "
+                     f"{sum(u.num_rows for u in self.grown.values()):,} input rows are reused, not generated again")
+        if num_done or self.redo or self.grown:
             return f"resume: {num_done} of {num_units} units done, {num_units - num_done} to run{redo}"
         return "new"
 
@@ -111,20 +118,41 @@ class OutputFolder:
         if refusal:
             return FolderState(frozenset(), False, refusal)
         planned = {u.output_name: u for u in units}
+        num_planned_rows = sum(u.num_rows for u in units)
+        recorded_rows = (manifest.get("units") or {}).get("num_rows") if isinstance(manifest, dict) else None
+        larger = (f"{self.display} holds a run of this job over more input rows ({recorded_rows:,}) than this run "
+                  f"covers ({num_planned_rows:,}): run with a --limit of at least {recorded_rows:,}, or without "
+                  "--limit" if isinstance(recorded_rows, int) else "")
         strangers = sorted(n for n in names if _PART_RE.fullmatch(n) and n not in planned)
         if strangers:
+            if isinstance(recorded_rows, int) and recorded_rows > num_planned_rows:
+                return FolderState(frozenset(), False, larger)
             return FolderState(frozenset(), False, f"{self.display} holds unit files this job does not plan "
                                                    f"({', '.join(strangers[:5])}): not batchgen's")
         records = read_records(self.storage)
-        done, redo = set(), {}
+        done, redo, grown = set(), {}, {}
         for name in names:
-            if name in planned:
-                why = verify_part(self.storage, planned[name], entries[name], records.get(name), config_hash)
-                if why is None:
-                    done.add(name)
+            if name not in planned:
+                continue
+            unit, record = planned[name], records.get(name)
+            if isinstance(record, CommitRecord) and _is_cut_from(record, unit, config_hash) and record.stop > unit.stop:
+                # A larger run's whole unit: generating this run's shorter one would replace it.
+                return FolderState(frozenset(), False, larger or f"{self.display}/{name} holds more rows of "
+                                                                 "this job than this run plans for it")
+            why = verify_part(self.storage, unit, entries[name], record, config_hash)
+            if why is None:
+                done.add(name)
+            elif isinstance(record, CommitRecord) and _is_cut_from(record, unit, config_hash):
+                committed = WorkUnit(unit.index, unit.file, record.start, record.stop)
+                if verify_part(self.storage, committed, entries[name], record, config_hash) is None:
+                    grown[name] = committed
                 else:
                     redo[name] = why
-        return FolderState(frozenset(done), SUCCESS_NAME in names, None, redo, has_manifest=True)
+            else:
+                redo[name] = why
+        is_current = recorded_rows == num_planned_rows and (manifest.get("units") or {}).get("count") == len(units)
+        return FolderState(frozenset(done), SUCCESS_NAME in names, None, redo, has_manifest=True, grown=grown,
+                           is_manifest_current=is_current)
 
     def prepare(self, job_name: str, config_hash: str, fingerprint: list[FileFingerprint], units: list[WorkUnit],
                 overwrite: bool) -> FolderState:
@@ -151,9 +179,11 @@ class OutputFolder:
         for name in state.redo:
             if self.storage.fs.exists(self.storage.join(record_name(name))):
                 self.storage.remove(record_name(name))
-        if not state.has_manifest:
+        redo = dict(state.redo)
+        redo.update(grow_parts(self.storage, state.grown, config_hash))
+        if not state.has_manifest or not state.is_manifest_current:  # new, or this run covers more rows
             self.storage.write_text_atomic(MANIFEST_NAME, manifest_text(job_name, config_hash, fingerprint, units))
-        return FolderState(state.done_names, False, None, state.redo, has_manifest=True)
+        return FolderState(state.done_names, False, None, redo, has_manifest=True)
 
     def clear(self) -> None:
         """Remove what batchgen wrote here (unit files, records, manifests, summaries, _SUCCESS, the .jsonl
@@ -172,6 +202,28 @@ class OutputFolder:
 
     def read_success(self) -> RunRecord:
         return RunRecord.from_json(self.storage.read_text(SUCCESS_NAME))
+
+
+def _is_cut_from(record: CommitRecord, unit: WorkUnit, config_hash: str) -> bool:
+    """The record is of this unit's part, in this job, from the same first row, with another last row:
+    the same unit cut at another --limit."""
+    return (record.part, record.unit, record.input_file, record.start, record.config_hash) == (
+        unit.output_name, unit.index, unit.file.display, unit.start, config_hash) and record.stop != unit.stop
+
+
+def grow_parts(storage: Storage, grown: dict[str, WorkUnit], config_hash: str) -> dict[str, str]:
+    """Turn each part of a run over fewer rows into a checkpoint file, then remove the part and its record
+    (in that order: a crash in between leaves rows in both, never in neither). Returns the parts that could
+    not be turned (they are generated again) -> why."""
+    redo = {}
+    for name, committed in sorted(grown.items()):
+        if not part_to_checkpoint(storage, name, committed.file.display, committed.start, committed.stop,
+                                  config_hash):
+            redo[name] = "a part of a run over fewer rows whose rows do not map one request per input row"
+        if storage.fs.exists(storage.join(record_name(name))):
+            storage.remove(record_name(name))
+        storage.remove(name)
+    return redo
 
 
 def manifest_text(job_name: str, config_hash: str, fingerprint: list[FileFingerprint], units: list[WorkUnit]) -> str:

@@ -31,6 +31,7 @@ from batchgen.pipeline.output.folder import (
     WORKERS_DIR,
     FolderState,
     OutputFolder,
+    grow_parts,
     manifest_text,
     raise_if_refused,
 )
@@ -204,4 +205,8 @@ def _prepare_shard(folder: OutputFolder, identity: RunIdentity, shard: ShardSpec
     for name in state.redo:
         if name in own and storage.fs.exists(storage.join(record_name(name))):
             storage.remove(record_name(name))
-    return state
+    if not state.is_manifest_current:  # this job over more rows (--limit): every shard writes the same text
+        storage.write_text_atomic(MANIFEST_NAME, manifest)
+    redo = {**state.redo, **grow_parts(storage, {n: u for n, u in state.grown.items() if n in own},
+                                       identity.config_hash)}
+    return FolderState(state.done_names, state.has_success, None, redo, has_manifest=True)

@@ -121,7 +121,7 @@ def read_staged_job(raw: dict, base_dir: Path, source: str, limit: int | None = 
         stage_raw = stages_raw[index]
         where = f"{source}: stage {stage_raw['name']!r}"
         stage = _read_stage(raw, stage_raw, stages, base_dir, out_path, output.get("storage_options") or {},
-                            where, limit)
+                            where)
         stages[stage.name] = stage
     return StagedJob(name, out_path, output.get("storage_options") or {}, list(stages.values()), source, limit)
 
@@ -167,7 +167,7 @@ def _stage_order(stages_raw: list[dict], source: str) -> list[int]:
 
 
 def _read_stage(top: dict, raw: dict, done: dict[str, Stage], base_dir: Path, out_path: str,
-                storage_options: dict, where: str, limit: int | None) -> Stage:
+                storage_options: dict, where: str) -> Stage:
     name = raw["name"]
     task = raw.get("task", "generate")
     inp = raw.get("input")
@@ -184,7 +184,7 @@ def _read_stage(top: dict, raw: dict, done: dict[str, Stage], base_dir: Path, ou
     upstream_ids = {upstream.name: upstream.identity} if upstream is not None else {}
     if stage.job is not None:
         stage.job._upstream_identities = upstream_ids
-        stage.identity = stage.job.config_hash(limit if upstream is None else None)
+        stage.identity = stage.job.config_hash()
     else:
         payload = {"select": stage.select.model_dump(), "upstream": upstream_ids, "input": stage.input_path}
         stage.identity = hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
