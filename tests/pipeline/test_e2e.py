@@ -107,7 +107,10 @@ def test_chat_job_matches_the_engine_with_consistent_latencies(tmp_path, engine)
     # The kernels this run's engine used, as its stats report them.
     assert success["kernels"] == engine.stats["kernels"] == engine.capabilities.as_dict()
     assert success["kernels"]["attention_backend"] == "cpu" and success["kernels"]["device"] == "cpu"
-    assert success["kv_cache"] == engine.stats["kv_cache"] == {"dtype": "float32", "bytes_per_token": 4 * 2 * 30 * 3 * 64}
+    num_tokens = engine.num_kv_blocks * engine.config.block_size
+    assert success["kv_cache"] == engine.stats["kv_cache"] == {
+        "dtype": "float32", "bytes_per_token": 4 * 2 * 30 * 3 * 64, "num_tokens": num_tokens,
+        "bytes": num_tokens * 4 * 2 * 30 * 3 * 64}  # a set kv_cache_memory: no `sizing` from the job
 
 
 @pytest.mark.parametrize("name", EXAMPLE_JOBS)

@@ -67,6 +67,7 @@ def plan_command(
     """
     try:
         target = read_target(model_or_job, revision)
+        kv_pool = _job_kv_pool(model_or_job)
         options = {"max_model_len": max_model_len, "concurrency": concurrency, "dtype": dtype,
                    "quantization": quantization, "memory": memory, "kv_cache_dtype": kv_cache_dtype}
         plan = make_plan(target, tensor_parallel_size=tensor_parallel_size, **options)
@@ -76,6 +77,30 @@ def plan_command(
         raise typer.Exit(EXIT_BAD_JOB) from None
     if json_out:
         extra = {"smallest_tensor_parallel_size": smallest} if memory is not None else {}
+        if kv_pool is not None:
+            extra["cpu_kv_pool"] = kv_pool
         typer.echo(json.dumps({"model": target.name, **plan.to_dict(), **extra, "cpu": cpu_report()}, indent=2))
     else:
         typer.echo(format_capacity_plan(target, plan, smallest))
+        if kv_pool is not None:
+            typer.echo(f"KV pool on this CPU (engine.kv_cache_memory auto): {kv_pool['sizing']}")
+
+
+def _job_kv_pool(model_or_job: str) -> dict | None:
+    """A job's CPU KV pool under kv_cache_memory auto, as its run will size it (pipeline/kv_budget.py):
+    None for a model, a job with a set size, or a job that runs on a GPU."""
+    if not model_or_job.endswith((".yaml", ".yml")):
+        return None
+    from batchgen.pipeline.job_plan import plan_job
+
+    job = load_job(model_or_job)
+    try:
+        plan_job(job)  # reads the input: the bound needs its rows and prompt lengths
+    except JobError as exc:
+        return {"sizing": f"not sized here, the job's plan fails: {exc}"}
+    budget = job.kv_budget
+    if budget is None:
+        return None
+    return {"bytes": budget.num_bytes, "num_tokens": budget.num_tokens, "num_seqs": budget.num_seqs,
+            "tokens_per_seq": budget.tokens_per_seq, "draft_bytes": budget.num_pool_bytes - budget.num_bytes,
+            "cap_bytes": budget.cap_bytes, "sizing": budget.describe()}

@@ -208,9 +208,11 @@ class EngineConfig:
     kv_cache_memory: str | int | float = "auto"
     """The KV pool's size: auto, bytes, a size such as '8GiB' or '500MB', or a fraction in (0, 1] of
     free device memory. auto: gpu_memory_utilization x GPU memory less the weights and the profiled
-    step on a GPU; the smaller of 4 GiB and 20% of RAM on the CPU, whatever the job needs. A job uses
-    at most max_num_seqs x (longest prompt + max_tokens) x the bytes per token that `batchgen plan`
-    prints; on the CPU set about that (docs/guides/cpu.md#sizing-the-kv-cache)."""
+    step on a GPU. On the CPU (every byte resident): what can run at once, max_num_seqs sequences of
+    max_model_len tokens x the bytes per token that `batchgen plan` prints, fewer for a job (its input
+    rows x n sequences, its longest prompt + max_tokens tokens), at least one max_model_len sequence,
+    at most the smaller of 4 GiB and 20% of RAM; a draft model's pool shares it. `batchgen plan JOB`,
+    the run's log and _SUCCESS state the size (docs/guides/cpu.md#sizing-the-kv-cache)."""
     gpu_memory_utilization: float = 0.9
     """CUDA: the share of the GPU's total memory this engine may fill with weights, activations and KV
     (vLLM's name); the KV pool gets what the profiled step leaves. kv_cache_memory, when set, wins."""

@@ -74,7 +74,7 @@ def _run_held(plan: JobPlan, run: OutputRun, engine: LLMEngine | None, progress:
     ran = run_units(source, plan.input_storage, run.storage, pending, engine, run.commit_context(),
                     progress=progress)
     after = engine.stats
-    record = finish_job(job, run, ran.totals, ran.generation_seconds, engine=engine_report(engine),
+    record = finish_job(job, run, ran.totals, ran.generation_seconds, engine=engine_report(engine, job),
                         speculative=speculative_summary(spec_before, after.get("speculative")),
                         structured=structured_summary(structured_before, after.get("structured")),
                         num_rows_reused=ran.num_rows_reused, provenance=provenance)

@@ -80,6 +80,8 @@ class JobConfig(Section):
     _upstream_identities: dict[str, str] = PrivateAttr(default_factory=dict)
     # task: reward: the reward model's labels (set by job_plan.plan_job from its config.json).
     _num_labels: int = PrivateAttr(default=1)
+    # engine.kv_cache_memory auto on the CPU: the pool sized from the job (pipeline/kv_budget.py, set by plan_job).
+    _kv_budget: Any = PrivateAttr(default=None)
 
     @field_validator("sampling_columns")
     @classmethod
@@ -221,6 +223,14 @@ class JobConfig(Section):
         """task: reward: the reward model's labels (1 until job_plan.plan_job reads its config)."""
         return self._num_labels
 
+    @property
+    def kv_budget(self):
+        """The KvBudget plan_job found for engine.kv_cache_memory auto on the CPU; None otherwise."""
+        return self._kv_budget
+
+    def record_kv_budget(self, budget) -> None:
+        self._kv_budget = budget
+
     def record_num_labels(self, num_labels: int) -> None:
         self._num_labels = num_labels
 
@@ -261,6 +271,8 @@ class JobConfig(Section):
         engine = self.engine.model_dump()
         if model.pop("lora_modules"):  # adapters need the engine's LoRA layers
             engine["enable_lora"] = True
+        if self._kv_budget is not None and engine["kv_cache_memory"] == "auto":
+            engine["kv_cache_memory"] = self._kv_budget.num_bytes
         return EngineConfig(**{MODEL_PATH_FIELD: model.pop("path")}, **model, **engine)
 
     def sampling_params(self, **row_overrides: Any) -> SamplingParams:

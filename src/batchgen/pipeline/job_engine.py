@@ -5,6 +5,7 @@ and Ray replicas all start their engine here."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 from batchgen.engine import EngineConfig, LLMEngine
 from batchgen.pipeline.config import JobConfig
@@ -13,6 +14,8 @@ from batchgen.pipeline.lora_job import job_lora_requests
 from batchgen.pipeline.model_files import needs_chat_template
 from batchgen.pipeline.run_record import EngineReport
 from batchgen.pipeline.structured_job import check_job_constraint
+
+log = logging.getLogger("batchgen.pipeline")
 
 
 def start_engine(job: JobConfig, engine: LLMEngine | None) -> LLMEngine:
@@ -27,11 +30,15 @@ def engine_for(job: JobConfig, engine: LLMEngine | None) -> LLMEngine:
     engine from the job's; one that cannot start is a JobError."""
     wanted = job.engine_config()
     if engine is not None:
-        differing = _differing_fields(wanted, engine.config)
+        # A pool sized from the job (kv_cache_memory auto) changes no output: any engine's pool will do.
+        ignored = ("kv_cache_memory",) if job.engine.kv_cache_memory == "auto" else ()
+        differing = _differing_fields(wanted, engine.config, ignored)
         if differing:
             raise ValueError(f"the engine passed in was built with other settings than the job's: {differing}")
         return engine
     try:
+        if job.kv_budget is not None and wanted.kv_cache_memory == job.kv_budget.num_bytes:
+            log.info("KV cache (engine.kv_cache_memory auto): %s", job.kv_budget.describe())
         return LLMEngine(wanted)
     except (ValueError, FileNotFoundError) as exc:  # settings that cannot work (KV cache too small, ...)
         raise JobError(f"cannot start the engine for {job.model.path}: {exc}") from None
@@ -43,9 +50,9 @@ def engine_for(job: JobConfig, engine: LLMEngine | None) -> LLMEngine:
 _REQUEST_DEFAULT_FIELDS = ("generation_config", "seed")
 
 
-def _differing_fields(a: EngineConfig, b: EngineConfig) -> str:
+def _differing_fields(a: EngineConfig, b: EngineConfig, ignored: tuple[str, ...] = ()) -> str:
     names = [f.name for f in dataclasses.fields(a) if f.compare and getattr(a, f.name) != getattr(b, f.name)
-             and f.name not in _REQUEST_DEFAULT_FIELDS]
+             and f.name not in _REQUEST_DEFAULT_FIELDS + ignored]
     return ", ".join(f"{n}: job {getattr(a, n)!r} vs engine {getattr(b, n)!r}" for n in names)
 
 
@@ -70,8 +77,12 @@ def check_engine_can_run(job: JobConfig, engine: LLMEngine) -> None:
             raise JobError(f"{key}: {exc}") from None
 
 
-def engine_report(engine: LLMEngine) -> EngineReport:
-    """What `_SUCCESS` says of the engine that ran: its model, kernels, KV cache and weight format."""
+def engine_report(engine: LLMEngine, job: JobConfig | None = None) -> EngineReport:
+    """What `_SUCCESS` says of the engine that ran: its model, kernels, KV cache (with how the job sized it,
+    where it did: `sizing`) and weight format."""
     stats = engine.stats
+    kv_cache = dict(stats.get("kv_cache") or {})
+    if job is not None and job.kv_budget is not None and engine.config.kv_cache_memory == job.kv_budget.num_bytes:
+        kv_cache["sizing"] = job.kv_budget.describe()
     return EngineReport(model=engine.config.model, kernels=stats.get("kernels", {}),
-                        kv_cache=stats.get("kv_cache") or {}, weights=stats.get("weights") or {})
+                        kv_cache=kv_cache, weights=stats.get("weights") or {})

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import fsspec
 
 from batchgen.engine.config import SettingError
+from batchgen.engine.kv.capacity import kv_bytes_per_token
 from batchgen.engine.loader.source import BUNDLED_ALIASES, ModelSource, bundled_model_path, resolve_model
 from batchgen.engine.text.generation_config import FILE_NAME as GENERATION_FILE
 from batchgen.engine.text.generation_config import (
@@ -22,6 +23,7 @@ from batchgen.pipeline.errors import JobError
 from batchgen.pipeline.id_scan import Position, scan_ids
 from batchgen.pipeline.input_file import InputFile
 from batchgen.pipeline.inputs import JobInputs, read_inputs
+from batchgen.pipeline.kv_budget import KvBudget, job_kv_budget
 from batchgen.pipeline.model_limits import check_model_limits
 from batchgen.pipeline.output import (
     FolderState,
@@ -159,9 +161,29 @@ def plan_job(job: JobConfig, limit: int | None = None) -> JobPlan:
     repeats = {} if job.input.is_batch_file else scan_ids(
         inputs.storage, units, job.input.id_column, inputs.column_types[job.input.id_column],
         job.input.allow_duplicate_ids)
+    job.record_kv_budget(plan_kv_budget(job, inputs.storage, units))
     config_hash = job.config_hash()
     return JobPlan(job, config_hash, model_source, inputs.storage, inputs.files, units, output,
                    output.state(config_hash, inputs.fingerprint, units), limit, inputs, repeats)
+
+
+def plan_kv_budget(job: JobConfig, storage: Storage, units: list[WorkUnit]) -> KvBudget | None:
+    """engine.kv_cache_memory auto on the CPU: the pool sized from the job (pipeline/kv_budget.py); None
+    where the engine sizes it itself (a set size, num_kv_blocks, CUDA)."""
+    if job.engine.kv_cache_memory != "auto" or getattr(job.engine, "num_kv_blocks", None) is not None:
+        return None
+    config = job.engine_config()
+    if config.torch_device.type != "cpu":
+        return None
+    from batchgen.pipeline.capacity_plan import read_model
+
+    cfg = read_model(job.model.path, job.model.revision)[0]
+    max_model_len = min(job.model.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+    spec = job.engine.speculative
+    draft = 0
+    if spec is not None and spec.method == "draft_model" and spec.model is not None:
+        draft = kv_bytes_per_token(read_model(spec.model)[0], config.kv_torch_dtype)
+    return job_kv_budget(job, storage, units, max_model_len, kv_bytes_per_token(cfg, config.kv_torch_dtype), draft)
 
 
 def format_job_plan(plan: JobPlan, max_units_shown: int = 20) -> str:

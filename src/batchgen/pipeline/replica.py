@@ -42,7 +42,7 @@ class EngineReplica:
 
     def ready(self) -> dict:
         """Where this replica runs and what its engine loaded (answered once the engine is loaded)."""
-        return {"host": socket.gethostname(), "pid": os.getpid(), "engine": engine_report(self.engine),
+        return {"host": socket.gethostname(), "pid": os.getpid(), "engine": engine_report(self.engine, self.job),
                 "provenance": self.provenance}
 
     def run_unit(self, unit: WorkUnit, repeats: dict[Position, int]) -> dict:

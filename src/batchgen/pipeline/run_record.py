@@ -330,7 +330,8 @@ class RunRecord(_Part):
     kernels: dict[str, Any] = field(default_factory=dict)
     """The implementations the engine used (its stats' `kernels`)."""
     kv_cache: dict[str, Any] = field(default_factory=dict)
-    """The KV cache's dtype and bytes per token (its stats' `kv_cache`)."""
+    """The KV cache: dtype, bytes per token, the pool's tokens and bytes (its stats' `kv_cache`), and `sizing`: how
+    kv_cache_memory auto sized it for the job, where it did."""
     weights: dict[str, Any] = field(default_factory=dict)
     """The weight format and the decoder's linear bytes (its stats' `weights`)."""
     workers: Workers | None = None

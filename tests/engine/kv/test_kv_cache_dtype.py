@@ -38,8 +38,10 @@ def test_allocation_takes_checkpoint_scales_else_one_and_calibrates_on_request()
 def test_fp8_kv_on_the_bundled_model_reports_a_quarter_of_the_bytes_and_keeps_quality(llm):
     engine = llm.engine
     fp8 = LLMEngine(engine.config.replace(kv_cache_dtype="fp8"), weights_from=engine)
-    assert fp8.stats["kv_cache"] == {"dtype": "float8_e4m3fn",
-                                    "bytes_per_token": engine.stats["kv_cache"]["bytes_per_token"] // 4}
+    bytes_per_token = engine.stats["kv_cache"]["bytes_per_token"] // 4
+    assert fp8.stats["kv_cache"] == {"dtype": "float8_e4m3fn", "bytes_per_token": bytes_per_token,
+                                     "num_tokens": fp8.num_kv_blocks * fp8.config.block_size,
+                                     "bytes": fp8.num_kv_blocks * fp8.config.block_size * bytes_per_token}
     assert fp8.num_kv_blocks == 4 * engine.num_kv_blocks  # the same kv_cache_memory holds 4x the tokens
     # Scales calibrated on the first step (with 1.0, no checkpoint scales, top-1 is ~94.6% on the full bench).
     result = run_kv_cache_quality_bench(kv_cache_dtype="fp8", num_prompts=3, max_tokens=12, engine=engine,

@@ -80,8 +80,10 @@ def test_widened_engine_stores_bf16_weights_and_kv_and_computes_in_float32(llm, 
     assert isinstance(qkv, Bf16WeightLinear) and qkv.weight.dtype == torch.bfloat16
     assert model.lm_head.weight is model.embed_tokens.weight  # still tied, in bf16
     assert model.layers[0].input_layernorm.weight.dtype == torch.float32
-    assert bf16.engine.stats["kv_cache"] == {"dtype": "bfloat16",
-                                             "bytes_per_token": llm.engine.stats["kv_cache"]["bytes_per_token"] // 2}
+    kv_cache = bf16.engine.stats["kv_cache"]
+    assert kv_cache["dtype"] == "bfloat16"
+    assert kv_cache["bytes_per_token"] == llm.engine.stats["kv_cache"]["bytes_per_token"] // 2
+    assert kv_cache["bytes"] == kv_cache["num_tokens"] * kv_cache["bytes_per_token"]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     ours = [o.outputs[0].token_ids for o in bf16.generate(QUALITY_PROMPTS[:3], params)]
     reference = [o.outputs[0].token_ids for o in llm.generate(QUALITY_PROMPTS[:3], params)]

@@ -136,7 +136,8 @@ class LLMEngine:
             num_blocks, self.gpu_memory = self.executor.size_kv_pool_on_gpu(loaded, self.eos_token_ids,
                                                                             self.max_model_len)
         else:
-            num_blocks = kv_cache_budget_bytes(config, device) // (self.kv_bytes_per_token * config.block_size)
+            budget = kv_cache_budget_bytes(config, device, self.kv_bytes_per_token, self.max_model_len)
+            num_blocks = budget // (self.kv_bytes_per_token * config.block_size)
         if num_blocks * config.block_size < self.max_model_len:
             raise ValueError(
                 f"the KV cache holds {num_blocks * config.block_size} tokens, fewer than max_model_len "
@@ -492,7 +493,9 @@ class LLMEngine:
             "num_free_blocks": pool.num_free_blocks, "num_blocks": pool.num_blocks,
             "prefix_cache_hit_rate": pool.num_hit_blocks / pool.num_queried_blocks if pool.num_queried_blocks else 0.0,
             "kv_cache": {"dtype": str(self.config.kv_torch_dtype).removeprefix("torch."),
-                         "bytes_per_token": self.kv_bytes_per_token},
+                         "bytes_per_token": self.kv_bytes_per_token,
+                         "num_tokens": pool.num_blocks * self.config.block_size,
+                         "bytes": pool.num_blocks * self.config.block_size * self.kv_bytes_per_token},
             "kernels": self.capabilities.as_dict(),
             "weights": dict(self.loaded.weights),
             "speculative": self.spec.stats.as_dict() if self.spec is not None else None,

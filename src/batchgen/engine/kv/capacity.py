@@ -18,8 +18,11 @@ from batchgen.engine.kv.expert_bytes import (
 from batchgen.engine.models.config import ModelConfig
 from batchgen.engine.quant.int_formats.rtn import INT4_GROUP_SIZE
 
-# kv_cache_memory "auto" on the CPU: 20% of RAM capped at 4 GiB (the weights, activations and the
-# rest of the machine keep the remainder). On CUDA the pool is sized by engine/kv/gpu_memory.py.
+# kv_cache_memory "auto" on the CPU: what the engine can use (max_num_seqs sequences of max_model_len
+# tokens; a job gives a tighter bound, pipeline/kv_budget.py), at most 20% of RAM and 4 GiB (the
+# weights, activations and the rest of the machine keep the remainder). Every byte of the pool is
+# resident from the start (it is zeroed), so it is the engine's largest share of RSS on the CPU. On CUDA
+# the pool is sized by engine/kv/gpu_memory.py.
 CPU_KV_CAP_BYTES = 4 * 2**30
 CPU_KV_RAM_FRACTION = 0.20
 
@@ -40,17 +43,34 @@ def _total_ram_bytes() -> int:
         return 16 * 2**30
 
 
-def kv_cache_budget_bytes(config: EngineConfig, device: torch.device) -> int:
-    """Bytes for the KV pool off CUDA: an explicit size, a fraction of RAM, or "auto" (the rule above
-    CPU_KV_CAP_BYTES). CUDA: engine/kv/gpu_memory.py plan_gpu_kv_cache (a profiling step)."""
+def cpu_kv_cap_bytes(ram: int | None = None) -> int:
+    """The most kv_cache_memory auto gives off CUDA: the smaller of 4 GiB and 20% of RAM."""
+    return int(min(CPU_KV_CAP_BYTES, CPU_KV_RAM_FRACTION * (_total_ram_bytes() if ram is None else ram)))
+
+
+def auto_kv_bytes(num_seqs: int, tokens_per_seq: int, bytes_per_token: int, block_size: int, max_model_len: int,
+                  cap_bytes: int) -> int:
+    """kv_cache_memory auto off CUDA: `num_seqs` sequences of `tokens_per_seq` tokens each in whole blocks
+    (what can run at once), never less than one sequence of max_model_len (the engine's minimum), at most
+    `cap_bytes` (cpu_kv_cap_bytes; below the minimum the engine refuses to start, naming both)."""
+    per_seq = -(-min(tokens_per_seq, max_model_len) // block_size) * block_size
+    minimum = -(-max_model_len // block_size) * block_size
+    return min(max(num_seqs * per_seq, minimum) * bytes_per_token, cap_bytes)
+
+
+def kv_cache_budget_bytes(config: EngineConfig, device: torch.device, bytes_per_token: int,
+                          max_model_len: int) -> int:
+    """Bytes for the KV pool off CUDA: an explicit size, a fraction of RAM, or "auto" (max_num_seqs
+    sequences of max_model_len, capped: auto_kv_bytes). CUDA: engine/kv/gpu_memory.py plan_gpu_kv_cache
+    (a profiling step)."""
     if device.type == "cuda":
         raise ValueError("on CUDA the KV pool is sized by engine/kv/gpu_memory.py (a profiling step)")
     setting = config.kv_cache_memory
-    ram = _total_ram_bytes()
     if setting == "auto":
-        return int(min(CPU_KV_CAP_BYTES, CPU_KV_RAM_FRACTION * ram))
+        return auto_kv_bytes(config.max_num_seqs, max_model_len, bytes_per_token, config.block_size, max_model_len,
+                             cpu_kv_cap_bytes())
     value = parse_memory_size(setting)
-    return int(ram * value) if isinstance(value, float) else value
+    return int(_total_ram_bytes() * value) if isinstance(value, float) else value
 
 
 def num_kv_blocks(budget_bytes: int, cfg: ModelConfig, kv_dtype: torch.dtype, block_size: int) -> int:
