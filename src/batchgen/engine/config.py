@@ -212,7 +212,7 @@ class EngineConfig:
     max_model_len tokens x the bytes per token that `batchgen plan` prints, fewer for a job (its input
     rows x n sequences, its longest prompt + max_tokens tokens), at least one max_model_len sequence,
     at most the smaller of 4 GiB and 20% of RAM; a draft model's pool shares it. `batchgen plan JOB`,
-    the run's log and _SUCCESS state the size (docs/guides/cpu.md#sizing-the-kv-cache)."""
+    the run's log and its summary state the size (docs/guides/cpu.md#sizing-the-kv-cache)."""
     gpu_memory_utilization: float = 0.9
     """CUDA: the share of the GPU's total memory this engine may fill with weights, activations and KV
     (vLLM's name); the KV pool gets what the profiled step leaves. kv_cache_memory, when set, wins."""
