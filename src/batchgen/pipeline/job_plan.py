@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import fsspec
@@ -35,6 +36,8 @@ from batchgen.pipeline.output import (
 )
 from batchgen.pipeline.reward_job import check_model_task
 from batchgen.pipeline.storage import Storage
+
+log = logging.getLogger("batchgen.pipeline")
 
 
 @dataclass
@@ -177,12 +180,16 @@ def plan_kv_budget(job: JobConfig, storage: Storage, units: list[WorkUnit]) -> K
         return None
     from batchgen.pipeline.capacity_plan import read_model
 
-    cfg = read_model(job.model.path, job.model.revision)[0]
+    try:
+        cfg = read_model(job.model.path, job.model.revision)[0]
+        spec = job.engine.speculative
+        draft = 0
+        if spec is not None and spec.method == "draft_model" and spec.model is not None:
+            draft = kv_bytes_per_token(read_model(spec.model)[0], config.kv_torch_dtype)
+    except JobError as exc:  # the engine's own auto rule then sizes the pool; the model load says what is wrong
+        log.warning("engine.kv_cache_memory auto: not sized from the job (%s)", exc)
+        return None
     max_model_len = min(job.model.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
-    spec = job.engine.speculative
-    draft = 0
-    if spec is not None and spec.method == "draft_model" and spec.model is not None:
-        draft = kv_bytes_per_token(read_model(spec.model)[0], config.kv_torch_dtype)
     return job_kv_budget(job, storage, units, max_model_len, kv_bytes_per_token(cfg, config.kv_torch_dtype), draft)
 
 
