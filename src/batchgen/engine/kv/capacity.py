@@ -101,6 +101,8 @@ def weight_bytes(cfg: ModelConfig, dtype: torch.dtype, quantization: str = "none
         per_layer += (cfg.q_size + 2 * cfg.kv_size) * elem
     if cfg.o_proj_bias:
         per_layer += cfg.hidden_size * elem
+    if cfg.attention_sinks:  # gpt-oss: a sink logit per query head
+        per_layer += cfg.num_heads * elem
     if cfg.qk_norm:  # per head (head_dim wide each) or over all heads (q_size and kv_size wide)
         per_layer += (cfg.q_size + cfg.kv_size if cfg.qk_norm_over_heads else 2 * cfg.head_dim) * elem
     total = cfg.num_layers * per_layer + cfg.vocab_size * cfg.hidden_size * elem + cfg.hidden_size * elem
