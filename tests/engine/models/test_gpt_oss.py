@@ -12,7 +12,8 @@ log-probabilities): prompt log-probabilities within 1e-4 of HF's float32 log-sof
 than the window; greedy 32-token outputs equal to HF `generate` on 8 prompts, alone and batched with
 chunked prefill and prefix caching. A twin published as OpenAI publishes gpt-oss (MXFP4 experts: `*_blocks`
 and `*_scales`, quantization_config mxfp4) generates the same greedy tokens as HF on the weights
-transformers' own MXFP4 dequantizer gives.
+transformers' own MXFP4 dequantizer gives. Its chat template (Harmony) renders through the engine's
+sandboxed template rendering.
 """
 
 from __future__ import annotations
@@ -208,3 +209,47 @@ def test_tensor_parallelism_is_refused_by_name(gpt_oss):
     _, folder = gpt_oss
     with pytest.raises(ValueError, match="GptOssForCausalLM: tensor_parallel_size > 1 is not supported"):
         LLM(str(folder), tensor_parallel_size=2, **SETTINGS)
+
+
+# Harmony, as OpenAI's published chat template renders a conversation with a developer message and
+# reasoning_effort "high" (the Harmony format's own example shape), ending with the assistant's turn header.
+HARMONY_PROMPT = ("<|start|>system<|message|>You are ChatGPT, a large language model trained by OpenAI.\n"
+                  "Knowledge cutoff: 2024-06\nCurrent date: {date}\n\nReasoning: high\n\n"
+                  "# Valid channels: analysis, commentary, final. Channel must be included for every message.<|end|>"
+                  "<|start|>developer<|message|># Instructions\n\nAnswer briefly.\n\n<|end|>"
+                  "<|start|>user<|message|>What is the weather in Paris?<|end|><|start|>assistant")
+
+
+def test_the_harmony_chat_template_renders_through_the_sandboxed_tokenizer(gpt_oss):
+    """gpt-oss's chat template (the copy TRL ships of OpenAI's, as a string: no download) through the
+    engine's template rendering: the Harmony turns, reasoning_effort read, a tool call on the commentary
+    channel with its analysis kept, the tool's result addressed back to the assistant."""
+    import datetime
+
+    from trl.chat_template_utils import gptoss_chat_template
+
+    from batchgen.engine.text.chat_template import ChatTemplateOptions
+
+    _, folder = gpt_oss
+    tokenizer = LLM(str(folder), **SETTINGS).engine.tokenizer
+    options = ChatTemplateOptions(chat_template=gptoss_chat_template, chat_template_kwargs={"reasoning_effort": "high"})
+    messages = [{"role": "developer", "content": "Answer briefly."},
+                {"role": "user", "content": "What is the weather in Paris?"}]
+    date = datetime.date.today().strftime("%Y-%m-%d")
+    assert tokenizer.render_chat(messages, options) == HARMONY_PROMPT.format(date=date)
+
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                               "parameters": {"type": "object", "required": ["city"],
+                                                              "properties": {"city": {"type": "string"}}}}}]
+    turns = messages + [
+        {"role": "assistant", "thinking": "Look it up.",
+         "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+        {"role": "tool", "content": "sunny"}]
+    with_tools = ChatTemplateOptions(chat_template=gptoss_chat_template, tools=tools)
+    rendered = tokenizer.render_chat(turns, with_tools)
+    assert "Calls to these tools must go to the commentary channel: 'functions'." in rendered
+    assert "type get_weather = (_: {\ncity: string,\n}) => any;" in rendered
+    assert rendered.endswith(
+        "<|start|>assistant<|channel|>analysis<|message|>Look it up.<|end|>"
+        '<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Paris"}<|call|>'
+        '<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>"sunny"<|end|><|start|>assistant')
