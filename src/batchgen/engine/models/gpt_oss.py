@@ -83,6 +83,7 @@ class GptOssForCausalLM(MoECausalLM):
         Refuses unknown or missing tensors by name."""
         params = dict(self.named_parameters())
         experts = ExpertCheckpoint(params, "GptOssForCausalLM")
+        # past MoECausalLM's loading (per-expert / fused (E, 2I, H) tensors): gpt-oss's experts are placed here
         super(MoECausalLM, self).load_weights(self._placing_experts(weights, params, experts))
         experts.check_complete()
 
