@@ -95,3 +95,24 @@ def test_biased_experts_with_the_clamped_swiglu_match_the_torch_path():
     assert relative_error(out, reference) <= 1e-5
     plain = fused_moe_triton(x, gate_up, down, weights, ids)
     assert relative_error(plain, reference) > 1e-2  # the biases and the clamps changed the result
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_fp8_experts_equal_the_torch_path_on_the_same_codes(dtype):
+    """E4M3 expert stacks with per-(expert, channel) scales (engine/quant/fp8_experts.py): the kernel widens
+    the codes and scales its accumulators; the CPU path widens each expert's weights. Both against the
+    per-expert reference on the dequantized weights, and close to the unquantized experts."""
+    from batchgen.engine.quant.fp8_experts import Fp8ExpertStack, quantize_expert_stack
+    from batchgen.kernels.fused_moe import fused_moe_torch
+
+    x, gate_up, down, weights, ids = problem(24, 2, 64, 32, dtype, seed=5)
+    (gu_codes, gu_scales), (d_codes, d_scales) = quantize_expert_stack(gate_up), quantize_expert_stack(down)
+    ours = fused_moe_triton(x, gu_codes, d_codes, weights, ids, gate_up_scale=gu_scales, down_scale=d_scales)
+    widened = [Fp8ExpertStack(gu_codes, gu_scales, dtype), Fp8ExpertStack(d_codes, d_scales, dtype)]
+    torch_path = fused_moe_torch(x, *widened, weights, ids)
+    dequantized = [torch.stack([stack[e] for e in range(NUM_EXPERTS)]) for stack in widened]
+    reference = fused_moe_per_expert_ref(x, *dequantized, weights, ids)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-3
+    assert relative_error(ours, reference) < tolerance
+    assert relative_error(torch_path, reference) < tolerance
+    assert 1e-3 < relative_error(ours, fused_moe_per_expert_ref(x, gate_up, down, weights, ids)) < 0.05  # E4M3 rounding

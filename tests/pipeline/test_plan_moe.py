@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
 from typer.testing import CliRunner
 
 from batchgen.cli.main import app
@@ -57,15 +56,15 @@ def test_qwen3_30b_a3b_all_experts_resident_a_token_reads_eight():
 
 
 # gpt-oss-120b, one layer: q/k/v (4096 + 2 x 512) x 2880 with biases, o_proj 2880 x 4096 with bias, two norms,
-# router 128 x 2880 + 128 bias, experts 128 x (3 x 2880 x 2880 + biases 2 x 2880 + 2880).
+# router 128 x 2880 + 128 bias, experts 128 x (3 x 2880 x 2880 + biases 2 x 2880 + 2880), 64 sink logits.
 OSS_EXPERT = 3 * 2880 * 2880 + 2 * 2880 + 2880
-OSS_LAYER = 5120 * 2880 + 5120 + 2880 * 4096 + 2880 + 2 * 2880 + 128 * 2880 + 128 + 128 * OSS_EXPERT
+OSS_LAYER = 5120 * 2880 + 5120 + 2880 * 4096 + 2880 + 2 * 2880 + 128 * 2880 + 128 + 128 * OSS_EXPERT + 64
 OSS_PARAMS = 36 * OSS_LAYER + 2 * 201088 * 2880 + 2880
 
 
-def test_gpt_oss_120b_is_planned_from_its_shapes_though_the_engine_does_not_run_it_yet():
+def test_gpt_oss_120b_is_planned_from_its_shapes():
     plan = plan_json("gpt-oss-120b")
-    assert round(OSS_PARAMS / 1e9, 2) == 116.83  # the model card's 116.83B (its 36 x 64 sink logits aside)
+    assert round(OSS_PARAMS / 1e9, 2) == 116.83  # the model card's 116.83B
     assert plan["num_parameters"] == OSS_PARAMS and plan["weight_bytes"] == OSS_PARAMS * BF16
     # every parameter but 124 unrouted experts a layer: 5.72B (the card's 5.13B "active" counts one of
     # the embedding and lm_head, and no expert biases)
@@ -77,8 +76,9 @@ def test_gpt_oss_120b_is_planned_from_its_shapes_though_the_engine_does_not_run_
     cfg = ModelConfig.from_hf_dict(json.loads((DATA / "gpt-oss-120b" / "config.json").read_text()), is_plan_only=True)
     assert (cfg.moe_router, cfg.moe_router_bias, cfg.moe_expert_bias, cfg.num_experts_per_tok) == (
         "topk_softmax", True, True, 4)
-    with pytest.raises(ValueError, match="'GptOssForCausalLM' is not supported"):  # loading still refuses it
-        ModelConfig.from_hf_dict(json.loads((DATA / "gpt-oss-120b" / "config.json").read_text()))
+    assert cfg == ModelConfig.from_hf_dict(json.loads((DATA / "gpt-oss-120b" / "config.json").read_text()))
+    assert (cfg.attention_sinks, cfg.sliding_window, cfg.layer_types[:2]) == (
+        True, 128, ("sliding_attention", "full_attention"))
 
 
 def test_the_text_plan_names_experts_active_parameters_and_decode_reads():

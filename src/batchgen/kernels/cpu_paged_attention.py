@@ -43,10 +43,10 @@ from batchgen.kernels.kv_formats import fp8_code_values, is_fp8_kv
 
 _P, _L, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
 _LIBRARY = CLibrary("paged_attention", ("paged_decode.c", "paged_prefill.c"), {
-    # ..., scale, cache_bf16, io_bf16, window, softcap, num_threads
-    "paged_decode_attention": (_I, [_P] * 8 + [_I] * 6 + [ctypes.c_float, _I, _I, _I, ctypes.c_float, _I]),
+    # ..., scale, cache_bf16, io_bf16, window, softcap, sinks, num_threads
+    "paged_decode_attention": (_I, [_P] * 8 + [_I] * 6 + [ctypes.c_float, _I, _I, _I, ctypes.c_float, _P, _I]),
     "paged_prefill_attention": (_I, [_P, _L, _P, _P, _P, _P, _P, _L] + [_P] * 4 + [_I] * 6
-                                + [ctypes.c_float, _I, _I, _I, ctypes.c_float, _I]),
+                                + [ctypes.c_float, _I, _I, _I, ctypes.c_float, _P, _I]),
     "paged_decode_rounds_probabilities": (_I, [_I, _I]),
 }, fallback="attention runs through SDPA (decodes staged)", headers=("bf16.h",))
 
@@ -94,6 +94,15 @@ def _window_softcap(sliding_window: int | None, softcap: float | None) -> tuple[
     return int(sliding_window or 0), float(softcap or 0.0)
 
 
+def _sink_logits(sinks: torch.Tensor | None, num_q_heads: int) -> torch.Tensor | None:
+    """Sink logits as the kernels read them: (num_q_heads,) contiguous float32 (None: no sinks)."""
+    if sinks is None:
+        return None
+    if sinks.shape != (num_q_heads,):
+        raise ValueError(f"sinks must hold one logit per query head ({num_q_heads},), got {tuple(sinks.shape)}")
+    return sinks.detach().to(torch.float32).contiguous()
+
+
 def _check_tables(block_tables: torch.Tensor, lengths: torch.Tensor, block_size: int, num_slots: int) -> None:
     """The C code trusts these: every row's keys lie inside its table, every table inside the cache."""
     if block_tables.shape[0] != lengths.shape[0]:
@@ -108,14 +117,16 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            block_tables: torch.Tensor, lengths: torch.Tensor, block_size: int,
                            scale: float, k_lut: torch.Tensor | None = None,
                            v_lut: torch.Tensor | None = None, sliding_window: int | None = None,
-                           softcap: float | None = None) -> torch.Tensor:
+                           softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """One query token per row against its own keys, read in place from the paged cache.
 
     q: (B, Hkv, G, D) float32 or bfloat16 (a KV head's G query heads together); k_cache, v_cache:
     (slots, Hkv, D) float32, bfloat16 or FP8 (then k_lut, v_lut from fp8_lookup_table), contiguous,
     slot = block * block_size + offset; block_tables: (B, max_blocks) int32; lengths: (B,) int32, row b attends slots of tokens
     [0, lengths[b]), or with `sliding_window` W only its last W of them. `softcap` c: scores become
-    c * tanh(score / c) before the softmax. Returns (B, Hkv, G, D).
+    c * tanh(score / c) before the softmax. `sinks` (Hkv * G,): a logit per query head (head h * G + g)
+    that joins the softmax's denominator and weighs no value (gpt-oss's attention sinks, after any cap).
+    Returns (B, Hkv, G, D).
     """
     lib = _LIBRARY.require()
     num_rows, num_kv_heads, group, head_dim = q.shape
@@ -128,12 +139,14 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         return torch.empty_like(q)
     _check_tables(block_tables, lengths, block_size, k_cache.shape[0])
     luts = _lut_pointers(k_cache, k_lut, v_lut)
+    sinks = _sink_logits(sinks, num_kv_heads * group)
     q = q.contiguous()
     out = torch.empty_like(q)
     rc = lib.paged_decode_attention(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), *luts, lengths.data_ptr(),
                                     block_tables.data_ptr(), out.data_ptr(), num_rows, num_kv_heads, group,
                                     head_dim, block_size, block_tables.shape[1], scale, *_formats(q, k_cache),
-                                    *_window_softcap(sliding_window, softcap), torch.get_num_threads())
+                                    *_window_softcap(sliding_window, softcap),
+                                    None if sinks is None else sinks.data_ptr(), torch.get_num_threads())
     if rc != 0:
         raise MemoryError("CPU decode-attention kernel: out of memory for its score rows")
     return out
@@ -144,7 +157,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             block_tables: torch.Tensor, block_size: int, scale: float,
                             out: torch.Tensor, k_lut: torch.Tensor | None = None,
                             v_lut: torch.Tensor | None = None, sliding_window: int | None = None,
-                            softcap: float | None = None) -> None:
+                            softcap: float | None = None, sinks: torch.Tensor | None = None) -> None:
     """Prefill chunks attend their cached context and themselves causally, keys read from the paged
     cache (this step's keys must be written there first): fresh prompts and prefix hits alike.
 
@@ -153,7 +166,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     prefill sequence (int32): its first flat token, query length, context length and block table
     (S, max_blocks) covering context + queries. head_dim must be a multiple of 16. FP8 caches as for
     decode (k_lut, v_lut). `sliding_window` W: a query at position p sees keys at positions > p - W
-    only; `softcap` as for decode.
+    only; `softcap` and `sinks` (H,) as for decode.
     Writes the sequences' rows of `out`.
     """
     lib = _LIBRARY.require()
@@ -172,11 +185,12 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         raise ValueError("a sequence's queries run past the step's tokens")
     _check_tables(block_tables, context_lens + query_lens, block_size, k_cache.shape[0])
     luts = _lut_pointers(k_cache, k_lut, v_lut)
+    sinks = _sink_logits(sinks, q.shape[1])
     rc = lib.paged_prefill_attention(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), *luts,
                                      out.data_ptr(), out.stride(0), token_starts.data_ptr(), query_lens.data_ptr(),
                                      context_lens.data_ptr(), block_tables.data_ptr(), num_seqs,
                                      block_tables.shape[1], num_kv_heads, q.shape[1] // num_kv_heads, head_dim,
                                      block_size, scale, *_formats(q, k_cache), *_window_softcap(sliding_window, softcap),
-                                     torch.get_num_threads())
+                                     None if sinks is None else sinks.data_ptr(), torch.get_num_threads())
     if rc != 0:
         raise MemoryError("CPU prefill-attention kernel: out of memory for its key and score buffers")

@@ -56,7 +56,9 @@ def fused_moe_torch(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, 
                     ) -> torch.Tensor:
     """(T, H) -> (T, H): sum over each token's k experts of weight x down(act(gate_up(x))).
     `activation`: (N, 2I) -> (N, I), e.g. the model's ops.silu_mul (a C kernel on the CPU).
-    `gate_up_bias` (E, 2I) / `down_bias` (E, H): each expert's biases (gpt-oss), added after its GEMMs."""
+    `gate_up_bias` (E, 2I) / `down_bias` (E, H): each expert's biases (gpt-oss), added after its GEMMs.
+    `gate_up` and `down` may be any stack indexed per expert to an (N, K) tensor in x's dtype, with a
+    `shape` (FP8 experts: engine/quant/fp8_experts.Fp8ExpertStack, widened one expert at a time)."""
     num_tokens, top_k = ids.shape
     num_experts, hidden = gate_up.shape[0], x.shape[1]
     order, counts = sort_by_expert(ids, num_experts)

@@ -131,7 +131,7 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
                               block_tables: torch.Tensor, cu_query_lens: torch.Tensor, seq_lens: torch.Tensor,
                               sm_scale: float, block_size: int, k_scale: torch.Tensor | None = None,
                               v_scale: torch.Tensor | None = None, sliding_window: int | None = None,
-                              softcap: float | None = None) -> torch.Tensor:
+                              softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of one step's queries q (T, Hq, D) over the paged cache -> (T, Hq, D) in q's dtype.
 
     Sequence s owns queries [cu_query_lens[s], cu_query_lens[s+1]) and seq_lens[s] cached keys (this
@@ -142,6 +142,9 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     `sliding_window` W: a query at position p sees only keys at positions > p - W (transformers'
     sliding_window_overlay: the last W positions, itself included). `softcap` c: scores become
     c * tanh(scores / c) (after sm_scale, before the mask; Gemma 2's attn_logit_softcapping).
+    `sinks` (Hq,): a logit per query head that joins each row's softmax denominator and weighs no
+    value (gpt-oss's attention sinks, as transformers' eager attention: a sink column appended to the
+    scores, dropped after the softmax).
     """
     num_q_heads = q.shape[1]
     group = num_q_heads // k_cache.shape[1]
@@ -166,7 +169,12 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         if sliding_window:
             is_seen &= pos[None, :] > q_pos - sliding_window
         scores = scores.masked_fill(~is_seen, float("-inf"))
-        out[lo:hi] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(q.dtype)
+        if sinks is not None:
+            sink = sinks.double().reshape(-1, 1, 1).expand(-1, hi - lo, 1)  # (Hq, Q, 1)
+            probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
+        else:
+            probs = scores.softmax(-1)
+        out[lo:hi] = torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
     return out
 
 

@@ -55,10 +55,10 @@ def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[
 
 @triton.jit
 def _grouped_gemm_kernel(
-    a_ptr, w_ptr, out_ptr, rows_ptr, block_experts_ptr, weights_ptr,
+    a_ptr, w_ptr, out_ptr, rows_ptr, block_experts_ptr, weights_ptr, scale_ptr,
     num_rows, N, K, ROWS_PER_A,
-    stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_om, stride_on,
-    MUL_ROUTER_WEIGHT: tl.constexpr, IS_FP32: tl.constexpr,
+    stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_om, stride_on, stride_se,
+    MUL_ROUTER_WEIGHT: tl.constexpr, IS_FP32: tl.constexpr, W_FP8: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -82,7 +82,11 @@ def _grouped_gemm_kernel(
                     mask=is_row[:, None] & (k[None, :] < K), other=0.0)  # (BLOCK_M, BLOCK_K)
         w = tl.load(w_base + offs_n[None, :] * stride_wn + k[:, None] * stride_wk,
                     mask=(offs_n[None, :] < N) & (k[:, None] < K), other=0.0)  # (BLOCK_K, BLOCK_N)
+        if W_FP8:  # E4M3 codes widened to the activations' dtype; the scales come after the K loop
+            w = w.to(a.dtype)
         acc = dot_tile(acc, a, w, IS_FP32)
+    if W_FP8:  # one scale per (expert, output channel): it factors out of the K sum
+        acc = acc * tl.load(scale_ptr + expert.to(tl.int64) * stride_se + offs_n, mask=offs_n < N, other=0.0)[None, :]
     if MUL_ROUTER_WEIGHT:
         acc = acc * tl.load(weights_ptr + rows, mask=is_row, other=0.0)[:, None]
     tl.store(out_ptr + rows[:, None] * stride_om + offs_n[None, :] * stride_on,
@@ -90,17 +94,20 @@ def _grouped_gemm_kernel(
 
 
 def grouped_gemm(a: torch.Tensor, weight: torch.Tensor, rows: torch.Tensor, block_experts: torch.Tensor,
-                 num_rows: int, rows_per_a: int, tiles: GemmTiles, router_weights: torch.Tensor | None = None
-                 ) -> torch.Tensor:
-    """out (num_rows, N): out[r] = a[r // rows_per_a] @ weight[expert of r]^T (x router_weights[r])."""
+                 num_rows: int, rows_per_a: int, tiles: GemmTiles, router_weights: torch.Tensor | None = None,
+                 scale: torch.Tensor | None = None) -> torch.Tensor:
+    """out (num_rows, N): out[r] = a[r // rows_per_a] @ weight[expert of r]^T (x router_weights[r]).
+    `scale` (E, N) float32: weight holds E4M3 codes, expert e's row n is codes[e, n] * scale[e, n]."""
     num_experts, n, k = weight.shape
     out = torch.empty(num_rows, n, dtype=a.dtype, device=a.device)
     grid = (block_experts.numel() * triton.cdiv(n, tiles.block_n),)
     _grouped_gemm_kernel[grid](
         a, weight, out, rows, block_experts, router_weights if router_weights is not None else out,
+        scale if scale is not None else out,  # never dereferenced without W_FP8
         num_rows, n, k, rows_per_a,
         a.stride(0), a.stride(1), weight.stride(0), weight.stride(1), weight.stride(2), out.stride(0), out.stride(1),
-        MUL_ROUTER_WEIGHT=router_weights is not None, IS_FP32=a.dtype == torch.float32,
+        scale.stride(0) if scale is not None else 0,
+        MUL_ROUTER_WEIGHT=router_weights is not None, IS_FP32=a.dtype == torch.float32, W_FP8=scale is not None,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return out
@@ -108,10 +115,13 @@ def grouped_gemm(a: torch.Tensor, weight: torch.Tensor, rows: torch.Tensor, bloc
 
 def fused_moe_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
                      ids: torch.Tensor, tiles: GemmTiles | None = None, activation=silu_mul_rows,
-                     gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None) -> torch.Tensor:
+                     gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None,
+                     gate_up_scale: torch.Tensor | None = None, down_scale: torch.Tensor | None = None) -> torch.Tensor:
     """(T, H) -> (T, H): each token's k experts' SwiGLU MLPs weighted and summed (fused_moe.py's contract,
     `activation` and the optional (E, 2I) / (E, H) biases as fused_moe_torch's). `tiles`: the tuning
-    table's choice for this shape when None (one configuration for both launches)."""
+    table's choice for this shape when None (one configuration for both launches). FP8 experts
+    (engine/quant/fp8_experts.py): gate_up and down hold E4M3 codes, `gate_up_scale` (E, 2I) and
+    `down_scale` (E, H) float32 their per-(expert, output channel) scales."""
     if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"x must be float16, bfloat16 or float32, got {x.dtype}")
     if gate_up.dim() != 3 or gate_up.shape[2] != x.shape[1] or down.shape[:2] != (gate_up.shape[0], x.shape[1]):
@@ -125,11 +135,11 @@ def fused_moe_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
 
     def run(t: GemmTiles) -> torch.Tensor:
         rows, block_experts = align_by_expert(ids, num_experts, t.block_m)
-        projected = grouped_gemm(x, gate_up, rows, block_experts, num_rows, top_k, t)  # (T*k, 2I)
+        projected = grouped_gemm(x, gate_up, rows, block_experts, num_rows, top_k, t, scale=gate_up_scale)  # (T*k, 2I)
         if gate_up_bias is not None:
             projected += gate_up_bias[flat_ids]
         act = activation(projected)  # (T*k, I)
-        out_rows = grouped_gemm(act, down, rows, block_experts, num_rows, 1, t, flat_weights)  # (T*k, H)
+        out_rows = grouped_gemm(act, down, rows, block_experts, num_rows, 1, t, flat_weights, down_scale)  # (T*k, H)
         if down_bias is not None:  # the kernel weighted the product; the bias gets the same weight
             out_rows += (flat_weights[:, None] * down_bias[flat_ids].float()).to(out_rows.dtype)
         return out_rows.view(num_tokens, top_k, hidden).sum(dim=1)

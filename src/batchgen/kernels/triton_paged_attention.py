@@ -58,6 +58,15 @@ def _merge(total_max, total_sum, total_acc, part_max, part_sum, part_acc):
 
 
 @triton.jit
+def _merge_sink(total_max, total_sum, total_acc, sinks_ptr, heads, is_row):
+    # The rows' sink logits (natural units, one per query head: gpt-oss) as one more key of weight
+    # exp(sink) and value 0, merged last: they join the denominator and weigh no value. The unsplit
+    # kernel and the split combine both merge it after every chunk, so the two modes stay bitwise equal.
+    sink = tl.load(sinks_ptr + heads, mask=is_row, other=0.0).to(tl.float32) * 1.4426950408889634
+    return _merge(total_max, total_sum, total_acc, sink, total_sum * 0.0 + 1.0, tl.zeros_like(total_acc))
+
+
+@triton.jit
 def _tanh(x):
     # tanh through exp2 (no libdevice call, so the interpreter runs it too): 1 - 2 / (e^2x + 1) is
     # exact to an ulp of 1 and saturates to +-1 without overflow trouble (e^2x = inf gives 1).
@@ -85,6 +94,7 @@ def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     block_tables_ptr, cu_q_ptr, seq_lens_ptr, k_scale_ptr, v_scale_ptr,
     part_acc_ptr, part_max_ptr, part_sum_ptr,
+    sinks_ptr,  # HAS_SINKS: (Hq,) float32 sink logits in natural units
     qk_scale,  # sm_scale * log2(e): the softmax runs in base 2
     softcap,  # HAS_SOFTCAP: scores (natural units) become softcap * tanh(score / softcap)
     window,  # HAS_WINDOW: a query at position p sees keys at positions > p - window only
@@ -100,7 +110,7 @@ def _paged_attention_kernel(
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr,
     IS_FP8: tl.constexpr, IS_FP32: tl.constexpr,
     IS_SPLIT: tl.constexpr, TILES_PER_CHUNK: tl.constexpr, MAX_SPLITS: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     q_tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -207,6 +217,8 @@ def _paged_attention_kernel(
         tl.store(part_acc_ptr + tokens[:, None] * stride_pa_t + heads[:, None] * stride_pa_h
                  + split * stride_pa_s + dims[None, :], total_acc, mask=is_row[:, None])
     else:
+        if HAS_SINKS:
+            total_max, total_sum, total_acc = _merge_sink(total_max, total_sum, total_acc, sinks_ptr, heads, is_row)
         out = total_acc / total_sum[:, None]
         tl.store(out_ptr + tokens[:, None] * stride_o_t + heads[:, None] * stride_o_h + dims[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=is_row[:, None] & is_dim[None, :])
@@ -214,10 +226,10 @@ def _paged_attention_kernel(
 
 @triton.jit
 def _combine_splits_kernel(
-    part_acc_ptr, part_max_ptr, part_sum_ptr, out_ptr,
+    part_acc_ptr, part_max_ptr, part_sum_ptr, out_ptr, sinks_ptr,
     stride_pa_t, stride_pa_h, stride_pa_s, stride_pm_t, stride_pm_h, stride_o_t, stride_o_h,
     NUM_QUERIES_PER_KV: tl.constexpr, GROUP_PAD: tl.constexpr,
-    HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, MAX_SPLITS: tl.constexpr,
+    HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, MAX_SPLITS: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     # One program per (token, kv head): the group's query heads as rows.
     token = tl.program_id(0).to(tl.int64)
@@ -237,6 +249,8 @@ def _combine_splits_kernel(
         part_sum = tl.load(part_sum_ptr + part_row + split, mask=is_row, other=0.0)
         part_acc = tl.load(part_acc_ptr + acc_row + split * stride_pa_s, mask=is_row[:, None], other=0.0)
         total_max, total_sum, total_acc = _merge(total_max, total_sum, total_acc, part_max, part_sum, part_acc)
+    if HAS_SINKS:
+        total_max, total_sum, total_acc = _merge_sink(total_max, total_sum, total_acc, sinks_ptr, heads, is_row)
     out = total_acc / tl.where(is_row, total_sum, 1.0)[:, None]  # padding rows of the group: no 0 / 0
     tl.store(out_ptr + token * stride_o_t + heads[:, None] * stride_o_h + dims[None, :],
              out.to(out_ptr.dtype.element_ty), mask=is_row[:, None] & (dims[None, :] < HEAD_SIZE))
@@ -259,6 +273,7 @@ def paged_attention(
     split_size: int = DEFAULT_SPLIT_SIZE,
     workspace: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     tiles: AttentionTiles | None = None, sliding_window: int | None = None, softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal paged attention of one engine step -> (T, Hq, D) in q's dtype (written into `out` if given).
 
@@ -279,7 +294,9 @@ def paged_attention(
     would need a device sync); only shapes, dtypes and strides are.
     `sliding_window` W: a query at position p sees keys at positions > p - W only (transformers'
     sliding window: the last W positions, itself included). `softcap` c: scores become
-    c * tanh(score / c) before the softmax (Gemma 2). None: off.
+    c * tanh(score / c) before the softmax (Gemma 2). `sinks` (Hq,) on q's device: a logit per query
+    head (natural units, after any cap) that joins the softmax's denominator and weighs no value
+    (gpt-oss's attention sinks). None: off.
     """
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be at least 1 (or None), got {sliding_window}")
@@ -287,6 +304,10 @@ def paged_attention(
         raise ValueError(f"softcap must be positive (or None), got {softcap}")
     _check_inputs(q, k_cache, v_cache, block_tables, cu_query_lens, seq_lens, block_size, k_scale, v_scale)
     num_tokens, num_q_heads, head_size = q.shape
+    if sinks is not None:
+        if sinks.shape != (num_q_heads,) or sinks.device != q.device:
+            raise ValueError(f"sinks must be ({num_q_heads},) on q's device, got {tuple(sinks.shape)} on {sinks.device}")
+        sinks = sinks.detach().to(torch.float32).contiguous()
     group = num_q_heads // k_cache.shape[1]
     is_fp8 = is_fp8_kv(k_cache.dtype)
     if out is None:
@@ -309,7 +330,7 @@ def paged_attention(
         if split_size <= 0 or split_size % config.tile_n:
             raise ValueError(f"split_size must be a positive multiple of tile_n={config.tile_n}, got {split_size}")
         _launch(q, k_cache, v_cache, out, block_tables, cu_query_lens, seq_lens, k_scale, v_scale, workspace,
-                sm_scale, block_size, split_size, group, is_fp8, config, sliding_window, softcap)
+                sm_scale, block_size, split_size, group, is_fp8, config, sliding_window, softcap, sinks)
 
     if tiles is None:
         candidates = attention_candidates(head_size, group, q.dtype, is_fp8)
@@ -321,7 +342,8 @@ def paged_attention(
 
 def _launch(q, k_cache, v_cache, out, block_tables, cu_query_lens, seq_lens, k_scale, v_scale, workspace,
             sm_scale: float, block_size: int, split_size: int, group: int, is_fp8: bool,
-            tiles: AttentionTiles, sliding_window: int | None = None, softcap: float | None = None) -> None:
+            tiles: AttentionTiles, sliding_window: int | None = None, softcap: float | None = None,
+            sinks: torch.Tensor | None = None) -> None:
     num_tokens, _, head_size = q.shape
     num_seqs, num_kv_heads = seq_lens.shape[0], k_cache.shape[1]
     block_m = max(tiles.block_m, triton.next_power_of_2(group))  # one query per tile, all its heads
@@ -333,7 +355,7 @@ def _launch(q, k_cache, v_cache, out, block_tables, cu_query_lens, seq_lens, k_s
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out, block_tables, cu_query_lens, seq_lens,
         k_scale if is_fp8 else q, v_scale if is_fp8 else q,
-        part_acc, part_max, part_sum,
+        part_acc, part_max, part_sum, sinks if sinks is not None else q,  # q: never dereferenced
         sm_scale * _LOG2E, float(softcap or 1.0), int(sliding_window or 1), num_seqs,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
@@ -346,16 +368,16 @@ def _launch(q, k_cache, v_cache, out, block_tables, cu_query_lens, seq_lens, k_s
         BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=max(block_m // group, 1), TILE_N=tiles.tile_n,
         IS_FP8=is_fp8, IS_FP32=q.dtype == torch.float32,
         IS_SPLIT=is_split, TILES_PER_CHUNK=split_size // tiles.tile_n, MAX_SPLITS=max_num_splits,
-        HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=softcap is not None,
+        HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=softcap is not None, HAS_SINKS=sinks is not None,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
     if is_split:
         _combine_splits_kernel[(num_tokens, num_kv_heads)](
-            part_acc, part_max, part_sum, out,
+            part_acc, part_max, part_sum, out, sinks if sinks is not None else out,
             part_acc.stride(0), part_acc.stride(1), part_acc.stride(2),
             part_max.stride(0), part_max.stride(1), out.stride(0), out.stride(1),
             NUM_QUERIES_PER_KV=group, GROUP_PAD=triton.next_power_of_2(group),
-            HEAD_SIZE=head_size, HEAD_PAD=head_pad, MAX_SPLITS=max_num_splits,
+            HEAD_SIZE=head_size, HEAD_PAD=head_pad, MAX_SPLITS=max_num_splits, HAS_SINKS=sinks is not None,
         )
 
 

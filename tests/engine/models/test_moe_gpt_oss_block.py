@@ -2,8 +2,8 @@
 with a bias (the top k logits, then a softmax over them), experts with biases whose gate and up
 projections transformers holds interleaved in one (E, H, 2I) tensor, and the clamped SwiGLU (gate clamped
 above at swiglu_limit, up to [-limit, limit], (up + 1) * gate * sigmoid(1.702 gate)). Inputs are scaled
-so that the clamps bind on some rows (asserted). The gpt-oss model itself is not run yet (attention
-sinks, alternating sliding windows, YaRN); this is its MoE half.
+so that the clamps bind on some rows (asserted). This is its MoE half alone; the whole model against
+transformers' is tests/engine/models/test_gpt_oss.py.
 """
 
 from __future__ import annotations

@@ -140,11 +140,14 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward(self, layer_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: LayerKVCache, meta: AttentionMetadata) -> torch.Tensor:
+                kv_cache: LayerKVCache, meta: AttentionMetadata, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Write k, v into the layer's cache at meta.slot_mapping (quantized for FP8, after
         `kv_cache.calibrate(k, v)`), then attend.
 
         q: (T, H, D); k, v: (T, Hkv, D), this step's tokens in batch order. Returns (T, H, D).
+        `sinks` (H,): the layer's attention sinks (gpt-oss): a logit per query head that joins each
+        softmax's denominator and weighs no value, as transformers' eager attention appends a sink
+        column and drops it after the softmax. Passed only by a model that has them (None: none).
         """
 
 

@@ -120,8 +120,8 @@ class CpuAttention(AttentionBackend):
         return CpuMetadataBuilder(block_size, device)
 
     def forward(self, layer_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: LayerKVCache, meta: CpuAttentionMetadata) -> torch.Tensor:
-        # q: (T, H, D); k, v: (T, Hkv, D)
+                kv_cache: LayerKVCache, meta: CpuAttentionMetadata, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        # q: (T, H, D); k, v: (T, Hkv, D); sinks: (H,) or None
         kv_cache.calibrate(k, v)
         k_cache, v_cache = kv_cache.k, kv_cache.v
         luts = kv_cache.lookup_tables() if kv_cache.is_fp8 else (None, None)
@@ -129,24 +129,25 @@ class CpuAttention(AttentionBackend):
         num_decodes = meta.num_decodes
         layer = self.layer(layer_index)
         if meta.decode is not None and num_decodes == q.shape[0]:  # decode-only step: no output copy
-            return self._decode(q, k_cache, v_cache, meta.decode, luts, layer)
+            return self._decode(q, k_cache, v_cache, meta.decode, luts, layer, sinks)
         out = q.new_empty(q.shape)  # (T, H, D) contiguous
         if meta.decode is not None:
-            out[:num_decodes] = self._decode(q[:num_decodes], k_cache, v_cache, meta.decode, luts, layer)
+            out[:num_decodes] = self._decode(q[:num_decodes], k_cache, v_cache, meta.decode, luts, layer, sinks)
         if meta.prefill is not None:  # every prefill chunk in one call
             p = meta.prefill
             cpu_paged_attention.paged_prefill_attention(q, k_cache, v_cache, p.token_starts, p.query_lens,
                                                         p.context_lens, p.block_tables, p.block_size, self.scale, out,
                                                         *luts, sliding_window=layer.sliding_window,
-                                                        softcap=layer.softcap)
+                                                        softcap=layer.softcap, sinks=sinks)
         return out
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                paged: PagedDecode, luts: tuple, layer: LayerAttention) -> torch.Tensor:
+                paged: PagedDecode, luts: tuple, layer: LayerAttention,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         # q: (B, H, D); a KV head's query heads go to the kernel together: GQA without expanding K/V.
         num_seqs = q.shape[0]
         q_rows = q.view(num_seqs, self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim)
         attn = cpu_paged_attention.paged_decode_attention(
             q_rows, k_cache, v_cache, paged.block_tables, paged.lengths, paged.block_size, self.scale, *luts,
-            sliding_window=layer.sliding_window, softcap=layer.softcap)
+            sliding_window=layer.sliding_window, softcap=layer.softcap, sinks=sinks)
         return attn.view(num_seqs, self.num_heads, self.head_dim)

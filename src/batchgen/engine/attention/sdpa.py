@@ -171,23 +171,33 @@ def _build_group(query_lens, context_lens, block_tables, token_start, block_size
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
-           softcap: float | None, is_gqa: bool, is_causal: bool = False) -> torch.Tensor:
+           softcap: float | None, is_gqa: bool, is_causal: bool = False,
+           sinks: torch.Tensor | None = None) -> torch.Tensor:
     """softmax(q k^T * scale [soft-capped], masked) v: q (B, H, Q, D), k, v (B, Hkv, K, D), mask
     broadcastable to (B, H, Q, K) bool (True = attend) or None (then `is_causal`). SDPA without a cap;
-    with one, the scores are capped explicitly (in float32), as transformers' eager attention does."""
-    if softcap is None:
+    with one, the scores are capped explicitly (in float32), as transformers' eager attention does.
+    `sinks` broadcastable to (B, H, Q, 1): a logit per row joining the denominator and weighing no value
+    (gpt-oss; explicit too: a sink column appended to the scores and dropped after the softmax, as
+    transformers' eager attention does)."""
+    if softcap is None and sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal and mask is None,
                                               scale=scale, enable_gqa=is_gqa)
     if is_gqa:
         repeat = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
     scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale  # (B, H, Q, K)
-    scores = torch.tanh(scores / softcap) * softcap
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     if mask is None and is_causal:
         mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril(scores.shape[-1] - scores.shape[-2])
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.matmul(scores.softmax(-1), v.float()).to(q.dtype)
+    if sinks is None:
+        probs = scores.softmax(-1)
+    else:
+        sink = sinks.float().expand(*scores.shape[:-1], 1)
+        probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
+    return torch.matmul(probs, v.float()).to(q.dtype)
 
 
 def causal_window_mask(length: int, window: int, device: torch.device) -> torch.Tensor:
@@ -214,8 +224,8 @@ class SdpaAttention(AttentionBackend):
         return SdpaMetadataBuilder(num_layers, self.num_kv_heads, self.head_dim, num_slots, block_size, dtype, device)
 
     def forward(self, layer_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache, meta: SdpaAttentionMetadata) -> torch.Tensor:
-        # q: (T, H, D); k, v: (T, Hkv, D)
+                kv_cache, meta: SdpaAttentionMetadata, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        # q: (T, H, D); k, v: (T, Hkv, D); sinks: (H,) or None
         k_cache, v_cache = kv_cache
         k_cache.index_copy_(0, meta.slot_mapping, k)
         v_cache.index_copy_(0, meta.slot_mapping, v)
@@ -223,15 +233,17 @@ class SdpaAttention(AttentionBackend):
         staging = meta.staging
         if staging is not None and is_decode_only:
             return self._staged_decode(q, k, v, k_cache, v_cache, meta.staging_buffers[layer_index], staging,
-                                       self.layer(layer_index), meta)
+                                       self.layer(layer_index), meta, sinks)
         out = q.new_empty(q.shape)  # (T, H, D) contiguous
         end = meta.num_decodes
         if staging is not None:
             out[:end] = self._staged_decode(q[:end], k[:end], v[:end], k_cache, v_cache,
-                                            meta.staging_buffers[layer_index], staging, self.layer(layer_index), meta)
+                                            meta.staging_buffers[layer_index], staging, self.layer(layer_index), meta,
+                                            sinks)
         is_gqa = self.num_heads != self.num_kv_heads
         layer = self.layer(layer_index)
         window, softcap = layer.sliding_window, layer.softcap
+        head_sinks = None if sinks is None else sinks.view(1, -1, 1, 1)  # (1, H, 1, 1): one per query head
         for start, num_tokens in meta.fresh:
             # (1, heads, L, D) strided views of the sequence's own rows: SDPA's causal kernel reads
             # them in place and skips the masked half.
@@ -242,7 +254,7 @@ class SdpaAttention(AttentionBackend):
                                      lambda: causal_window_mask(num_tokens, window, q.device))
             attn = attend(q[start:end].transpose(0, 1)[None], k[start:end].transpose(0, 1)[None],
                           v[start:end].transpose(0, 1)[None], mask, self.scale, softcap, is_gqa,
-                          is_causal=True)  # (1, H, L, D)
+                          is_causal=True, sinks=head_sinks)  # (1, H, L, D)
             out[start:end] = attn[0].transpose(0, 1)
         for index, g in enumerate(meta.groups):
             num_seqs, max_q = g.query_index.shape
@@ -259,13 +271,14 @@ class SdpaAttention(AttentionBackend):
             if window is not None:  # keys before the window masked too; padding rows keep their key 0
                 mask = meta.windowed(("group", index, window), lambda: _group_window_mask(g, window))
             attn = attend(q_pad.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
-                          mask, self.scale, softcap, is_gqa)  # (B, H, Q, D)
+                          mask, self.scale, softcap, is_gqa, sinks=head_sinks)  # (B, H, Q, D)
             attn = attn.transpose(1, 2)[g.query_valid]  # (num_tokens, H, D), flat token order
             out[g.token_start:g.token_start + g.num_tokens] = attn
         return out
 
     def _staged_decode(self, q, k, v, k_cache, v_cache, buffers: StagingBuffers, step: StagingStep,
-                       layer: LayerAttention, meta: SdpaAttentionMetadata) -> torch.Tensor:
+                       layer: LayerAttention, meta: SdpaAttentionMetadata,
+                       sinks: torch.Tensor | None = None) -> torch.Tensor:
         # q: (B, H, D) in staging-row order; k, v: (B, Hkv, D)
         num_seqs = q.shape[0]
         buffers.update(step, k_cache, v_cache, k, v)
@@ -278,8 +291,8 @@ class SdpaAttention(AttentionBackend):
                  for i, r in enumerate(step.ranges)]
         parts = [
             attend(q_rows[r.first:r.end], buffers.k[r.first:r.end, :, :r.max_len],
-                   buffers.v[r.first:r.end, :, :r.max_len], mask, self.scale, layer.softcap,
-                   is_gqa=False)  # (b, Hkv, group, D)
+                   buffers.v[r.first:r.end, :, :r.max_len], mask, self.scale, layer.softcap, is_gqa=False,
+                   sinks=None if sinks is None else sinks.view(1, self.num_kv_heads, group, 1))  # (b, Hkv, group, D)
             for r, mask in zip(step.ranges, masks)
         ]
         attn = parts[0] if len(parts) == 1 else torch.cat(parts)

@@ -162,7 +162,7 @@ class TritonAttention(AttentionBackend):
         return TritonMetadataBuilder(block_size, device, self.num_heads, self.num_kv_heads, self.head_dim)
 
     def forward(self, layer_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: LayerKVCache, meta: TritonAttentionMetadata) -> torch.Tensor:
+                kv_cache: LayerKVCache, meta: TritonAttentionMetadata, sinks: torch.Tensor | None = None) -> torch.Tensor:
         # q: (T, H, D); k, v: (T, Hkv, D), views of the fused qkv output (head_dim contiguous)
         from batchgen.kernels.triton_kv_store import store_kv
         from batchgen.kernels.triton_paged_attention import paged_attention
@@ -173,4 +173,5 @@ class TritonAttention(AttentionBackend):
         layer = self.layer(layer_index)
         return paged_attention(q, kv_cache.k, kv_cache.v, meta.block_tables, meta.cu_query_lens, meta.seq_lens,
                                self.scale, meta.block_size, split_size=meta.split_size, workspace=meta.workspace,
-                               sliding_window=layer.sliding_window, softcap=layer.softcap, **scales)  # (T, H, D)
+                               sliding_window=layer.sliding_window, softcap=layer.softcap, sinks=sinks,
+                               **scales)  # (T, H, D)

@@ -121,6 +121,8 @@ def weight_bytes(cfg: ModelConfig, dtype: torch.dtype, quantization: str = "none
         per_layer += (cfg.q_size + 2 * cfg.kv_size) * elem
     if cfg.o_proj_bias:
         per_layer += cfg.hidden_size * elem
+    if cfg.attention_sinks:  # gpt-oss: a sink logit per query head
+        per_layer += cfg.num_heads * elem
     if cfg.qk_norm:  # per head (head_dim wide each) or over all heads (q_size and kv_size wide)
         per_layer += (cfg.q_size + cfg.kv_size if cfg.qk_norm_over_heads else 2 * cfg.head_dim) * elem
     total = cfg.num_layers * per_layer + cfg.vocab_size * cfg.hidden_size * elem + cfg.hidden_size * elem
@@ -128,7 +130,7 @@ def weight_bytes(cfg: ModelConfig, dtype: torch.dtype, quantization: str = "none
         shapes = cfg.linear_shapes()
         dense_mlp = sum(linear_bytes(*shapes[name], True) + (shapes[name][1] * elem if has_pre_quant else 0)
                         for name in ("gate_up_proj", "down_proj"))
-        moe_block = expert_block_bytes(cfg, elem)
+        moe_block = expert_block_bytes(cfg, elem, is_fp8_experts(cfg, quantization))
         if cfg.shared_expert_intermediate_size:  # a gated MLP (plain linear layers) and its 1 x H gate
             shared, hidden = cfg.shared_expert_intermediate_size, cfg.hidden_size
             moe_block += sum(linear_bytes(n, k, True) + (k * elem if has_pre_quant else 0)
@@ -216,7 +218,14 @@ def decode_weight_bytes(cfg: ModelConfig, dtype: torch.dtype, batch: int, quanti
     if not cfg.is_moe:
         return total
     untouched = cfg.num_experts - expected_experts_touched(cfg, batch)
-    return int(total - num_moe_layers(cfg) * untouched * expert_bytes(cfg, dtype_bytes(dtype)))
+    return int(total - num_moe_layers(cfg) * untouched * expert_bytes(cfg, dtype_bytes(dtype),
+                                                                     is_fp8_experts(cfg, quantization)))
+
+
+def is_fp8_experts(cfg: ModelConfig, quantization: str) -> bool:
+    """Whether FP8 at load holds the routed experts as E4M3 (quant/fp8_experts.py): experts stored in the
+    model dtype (not MXFP4 as published) under `quantization` fp8."""
+    return quantization == "fp8" and cfg.is_moe and not cfg.moe_expert_format
 
 
 @dataclass(frozen=True)

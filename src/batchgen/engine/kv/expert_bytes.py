@@ -2,8 +2,9 @@
 reads only its top-k experts' weights.
 
 - `expert_block_bytes`: one MoE layer's router and routed experts as the engine holds them (in the model
-  dtype: the experts are (E, ...) tensors no quantizer at load swaps; FP8 / int8 / int4 at load quantize
-  the other linear layers), what takes the place of the dense MLP in kv/capacity.weight_bytes; with
+  dtype; with FP8 at load (`is_fp8`) the experts' weights as E4M3 bytes with a float32 scale per (expert,
+  output channel), quant/fp8_experts.py; int8 / int4 at load quantize only the other linear layers), what
+  takes the place of the dense MLP in kv/capacity.weight_bytes; with
   moe_expert_format "mxfp4" (gpt-oss's published experts, planned only) each expert's weights at their
   packed size, 17 bytes per 32 values (16 bytes of 4-bit values, one 8-bit shared scale), biases in dtype;
 - `num_parameters` / `num_active_parameters` (kv/capacity.py): all weights, and those one token runs through (its k
@@ -23,21 +24,25 @@ def num_moe_layers(cfg: ModelConfig) -> int:
     return sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
 
 
-def expert_block_bytes(cfg: ModelConfig, element_bytes: int) -> int:
+def expert_block_bytes(cfg: ModelConfig, element_bytes: int, is_fp8: bool = False) -> int:
     """Router (E x H, plus E bias values with moe_router_bias) and the E routed experts, one MoE layer."""
     router = cfg.num_experts * cfg.hidden_size + (cfg.num_experts if cfg.moe_router_bias else 0)
-    return router * element_bytes + cfg.num_experts * expert_bytes(cfg, element_bytes)
+    return router * element_bytes + cfg.num_experts * expert_bytes(cfg, element_bytes, is_fp8)
 
 
 MXFP4_BLOCK_VALUES = 32  # OCP MX: a block of 32 FP4 (E2M1) values, 16 bytes, shares one E8M0 scale byte
 MXFP4_BLOCK_BYTES = MXFP4_BLOCK_VALUES // 2 + 1
 
 
-def expert_bytes(cfg: ModelConfig, element_bytes: int) -> int:
+FP8_EXPERT_SCALE_BYTES = 4  # float32, one per (expert, output channel)
+
+
+def expert_bytes(cfg: ModelConfig, element_bytes: int, is_fp8: bool = False) -> int:
     """One routed expert as stored: its parameters in `element_bytes` each, or (moe_expert_format "mxfp4")
     its three projections packed (each row's input channels in blocks of 32, a partial last block taking a
     whole one: a tensor-parallel rank's slice of down_proj's channels need not be whole blocks) and its
-    biases unpacked."""
+    biases unpacked; `is_fp8` (FP8 at load, experts in the model dtype before): its weights one byte each
+    and a float32 scale per output channel (2I + H), its biases in `element_bytes`."""
     if cfg.moe_expert_format == "mxfp4":
         inter, hidden = cfg.moe_intermediate_size, cfg.hidden_size
         blocks = 2 * inter * -(-hidden // MXFP4_BLOCK_VALUES) + hidden * -(-inter // MXFP4_BLOCK_VALUES)
@@ -46,6 +51,10 @@ def expert_bytes(cfg: ModelConfig, element_bytes: int) -> int:
         return packed + biases * element_bytes
     if cfg.moe_expert_format:
         raise ValueError(f"moe_expert_format {cfg.moe_expert_format!r} is not one of '', 'mxfp4'")
+    if is_fp8:
+        inter, hidden = cfg.moe_intermediate_size, cfg.hidden_size
+        biases = (2 * inter + hidden) if cfg.moe_expert_bias else 0
+        return 3 * inter * hidden + (2 * inter + hidden) * FP8_EXPERT_SCALE_BYTES + biases * element_bytes
     return expert_parameters(cfg) * element_bytes
 
 

@@ -37,6 +37,9 @@ class ModelConfig:
     # transformers' per-layer kinds: "sliding_attention" (within sliding_window) or "full_attention";
     # None: every layer is sliding when sliding_window is set (Mistral), else full.
     layer_types: tuple[str, ...] | None = None
+    # gpt-oss: a learned logit per query head (`self_attn.sinks`) joins each attention softmax's denominator
+    # and weighs no value (attention sinks)
+    attention_sinks: bool = False
     attn_logit_softcapping: float | None = None  # Gemma 2: attention scores become c * tanh(score / c)
     final_logit_softcapping: float | None = None  # Gemma 2: logits become c * tanh(logit / c)
     query_pre_attn_scalar: float | None = None  # Gemma: the softmax scale is this ** -0.5 (None: head_dim's)

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from batchgen.engine.models.gemma2 import Gemma2ForCausalLM
 from batchgen.engine.models.gemma3 import Gemma3ForCausalLM
 from batchgen.engine.models.glm4 import Glm4ForCausalLM
-from batchgen.engine.models.gpt_oss_shapes import GptOssShapes
+from batchgen.engine.models.gpt_oss import GptOssForCausalLM
 from batchgen.engine.models.layers.sequence_classifier import (
     CAUSAL_SUFFIX,
     CLASSIFIER_SUFFIX,
@@ -65,14 +65,15 @@ ARCHITECTURES: dict[str, Architecture] = {
     "MixtralForCausalLM": Architecture(MixtralForCausalLM, "mixtral", gguf_name=None),
     "Qwen3MoeForCausalLM": Architecture(Qwen3MoeForCausalLM, "qwen3_moe", gguf_name="qwen3moe"),
     "Qwen2MoeForCausalLM": Architecture(Qwen2MoeForCausalLM, "qwen2_moe", gguf_name="qwen2moe"),  # a shared expert
+    # attention sinks, alternating sliding windows, experts with biases and a clamped SwiGLU (MXFP4 as published)
+    "GptOssForCausalLM": Architecture(GptOssForCausalLM, "gpt_oss", gguf_name=None),
 }
 
 
 # Architectures whose config.json `batchgen plan` reads (ModelConfig.from_hf_dict(is_plan_only=True)) but the
 # engine does not run yet: an Architecture whose class only reads the config (constructing it raises).
-PLAN_ONLY_ARCHITECTURES: dict[str, Architecture] = {
-    "GptOssForCausalLM": Architecture(GptOssShapes, "gpt_oss", gguf_name=None),
-}
+# None at present (gpt-oss was one until the engine ran it).
+PLAN_ONLY_ARCHITECTURES: dict[str, Architecture] = {}
 
 
 # Sequence classifiers (reward models): `XForSequenceClassification` for every registered `XForCausalLM`,

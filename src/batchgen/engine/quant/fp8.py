@@ -83,6 +83,10 @@ def quantize_model_fp8(model: nn.Module, config: EngineConfig, source=None,
             if is_quantizable(name, module, config.quantize_lm_head):
                 num_float_bytes += module.weight.numel() * module.weight.element_size()
                 _replace_module(model, name, Fp8Linear.from_linear(module))
+    # Mixture-of-experts models: the routed experts too, weight-only (quant/fp8_experts.py), as vLLM does.
+    from batchgen.engine.quant.fp8_experts import quantize_experts_fp8
+
+    num_expert_modules, num_expert_float_bytes, num_expert_fp8_bytes = quantize_experts_fp8(model)
     layers = [m for m in model.modules() if isinstance(m, Fp8Linear)]
     quantize_on_triton = mode == "w8a8" and can_use_triton_fp8_quant(config.torch_device, config.torch_dtype)
     for m in layers:
@@ -94,13 +98,18 @@ def quantize_model_fp8(model: nn.Module, config: EngineConfig, source=None,
     summary = {"fp8_mode": mode, "reason": why, "uses_triton": use_triton,
                "quantizes_activations_on_triton": quantize_on_triton, "from_checkpoint": from_checkpoint,
                "num_layers": len(layers), "num_float_bytes": num_float_bytes, "num_fp8_bytes": num_fp8_bytes,
-               "num_w8a16_fallback_layers": num_fallback}
+               "num_w8a16_fallback_layers": num_fallback, "num_expert_modules": num_expert_modules,
+               "num_expert_float_bytes": num_expert_float_bytes, "num_expert_fp8_bytes": num_expert_fp8_bytes}
     origin = f"read from the checkpoint {getattr(source, 'display_name', '')}".rstrip() if from_checkpoint \
         else "quantized at load"
     ratio = f" ({num_fp8_bytes / num_float_bytes:.1%} of {num_float_bytes / 1e6:.1f} MB)" if num_float_bytes else ""
     log.info("fp8: %d linear layers %s, %.1f MB with scales%s; matmul path %s%s (%s)%s", len(layers), origin,
              num_fp8_bytes / 1e6, ratio, mode, " (Triton kernel)" if use_triton else "", why,
              f"; {num_fallback} layers with K or N not divisible by 16 use w8a16" if num_fallback else "")
+    if num_expert_modules:
+        log.info("fp8: the routed experts of %d MoE layers quantized at load (w8a16), %.1f MB with scales (%.1f%% of "
+                 "%.1f MB)", num_expert_modules, num_expert_fp8_bytes / 1e6,
+                 100 * num_expert_fp8_bytes / num_expert_float_bytes, num_expert_float_bytes / 1e6)
     return summary
 
 

@@ -83,6 +83,8 @@ def declared_quantization(hf_config: dict, where: str) -> DeclaredQuantization |
 
         fp8_block_size(hf_config, where)  # checks the block size and format
         return None  # dequantized as its tensors stream in (quant/fp8_block.py): held in the model dtype
+    if method == "mxfp4" and "GptOssForCausalLM" in (hf_config.get("architectures") or []):
+        return None  # gpt-oss's experts as published: dequantized at load by its family (models/gpt_oss.py)
     if method == "fp8":
         from batchgen.engine.quant.fp8_checkpoint import fp8_quant_config
 

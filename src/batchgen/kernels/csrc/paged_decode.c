@@ -94,6 +94,7 @@ typedef struct {
     int cache_bf16, io_bf16;
     int window;  /* > 0: a row sees only its last `window` keys (sliding-window attention) */
     float softcap;  /* > 0: scores become softcap * tanh(score / softcap) before the softmax */
+    const float *sinks;  /* (Hkv * G,) a logit per query head in the softmax's denominator only, or NULL */
 } job_t;
 
 /* The first key row b's query sees: L - window with a window shorter than the row, else 0. Blocks
@@ -154,8 +155,8 @@ static void row_queries(const job_t *j, int b, long HGD, float *qo, const float 
 }
 
 /* Each of the HG score rows (L keys) to its exact softmax over the row's own keys (soft-capped, and
-   only those in its window when the job has them), and the HG x D
-   outputs zeroed for the P V sums. */
+   only those in its window when the job has them; with sinks, query head hg's sink logit joins the
+   denominator and weighs no value: gpt-oss), and the HG x D outputs zeroed for the P V sums. */
 static void softmax_rows(const job_t *j, float *scores, int HG, int L, float *out, int D) {
     const int k0 = first_key(j, L);
     const float cap = j->softcap;
@@ -164,7 +165,9 @@ static void softmax_rows(const job_t *j, float *scores, int HG, int L, float *ou
         for (int l = 0; l < k0; l++) sh[l] = 0.f;  /* outside the window: weigh nothing */
         if (cap > 0.f) for (int l = k0; l < L; l++) sh[l] = cap * tanhf(sh[l] / cap);
         for (int l = k0; l < L; l++) m = sh[l] > m ? sh[l] : m;
+        if (j->sinks && j->sinks[hg] > m) m = j->sinks[hg];
         for (int l = k0; l < L; l++) { sh[l] = expf(sh[l] - m); sum += sh[l]; }
+        if (j->sinks) sum += expf(j->sinks[hg] - m);
         const float inv = 1.f / sum;
         for (int l = k0; l < L; l++) sh[l] *= inv;
         for (int d = 0; d < D; d++) out[(long)hg * D + d] = 0.f;
@@ -454,16 +457,17 @@ int paged_decode_rounds_probabilities(int head_dim, int block_size) {
 /* Returns 0 on success. q, out: (rows, Hkv, group, D) contiguous, float32 or (io_bf16) bfloat16;
    k_cache, v_cache: (slots, Hkv, D) contiguous, slot = block * block_size + offset, float32,
    bfloat16 (cache_bf16) or (with k_lut, v_lut) FP8 bytes; block_tables: (rows, max_blocks);
-   window > 0: sliding-window attention over a row's last `window` keys; softcap > 0: tanh capping. */
+   window > 0: sliding-window attention over a row's last `window` keys; softcap > 0: tanh capping;
+   sinks: NULL, or (Hkv * group,) float32 sink logits (after any capping; see softmax_rows). */
 int paged_decode_attention(const void *q, const void *k_cache, const void *v_cache,
                            const float *k_lut, const float *v_lut, const int *lengths, const int *block_tables, void *out,
                            int num_rows, int num_kv_heads, int group, int head_dim,
                            int block_size, int max_blocks, float scale, int cache_bf16, int io_bf16,
-                           int window, float softcap, int num_threads) {
+                           int window, float softcap, const float *sinks, int num_threads) {
     int max_len = 1;
     for (int b = 0; b < num_rows; b++) max_len = lengths[b] > max_len ? lengths[b] : max_len;
     const job_t j = {q, k_cache, v_cache, k_lut, v_lut, lengths, block_tables, out, num_kv_heads, group, head_dim,
-                     block_size, max_blocks, scale, cache_bf16, io_bf16, window, softcap};
+                     block_size, max_blocks, scale, cache_bf16, io_bf16, window, softcap, sinks};
     const size_t qo_floats = io_bf16 ? 2 * (size_t)num_kv_heads * group * head_dim : 1;
     /* a bfloat16 cache has no tables: its K and V both read in place */
     attend_row_fn vector_row = vector_row_for(head_dim, cache_bf16 && !k_lut && !v_lut);

@@ -52,6 +52,7 @@ typedef struct {
     int cache_bf16, io_bf16;
     int window;  /* > 0: a query sees only the last `window` positions, itself included */
     float softcap;  /* > 0: scores become softcap * tanh(score / softcap) before the softmax */
+    const float *sinks;  /* (Hkv * group,) a logit per query head in the softmax's denominator only, or NULL */
 } prefill_job_t;
 
 /* The first key query row r (token r / G, at position ctx + r / G) sees. */
@@ -179,7 +180,11 @@ static void prefill_rows(const prefill_job_t *j, int seq, int h, int row_begin, 
             if (j->softcap > 0.f)
                 for (int key = first; key < n; key++) sr[key] = j->softcap * tanhf(sr[key] / j->softcap);
             for (int key = first; key < n; key++) m = sr[key] > m ? sr[key] : m;
+            /* a sink (gpt-oss): query head h * G + r % G's logit joins the denominator, weighs no value */
+            const float sink = j->sinks ? j->sinks[h * G + r % G] : 0.f;
+            if (j->sinks && sink > m) m = sink;
             for (int key = first; key < n; key++) { sr[key] = expf(sr[key] - m); sum += sr[key]; }
+            if (j->sinks) sum += expf(sink - m);
             const float inv = 1.f / sum;
             for (int key = first; key < n; key++) sr[key] *= inv;
             for (int key = n; key < padded; key++) sr[key] = 0.f;  /* masked keys weigh nothing */
@@ -200,12 +205,14 @@ static void prefill_rows(const prefill_job_t *j, int seq, int h, int row_begin, 
    both float32 or (io_bf16) bfloat16; caches as for decode (float32, bfloat16 with cache_bf16, or
    FP8 bytes with k_lut, v_lut); per prefill sequence: its first flat token, query and context
    lengths and block table (max_blocks). head_dim must be a multiple of 16. window > 0: each query sees
-   only the last `window` positions (itself included); softcap > 0: tanh capping of the scores. */
+   only the last `window` positions (itself included); softcap > 0: tanh capping of the scores; sinks:
+   NULL, or (Hkv * group,) float32 sink logits joining each row's denominator (after any capping). */
 int paged_prefill_attention(const void *q, long q_token_stride, const void *k_cache, const void *v_cache,
                             const float *k_lut, const float *v_lut, void *out, long out_token_stride, const int *token_starts, const int *query_lens,
                             const int *context_lens, const int *block_tables, int num_seqs, int max_blocks,
                             int num_kv_heads, int group, int head_dim, int block_size, float scale,
-                            int cache_bf16, int io_bf16, int window, float softcap, int num_threads) {
+                            int cache_bf16, int io_bf16, int window, float softcap, const float *sinks,
+                            int num_threads) {
     int max_keys = 1;
     for (int i = 0; i < num_seqs; i++) {
         const int n = context_lens[i] + query_lens[i];
@@ -217,7 +224,7 @@ int paged_prefill_attention(const void *q, long q_token_stride, const void *k_ca
     const int num_splits = num_pairs >= 4 * num_threads ? 1 : (4 * num_threads + num_pairs - 1) / num_pairs;
     const prefill_job_t j = {q, k_cache, v_cache, k_lut, v_lut, out, q_token_stride, out_token_stride, token_starts,
                              query_lens, context_lens, block_tables, max_blocks, num_kv_heads, group, head_dim,
-                             block_size, scale, cache_bf16, io_bf16, window, softcap};
+                             block_size, scale, cache_bf16, io_bf16, window, softcap, sinks};
     int failed = 0;
     #pragma omp parallel num_threads(num_threads) reduction(|:failed)
     {

@@ -26,7 +26,8 @@ class Attention(nn.Module):
     and k head before rope: Qwen3), `qk_norm_over_heads` (that RMSNorm over the whole q and the whole k
     projection instead, one statistic per token across heads: OLMo 2), `o_proj_bias` (OLMo 2 with
     attention_bias), `partial_rotary_factor` (rope on the first channels of each head: GLM-4,
-    Phi-4-mini) and `rope_interleaved` (rope on adjacent pairs: GLM-4, whose tables span the whole head).
+    Phi-4-mini), `rope_interleaved` (rope on adjacent pairs: GLM-4, whose tables span the whole head) and
+    `attention_sinks` (gpt-oss: `sinks` (H,), one logit per query head, handed to the backend).
     """
 
     def __init__(self, cfg: ModelConfig, layer_index: int):
@@ -44,6 +45,7 @@ class Attention(nn.Module):
         # whole model's q and k widths (set_qk_norm_group); None: this rank's q and k are whole.
         self.qk_norm_group: TensorParallelGroup | None = None
         self.qk_norm_widths = (cfg.q_size, cfg.kv_size)
+        self.sinks = nn.Parameter(torch.empty(cfg.num_heads)) if cfg.attention_sinks else None
 
     def set_qk_norm_group(self, group: TensorParallelGroup, q_width: int, kv_width: int) -> None:
         """Tensor parallelism (qk_norm_over_heads): this rank holds a slice of q and of k (and of their
@@ -84,7 +86,10 @@ class Attention(nn.Module):
             turned = ops.rotary(qk[..., :rotary_dim].contiguous(), *rope)  # (T, H + Hkv, rotary_dim)
             qk = torch.cat([turned, qk[..., rotary_dim:]], dim=-1)
         q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)  # (T, H, D), (T, Hkv, D)
-        out = backend.forward(self.layer_index, q, k, v, kv_cache, meta)  # (T, H, D)
+        if self.sinks is None:
+            out = backend.forward(self.layer_index, q, k, v, kv_cache, meta)  # (T, H, D)
+        else:
+            out = backend.forward(self.layer_index, q, k, v, kv_cache, meta, sinks=self.sinks)
         return self.o_proj(out.reshape(num_tokens, cfg.q_size))
 
     def _split_qk_norm(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:

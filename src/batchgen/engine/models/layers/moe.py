@@ -79,8 +79,32 @@ class Experts(nn.Module):
         self.gate_up_proj_bias = nn.Parameter(torch.empty(num, 2 * inter)) if cfg.moe_expert_bias else None
         self.down_proj_bias = nn.Parameter(torch.empty(num, hidden)) if cfg.moe_expert_bias else None
         self.swiglu = None if cfg.moe_swiglu_limit is None else (cfg.moe_swiglu_alpha, cfg.moe_swiglu_limit)
+        # FP8 at load (quantize_fp8): (E, 2I) and (E, H) float32 scales beside E4M3 gate_up_proj / down_proj
+        self.gate_up_proj_scale: nn.Parameter | None = None
+        self.down_proj_scale: nn.Parameter | None = None
 
         self.packed: nn.ModuleList | None = None  # per expert (gate_up, down) oneDNN layers (pack_for_onednn)
+
+    @property
+    def is_fp8(self) -> bool:
+        """Whether the weight stacks are E4M3 codes with per-(expert, channel) scales (quantize_fp8)."""
+        return self.gate_up_proj_scale is not None
+
+    @torch.no_grad()
+    def quantize_fp8(self) -> tuple[int, int]:
+        """gate_up_proj and down_proj to E4M3, one float32 scale per (expert, output channel) (quant/fp8_experts.py);
+        biases stay. Returns (bytes before, bytes after with the scales)."""
+        from batchgen.engine.quant.fp8_experts import quantize_expert_stack
+
+        before = after = 0
+        for name in ("gate_up_proj", "down_proj"):
+            weight = getattr(self, name)
+            codes, scales = quantize_expert_stack(weight)
+            before += weight.numel() * weight.element_size()
+            after += codes.numel() * codes.element_size() + scales.numel() * scales.element_size()
+            setattr(self, name, nn.Parameter(codes, requires_grad=False))
+            setattr(self, f"{name}_scale", nn.Parameter(scales, requires_grad=False))
+        return before, after
 
     def pack_for_onednn(self, can_fuse_silu_mul: bool) -> int:
         """CPU: each expert's two projections as prepacked oneDNN layers (models/cpu_linear.py; SiLU * up in
@@ -89,7 +113,7 @@ class Experts(nn.Module):
         them). Called by cpu_linear.pack_linears."""
         from batchgen.engine.models.cpu_linear import PackedLinear, PackedSiluMulLinear
 
-        if self.gate_up_proj_bias is not None or self.swiglu is not None:
+        if self.gate_up_proj_bias is not None or self.swiglu is not None or self.is_fp8:
             return 0
         pairs = []
         for gate_up, down in zip(self.gate_up_proj.detach(), self.down_proj.detach()):
@@ -113,9 +137,15 @@ class Experts(nn.Module):
             from batchgen.kernels.triton_fused_moe import fused_moe_triton
 
             return fused_moe_triton(x, self.gate_up_proj, self.down_proj, weights, ids, activation=activation,
-                                    gate_up_bias=self.gate_up_proj_bias, down_bias=self.down_proj_bias)
-        return fused_moe_torch(x, self.gate_up_proj, self.down_proj, weights, ids, activation,
-                               self.gate_up_proj_bias, self.down_proj_bias)
+                                    gate_up_bias=self.gate_up_proj_bias, down_bias=self.down_proj_bias,
+                                    gate_up_scale=self.gate_up_proj_scale, down_scale=self.down_proj_scale)
+        gate_up, down = self.gate_up_proj, self.down_proj
+        if self.is_fp8:  # each expert widened as its rows are projected
+            from batchgen.engine.quant.fp8_experts import Fp8ExpertStack
+
+            gate_up = Fp8ExpertStack(gate_up, self.gate_up_proj_scale, x.dtype)
+            down = Fp8ExpertStack(down, self.down_proj_scale, x.dtype)
+        return fused_moe_torch(x, gate_up, down, weights, ids, activation, self.gate_up_proj_bias, self.down_proj_bias)
 
 
 def _linear(weight: torch.Tensor) -> nn.Linear:
