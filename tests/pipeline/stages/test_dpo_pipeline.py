@@ -40,8 +40,9 @@ def _job_file(tmp_path, reward_model) -> str:
                {"name": "score", "task": "reward", "input": {"stage": "generate"},
                 "model": {"path": str(reward_model), "dtype": "float32", "max_model_len": 256}},
                {"name": "pairs", "task": "select", "input": {"stage": "score"},
-                "select": {"rule": "dpo_pairs", "min_margin": MIN_MARGIN,
-                           "completion_column": "generate_completion"}}]}  # stage 1's, carried
+                # the defaults read `reward` and `completion`: a reward stage keeps the sample it scored
+                # under its own name (it writes no completion of its own)
+                "select": {"rule": "dpo_pairs", "min_margin": MIN_MARGIN}}]}
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(job))
     return str(path)
@@ -62,7 +63,7 @@ def test_three_stage_dpo_pipeline_through_batchgen_run(tmp_path, tiny_reward_mod
     assert len(scored) == NUM_PROMPTS * N and all(row["error"] is None for row in scored)
     by_prompt = defaultdict(list)
     for row in scored:
-        by_prompt[row["id"]].append((row["reward"], row["generate_completion"], row["messages"]))
+        by_prompt[row["id"]].append((row["reward"], row["completion"], row["messages"]))
     assert len(by_prompt) == NUM_PROMPTS and all(len(s) == N for s in by_prompt.values())
 
     pairs_path = out / "pairs" / "part-00000.parquet"

@@ -176,3 +176,20 @@ def test_the_first_stages_system_prompt_opens_the_selected_prompts(tmp_path, rul
     else:
         assert rows[0]["messages"] == [system, user, {"role": "assistant", "content": "done 1/1"}]
     assert all(is_conversational(row) for row in rows)
+
+
+def test_a_reward_stage_keeps_the_scored_sample_as_completion_and_renames_only_what_it_writes(tmp_path):
+    """A reward stage writes no completion: the sample it scored keeps its name, so a dpo_pairs stage after
+    it reads the defaults (`reward`, `completion`); the columns it does write push the earlier ones aside."""
+    job = _three_stages(tmp_path)
+    job["stages"][1:] = [
+        {"name": "score", "task": "reward", "input": {"stage": "gen"}},
+        {"name": "pairs", "task": "select", "input": {"stage": "score"}, "select": {"rule": "dpo_pairs"}}]
+    staged = load_any_job(_write(tmp_path, job))
+    score = staged.by_name["score"]
+    assert {"completion", "reward", "sample_index", "finish_reason", "error", "gen_sample_index",
+            "gen_finish_reason", "gen_error", "messages"} <= set(score.columns)
+    assert "gen_completion" not in score.columns
+    assert score.job.output.rename_columns == {"sample_index": "gen_sample_index",
+                                               "finish_reason": "gen_finish_reason", "error": "gen_error"}
+    assert staged.by_name["pairs"].select.completion_column == "completion"
