@@ -10,7 +10,7 @@ from typing import Annotated
 import typer
 
 from batchgen.cli.console import EXIT_BAD_JOB, EXIT_FAILURE, check_metric_minimums, fail, setup_logging
-from batchgen.cli.report import check_report_extra, write_run_report
+from batchgen.cli.report import check_report_extra, write_folder_report, write_run_report
 from batchgen.pipeline.errors import JobError
 from batchgen.pipeline.output import REPORT_NAME
 from batchgen.pipeline.run_record import RunRecord
@@ -107,10 +107,10 @@ def _report_stages(staged, results: list, json_out: bool, report: bool) -> None:
         typer.echo(json.dumps({r.stage.name: r.record.to_dict() for r in results}, indent=2))
     else:
         typer.echo(format_stage_results(staged, results))
-    if report:
+    if report:  # every stage's page (select stages too), then the job's page linking them
         for result in results:
-            if result.stage.job is not None:
-                write_run_report(result.stage.job)
+            write_folder_report(result.stage.output_path, staged.storage_options)
+        write_folder_report(staged.output_path, staged.storage_options)
     for result in results:
         if result.stage.job is not None:
             check_metric_minimums(result.stage.job.metrics, result.record.metrics)
