@@ -26,7 +26,7 @@ from batchgen.report.run_stats import RunFigures, RunStats
 from batchgen.report.score_changes import ScoreChange
 from batchgen.report.select_stage import select_figures, select_summary_rows
 from batchgen.report.source import RunFolder
-from batchgen.report.stages_page import is_stages_folder, render_stages_report
+from batchgen.report.stages_page import is_stages_folder, render_stages_page
 
 _LATENCY_TITLES = {"queue_s": "queue", "ttft_s": "time to first token", "tpot_s": "time per output token",
                    "e2e_s": "end to end"}
@@ -76,7 +76,7 @@ def render_report(config: ReportConfig) -> Report:
     """The page for `config.out` (and `config.against`) with the scores it shows; a multi-stage job's
     output folder gets the page of its stages (stages_page.py)."""
     if config.against is None and is_stages_folder(config.out, config.storage_options):
-        return render_stages_report(config)
+        return Report(render_stages_page(config, _environment()), [])  # the stages' pages carry the scores
     new = RunFolder(config.out, config.storage_options)
     is_select = new.success is not None and new.success.select is not None
     comparison: Comparison | None = None

@@ -12,6 +12,8 @@ import datetime
 import json
 from dataclasses import dataclass
 
+import jinja2
+
 from batchgen.pipeline.errors import JobError
 from batchgen.pipeline.output import REPORT_NAME, SUCCESS_NAME
 from batchgen.pipeline.run_record import RecordError, RunRecord
@@ -59,20 +61,17 @@ def is_stages_folder(url: str, storage_options: dict | None = None) -> bool:
         return False  # RunFolder says what is wrong with it
 
 
-def render_stages_report(config: ReportConfig):
-    """The job's page (a Report with no scores: the stages' own pages carry theirs)."""
-    from batchgen.report.page import Report, _environment
-
+def render_stages_page(config: ReportConfig, env: jinja2.Environment) -> str:
+    """The job's page's HTML (page.py's environment: autoescaped, its filters)."""
     storage = Storage(config.out, config.storage_options)
     manifest = _read_json(storage, STAGES_NAME)
     stages = manifest.get("stages")
     if not isinstance(stages, list) or not all(isinstance(s, dict) for s in stages):
         raise ReportError(f"{storage.join(STAGES_NAME)}: `stages` is not a list of stages")
     rows = [_stage_row(config.out.rstrip("/"), config.storage_options, entry) for entry in stages]
-    html = _environment().get_template("stages.html.j2").render(
+    return env.get_template("stages.html.j2").render(
         job=manifest.get("job"), url=config.out, stages=rows, report_name=REPORT_NAME,
         generated=datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"))
-    return Report(html, [])
 
 
 def _stage_row(job_url: str, storage_options: dict, entry: dict) -> StageRow:
