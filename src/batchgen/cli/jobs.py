@@ -89,13 +89,24 @@ def run(
     check_metric_minimums(config.metrics, result.record.metrics)
 
 
+# Why static shards and stages do not mix: a later stage reads the earlier stage's whole committed output
+# (a prompt's samples may sit in any shard's parts), and static shards neither know of nor wait for each
+# other, so no shard can tell when it may start stage 2. Ray's driver can: it runs stage by stage.
+SHARDED_STAGES = (
+    "--shard: a multi-stage job does not run as static shards: each stage reads the whole committed output "
+    "of the stage before it, and static shards do not wait for one another, so no shard could start a later "
+    "stage before every shard had finished the earlier one. Spread its stages with cluster.backend: ray (each "
+    "model stage's units over the replicas, stage after stage), or run the first stage as a job of its own "
+    "with --shard (its output.keep_columns holding the prompt column) and start the multi-stage job from its "
+    "output folder (input: {path: <that folder>, allow_duplicate_ids: true, ...})")
+
+
 def _run_stages(staged, shard: str | None, num_shards: int | None, overwrite: bool, progress: bool) -> list:
     """A multi-stage job: every stage in order into <output.path>/<stage>/ (each resumes on its own)."""
     from batchgen.pipeline.stages.run import run_staged_job
 
     if shard is not None or num_shards is not None:
-        raise JobError("--shard does not apply to a multi-stage job (each stage needs the whole output of the "
-                       "one it reads); run it without --shard, or with cluster.backend: ray")
+        raise JobError(SHARDED_STAGES)
     return run_staged_job(staged, overwrite=overwrite, progress=progress)
 
 
