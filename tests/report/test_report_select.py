@@ -132,3 +132,6 @@ def test_batchgen_run_report_writes_each_stages_page_and_the_jobs_page_linking_t
     write_stages_manifest(load_any_job(changed))
     [cells] = keyed_cells(build_report(ReportConfig(out=str(out))), "stages-table").values()
     assert cells[3] == "complete, other settings"
+    shown = CliRunner().invoke(cli.app, ["report", str(out), "-o", str(tmp_path / "job.html")])
+    assert shown.exit_code == 0 and "each stage's scores are on its own page" in shown.output
+    assert 'id="stages-table"' in (tmp_path / "job.html").read_text()

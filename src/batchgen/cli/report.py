@@ -107,6 +107,10 @@ def report(
         typer.echo(json.dumps({"report": done.path, **done.scores_dict()}, indent=2))
         return
     typer.echo(f"batchgen: report written to {done.path}")
+    if done.is_stages:
+        typer.echo("a multi-stage job's page: each stage's scores are on its own page (batchgen report "
+                   f"{output.rstrip('/')}/<stage>)")
+        return
     typer.echo("\n".join(format_scores(done, against)))
     if against is not None:
         typer.echo("\n".join(format_config_differences(done.config_differences)))

@@ -50,6 +50,7 @@ class Report:
     path: str | None = None  # where write_report put the page
     # with --against: (key, this run's value, the baseline's) per configuration key that differs
     config_differences: list[tuple[str, object, object]] = field(default_factory=list)
+    is_stages: bool = False  # a multi-stage job's page: its stages' own pages carry the scores
 
     def scores_dict(self) -> dict:
         """The scores as `batchgen report --json` prints them."""
@@ -76,7 +77,7 @@ def render_report(config: ReportConfig) -> Report:
     """The page for `config.out` (and `config.against`) with the scores it shows; a multi-stage job's
     output folder gets the page of its stages (stages_page.py)."""
     if config.against is None and is_stages_folder(config.out, config.storage_options):
-        return Report(render_stages_page(config, _environment()), [])  # the stages' pages carry the scores
+        return Report(render_stages_page(config, _environment()), [], is_stages=True)
     new = RunFolder(config.out, config.storage_options)
     is_select = new.success is not None and new.success.select is not None
     comparison: Comparison | None = None
