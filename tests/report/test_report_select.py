@@ -14,7 +14,7 @@ import pytest
 
 from batchgen.report import ReportConfig, build_report
 from batchgen.report.config import ReportError
-from tests.pipeline.stages.test_select_stage import NUM_PROMPTS, N, _run, _samples
+from tests.pipeline.stages.test_select_stage import NUM_PROMPTS, N, _job, _run, _samples
 from tests.report.folders import row, write_run
 from tests.report.html_cells import keyed_cells
 
@@ -80,7 +80,58 @@ def test_a_model_runs_page_has_no_select_section(tmp_path):
     assert 'id="summary-table"' in html and 'id="select"' not in html
 
 
-def test_a_multi_stage_jobs_top_folder_is_refused_naming_its_stage_folders(tmp_path):
-    _dpo_stage(tmp_path)
-    with pytest.raises(ReportError, match=r"multi-stage job's folder: report one stage's output folder, .*out/pick$"):
-        build_report(ReportConfig(out=str(tmp_path / "out")))
+def test_a_select_stages_page_leaves_out_what_only_a_model_run_has(tmp_path):
+    folder, _ = _dpo_stage(tmp_path)
+    html = build_report(ReportConfig(out=str(folder)))
+    summary = {key: cells[-1] for key, cells in keyed_cells(html, "summary-table").items()}
+    assert set(summary) == {"job", "config_hash", "num_requests", "num_rows", "generation_seconds", "provenance"}
+    assert summary["num_requests"] == str(NUM_PROMPTS) and "prompts read" in html  # not "requests"
+    assert set(keyed_cells(html, "parts-table")) == {"parts", "rows"}  # no token or request counts of zero
+    for section in ('id="latency-table"', 'id="finish-reasons"', 'id="plots"', 'id="slowest"', 'id="failed"',
+                    'id="scores"'):
+        assert section not in html, section
+
+
+def test_against_refuses_a_select_stages_folder(tmp_path):
+    folder, _ = _dpo_stage(tmp_path)
+    with pytest.raises(ReportError, match=r"--against compares two model runs' rows .* a select stage's output"):
+        build_report(ReportConfig(out=str(folder), against=str(folder)))
+    with pytest.raises(ReportError, match=r"multi-stage job's folder: .*--against compares one stage's output "
+                                          r"folder with another's: .*out/pick$"):
+        build_report(ReportConfig(out=str(tmp_path / "out"), against=str(tmp_path / "out")))
+
+
+def test_batchgen_run_report_writes_each_stages_page_and_the_jobs_page_linking_them(tmp_path):
+    """`batchgen run --report` of a multi-stage job: the select stage's page, and at the top the job's page
+    with every stage in order, its state and counts, and each select stage's section."""
+    from typer.testing import CliRunner
+
+    from batchgen.cli import main as cli
+
+    path, rows = _samples(tmp_path)
+    job = _job(tmp_path, path, {"rule": "dpo_pairs", "min_margin": MIN_MARGIN})
+    result = CliRunner().invoke(cli.app, ["run", job, "--no-progress", "--report"])
+    assert result.exit_code == 0, result.output
+    out = tmp_path / "out"
+    stage_page = (out / "pick" / "report.html").read_text()
+    assert 'id="select-counts"' in stage_page and 'id="latency-table"' not in stage_page
+    page = (out / "report.html").read_text()
+    [cells] = keyed_cells(page, "stages-table").values()
+    num_output = json.loads((out / "pick" / "_SUCCESS").read_text())["select"]["num_output_rows"]
+    assert cells[:5] == ["pick", "select dpo_pairs", f"path {path}", "complete", str(num_output)]
+    assert 'href="pick/report.html"' in page
+    counts = {key: v[-1] for key, v in keyed_cells(page, "select-counts-pick").items()}
+    assert counts["num_prompts"] == str(NUM_PROMPTS) and counts["num_output_rows"] == str(num_output)
+    assert "Select stage pick: dpo_pairs" in page
+
+    # a changed rule: the job's page says the folder holds other settings' output until the next run
+    changed = _job(tmp_path, path, {"rule": "dpo_pairs", "min_margin": 2 * MIN_MARGIN})
+    from batchgen.pipeline.stages import load_any_job
+    from batchgen.pipeline.stages.run import write_stages_manifest
+
+    write_stages_manifest(load_any_job(changed))
+    [cells] = keyed_cells(build_report(ReportConfig(out=str(out))), "stages-table").values()
+    assert cells[3] == "complete, other settings"
+    shown = CliRunner().invoke(cli.app, ["report", str(out), "-o", str(tmp_path / "job.html")])
+    assert shown.exit_code == 0 and "each stage's scores are on its own page" in shown.output
+    assert 'id="stages-table"' in (tmp_path / "job.html").read_text()

@@ -10,7 +10,7 @@ from typing import Annotated
 import typer
 
 from batchgen.cli.console import EXIT_BAD_JOB, EXIT_FAILURE, check_metric_minimums, fail, setup_logging
-from batchgen.cli.report import check_report_extra, write_run_report
+from batchgen.cli.report import check_report_extra, write_folder_report, write_run_report
 from batchgen.pipeline.errors import JobError
 from batchgen.pipeline.output import REPORT_NAME
 from batchgen.pipeline.run_record import RunRecord
@@ -90,13 +90,24 @@ def run(
     check_metric_minimums(config.metrics, result.record.metrics)
 
 
+# Why static shards and stages do not mix: a later stage reads the earlier stage's whole committed output
+# (a prompt's samples may sit in any shard's parts), and static shards neither know of nor wait for each
+# other, so no shard can tell when it may start stage 2. Ray's driver can: it runs stage by stage.
+SHARDED_STAGES = (
+    "--shard: a multi-stage job does not run as static shards: each stage reads the whole committed output "
+    "of the stage before it, and static shards do not wait for one another, so no shard could start a later "
+    "stage before every shard had finished the earlier one. Spread its stages with cluster.backend: ray (each "
+    "model stage's units over the replicas, stage after stage), or run the first stage as a job of its own "
+    "with --shard (its output.keep_columns holding the prompt column) and start the multi-stage job from its "
+    "output folder (input: {path: <that folder>, allow_duplicate_ids: true, ...})")
+
+
 def _run_stages(staged, shard: str | None, num_shards: int | None, overwrite: bool, progress: bool) -> list:
     """A multi-stage job: every stage in order into <output.path>/<stage>/ (each resumes on its own)."""
     from batchgen.pipeline.stages.run import run_staged_job
 
     if shard is not None or num_shards is not None:
-        raise JobError("--shard does not apply to a multi-stage job (each stage needs the whole output of the "
-                       "one it reads); run it without --shard, or with cluster.backend: ray")
+        raise JobError(SHARDED_STAGES)
     return run_staged_job(staged, overwrite=overwrite, progress=progress)
 
 
@@ -108,10 +119,10 @@ def _report_stages(staged, results: list, json_out: bool, report: bool) -> None:
         typer.echo(json.dumps({r.stage.name: r.record.to_dict() for r in results}, indent=2))
     else:
         typer.echo(format_stage_results(staged, results))
-    if report:
+    if report:  # every stage's page (select stages too), then the job's page linking them
         for result in results:
-            if result.stage.job is not None:
-                write_run_report(result.stage.job)
+            write_folder_report(result.stage.output_path, staged.storage_options)
+        write_folder_report(staged.output_path, staged.storage_options)
     for result in results:
         if result.stage.job is not None:
             check_metric_minimums(result.stage.job.metrics, result.record.metrics)

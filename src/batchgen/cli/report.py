@@ -27,12 +27,17 @@ def write_run_report(config) -> None:
     """The report of a finished run, beside its _SUCCESS, with the job's metrics (they are in its parts).
     A report that fails is said on stderr and changes nothing else: the run succeeded, and its exit code
     (0, or the threshold's) is the run's."""
+    write_folder_report(config.output.path, config.output.storage_options or {})
+
+
+def write_folder_report(out: str, storage_options: dict) -> None:
+    """`out`/report.html: the page of a finished output folder (a run's, a select stage's, or a
+    multi-stage job's, which lists its stages). A page that fails is said on stderr, as write_run_report's."""
     try:
         from batchgen.report import ReportConfig, write_report
 
-        out = config.output.path
         path = write_report(ReportConfig(out=out, output=out.rstrip("/") + "/" + REPORT_NAME,
-                                         storage_options=config.output.storage_options or {}))
+                                         storage_options=storage_options))
     except Exception as exc:  # noqa: BLE001 - whatever broke the page, the run's outcome stands
         typer.echo(f"{REPORT_FAILED}{type(exc).__name__}: {exc}", err=True)
         return
@@ -40,8 +45,10 @@ def write_run_report(config) -> None:
 
 
 def report(
-    output: Annotated[str, typer.Argument(metavar="OUT", help="A finished run's output folder or URI.",
-                                          show_default=False)],
+    output: Annotated[str, typer.Argument(
+        metavar="OUT", help="A finished run's output folder or URI; a select stage's folder (its counts, score "
+                            "and margin histograms); or a multi-stage job's output.path (every stage, its "
+                            "counts and state, linking the stages' own pages).", show_default=False)],
     against: Annotated[str | None, typer.Option(
         "--against", metavar="OTHER_OUT",
         help="A second run of the same prompts (the baseline): rows joined by (id, sample_index), "
@@ -100,6 +107,10 @@ def report(
         typer.echo(json.dumps({"report": done.path, **done.scores_dict()}, indent=2))
         return
     typer.echo(f"batchgen: report written to {done.path}")
+    if done.is_stages:
+        typer.echo("a multi-stage job's page: each stage's scores are on its own page (batchgen report "
+                   f"{output.rstrip('/')}/<stage>)")
+        return
     typer.echo("\n".join(format_scores(done, against)))
     if against is not None:
         typer.echo("\n".join(format_config_differences(done.config_differences)))

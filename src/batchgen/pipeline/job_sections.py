@@ -293,7 +293,8 @@ class OutputSection(Section):
     that does not parse gives nulls."""
     rename_columns: dict[str, str] = Field(default_factory=dict)
     """Kept input columns written under another name: {input column: output column}. A stage that reads
-    an earlier stage keeps that stage's `completion` as `<earlier stage>_completion` this way."""
+    an earlier stage keeps the columns of it that it writes itself (a judge's `completion`) as
+    `<earlier stage>_<column>` this way."""
     storage_options: dict[str, Any] = Field(default_factory=dict)
     """fsspec options for the output's filesystem (credentials, endpoint); not in the config hash."""
     checkpoint_seconds: float = Field(default=10.0, gt=0)

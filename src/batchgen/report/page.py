@@ -20,12 +20,13 @@ import batchgen.report.plots as plots
 from batchgen.pipeline.run_record import RunRecord
 from batchgen.pipeline.run_record_text import SummaryRow
 from batchgen.report.compare import Comparison, compare_runs, output_task
-from batchgen.report.config import ReportConfig
+from batchgen.report.config import ReportConfig, ReportError
 from batchgen.report.metric_scores import ShownScore
 from batchgen.report.run_stats import RunFigures, RunStats
 from batchgen.report.score_changes import ScoreChange
-from batchgen.report.select_stage import select_figures
+from batchgen.report.select_stage import select_figures, select_summary_rows
 from batchgen.report.source import RunFolder
+from batchgen.report.stages_page import is_stages_folder, render_stages_page
 
 _LATENCY_TITLES = {"queue_s": "queue", "ttft_s": "time to first token", "tpot_s": "time per output token",
                    "e2e_s": "end to end"}
@@ -49,6 +50,7 @@ class Report:
     path: str | None = None  # where write_report put the page
     # with --against: (key, this run's value, the baseline's) per configuration key that differs
     config_differences: list[tuple[str, object, object]] = field(default_factory=list)
+    is_stages: bool = False  # a multi-stage job's page: its stages' own pages carry the scores
 
     def scores_dict(self) -> dict:
         """The scores as `batchgen report --json` prints them."""
@@ -72,11 +74,19 @@ def build_report(config: ReportConfig) -> str:
 
 
 def render_report(config: ReportConfig) -> Report:
-    """The page for `config.out` (and `config.against`) with the scores it shows."""
+    """The page for `config.out` (and `config.against`) with the scores it shows; a multi-stage job's
+    output folder gets the page of its stages (stages_page.py)."""
+    if config.against is None and is_stages_folder(config.out, config.storage_options):
+        return Report(render_stages_page(config, _environment()), [], is_stages=True)
     new = RunFolder(config.out, config.storage_options)
+    is_select = new.success is not None and new.success.select is not None
     comparison: Comparison | None = None
     if config.against is not None:
         old = RunFolder(config.against, config.storage_options)
+        if is_select or (old.success is not None and old.success.select is not None):
+            raise ReportError("--against compares two model runs' rows by (id, sample_index); a select stage's "
+                              "output has one row per prompt (or per kept row) and no sample_index: compare the "
+                              "folders of the stages it read, or report each select stage on its own")
         comparison = compare_runs(new, old, config)
         figures = comparison.new
     else:
@@ -90,8 +100,9 @@ def render_report(config: ReportConfig) -> Report:
         "run": new,
         "baseline": old,
         "figures": figures,
-        "summary": summary_rows(new.success),
+        "summary": select_summary_rows(new.success) if is_select else summary_rows(new.success),
         "select": select_figures(new.success),
+        "is_select": is_select,  # no model ran: no tokens, latencies, finish reasons or plots of them
         "warnings": folder_warnings(new, figures) + (folder_warnings(old, comparison.old) if old else []),
         "latency": [(name, _LATENCY_TITLES[name], figures.latency[name]) for name in figures.latency_columns],
         "is_scoring": (new.schema is not None and (new.success is None or new.success.select is None)
@@ -99,7 +110,7 @@ def render_report(config: ReportConfig) -> Report:
         "batch_files": {name: new.count_lines(name) for name in new.batch_files},
         "comparison": comparison,
         "compare_rows": compare_rows(new, old, comparison) if comparison else [],
-        "plots": make_plots(new, figures, comparison, config),
+        "plots": [] if is_select else make_plots(new, figures, comparison, config),
         "generated": datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"),
         "fmt": fmt,
     }

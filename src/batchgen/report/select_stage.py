@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from batchgen.pipeline.run_record import RunRecord
+from batchgen.pipeline.run_record_text import SummaryRow, count, provenance, seconds
 from batchgen.pipeline.stages.histogram import is_integer_histogram
 
 # (key of the select entry, label): the counts in the order the stage counts them
@@ -73,3 +74,16 @@ def histogram_bins(hist: dict | None) -> list[HistogramBin]:
         label = f"{edges[i] + 0.5:g}" if is_integer else f"[{edges[i]:.4g}, {edges[i + 1]:.4g}{close}"
         bins.append(HistogramBin(label, int(n), int(n) / largest))
     return bins
+
+
+def select_summary_rows(record: RunRecord) -> list[SummaryRow]:
+    """The summary table of a select stage: the `_SUCCESS` keys that mean something without a model (its
+    token counts and latencies are zeros by construction; num_requests counts the prompts it read)."""
+    return [SummaryRow(*row) for row in (
+        ("job", "job", record.job),
+        ("config_hash", "config hash", record.config_hash),
+        ("num_requests", "prompts read", count(record.num_requests)),
+        ("num_rows", "output rows", count(record.num_rows)),
+        ("generation_seconds", "took", seconds(record.generation_seconds)),
+        ("provenance", "provenance", provenance(record.provenance)),
+    )]

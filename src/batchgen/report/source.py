@@ -109,15 +109,16 @@ class RunFolder:
         return count
 
     def _refuse_a_staged_jobs_folder(self, entries: dict) -> None:
-        """A multi-stage job's output.path holds one folder per stage (and `_stages.json`), not rows: say
-        which folders the report can be given."""
+        """A multi-stage job's output.path holds one folder per stage (and `_stages.json`), not rows (its
+        own page is stages_page.py's; --against reaches here): say which folders can be compared."""
         from batchgen.pipeline.stages.run import STAGES_NAME
 
         if STAGES_NAME not in entries:
             return
         stages = self._read_json(STAGES_NAME).get("stages")
         folders = [str(s.get("folder")) for s in stages if isinstance(s, dict)] if isinstance(stages, list) else []
-        raise ReportError(f"{self.url} is a multi-stage job's folder: report one stage's output folder, "
+        raise ReportError(f"{self.url} is a multi-stage job's folder: its page (batchgen report {self.url}) "
+                          "lists its stages; --against compares one stage's output folder with another's: "
                           f"{' or '.join(self.storage.join(f) for f in folders) or 'one of its sub-folders'}")
 
     def _record(self, success: dict) -> RunRecord:

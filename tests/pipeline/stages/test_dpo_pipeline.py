@@ -1,4 +1,5 @@
-"""Issue 42, criterion 2: one three-stage job through `batchgen run` (the CLI, in-process): the bundled model
+"""Issue 42, criterion 2: one three-stage job (run_staged_job, what `batchgen run` calls, on the session's
+engine: no second load of the bundled model): the bundled model
 samples n = 4 answers to 100 chat prompts -> `task: reward` scores every sample with a tiny random
 one-label reward model -> `task: select` rule dpo_pairs with a min_margin. Every pair's chosen is the max
 and rejected the min of its prompt's rewards as stage 2 wrote them, margins >= min_margin, every dropped
@@ -7,20 +8,18 @@ as a datasets.Dataset."""
 
 from __future__ import annotations
 
-import json
 from collections import defaultdict
 
 import pyarrow.parquet as pq
 import pytest
 import yaml
-from typer.testing import CliRunner
 
-from batchgen.cli import main as cli
-from tests.conftest import MODEL
-from tests.pipeline.conftest import read_output, write_parquet
+from batchgen.pipeline.stages import load_any_job
+from batchgen.pipeline.stages.run import run_staged_job
+from tests.pipeline.conftest import engine_sections, read_output, write_parquet
 from tests.tiny_reward import tiny_reward_model  # noqa: F401  (a fixture)
 
-pytestmark = pytest.mark.slow  # 400 samples of 8 tokens on the bundled model, then 400 scored rows
+pytestmark = pytest.mark.slow  # 400 samples of 4 tokens on the bundled model, then 400 scored rows
 
 NUM_PROMPTS, N, MIN_MARGIN = 100, 4, 1.0
 TOPICS = ("rain", "ships", "bread", "hills", "stars", "rivers", "salt", "bridges", "owls", "maps")
@@ -32,29 +31,28 @@ def _job_file(tmp_path, reward_model) -> str:
         "messages": [[{"role": "user", "content": f"Say one thing about {TOPICS[i % 10]} ({i})."}]
                      for i in range(NUM_PROMPTS)]})
     job = {"name": "dpo-pipeline", "output": {"path": str(tmp_path / "out")},
-           "model": {"path": MODEL, "dtype": "float32", "max_model_len": 256},
-           "engine": {"device": "cpu", "kv_cache_memory": "64MiB"},
+           **engine_sections(),  # the session engine's settings: the generate stage runs on it
            "stages": [
                {"name": "generate", "input": {"path": str(prompts), "messages_column": "messages"},
-                "sampling": {"n": N, "temperature": 1.0, "max_tokens": 8, "seed": 11}},
+                "sampling": {"n": N, "temperature": 1.0, "max_tokens": 4, "seed": 11}},
                {"name": "score", "task": "reward", "input": {"stage": "generate"},
                 "model": {"path": str(reward_model), "dtype": "float32", "max_model_len": 256}},
                {"name": "pairs", "task": "select", "input": {"stage": "score"},
-                "select": {"rule": "dpo_pairs", "min_margin": MIN_MARGIN,
-                           "completion_column": "generate_completion"}}]}  # stage 1's, carried
+                # the defaults read `reward` and `completion`: a reward stage keeps the sample it scored
+                # under its own name (it writes no completion of its own)
+                "select": {"rule": "dpo_pairs", "min_margin": MIN_MARGIN}}]}
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(job))
     return str(path)
 
 
-def test_three_stage_dpo_pipeline_through_batchgen_run(tmp_path, tiny_reward_model):  # noqa: F811
+def test_three_stage_dpo_pipeline(tmp_path, engine, tiny_reward_model):  # noqa: F811
     from datasets import Dataset
     from trl.data_utils import is_conversational
 
     _, reward_model = tiny_reward_model
-    result = CliRunner().invoke(cli.app, ["run", _job_file(tmp_path, reward_model), "--no-progress", "--json"])
-    assert result.exit_code == 0, result.output
-    records = json.loads(result.stdout[result.stdout.index("{"):])
+    results = run_staged_job(load_any_job(_job_file(tmp_path, reward_model)), engine=engine, progress=False)
+    records = {r.stage.name: r.record.to_dict() for r in results}
     out = tmp_path / "out"
     assert all((out / stage / "_SUCCESS").exists() for stage in ("generate", "score", "pairs"))
 
@@ -62,7 +60,7 @@ def test_three_stage_dpo_pipeline_through_batchgen_run(tmp_path, tiny_reward_mod
     assert len(scored) == NUM_PROMPTS * N and all(row["error"] is None for row in scored)
     by_prompt = defaultdict(list)
     for row in scored:
-        by_prompt[row["id"]].append((row["reward"], row["generate_completion"], row["messages"]))
+        by_prompt[row["id"]].append((row["reward"], row["completion"], row["messages"]))
     assert len(by_prompt) == NUM_PROMPTS and all(len(s) == N for s in by_prompt.values())
 
     pairs_path = out / "pairs" / "part-00000.parquet"

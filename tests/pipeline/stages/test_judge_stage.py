@@ -1,6 +1,11 @@
-"""An LLM-as-judge stage on the bundled model: each sample's prompt rendered from its columns by
-input.prompt_template, the answer constrained to a JSON schema, its fields parsed into columns
-(output.parse_json) that a select stage ranks by."""
+"""An LLM-as-judge stage: each sample's prompt rendered from its columns by input.prompt_template, the
+answer constrained to a JSON schema, its fields parsed into columns (output.parse_json) that a select
+stage ranks by.
+
+The judge here is the tiny random-weight model (the bundled model's tokenizer and chat template): left
+to itself it never writes JSON, so every row that parses does so because the constraint held and the
+parse read it; the bundled model judges in test_example_stage_jobs (jobs/judge_dpo.yaml). 200 judged
+rows on the bundled model cost ~25 s of this suite; on the tiny one, a few."""
 
 from __future__ import annotations
 
@@ -15,9 +20,7 @@ from batchgen.pipeline.errors import JobError
 from batchgen.pipeline.stages import load_any_job
 from batchgen.pipeline.stages.run import run_staged_job
 from batchgen.pipeline.stages.text import select_lines
-from tests.pipeline.conftest import engine_sections, write_parquet
-
-pytestmark = pytest.mark.slow  # 200 constrained requests on the bundled model (~80 s on the 2 shared cores)
+from tests.pipeline.conftest import write_parquet
 
 NUM_PROMPTS, N = 50, 4  # 200 samples to judge
 VERDICT = {"type": "object", "properties": {
@@ -41,12 +44,16 @@ def _samples(tmp_path):
     return tmp_path / "samples"
 
 
-def _job(tmp_path, **judge) -> str:
-    job = {"name": "judged", "output": {"path": str(tmp_path / "out")}, **engine_sections(),
+def _job(tmp_path, model="smollm2-135m-instruct", **judge) -> str:
+    job = {"name": "judged", "output": {"path": str(tmp_path / "out")},
+           "model": {"path": str(model), "dtype": "float32", "max_model_len": 256},
+           "engine": {"device": "cpu", "kv_cache_memory": "32MiB"},
            "stages": [
                {"name": "judge", "input": {"path": str(_samples(tmp_path)), "prompt_template": TEMPLATE,
                                            "allow_duplicate_ids": True},
-                "sampling": {"max_tokens": 24, "structured": {"json": VERDICT, "disable_any_whitespace": True}},
+                # the longest answer spelled a character a token (a random model may): 31 tokens, and EOS
+                "sampling": {"max_tokens": 40, "seed": 5,
+                             "structured": {"json": VERDICT, "disable_any_whitespace": True}},
                 "output": {"parse_json": True, "keep_columns": ["sample_index", "messages", "completion"],
                            "rename_columns": {"sample_index": "candidate_index", "completion": "candidate"}},
                 **judge},
@@ -59,9 +66,9 @@ def _job(tmp_path, **judge) -> str:
 
 
 @pytest.fixture(scope="module")
-def judged(tmp_path_factory, engine):
+def judged(tmp_path_factory, tiny_model):
     tmp_path = tmp_path_factory.mktemp("judge")
-    results = run_staged_job(load_any_job(_job(tmp_path)), engine=engine, progress=False)
+    results = run_staged_job(load_any_job(_job(tmp_path, tiny_model)), progress=False)
     return tmp_path, {r.stage.name: r for r in results}
 
 
@@ -71,7 +78,7 @@ def test_every_finished_judge_row_parses_into_the_schema_columns(judged):
     assert table.num_rows == NUM_PROMPTS * N
     assert table.schema.field("score").type == "int64" and table.schema.field("reason").type == "string"
     finished = [row for row in table.to_pylist() if row["finish_reason"] == "stop"]
-    assert len(finished) == table.num_rows  # 24 tokens are room enough for the schema's longest answer
+    assert len(finished) == table.num_rows  # 40 tokens are room enough for the schema's longest answer
     for row in finished:
         answer = json.loads(row["completion"])
         jsonschema.validate(answer, VERDICT)
@@ -79,7 +86,7 @@ def test_every_finished_judge_row_parses_into_the_schema_columns(judged):
     assert results["judge"].record.structured.num_constrained_requests == NUM_PROMPTS * N
 
 
-def test_the_template_renders_each_rows_columns(judged, engine):
+def test_the_template_renders_each_rows_columns(judged, engine):  # the tiny judge shares its tokenizer
     tmp_path, _ = judged
     table = pq.read_table(tmp_path / "out" / "judge" / "part-00000.parquet")
     row = table.slice(5, 1).to_pylist()[0]  # prompt 1, sample 1

@@ -176,3 +176,49 @@ def test_the_first_stages_system_prompt_opens_the_selected_prompts(tmp_path, rul
     else:
         assert rows[0]["messages"] == [system, user, {"role": "assistant", "content": "done 1/1"}]
     assert all(is_conversational(row) for row in rows)
+
+
+def test_a_reward_stage_keeps_the_scored_sample_as_completion_and_renames_only_what_it_writes(tmp_path):
+    """A reward stage writes no completion: the sample it scored keeps its name, so a dpo_pairs stage after
+    it reads the defaults (`reward`, `completion`); the columns it does write push the earlier ones aside."""
+    job = _three_stages(tmp_path)
+    job["stages"][1:] = [
+        {"name": "score", "task": "reward", "input": {"stage": "gen"}},
+        {"name": "pairs", "task": "select", "input": {"stage": "score"}, "select": {"rule": "dpo_pairs"}}]
+    staged = load_any_job(_write(tmp_path, job))
+    score = staged.by_name["score"]
+    assert {"completion", "reward", "sample_index", "finish_reason", "error", "gen_sample_index",
+            "gen_finish_reason", "gen_error", "messages"} <= set(score.columns)
+    assert "gen_completion" not in score.columns
+    assert score.job.output.rename_columns == {"sample_index": "gen_sample_index",
+                                               "finish_reason": "gen_finish_reason", "error": "gen_error"}
+    assert staged.by_name["pairs"].select.completion_column == "completion"
+
+
+def test_shard_is_refused_for_a_multi_stage_job_and_its_workaround_runs(tmp_path):
+    """--shard with stages: exit 2 naming why, before anything runs; the way round it the message gives (a
+    sharded single job, then the stages from its folder) reads that folder as an earlier stage's output."""
+    from typer.testing import CliRunner
+
+    from batchgen.cli import main as cli
+    from batchgen.pipeline.job import run_job
+
+    job = _three_stages(tmp_path)
+    result = CliRunner().invoke(cli.app, ["run", _write(tmp_path, job), "--shard", "0/2", "--no-progress"])
+    assert result.exit_code == 2
+    assert "each stage reads the whole committed output of the stage before it" in result.output
+    assert "cluster.backend: ray" in result.output and not (tmp_path / "out").exists()
+
+    first = {"name": "gen", **engine_sections(), "input": job["stages"][0]["input"],
+             "sampling": {"max_tokens": 4, "n": 2, "temperature": 1.0},
+             "output": {"path": str(tmp_path / "gen"), "keep_columns": ["messages"]}}
+    config = load_job(_write(tmp_path, first))
+    run_job(config, engine=FakeEngine(config.engine_config()), progress=False)  # (sharded, in real life)
+    rest = {**job, "stages": [
+        {"name": "judge", "input": {"path": str(tmp_path / "gen"), "messages_column": "messages",
+                                    "allow_duplicate_ids": True}, "output": {"keep_columns": ["completion"],
+                                                                             "rename_columns": {"completion": "gen_completion"}}},
+        {"name": "keep", "task": "select", "input": {"stage": "judge"},
+         "select": {"rule": "filter", "where": "gen_completion IS NOT NULL"}}]}
+    results = _run(_write(tmp_path, rest))
+    assert results["keep"].record.num_rows == 6  # 3 prompts x 2 samples, each judged once

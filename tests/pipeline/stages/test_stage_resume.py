@@ -1,16 +1,21 @@
 """Per-stage resume across a crash: `batchgen run` of a three-stage job SIGKILLed during stage 2, then run
 again: stage 1's files are untouched (bytes and mtimes), stage 2 finishes only its missing units, and every
-stage's output equals an uninterrupted run's. Changing only stage 3's min_margin then reruns stage 3 alone."""
+stage's output equals an uninterrupted run's. Changing only stage 3's min_margin then reruns stage 3 alone.
+
+Only the killed run is a child process (kill -9 needs one); the uninterrupted run and the reruns call
+run_staged_job in this process, as `batchgen run` does (each child costs ~10 s of interpreter and torch
+start on the 2-core machine)."""
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
 import yaml
 
+from batchgen.pipeline.stages import load_any_job
+from batchgen.pipeline.stages.run import run_staged_job
 from tests.pipeline.cli_process import batchgen, part_files, sigkill_after_first_part
 from tests.pipeline.conftest import read_output, write_parquet
 
@@ -44,11 +49,9 @@ def _job_file(tmp_path: Path, tiny_model: Path, out: Path) -> str:
     return str(path)
 
 
-def _run(*args: str) -> subprocess.CompletedProcess:
-    done = subprocess.run(batchgen("run", *args, "--no-progress"), check=False, capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0, done.stderr
-    return done
+def _run(job: str, *overrides: str) -> dict:
+    """The job run to completion in this process: {stage name: StageResult}."""
+    return {r.stage.name: r for r in run_staged_job(load_any_job(job, list(overrides)), progress=False)}
 
 
 def _files(folder: Path) -> dict[str, tuple[bytes, int]]:
@@ -77,7 +80,9 @@ def test_sigkill_in_stage_2_resumes_there_and_ends_as_an_uninterrupted_run(tmp_p
 
     rerun = _run(job)
     assert _files(out / "gen") == gen_files  # stage 1: not a byte, not an mtime changed
-    assert f"skipping {len(done_before)} finished unit(s)" in rerun.stderr
+    assert (rerun["gen"].num_units_run, rerun["gen"].num_units_skipped) == (0, 1)
+    assert rerun["score"].num_units_skipped == len(done_before)  # its finished units skipped, the rest run
+    assert rerun["score"].num_units_run == NUM_PROMPTS * N - len(done_before)
     after = part_files(out / "score")
     assert {name: after[name] for name in done_before} == done_before  # stage 2's finished units kept
     assert len(after) == NUM_PROMPTS * N
@@ -98,8 +103,9 @@ def test_sigkill_in_stage_2_resumes_there_and_ends_as_an_uninterrupted_run(tmp_p
     # only stage 3's min_margin changes: stages 1 and 2 are complete and kept, stage 3 is made again
     before = {name: _files(out / name) for name in ("gen", "score")}
     margin = abs(pairs[0]["chosen_score"] - pairs[0]["rejected_score"]) + 1e-3  # drops at least that pair
-    _run(job, "--set", f"stages.pairs.select.min_margin={margin}")
+    changed = _run(job, f"stages.pairs.select.min_margin={margin}")
     assert {name: _files(out / name) for name in ("gen", "score")} == before
+    assert [changed[name].num_units_run for name in ("gen", "score", "pairs")] == [0, 0, 1]
     margins = [p["chosen_score"] - p["rejected_score"] for p in pq.read_table(
         out / "pairs" / "part-00000.parquet").to_pylist()]
     assert len(margins) < len(pairs) and all(m >= margin for m in margins)

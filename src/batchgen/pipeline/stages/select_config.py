@@ -28,8 +28,9 @@ class SelectSection(Section):
     """The column ranking a prompt's samples (dpo_pairs, best_of_n): a reward model's `reward`, or a
     judge's parsed field such as `score`. Rows whose score is null (failed samples) take no part."""
     completion_column: str = "completion"
-    """The column holding each sample's text (dpo_pairs, best_of_n). After a judge stage the judged
-    samples are kept as `<earlier stage>_completion`, e.g. `gen_completion`."""
+    """The column holding each sample's text (dpo_pairs, best_of_n). After a reward stage it is the
+    scored sample's `completion` (the default); after a judge stage, whose own `completion` is the
+    verdict, the judged samples are kept as `<earlier stage>_completion`, e.g. `gen_completion`."""
     prompt_column: str | None = None
     """The raw-text prompt column; null: the prompt column the earlier stages carried (their
     input.prompt_column or input.messages_column)."""

@@ -12,7 +12,9 @@
 What a stage reads from an earlier one: the earlier stage's committed output folder, with `id` as its
 id column (repeated: one row per sample), its prompt column carried on, and every column of it except the
 run statistics (token ids, token counts, latencies) kept in this stage's output; a kept column whose name
-this stage writes itself (a judge's `completion`) is kept as `<earlier stage>_<column>`.
+this stage writes itself is kept as `<earlier stage>_<column>`: a judge (a generate stage) writes its own
+`completion`, so the judged sample is `gen_completion`; a reward stage writes `reward`, `sample_index`,
+`finish_reason` and `error` but no `completion`, so the scored sample stays `completion` there.
 A stage's identity (its config hash) includes the identities of the stages it reads.
 """
 
@@ -29,7 +31,7 @@ from pydantic import ValidationError
 from batchgen.metrics import metric_column
 from batchgen.pipeline.config import JobConfig, format_validation_error, validate_job
 from batchgen.pipeline.errors import JobError
-from batchgen.pipeline.schema import RESERVED_NAMES, SCORE_FIELDS, generated_fields
+from batchgen.pipeline.schema import RESERVED_NAMES, REWARD_NAMES, SCORE_FIELDS, generated_fields
 from batchgen.pipeline.stages.columns import judge_columns
 from batchgen.pipeline.stages.select_config import SelectSection
 
@@ -37,17 +39,18 @@ DEFAULT_SECTIONS = ("model", "engine", "sampling", "batching", "cluster")
 TOP_LEVEL_KEYS = ("name", "output", "stages", *DEFAULT_SECTIONS)
 SELECT_KEYS = ("name", "task", "input", "select")
 SELECT_TASK = "select"
+REWARD_TASK = "reward"
 # Columns of a model stage's output that describe how it ran, not what it made: not carried to later stages.
 RUN_STAT_COLUMNS = frozenset({
     "completion_token_ids", "prompt_tokens", "cached_tokens", "completion_tokens", "cumulative_logprob",
     "token_logprobs", "top_logprobs", "queue_s", "ttft_s", "tpot_s", "e2e_s", "num_accepted_tokens", "openai_line",
     "continuation_token_ids", "continuation_token_logprobs"})
-# The columns a model task writes besides `id` and the kept ones, by task. `reward` (the reward-model
-# task) writes its score column; the lead adds any others it writes when the task lands.
+# The columns a model task writes besides `id` and the kept ones, by task (a reward stage's are
+# schema.REWARD_FIELDS less its run statistics).
 TASK_COLUMNS: dict[str, tuple[str, ...]] = {
     "generate": tuple(f.name for f in generated_fields(True)),
     "loglikelihood": tuple(f.name for f in SCORE_FIELDS),
-    "reward": ("reward", "finish_reason", "error"),
+    "reward": ("sample_index", "reward", "finish_reason", "error"),
 }
 
 
@@ -272,8 +275,11 @@ def _model_stage(top: dict, raw: dict, upstream: Stage | None, base_dir: Path, o
     out["path"], out["storage_options"] = output_path, storage_options
     keep = list(out.get("keep_columns") or [])
     renames = dict(out.get("rename_columns") or {})
-    own = set(RESERVED_NAMES) | set(TASK_COLUMNS.get(raw.get("task", "generate"), ())) | {metric_column(m) for m in (merged.get("metrics") or {})} | set(
-        judge_columns(merged, base_dir))
+    # Only the columns this stage writes itself push a carried column aside: a reward stage writes no
+    # `completion`, so the sample it scores stays `completion` for the stage after it.
+    task = raw.get("task", "generate")
+    own = set(REWARD_NAMES if task == REWARD_TASK else RESERVED_NAMES) | set(TASK_COLUMNS.get(task, ())) | {
+        metric_column(m) for m in (merged.get("metrics") or {})} | set(judge_columns(merged, base_dir))
     if upstream is not None:
         inp["path"] = upstream.output_path
         inp.setdefault("id_column", "id")
