@@ -50,6 +50,9 @@ def default_venv() -> Path:
 
 
 def default_model_dir(model: str) -> Path:
+    """An HF folder as it is (vLLM loads it directly); otherwise where the setup script converts it."""
+    if (Path(model).expanduser() / "config.json").is_file() and MODEL_DIR_VARIABLE not in os.environ:
+        return Path(model).expanduser()
     name = Path(model).name.removesuffix(".gguf")
     return Path(os.environ.get(MODEL_DIR_VARIABLE) or cache_root() / "peer-models" / f"{name}-hf").expanduser()
 
