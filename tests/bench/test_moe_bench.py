@@ -64,6 +64,7 @@ def test_engine_and_hf_do_the_same_work_and_the_moe_layers_are_timed(tiny_moe_fo
     experts = sum(p.numel() for p in layer.mlp.experts.parameters())
     per_token = 2 * 2 * (attention + router + experts * 2 // 8)  # 2 FLOPs a weight, 2 layers
     workload = result["workload"]
+    assert workload["name"] == "moe" and workload["num_requests"] == 4
     num_forward = workload["num_prompt_tokens"] + 4 * (5 - 1)
     assert result["roofline"]["num_flops"] == per_token * num_forward + 2 * hf.lm_head.weight.numel() * 4 * 5
     assert moe["num_active_layer_params_per_token"] == per_token // 2

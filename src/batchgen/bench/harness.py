@@ -48,9 +48,10 @@ def _say(message: str) -> None:
 def make_workload(opts: BenchOptions, engine: LLMEngine) -> Workload:
     tokenizer = engine.tokenizer
     if opts.workload in ("random", "serve", "moe"):
-        return random_workload(opts.num_requests or DEFAULT_NUM_REQUESTS, opts.input_len_min, opts.input_len_max,
-                               opts.output_len, opts.seed, engine.model_cfg.vocab_size,
-                               special_token_ids(tokenizer.hf))
+        workload = random_workload(opts.num_requests or DEFAULT_NUM_REQUESTS, opts.input_len_min,
+                                   opts.input_len_max, opts.output_len, opts.seed, engine.model_cfg.vocab_size,
+                                   special_token_ids(tokenizer.hf))
+        return dataclasses.replace(workload, name="moe") if opts.workload == "moe" else workload
     if opts.workload == "chat":
         return chat_workload(tokenizer, opts.output_len, opts.prompts, opts.num_requests)
     return shared_prefix_workload(tokenizer, opts.num_requests or DEFAULT_NUM_REQUESTS, opts.output_len, opts.seed)
