@@ -89,8 +89,10 @@ def test_the_matrix_runs_the_bench_command_and_pins_threads_only_when_asked(tmp_
 
     command = bench_command("random", "float32", tmp_path / "r.json")
     assert command[1:5] == ["-m", "batchgen.cli.main", "bench", "--workload"] and "--threads" not in command
-    pinned = bench_command("chat", "bfloat16", tmp_path / "c.json", num_threads=2, num_requests=16)
+    pinned = bench_command("chat", "bfloat16", tmp_path / "c.json", num_threads=2, num_requests=16,
+                           engine_settings=("kv_cache_memory=512MiB",))
     assert pinned[pinned.index("--threads") + 1] == "2" and pinned[pinned.index("--num-requests") + 1] == "16"
+    assert pinned[pinned.index("--engine") + 1] == "kv_cache_memory=512MiB"
 
 
 @pytest.mark.subprocess

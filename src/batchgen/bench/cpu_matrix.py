@@ -33,7 +33,7 @@ DTYPES = ("float32", "bfloat16")
 
 
 def bench_command(workload: str, dtype: str, target: Path, peer: str = "vllm", num_threads: int | None = None,
-                  num_requests: int | None = None) -> list[str]:
+                  num_requests: int | None = None, engine_settings: tuple[str, ...] = ()) -> list[str]:
     """One `batchgen bench` run of the matrix (the CLI module: the bench package has no __main__)."""
     command = [sys.executable, "-m", "batchgen.cli.main", "bench", "--workload", workload, "--dtype", dtype,
                "--peer", peer, "--output", str(target)]
@@ -41,18 +41,20 @@ def bench_command(workload: str, dtype: str, target: Path, peer: str = "vllm", n
         command += ["--threads", str(num_threads)]
     if num_requests is not None:
         command += ["--num-requests", str(num_requests)]
+    for setting in engine_settings:  # KEY=VALUE, e.g. kv_cache_memory=512MiB (vLLM's KV space follows it)
+        command += ["--engine", setting]
     return command
 
 
 def run_matrix(out: Path, num_rounds: int, num_threads: int | None, peer: str = "vllm",
                workloads: tuple[str, ...] = WORKLOADS, num_requests: int | None = None,
-               is_breakdown: bool = True) -> None:
+               is_breakdown: bool = True, engine_settings: tuple[str, ...] = ()) -> None:
     out.mkdir(parents=True, exist_ok=True)
     for round_index in range(1, num_rounds + 1):
         for workload in workloads:
             for dtype in DTYPES:
                 target = out / f"{workload}-{dtype}-{peer}-r{round_index}.json"
-                command = bench_command(workload, dtype, target, peer, num_threads, num_requests)
+                command = bench_command(workload, dtype, target, peer, num_threads, num_requests, engine_settings)
                 print(f"[cpu-matrix] round {round_index}: {' '.join(command[1:])}", flush=True)
                 subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
     if not is_breakdown:
@@ -123,6 +125,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated: random, chat")
     parser.add_argument("--num-requests", type=int, default=None, help="requests per run (default: the bench's)")
     parser.add_argument("--no-breakdown", action="store_true", help="skip the bf16 / float32 breakdown")
+    parser.add_argument("--engine", action="append", default=[], metavar="KEY=VALUE",
+                        help="an engine setting for every bench run (repeatable), e.g. kv_cache_memory=512MiB")
     parser.add_argument("--summarize", type=Path, default=None, help="only print the table of an earlier run")
     args = parser.parse_args(argv)
     if args.summarize is None:
@@ -131,7 +135,7 @@ def main(argv: list[str] | None = None) -> None:
         if unknown:
             parser.error(f"--workloads takes {', '.join(WORKLOADS)}; got {', '.join(sorted(unknown))}")
         run_matrix(args.out, args.rounds, args.threads, workloads=workloads, num_requests=args.num_requests,
-                   is_breakdown=not args.no_breakdown)
+                   is_breakdown=not args.no_breakdown, engine_settings=tuple(args.engine))
     print(summarize(args.summarize or args.out))
 
 
