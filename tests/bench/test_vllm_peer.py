@@ -70,6 +70,31 @@ def test_the_peer_gets_the_workload_and_vllm_settings_and_its_fastest_rep_is_rep
     assert run_vllm_peer(config, WORKLOAD).details["env"]["VLLM_CPU_OMP_THREADS_BIND"] == "0"
 
 
+def test_without_a_thread_count_vllm_binds_its_threads_as_it_does_for_a_user(tmp_path, monkeypatch):
+    # vLLM's default (auto) is what `vllm.LLM` gives a user; the bench pins cores only when given --threads.
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    model_dir = tmp_path / "model"
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in VllmPeerConfig(model_dir, tmp_path / "python").environment()
+    assert VllmPeerConfig(model_dir, tmp_path / "python", num_threads=3).environment()[
+        "VLLM_CPU_OMP_THREADS_BIND"] == "0-2"
+    # An HF folder is loaded as it is (no conversion): the MoE bench model, a user's folder.
+    (model_dir).mkdir()
+    (model_dir / "config.json").write_text("{}")
+    monkeypatch.delenv(vllm_cpu.MODEL_DIR_VARIABLE, raising=False)
+    assert vllm_cpu.default_model_dir(str(model_dir)) == model_dir
+
+
+def test_the_matrix_runs_the_bench_command_and_pins_threads_only_when_asked(tmp_path):
+    from batchgen.bench.cpu_matrix import bench_command
+
+    command = bench_command("random", "float32", tmp_path / "r.json")
+    assert command[1:5] == ["-m", "batchgen.cli.main", "bench", "--workload"] and "--threads" not in command
+    pinned = bench_command("chat", "bfloat16", tmp_path / "c.json", num_threads=2, num_requests=16,
+                           engine_settings=("kv_cache_memory=512MiB",))
+    assert pinned[pinned.index("--threads") + 1] == "2" and pinned[pinned.index("--num-requests") + 1] == "16"
+    assert pinned[pinned.index("--engine") + 1] == "kv_cache_memory=512MiB"
+
+
 @pytest.mark.subprocess
 def test_a_missing_environment_or_model_or_output_is_a_clear_error(tmp_path, monkeypatch):
     config = stand_in_config(tmp_path)
@@ -128,12 +153,13 @@ def test_the_matrix_summary_takes_medians_over_rounds(tmp_path):
 
     for round_index, (ours, theirs) in enumerate([(100.0, 50.0), (120.0, 40.0), (90.0, 60.0)], start=1):
         result = {"engine_runs": {"engine": {"completion_tokens_per_s": ours}}, "peer": {"completion_tokens_per_s": theirs},
-                  "ratio_vs_peer": ours / theirs, "fraction_of_roofline": 0.5, "machine": {"cpu": "Test CPU"},
+                  "ratio_vs_peer": ours / theirs, "fraction_of_roofline": 0.5,
+                  "machine": {"cpu": "Test CPU", "num_threads": 4, "num_cpus": 4},
                   "agreement": {"engine vs peer": {"num_exact": 64, "num_requests": 64}},
                   "kernels": {"cpu_isa": "avx2", "bf16_path": None}}
         (tmp_path / f"random-float32-vllm-r{round_index}.json").write_text(json.dumps(result))
     table = summarize(tmp_path)
-    assert "Test CPU, kernels at avx2" in table
+    assert "Test CPU, kernels at avx2; batchgen 4 torch threads of 4 CPUs, vLLM OpenMP binding auto" in table
     assert "| random | float32 (float32) | 100.0 (90.0-120.0) | 50.0 (40.0-60.0) | 2.00x | 64/64 | 50.0% | 3 |" in table
 
 

@@ -27,6 +27,7 @@ class ShapeRate:
     in_features: int
     out_features: int
     seconds: float  # median of the timed repeats
+    count: int = 1  # LinearShape.count: an MoE layer's expert shapes weigh top-k times in the layer rate
 
     @property
     def num_flops(self) -> int:
@@ -37,8 +38,9 @@ class ShapeRate:
         return self.num_flops / self.seconds / 1e9
 
     def as_dict(self) -> dict:
-        return {"name": self.name, "num_tokens": self.num_tokens, "in_features": self.in_features,
-                "out_features": self.out_features, "seconds": self.seconds, "gflops_per_s": self.gflops_per_s}
+        shape = {"name": self.name, "num_tokens": self.num_tokens, "in_features": self.in_features,
+                 "out_features": self.out_features, "seconds": self.seconds, "gflops_per_s": self.gflops_per_s}
+        return shape if self.count == 1 else {**shape, "count": self.count}
 
 
 @dataclass(frozen=True)
@@ -85,11 +87,12 @@ def _median_seconds(run, min_seconds: float, min_repeats: int) -> float:
 
 def measure_gemm_rate(cfg: ModelConfig, num_tokens: int, min_seconds: float = 0.3, min_repeats: int = 3,
                       include_lm_head: bool = True, dtype: torch.dtype = torch.float32) -> GemmRate:
-    """Time each linear of the model at `num_tokens` rows; the layer rate is their FLOPs / their time."""
+    """Time each linear of the model at `num_tokens` rows; the layer rate is their FLOPs / their time,
+    each shape weighed by how often a token runs it (an MoE layer: the experts' shapes top-k times)."""
     layer = [ShapeRate(s.name, num_tokens, s.in_features, s.out_features,
-                       _time_linear(s, num_tokens, min_seconds, min_repeats, dtype))
+                       _time_linear(s, num_tokens, min_seconds, min_repeats, dtype), s.count)
              for s in layer_linear_shapes(cfg)]
-    layer_rate = sum(s.num_flops for s in layer) / sum(s.seconds for s in layer)
+    layer_rate = sum(s.count * s.num_flops for s in layer) / sum(s.count * s.seconds for s in layer)
     shapes = list(layer)
     if include_lm_head:
         head = lm_head_shape(cfg)

