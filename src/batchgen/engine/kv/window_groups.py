@@ -1,0 +1,75 @@
+"""The KV pool of a model with sliding-window (local) and full-attention (global) layers: two block groups.
+
+A local layer's query at position p reads keys at positions > p - W only, so its KV blocks wholly before
+that are never read again. As vLLM's hybrid allocator does, the local layers get their own block group:
+their caches are a separate, smaller pool, each sequence has a second block table for them (the same
+logical indexing as its full table), and the blocks that fall out of every local layer's window are
+freed as the sequence advances (kv_cache_manager.py). A sequence then holds at most W / block_size + 1
+local blocks between steps, whatever its length; the global layers keep every block.
+
+The budget that would hold `num_blocks` blocks of every layer is split between the groups: the local
+pool gets what the running batch's windows can use (every sequence's window plus one step's chunk), the
+global pool the rest, so a long-context job fits more tokens. The engine (its KV cache manager) and the
+model runner (its caches) compute the same split from the same inputs (`windowed_kv_split`).
+
+Used where the steps reach the caches through a block table the runner packs per step on one process:
+the C kernels and Triton, tensor_parallel_size 1, eager decode steps (the CUDA decode graphs hold one
+table; executor.py skips their capture). Elsewhere (SDPA's staging rows keep a dense mirror per
+sequence; tensor-parallel workers unpack one table) the windows are masks over a full-length cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Backends that read every layer's cache through the step's block tables, and nothing else.
+WINDOWED_KV_BACKENDS = ("cpu", "triton")
+
+
+@dataclass(frozen=True)
+class WindowedKV:
+    """How the KV pool is split between global and local layers."""
+
+    local_layers: frozenset[int]  # layer indices with a sliding window (their caches: the local pool)
+    window: int  # the widest local window, in tokens: blocks before it are freed
+    num_blocks: int  # blocks of the global layers' pool (the full block tables index it)
+    num_local_blocks: int  # blocks of the local layers' pool (the local block tables index it)
+
+
+def window_start_block(num_computed_tokens: int, window: int, block_size: int) -> int:
+    """The first block a query at position `num_computed_tokens` (or later) reads in a layer with this
+    window: the query sees positions > p - window, so positions before p - window + 1 are never read."""
+    return max(0, num_computed_tokens - window + 1) // block_size
+
+
+def max_local_blocks(window: int, block_size: int) -> int:
+    """Local blocks a sequence holds between steps at most (a decode): ceil((W - 1) / bs) + 1 <= W / bs + 1."""
+    return -(-(window - 1) // block_size) + 1
+
+
+def windowed_kv_split(windows: list[int | None], num_blocks: int, block_size: int, max_num_seqs: int,
+                      max_num_batched_tokens: int, backend_name: str, tensor_parallel_size: int) -> WindowedKV | None:
+    """The split of a pool of `num_blocks` full-model blocks, or None where the windows stay masks over a
+    full-length cache (no windowed layer, no global layer, or a backend/parallel layout it does not run on).
+
+    `windows`: each layer's sliding window (None: full attention). The local pool holds every running
+    sequence's window plus one step's chunk, capped by `num_blocks`; the bytes it leaves go to the global
+    pool: num_local_layers x (num_blocks - num_local_blocks) more blocks of num_global_layers layers.
+    """
+    local = frozenset(i for i, w in enumerate(windows) if w is not None)
+    num_global = len(windows) - len(local)
+    if not local or not num_global or backend_name not in WINDOWED_KV_BACKENDS or tensor_parallel_size != 1:
+        return None
+    window = max(windows[i] for i in local)
+    wanted = max_num_seqs * max_local_blocks(window, block_size) + -(-max_num_batched_tokens // block_size) + 1
+    num_local = min(wanted, num_blocks)
+    num_global_blocks = num_blocks + (num_blocks - num_local) * len(local) // num_global
+    return WindowedKV(local, window, num_global_blocks, num_local)
+
+
+def model_windowed_kv(config, backend, num_layers: int, num_blocks: int) -> WindowedKV | None:
+    """`windowed_kv_split` for a model's attention backend (its per-layer windows) under an EngineConfig:
+    what the engine's KV cache manager and the model runner's caches both use."""
+    return windowed_kv_split([backend.layer(i).sliding_window for i in range(num_layers)], num_blocks,
+                             config.block_size, config.max_num_seqs, config.max_num_batched_tokens, backend.name,
+                             config.tensor_parallel_size)
