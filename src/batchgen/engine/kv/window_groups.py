@@ -47,21 +47,41 @@ def max_local_blocks(window: int, block_size: int) -> int:
     return -(-(window - 1) // block_size) + 1
 
 
+def window_group(windows: list[int | None], tensor_parallel_size: int,
+                 backend_name: str | None = None) -> tuple[frozenset[int], int] | None:
+    """(the sliding-window layers, the widest window) when they get their own block group, else None: no
+    windowed layer, no global layer (every layer's window is a mask then), more than one process, or a
+    backend outside WINDOWED_KV_BACKENDS (None: the default ones, cpu on the CPU and triton on CUDA)."""
+    local = frozenset(i for i, w in enumerate(windows) if w is not None)
+    if not local or len(local) == len(windows) or tensor_parallel_size != 1:
+        return None
+    if backend_name is not None and backend_name not in WINDOWED_KV_BACKENDS:
+        return None
+    return local, max(windows[i] for i in local)
+
+
+def local_step_reserve_blocks(max_num_batched_tokens: int, block_size: int) -> int:
+    """Local blocks the pool keeps beyond every sequence's window: one step's prefill chunks span up to
+    max_num_batched_tokens positions whose blocks are freed only at the next step."""
+    return -(-max_num_batched_tokens // block_size) + 1
+
+
 def windowed_kv_split(windows: list[int | None], num_blocks: int, block_size: int, max_num_seqs: int,
                       max_num_batched_tokens: int, backend_name: str, tensor_parallel_size: int) -> WindowedKV | None:
     """The split of a pool of `num_blocks` full-model blocks, or None where the windows stay masks over a
-    full-length cache (no windowed layer, no global layer, or a backend/parallel layout it does not run on).
+    full-length cache (`window_group`).
 
     `windows`: each layer's sliding window (None: full attention). The local pool holds every running
     sequence's window plus one step's chunk, capped by `num_blocks`; the bytes it leaves go to the global
     pool: num_local_layers x (num_blocks - num_local_blocks) more blocks of num_global_layers layers.
     """
-    local = frozenset(i for i, w in enumerate(windows) if w is not None)
-    num_global = len(windows) - len(local)
-    if not local or not num_global or backend_name not in WINDOWED_KV_BACKENDS or tensor_parallel_size != 1:
+    group = window_group(windows, tensor_parallel_size, backend_name)
+    if group is None:
         return None
-    window = max(windows[i] for i in local)
-    wanted = max_num_seqs * max_local_blocks(window, block_size) + -(-max_num_batched_tokens // block_size) + 1
+    local, window = group
+    num_global = len(windows) - len(local)
+    wanted = max_num_seqs * max_local_blocks(window, block_size) + local_step_reserve_blocks(
+        max_num_batched_tokens, block_size)
     num_local = min(wanted, num_blocks)
     num_global_blocks = num_blocks + (num_blocks - num_local) * len(local) // num_global
     return WindowedKV(local, window, num_global_blocks, num_local)
