@@ -194,7 +194,7 @@ def test_local_layers_hold_only_their_window_and_outputs_stay_hfs(gemma, prompts
     window, a decoding sequence holds at most 12 / 4 + 1 = 4 local blocks (prompts up to 130 tokens, > 10x
     the window) while its global blocks cover every token; their caches are the smaller pool; tokens equal
     HF's, batched and chunked; and a later request reuses a shared prefix (its global blocks and the local
-    ones inside the window at the hit)."""
+    ones inside the window at the hit); and with steps launched ahead."""
     architecture, _, folder = gemma
     block_size, num_full_blocks, max_num_seqs = 4, 200, 8
     llm = LLM(str(folder), num_kv_blocks=num_full_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
@@ -237,6 +237,12 @@ def test_local_layers_hold_only_their_window_and_outputs_stay_hfs(gemma, prompts
     second = greedy_batch(llm, [prompts[6]], "second")["second-0"]
     assert (first.num_cached_tokens, second.num_cached_tokens) == (0, 48)
     assert second.outputs[0].token_ids == hf_tokens[6]
+
+    # Steps launched one ahead (async scheduling): blocks are freed while the step before is in flight.
+    ahead = LLM(str(folder), num_kv_blocks=num_full_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
+                async_scheduling=True, **ENGINE)
+    assert ahead.engine.config.is_async_scheduling and ahead.engine.kv_cache_manager.windowed is not None
+    assert_tokens(greedy_batch(ahead, prompts, "ahead"), "ahead", hf_tokens, range(len(prompts)))
 
 
 @torch.no_grad()
