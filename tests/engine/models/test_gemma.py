@@ -313,13 +313,15 @@ def test_two_ranks_over_gloo_equal_hf(gemma, prompts, hf_tokens):
         torch.set_num_threads(threads)
 
 
-def write_gemma_gguf(hf, path, smollm_path):
+def write_gemma_gguf(hf, path):
     """The tiny model as llama.cpp's converter writes a Gemma 2 / Gemma 3 (convert_hf_to_gguf.py's
     Gemma2Model / Gemma3Model): key_length = head_dim, every norm weight stored as 1 + w, Gemma 2's window
     and soft-caps, Gemma 3's window, its local/global period (sliding_window_pattern), both rope bases and
-    the global linear scaling; the bundled GGUF's tokenizer keys. The untied lm_head is written as
-    `output` (llama.cpp's own Gemma 2 files tie it)."""
+    the global linear scaling; a small tokenizer (small_gguf_tokenizer.py) with the model's vocabulary size.
+    The untied lm_head is written as `output` (llama.cpp's own Gemma 2 files tie it)."""
     import gguf
+
+    from tests.engine.models.small_gguf_tokenizer import add_small_tokenizer
 
     cfg = hf.config
     arch = "gemma2" if cfg.model_type == "gemma2" else "gemma3"
@@ -344,15 +346,7 @@ def write_gemma_gguf(hf, path, smollm_path):
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(rope["full_attention"]["factor"])
         writer.add_sliding_window_pattern(cfg.layer_types.index("full_attention") + 1)
-    reader = gguf.GGUFReader(str(smollm_path))
-    for key, value in reader.fields.items():
-        if key.startswith("tokenizer."):
-            kind = value.types[0]
-            contents = value.contents()
-            if kind == gguf.GGUFValueType.ARRAY:
-                writer.add_array(key, contents)
-            else:
-                writer.add_key_value(key, contents, kind)
+    add_small_tokenizer(writer, cfg.vocab_size)
     names = {"embed_tokens": "token_embd", "norm": "output_norm", "input_layernorm": "attn_norm",
              "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
              "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
@@ -380,7 +374,7 @@ def write_gemma_gguf(hf, path, smollm_path):
 
 
 @torch.no_grad()
-def test_a_gguf_written_by_the_gguf_package_matches_its_safetensors_twin(gemma, prompts, smollm_path, tmp_path):
+def test_a_gguf_written_by_the_gguf_package_matches_its_safetensors_twin(gemma, prompts, tmp_path):
     """llama.cpp's Gemma files carry no query_pre_attn_scalar (its rule: head_dim but for the 27B layer
     counts), so the twin is the same weights with query_pre_attn_scalar = head_dim. The GGUF's config is
     the twin's, field by field, and every sampled row's logits and token equal the twin's."""
@@ -395,7 +389,7 @@ def test_a_gguf_written_by_the_gguf_package_matches_its_safetensors_twin(gemma, 
             (twin / file.name).symlink_to(file)
     config = json.loads((folder / "config.json").read_text())
     (twin / "config.json").write_text(json.dumps({**config, "query_pre_attn_scalar": config["head_dim"]}))
-    path = write_gemma_gguf(hf, tmp_path / "gemma.gguf", smollm_path)
+    path = write_gemma_gguf(hf, tmp_path / "gemma.gguf")
 
     gguf_cfg = read_gguf_config(path)
     twin_cfg = ModelConfig.from_hf_dict(json.loads((twin / "config.json").read_text()))
