@@ -230,6 +230,9 @@ def test_local_layers_hold_only_their_window_and_outputs_stay_hfs(gemma, prompts
     assert max_held == max_window_blocks
     assert_tokens(outputs, "held", hf_tokens, range(len(prompts)))
     assert manager.local_pool.num_free_blocks == num_local  # every local block went back
+    report = engine.stats["kv_cache"]
+    assert (report["sliding_window_layers"], report["num_local_blocks"], engine.stats["num_blocks"]) == (
+        len(local_layers), num_local, num_global)
 
     # prompts 4 and 6 share a 48-token prefix: the second finds its 12 blocks (the local ones at positions
     # 37..47, inside the window of its first computed token, still cached)

@@ -499,7 +499,7 @@ class LLMEngine:
             "num_free_blocks": pool.num_free_blocks, "num_blocks": pool.num_blocks,
             "prefix_cache_hit_rate": pool.num_hit_blocks / pool.num_queried_blocks if pool.num_queried_blocks else 0.0,
             "kv_cache": {"dtype": str(self.config.kv_torch_dtype).removeprefix("torch."),
-                         "bytes_per_token": self.kv_bytes_per_token},
+                         "bytes_per_token": self.kv_bytes_per_token, **self._window_group_report()},
             "kernels": self.capabilities.as_dict(),
             "weights": dict(self.loaded.weights),
             "speculative": self.spec.stats.as_dict() if self.spec is not None else None,
@@ -507,6 +507,17 @@ class LLMEngine:
             "tensor_parallel": self.executor.report(),
             "lora": self.lora.report() if self.lora is not None else None,
         }
+
+
+    def _window_group_report(self) -> dict:
+        """The sliding-window layers' own block group (kv/window_groups.py), when the pool has one: its
+        layers, window and blocks (num_blocks above is then the other layers' pool)."""
+        windowed = self.kv_cache_manager.windowed
+        if windowed is None:
+            return {}
+        return {"sliding_window_layers": len(windowed.local_layers), "sliding_window": windowed.window,
+                "num_local_blocks": windowed.num_local_blocks,
+                "num_free_local_blocks": self.kv_cache_manager.local_pool.num_free_blocks}
 
 
 # A pooling sequence's parameters: never read (it samples nothing), there because a Sequence has them.
