@@ -264,15 +264,21 @@ def test_sdpa_with_eager_ops_equals_hf(gemma, prompts, hf_tokens, monkeypatch):
 @torch.no_grad()
 def test_triton_kernels_equal_hf(gemma, prompts, hf_tokens):
     """Under the interpreter (8 tokens, to keep it cheap): a 17-token prompt prefilled in chunks beside
-    a 70-token one's, then both decoding."""
+    a 70-token one's, then both decoding through decode graphs (the eager stand-in capture), whose static
+    buffers hold the local layers' slots and block tables beside the full ones."""
+    from batchgen.engine.runner.decode_graphs import EagerCapturer
+
     _, _, folder = gemma
-    llm = LLM(str(folder), num_kv_blocks=NUM_BLOCKS, attention_backend="triton",
+    llm = LLM(str(folder), num_kv_blocks=NUM_BLOCKS, attention_backend="triton", max_num_seqs=2,
               **{**ENGINE, "max_num_batched_tokens": 16})
-    assert llm.engine.capabilities.attention_backend == "triton"
+    assert llm.engine.capabilities.attention_backend == "triton" and llm.engine.kv_cache_manager.windowed
+    capturer = EagerCapturer()
+    llm.engine.runner.capture_decode_graphs(ENGINE["max_model_len"], capturer=capturer)
     params = SamplingParams(temperature=0, max_tokens=8)
     outputs = run_requests(llm.engine, {i: (prompts[i], params) for i in (2, 5)})
     for i in (2, 5):
         assert outputs[i].outputs[0].token_ids == hf_tokens[i][:8], f"prompt {i}"
+    assert capturer.num_replays > 0 and llm.engine.runner.graphs.local_block_tables is not None
 
 
 @torch.no_grad()

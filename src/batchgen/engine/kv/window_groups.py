@@ -13,8 +13,8 @@ global pool the rest, so a long-context job fits more tokens. The engine (its KV
 model runner (its caches) compute the same split from the same inputs (`windowed_kv_split`).
 
 Used where the steps reach the caches through a block table the runner packs per step on one process:
-the C kernels and Triton, tensor_parallel_size 1, eager decode steps (the CUDA decode graphs hold one
-table; executor.py skips their capture). Elsewhere (SDPA's staging rows keep a dense mirror per
+the C kernels and Triton, tensor_parallel_size 1 (CUDA decode graphs keep static buffers for the local
+slots and tables too, decode_graphs.py). Elsewhere (SDPA's staging rows keep a dense mirror per
 sequence; tensor-parallel workers unpack one table) the windows are masks over a full-length cache.
 """
 

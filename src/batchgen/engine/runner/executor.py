@@ -62,10 +62,8 @@ class UniprocExecutor:
         config = self.config
         self.runner = ModelRunner(config, loaded.model_cfg, loaded.model, num_blocks, eos_token_ids,
                                   loaded.capabilities)
-        # A pooling model never decodes; a local block group's tables are not in the graphs' buffers.
-        if config.torch_device.type == "cuda" and not config.enforce_eager and not self.runner.is_pooling \
-                and self.runner.windowed is None:
-            self.runner.capture_decode_graphs(max_model_len)
+        if config.torch_device.type == "cuda" and not config.enforce_eager and not self.runner.is_pooling:
+            self.runner.capture_decode_graphs(max_model_len)  # a pooling model never decodes
 
     def execute(self, scheduled: list[ScheduledSeq], num_live_seqs: int,
                 blocks_to_copy: list[tuple[int, int]] | None = None) -> list[StepResult]:

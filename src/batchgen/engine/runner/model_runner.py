@@ -183,7 +183,8 @@ class ModelRunner:
         reserved = torch.cuda.memory_reserved(self.device) if is_cuda else 0
         start = time.perf_counter()
         self.graphs = DecodeGraphs(self.model, self.kv_caches, self.attention, self.config.num_cuda_graph_seqs,
-                                   max_model_len, self.block_size, self.device, capturer)
+                                   max_model_len, self.block_size, self.device, capturer,
+                                   has_local_tables=self.windowed is not None)
         self.graphs.capture()
         self.graphs.capture_seconds = time.perf_counter() - start
         # What the graphs hold: their pool and the buffers they read (CUDA; 0 for a stand-in capture).
