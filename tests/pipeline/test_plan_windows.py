@@ -43,9 +43,9 @@ def test_gemma_3_27b_at_32k_keeps_only_the_window_in_its_52_local_layers():
     assert p["kv_bytes"] == 16 * per_request + 1_751_646_208 == 51_789_692_928
     # 80 GB - 54.02 GB of weights - 0.75 GB of activations - 1.1 x the step's chunk: 6 requests of 1.1 x 3.13 GB
     assert p["max_concurrency"] == 6
-    # Over two GPUs the windows are masks over a full-length cache, as the engine holds them there.
+    # Over two GPUs each holds 8 of the 16 KV heads: half of every figure, the same split.
     tp2 = plan("gemma-3-27b-text", "--tensor-parallel-size", "2")
-    assert tp2["num_local_layers"] == 0 and tp2["kv_bytes_per_request"] == 62 * LAYER_TOKEN // 2 * CONTEXT
+    assert tp2["num_local_layers"] == 52 and tp2["kv_bytes_per_request"] == per_request // 2
 
 
 def test_gemma_2_9b_at_32k_halves_its_kv_less_than_gemma_3():

@@ -120,16 +120,15 @@ def test_no_room_in_the_local_pool_changes_nothing():
     assert len(held(seq)) <= 3
 
 
-@pytest.mark.parametrize("windows, backend, tp", [
-    ([None, None], "cpu", 1), ([8, 8], "cpu", 1), ([8, None], "sdpa", 1), ([8, None], "cpu", 2)])
-def test_no_group_without_both_layer_kinds_or_off_the_paged_backends_or_over_ranks(windows, backend, tp):
-    assert windowed_kv_split(windows, 100, 16, 4, 64, backend, tp) is None
+@pytest.mark.parametrize("windows, backend", [([None, None], "cpu"), ([8, 8], "cpu"), ([8, None], "sdpa")])
+def test_no_group_without_both_layer_kinds_or_off_the_paged_backends(windows, backend):
+    assert windowed_kv_split(windows, 100, 16, 4, 64, backend) is None
 
 
 def test_the_split_keeps_the_budget():
     # 5 local layers to 1 global, window 32, blocks of 16: 4 sequences x 3 blocks + 64 / 16 + 1 = 17 local
-    split = windowed_kv_split([32] * 5 + [None], 100, 16, 4, 64, "triton", 1)
+    split = windowed_kv_split([32] * 5 + [None], 100, 16, 4, 64, "triton")
     assert (split.num_local_blocks, split.num_blocks, split.window) == (17, 100 + 83 * 5, 32)
     assert split.num_local_blocks * 5 + split.num_blocks * 1 == 100 * 6  # the same bytes
-    small = windowed_kv_split([32, None], 10, 16, 4, 64, "cpu", 1)
+    small = windowed_kv_split([32, None], 10, 16, 4, 64, "cpu")
     assert (small.num_local_blocks, small.num_blocks) == (10, 10)  # no room to split: as one group

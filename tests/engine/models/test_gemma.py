@@ -300,11 +300,13 @@ def test_prompt_logprobs_are_hfs_log_softmax(gemma, prompts):
 @torch.no_grad()
 def test_two_ranks_over_gloo_equal_hf(gemma, prompts, hf_tokens):
     """Tensor parallelism: each rank holds half the query heads, one of the two KV heads and half the MLP
-    (Gemma 3's per-head q/k norms whole), its backend the model's windows, soft-cap and scale; the
-    final soft-cap is applied once to the whole logits. Tokens equal HF's, batched, chunked, preempted."""
+    (Gemma 3's per-head q/k norms whole), its backend the model's windows, soft-cap and scale, its local
+    layers' block group; the final soft-cap is applied once to the whole logits. Tokens equal HF's,
+    batched, chunked, preempted."""
     _, _, folder = gemma
     threads = torch.get_num_threads()
-    llm = LLM(str(folder), num_kv_blocks=NUM_BLOCKS, tensor_parallel_size=2, **ENGINE)
+    llm = LLM(str(folder), num_kv_blocks=14, tensor_parallel_size=2, max_num_seqs=4,
+              **{**ENGINE, "max_model_len": 14 * 16})
     try:
         model = llm.engine.runner.model
         assert model.layers[0].self_attn.qkv_proj.weight.shape == (2 * 16 + 2 * 16, 64)  # 2 query heads, 1 KV head
@@ -314,6 +316,11 @@ def test_two_ranks_over_gloo_equal_hf(gemma, prompts, hf_tokens):
         assert [layer.sliding_window for layer in model.backend.layers] == [
             cfg.layer_sliding_window(i) for i in range(cfg.num_layers)]
         assert WINDOW in [layer.sliding_window for layer in model.backend.layers]
+        # the window layers' own block group on every rank: the workers unpack its slots and tables
+        # (4 sequences at most: a local pool of 4 x 2 + 32 / 16 + 1 = 11 blocks, the global one 14 + 3 x
+        # local / global layers: tight enough to preempt)
+        windowed = llm.engine.kv_cache_manager.windowed
+        assert windowed.num_local_blocks == 11 < windowed.num_blocks and llm.engine.runner.windowed == windowed
         outputs = greedy_batch(llm, prompts, "tp")
         assert_tokens(outputs, "tp", hf_tokens, range(len(prompts)))
         assert llm.engine.stats["num_preemptions"] > 0 and llm.engine.stats["num_partial_prefills"] > 0

@@ -329,16 +329,17 @@ def plan_capacity(cfg: ModelConfig, dtype: torch.dtype, max_model_len: int, conc
 
     ranks = [layout.rank_config(cfg) for layout in all_layouts(cfg, tensor_parallel_size)]
     # Sliding-window layers with their own block group hold only their window (as the engine does on its
-    # default backends, one process): their bytes per token, priced over the window.
-    group = window_group([cfg.layer_sliding_window(i) for i in range(cfg.num_layers)], tensor_parallel_size)
+    # default backends): their bytes per token (one rank's), priced over the window.
+    group = window_group([cfg.layer_sliding_window(i) for i in range(cfg.num_layers)])
     local_layers, local_window = group if group is not None else ((), 0)
-    local_kv = kv_bytes_per_token(cfg, kv_dtype or dtype) * len(local_layers) // cfg.num_layers
+    rank_kv = max(kv_bytes_per_token(rank, kv_dtype or dtype) for rank in ranks)
+    local_kv = rank_kv * len(local_layers) // cfg.num_layers
     return CapacityPlan(
         dtype=dtype, quantization=quantization, max_model_len=max_model_len, concurrency=concurrency,
         block_size=block_size, max_num_batched_tokens=max_num_batched_tokens,
         weight_bytes=max(weight_bytes(rank, dtype, quantization, quantize_lm_head, declared, int_calibration)
                          for rank in ranks),
-        kv_bytes_per_token=max(kv_bytes_per_token(rank, kv_dtype or dtype) for rank in ranks),
+        kv_bytes_per_token=rank_kv,
         step_activation_bytes=max(activation_workspace_bytes(rank, dtype, max_num_batched_tokens, 0)
                                   for rank in ranks),
         logits_bytes_per_seq=logits_bytes_per_seq(cfg), memory_bytes=memory_bytes, kv_dtype=kv_dtype,

@@ -12,10 +12,10 @@ pool gets what the running batch's windows can use (every sequence's window plus
 global pool the rest, so a long-context job fits more tokens. The engine (its KV cache manager) and the
 model runner (its caches) compute the same split from the same inputs (`windowed_kv_split`).
 
-Used where the steps reach the caches through a block table the runner packs per step on one process:
-the C kernels and Triton, tensor_parallel_size 1 (CUDA decode graphs keep static buffers for the local
-slots and tables too, decode_graphs.py). Elsewhere (SDPA's staging rows keep a dense mirror per
-sequence; tensor-parallel workers unpack one table) the windows are masks over a full-length cache.
+Used where the steps reach the caches through the block tables the runner packs per step: the C kernels
+and Triton (tensor-parallel workers unpack the local sections after the model's; CUDA decode graphs keep
+static buffers for them, decode_graphs.py). On SDPA (its staging rows keep a dense mirror per sequence)
+the windows are masks over a full-length cache. Every rank splits its pool alike (same block counts).
 """
 
 from __future__ import annotations
@@ -47,13 +47,12 @@ def max_local_blocks(window: int, block_size: int) -> int:
     return -(-(window - 1) // block_size) + 1
 
 
-def window_group(windows: list[int | None], tensor_parallel_size: int,
-                 backend_name: str | None = None) -> tuple[frozenset[int], int] | None:
+def window_group(windows: list[int | None], backend_name: str | None = None) -> tuple[frozenset[int], int] | None:
     """(the sliding-window layers, the widest window) when they get their own block group, else None: no
-    windowed layer, no global layer (every layer's window is a mask then), more than one process, or a
-    backend outside WINDOWED_KV_BACKENDS (None: the default ones, cpu on the CPU and triton on CUDA)."""
+    windowed layer, no global layer (every layer's window is a mask then), or a backend outside
+    WINDOWED_KV_BACKENDS (None: the default ones, cpu on the CPU and triton on CUDA)."""
     local = frozenset(i for i, w in enumerate(windows) if w is not None)
-    if not local or len(local) == len(windows) or tensor_parallel_size != 1:
+    if not local or len(local) == len(windows):
         return None
     if backend_name is not None and backend_name not in WINDOWED_KV_BACKENDS:
         return None
@@ -67,7 +66,7 @@ def local_step_reserve_blocks(max_num_batched_tokens: int, block_size: int) -> i
 
 
 def windowed_kv_split(windows: list[int | None], num_blocks: int, block_size: int, max_num_seqs: int,
-                      max_num_batched_tokens: int, backend_name: str, tensor_parallel_size: int) -> WindowedKV | None:
+                      max_num_batched_tokens: int, backend_name: str) -> WindowedKV | None:
     """The split of a pool of `num_blocks` full-model blocks, or None where the windows stay masks over a
     full-length cache (`window_group`).
 
@@ -75,7 +74,7 @@ def windowed_kv_split(windows: list[int | None], num_blocks: int, block_size: in
     sequence's window plus one step's chunk, capped by `num_blocks`; the bytes it leaves go to the global
     pool: num_local_layers x (num_blocks - num_local_blocks) more blocks of num_global_layers layers.
     """
-    group = window_group(windows, tensor_parallel_size, backend_name)
+    group = window_group(windows, backend_name)
     if group is None:
         return None
     local, window = group
@@ -91,5 +90,4 @@ def model_windowed_kv(config, backend, num_layers: int, num_blocks: int) -> Wind
     """`windowed_kv_split` for a model's attention backend (its per-layer windows) under an EngineConfig:
     what the engine's KV cache manager and the model runner's caches both use."""
     return windowed_kv_split([backend.layer(i).sliding_window for i in range(num_layers)], num_blocks,
-                             config.block_size, config.max_num_seqs, config.max_num_batched_tokens, backend.name,
-                             config.tensor_parallel_size)
+                             config.block_size, config.max_num_seqs, config.max_num_batched_tokens, backend.name)

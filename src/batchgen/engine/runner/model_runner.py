@@ -245,12 +245,17 @@ class ModelRunner:
         attach_sampling_tensors(batch, tensors)
         if self.step_sink is not None:
             self.step_sink(step, packer.sent)
+        return step, self.attention_metadata(step, local_tables), sampling, batch, prompt_plan
+
+    def attention_metadata(self, step: StepInputs, local_tables: list[list[int]] | None = None):
+        """The step's attention metadata; with a local block group (its packed "w." sections in step.tensors)
+        the local layers' too, the same step over their slots and tables (WindowedMetadata)."""
         meta = self.attention.build_packed(step)
-        if local_tables is not None:  # the local layers' metadata: the same step over their tables
-            meta = WindowedMetadata(meta, self.attention.build_packed(dataclasses.replace(
-                step, slot_mapping=tensors["w.slot_mapping"], block_tables=local_tables,
-                block_tables_t=tensors["w.block_tables"])))
-        return step, meta, sampling, batch, prompt_plan
+        if self.windowed is None:
+            return meta
+        return WindowedMetadata(meta, self.attention.build_packed(dataclasses.replace(
+            step, slot_mapping=step.tensors["w.slot_mapping"], block_tables=local_tables or [],
+            block_tables_t=step.tensors["w.block_tables"])))
 
     def _copy_blocks(self, step: StepInputs) -> None:
         """The step's copies on write, before its forward; with a local block group, the ids from
