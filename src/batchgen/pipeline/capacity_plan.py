@@ -206,6 +206,17 @@ def format_capacity_plan(target: PlanTarget, plan: CapacityPlan, smallest: int |
           f"{plan.kv_bytes_per_token // num_kv_values} bytes ({kv_dtype})")),
         ("KV cache per request", _gb(plan.kv_bytes_per_request), f"{plan.kv_tokens_per_request:,} tokens"),
         (f"KV cache x {plan.concurrency}", _gb(plan.kv_bytes), requests),
+    ]
+    if plan.num_local_layers:  # the sliding-window layers' own block group keeps only their window
+        num_global = cfg.num_layers - plan.num_local_layers
+        rows[-2] = ("KV cache per request", _gb(plan.kv_bytes_per_request),
+                    f"{plan.kv_tokens_per_request:,} tokens in {num_global} global layers, "
+                    f"{plan.local_kv_tokens_per_request:,} in {plan.num_local_layers} sliding-window layers "
+                    f"(window {plan.local_window:,})")
+        rows[-1] = (f"KV cache x {plan.concurrency}", _gb(plan.kv_bytes),
+                    f"{requests} + one step's {plan.max_num_batched_tokens:,} tokens in the sliding-window "
+                    f"layers ({_gb(plan.local_step_reserve_bytes)})")
+    rows += [
         ("total before margin", _gb(plan.total_bytes_before_margin), "weights + KV"),
         ("  fragmentation margin", _gb(plan.fragmentation_bytes), f"{KV_FRAGMENTATION_FRACTION:.0%} of KV"),
         ("  activation workspace", _gb(plan.activation_bytes),

@@ -182,7 +182,70 @@ def test_greedy_equals_hf_alone_batched_chunked_preempted_and_prefix_cached(gemm
         assert stats["num_partial_prefills"] > before["num_partial_prefills"]
         if run == "cold":
             assert stats["num_preemptions"] > before["num_preemptions"]
-    assert sum(outputs[f"warm-{i}"].num_cached_tokens for i in range(len(prompts))) >= 3 * 48
+    # The local layers' blocks of a shared prefix go back once its sequences move past the window, so under
+    # this pool's pressure one of the three may be reused before the warm run (test_windowed_kv.py shows all
+    # three hits in a pool with room).
+    assert sum(outputs[f"warm-{i}"].num_cached_tokens for i in range(len(prompts))) >= 2 * 48
+
+
+@torch.no_grad()
+def test_local_layers_hold_only_their_window_and_outputs_stay_hfs(gemma, prompts, hf_tokens):
+    """The sliding-window layers' own block group (kv/window_groups.py): with 4-token blocks and a 12-token
+    window, a decoding sequence holds at most 12 / 4 + 1 = 4 local blocks (prompts up to 130 tokens, > 10x
+    the window) while its global blocks cover every token; their caches are the smaller pool; tokens equal
+    HF's, batched and chunked; and a later request reuses a shared prefix (its global blocks and the local
+    ones inside the window at the hit); and with steps launched ahead."""
+    architecture, _, folder = gemma
+    block_size, num_full_blocks, max_num_seqs = 4, 200, 8
+    llm = LLM(str(folder), num_kv_blocks=num_full_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
+              **ENGINE)
+    engine = llm.engine
+    manager, runner = engine.kv_cache_manager, engine.runner
+    windowed = manager.windowed
+    local_layers = {0} if architecture == "Gemma2ForCausalLM" else {0, 1}
+    assert windowed is not None and windowed.local_layers == local_layers and windowed.window == WINDOW
+    # The split: the local pool holds every running sequence's window plus a step's chunk; its bytes left
+    # over go to the global layers (two or one local layers per global one).
+    num_local = max_num_seqs * (WINDOW // block_size + 1) + 32 // block_size + 1
+    num_global = num_full_blocks + (num_full_blocks - num_local) * len(local_layers)
+    assert (windowed.num_local_blocks, windowed.num_blocks, manager.pool.num_blocks) == (num_local, num_global,
+                                                                                       num_global)
+    slots = [cache.k.shape[0] for cache in runner.kv_caches]
+    assert slots == [(num_local if i in local_layers else num_global) * block_size for i in range(len(slots))]
+    assert sum(slots) <= num_full_blocks * block_size * len(slots)  # no more bytes than one group would take
+
+    for i, ids in enumerate(prompts):
+        engine.add_request(f"held-{i}", ids, GREEDY)
+    max_window_blocks = WINDOW // block_size + 1
+    outputs, max_held = {}, 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            outputs[out.request_id] = out
+        for seq in engine.scheduler.running:
+            num_held = len(seq.local_block_ids) - seq.num_local_freed
+            assert len(seq.block_ids) == len(seq.local_block_ids) == -(-seq.num_computed_tokens // block_size)
+            if seq.num_computed_tokens > seq.num_prompt_tokens:  # decoding: one query a step
+                assert num_held <= max_window_blocks, (seq.request_id, seq.num_computed_tokens, num_held)
+                max_held = max(max_held, num_held)
+    assert max_held == max_window_blocks
+    assert_tokens(outputs, "held", hf_tokens, range(len(prompts)))
+    assert manager.local_pool.num_free_blocks == num_local  # every local block went back
+    report = engine.stats["kv_cache"]
+    assert (report["sliding_window_layers"], report["num_local_blocks"], engine.stats["num_blocks"]) == (
+        len(local_layers), num_local, num_global)
+
+    # prompts 4 and 6 share a 48-token prefix: the second finds its 12 blocks (the local ones at positions
+    # 37..47, inside the window of its first computed token, still cached)
+    first = greedy_batch(llm, [prompts[4]], "first")["first-0"]
+    second = greedy_batch(llm, [prompts[6]], "second")["second-0"]
+    assert (first.num_cached_tokens, second.num_cached_tokens) == (0, 48)
+    assert second.outputs[0].token_ids == hf_tokens[6]
+
+    # Steps launched one ahead (async scheduling): blocks are freed while the step before is in flight.
+    ahead = LLM(str(folder), num_kv_blocks=num_full_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
+                async_scheduling=True, **ENGINE)
+    assert ahead.engine.config.is_async_scheduling and ahead.engine.kv_cache_manager.windowed is not None
+    assert_tokens(greedy_batch(ahead, prompts, "ahead"), "ahead", hf_tokens, range(len(prompts)))
 
 
 @torch.no_grad()
@@ -201,15 +264,21 @@ def test_sdpa_with_eager_ops_equals_hf(gemma, prompts, hf_tokens, monkeypatch):
 @torch.no_grad()
 def test_triton_kernels_equal_hf(gemma, prompts, hf_tokens):
     """Under the interpreter (8 tokens, to keep it cheap): a 17-token prompt prefilled in chunks beside
-    a 70-token one's, then both decoding."""
+    a 70-token one's, then both decoding through decode graphs (the eager stand-in capture), whose static
+    buffers hold the local layers' slots and block tables beside the full ones."""
+    from batchgen.engine.runner.decode_graphs import EagerCapturer
+
     _, _, folder = gemma
-    llm = LLM(str(folder), num_kv_blocks=NUM_BLOCKS, attention_backend="triton",
+    llm = LLM(str(folder), num_kv_blocks=NUM_BLOCKS, attention_backend="triton", max_num_seqs=2,
               **{**ENGINE, "max_num_batched_tokens": 16})
-    assert llm.engine.capabilities.attention_backend == "triton"
+    assert llm.engine.capabilities.attention_backend == "triton" and llm.engine.kv_cache_manager.windowed
+    capturer = EagerCapturer()
+    llm.engine.runner.capture_decode_graphs(ENGINE["max_model_len"], capturer=capturer)
     params = SamplingParams(temperature=0, max_tokens=8)
     outputs = run_requests(llm.engine, {i: (prompts[i], params) for i in (2, 5)})
     for i in (2, 5):
         assert outputs[i].outputs[0].token_ids == hf_tokens[i][:8], f"prompt {i}"
+    assert capturer.num_replays > 0 and llm.engine.runner.graphs.local_block_tables is not None
 
 
 @torch.no_grad()
@@ -231,11 +300,13 @@ def test_prompt_logprobs_are_hfs_log_softmax(gemma, prompts):
 @torch.no_grad()
 def test_two_ranks_over_gloo_equal_hf(gemma, prompts, hf_tokens):
     """Tensor parallelism: each rank holds half the query heads, one of the two KV heads and half the MLP
-    (Gemma 3's per-head q/k norms whole), its backend the model's windows, soft-cap and scale; the
-    final soft-cap is applied once to the whole logits. Tokens equal HF's, batched, chunked, preempted."""
+    (Gemma 3's per-head q/k norms whole), its backend the model's windows, soft-cap and scale, its local
+    layers' block group; the final soft-cap is applied once to the whole logits. Tokens equal HF's,
+    batched, chunked, preempted."""
     _, _, folder = gemma
     threads = torch.get_num_threads()
-    llm = LLM(str(folder), num_kv_blocks=NUM_BLOCKS, tensor_parallel_size=2, **ENGINE)
+    llm = LLM(str(folder), num_kv_blocks=14, tensor_parallel_size=2, max_num_seqs=4,
+              **{**ENGINE, "max_model_len": 14 * 16})
     try:
         model = llm.engine.runner.model
         assert model.layers[0].self_attn.qkv_proj.weight.shape == (2 * 16 + 2 * 16, 64)  # 2 query heads, 1 KV head
@@ -245,6 +316,11 @@ def test_two_ranks_over_gloo_equal_hf(gemma, prompts, hf_tokens):
         assert [layer.sliding_window for layer in model.backend.layers] == [
             cfg.layer_sliding_window(i) for i in range(cfg.num_layers)]
         assert WINDOW in [layer.sliding_window for layer in model.backend.layers]
+        # the window layers' own block group on every rank: the workers unpack its slots and tables
+        # (4 sequences at most: a local pool of 4 x 2 + 32 / 16 + 1 = 11 blocks, the global one 14 + 3 x
+        # local / global layers: tight enough to preempt)
+        windowed = llm.engine.kv_cache_manager.windowed
+        assert windowed.num_local_blocks == 11 < windowed.num_blocks and llm.engine.runner.windowed == windowed
         outputs = greedy_batch(llm, prompts, "tp")
         assert_tokens(outputs, "tp", hf_tokens, range(len(prompts)))
         assert llm.engine.stats["num_preemptions"] > 0 and llm.engine.stats["num_partial_prefills"] > 0
@@ -253,13 +329,15 @@ def test_two_ranks_over_gloo_equal_hf(gemma, prompts, hf_tokens):
         torch.set_num_threads(threads)
 
 
-def write_gemma_gguf(hf, path, smollm_path):
+def write_gemma_gguf(hf, path):
     """The tiny model as llama.cpp's converter writes a Gemma 2 / Gemma 3 (convert_hf_to_gguf.py's
     Gemma2Model / Gemma3Model): key_length = head_dim, every norm weight stored as 1 + w, Gemma 2's window
     and soft-caps, Gemma 3's window, its local/global period (sliding_window_pattern), both rope bases and
-    the global linear scaling; the bundled GGUF's tokenizer keys. The untied lm_head is written as
-    `output` (llama.cpp's own Gemma 2 files tie it)."""
+    the global linear scaling; a small tokenizer (small_gguf_tokenizer.py) with the model's vocabulary size.
+    The untied lm_head is written as `output` (llama.cpp's own Gemma 2 files tie it)."""
     import gguf
+
+    from tests.engine.models.small_gguf_tokenizer import add_small_tokenizer
 
     cfg = hf.config
     arch = "gemma2" if cfg.model_type == "gemma2" else "gemma3"
@@ -284,15 +362,7 @@ def write_gemma_gguf(hf, path, smollm_path):
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(rope["full_attention"]["factor"])
         writer.add_sliding_window_pattern(cfg.layer_types.index("full_attention") + 1)
-    reader = gguf.GGUFReader(str(smollm_path))
-    for key, value in reader.fields.items():
-        if key.startswith("tokenizer."):
-            kind = value.types[0]
-            contents = value.contents()
-            if kind == gguf.GGUFValueType.ARRAY:
-                writer.add_array(key, contents)
-            else:
-                writer.add_key_value(key, contents, kind)
+    add_small_tokenizer(writer, cfg.vocab_size)
     names = {"embed_tokens": "token_embd", "norm": "output_norm", "input_layernorm": "attn_norm",
              "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
              "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
@@ -320,7 +390,7 @@ def write_gemma_gguf(hf, path, smollm_path):
 
 
 @torch.no_grad()
-def test_a_gguf_written_by_the_gguf_package_matches_its_safetensors_twin(gemma, prompts, smollm_path, tmp_path):
+def test_a_gguf_written_by_the_gguf_package_matches_its_safetensors_twin(gemma, prompts, tmp_path):
     """llama.cpp's Gemma files carry no query_pre_attn_scalar (its rule: head_dim but for the 27B layer
     counts), so the twin is the same weights with query_pre_attn_scalar = head_dim. The GGUF's config is
     the twin's, field by field, and every sampled row's logits and token equal the twin's."""
@@ -335,7 +405,7 @@ def test_a_gguf_written_by_the_gguf_package_matches_its_safetensors_twin(gemma, 
             (twin / file.name).symlink_to(file)
     config = json.loads((folder / "config.json").read_text())
     (twin / "config.json").write_text(json.dumps({**config, "query_pre_attn_scalar": config["head_dim"]}))
-    path = write_gemma_gguf(hf, tmp_path / "gemma.gguf", smollm_path)
+    path = write_gemma_gguf(hf, tmp_path / "gemma.gguf")
 
     gguf_cfg = read_gguf_config(path)
     twin_cfg = ModelConfig.from_hf_dict(json.loads((twin / "config.json").read_text()))

@@ -191,3 +191,68 @@ def test_two_ranks_over_gloo_give_hfs_tokens(glm4, prompts, hf_tokens):
     finally:
         llm.engine.shutdown()
         torch.set_num_threads(threads)
+
+
+def write_glm4_gguf(hf, path):
+    """The tiny model as llama.cpp's converter writes a GLM-4 (convert_hf_to_gguf.py's Glm4Model): every
+    tensor named by the gguf package's own GLM-4 map (gate_up_proj whole as ffn_up, the norms after attention
+    and after the MLP as post_attention_norm / post_ffw_norm, q/k rows as HF's: llama.cpp rotates GLM-4's
+    adjacent pairs too), rope.dimension_count = the rotated half of a head; a small tokenizer
+    (small_gguf_tokenizer.py) with the model's vocabulary size."""
+    import gguf
+
+    from tests.engine.models.small_gguf_tokenizer import add_small_tokenizer
+
+    cfg = hf.config
+    writer = gguf.GGUFWriter(str(path), "glm4")
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_key_length(cfg.head_dim)
+    writer.add_value_length(cfg.head_dim)
+    writer.add_rope_dimension_count(int(cfg.head_dim * 0.5))
+    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    add_small_tokenizer(writer, cfg.vocab_size)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GLM4, cfg.num_hidden_layers)
+    for name, tensor in hf.state_dict().items():
+        writer.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), tensor.float().numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@torch.no_grad()
+def test_a_gguf_written_by_the_gguf_package_matches_its_safetensors_twin(glm4, prompts, hf_tokens, tmp_path):
+    """The GGUF's config equals the folder's field by field; its greedy tokens equal HF's and every sampled
+    row's logits the folder's."""
+    from batchgen.engine.loader.gguf_loader import read_gguf_config
+    from tests.engine.helpers import captured_logits, relative_error
+
+    hf, folder = glm4
+    path = write_glm4_gguf(hf, tmp_path / "glm4.gguf")
+    gguf_cfg = read_gguf_config(path)
+    folder_cfg = ModelConfig.from_hf_dict(json.loads((folder / "config.json").read_text()))
+    for key in ("architecture", "sandwich_norms", "rope_interleaved", "rotary_dim", "attention_bias", "head_dim",
+                "num_heads", "num_kv_heads", "intermediate_size", "vocab_size", "rope_theta",
+                "tie_word_embeddings", "hidden_act", "qk_norm"):
+        assert getattr(gguf_cfg, key) == getattr(folder_cfg, key), key
+    assert gguf_cfg.rms_norm_eps == pytest.approx(folder_cfg.rms_norm_eps, rel=1e-7)  # a float32 in the file
+    requests = {i: (prompts[i], GREEDY) for i in (2, 5, 7)}
+    results = []
+    for source in (folder, path):
+        llm = LLM(str(source), num_kv_blocks=NUM_BLOCKS, **ENGINE)
+        with captured_logits(llm.engine) as records:
+            outputs = run_requests(llm.engine, requests)
+        results.append(({i: outputs[i].outputs[0].token_ids for i in requests}, records))
+    # The tokenizer is the file's (transformers builds it from the keys; it reads no glm4 config).
+    assert llm.get_tokenizer().convert_ids_to_tokens([261, 2]) == ["Ġthe", "</s>"]
+    (folder_tokens, folder_logits), (gguf_tokens, gguf_logits) = results
+    assert gguf_tokens == folder_tokens == {i: hf_tokens[i] for i in requests}
+    for key, logits in folder_logits.items():
+        assert relative_error(gguf_logits[key], logits) <= 1e-5, key

@@ -247,12 +247,15 @@ def test_two_ranks_over_gloo_give_one_process_tokens(phi3, long_prompts, long_re
 
 # ---- GGUF (llama.cpp's phi3) ----------------------------------------------------------------------------
 
-def write_phi3_gguf(hf, path, smollm_path, tensor_type=None):
+def write_phi3_gguf(hf, path, tensor_type=None):
     """The tiny model as llama.cpp's converter writes a Phi-3 (convert_hf_to_gguf.py's Phi3MiniModel): fused
     attn_qkv and ffn_up (gate then up rows), rope.dimension_count the rotary width, LongRoPE's factors as
-    two float32 tensors; the bundled GGUF's tokenizer keys. `tensor_type`: quantize the 2-D weights to it."""
+    two float32 tensors; a small tokenizer (small_gguf_tokenizer.py) with the model's vocabulary size.
+    `tensor_type`: quantize the 2-D weights to it."""
     import gguf
     import numpy as np
+
+    from tests.engine.models.small_gguf_tokenizer import add_small_tokenizer
 
     cfg, scaling = hf.config, hf.config.rope_parameters
     writer = gguf.GGUFWriter(str(path), "phi3")
@@ -271,15 +274,7 @@ def write_phi3_gguf(hf, path, smollm_path, tensor_type=None):
     original = scaling["original_max_position_embeddings"]
     scale = cfg.max_position_embeddings / original
     writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)))
-    reader = gguf.GGUFReader(str(smollm_path))
-    for key, value in reader.fields.items():
-        if key.startswith("tokenizer."):
-            kind = value.types[0]
-            contents = value.contents()
-            if kind == gguf.GGUFValueType.ARRAY:
-                writer.add_array(key, contents)
-            else:
-                writer.add_key_value(key, contents, kind)
+    add_small_tokenizer(writer, cfg.vocab_size)
     names = {"embed_tokens": "token_embd", "norm": "output_norm", "input_layernorm": "attn_norm",
              "self_attn.qkv_proj": "attn_qkv", "self_attn.o_proj": "attn_output",
              "post_attention_layernorm": "ffn_norm", "mlp.gate_up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
@@ -307,11 +302,11 @@ def write_phi3_gguf(hf, path, smollm_path, tensor_type=None):
 
 
 @torch.no_grad()
-def test_a_gguf_written_by_the_gguf_package_matches_hf(phi3, long_prompts, long_references, smollm_path, tmp_path):
+def test_a_gguf_written_by_the_gguf_package_matches_hf(phi3, long_prompts, long_references, tmp_path):
     from batchgen.engine.loader.gguf_loader import read_gguf_config
 
     hf, folder = phi3
-    path = write_phi3_gguf(hf, tmp_path / "phi3.gguf", smollm_path)
+    path = write_phi3_gguf(hf, tmp_path / "phi3.gguf")
     cfg = read_gguf_config(path)
     folder_cfg = ModelConfig.from_hf_dict(json.loads((folder / "config.json").read_text()))
     assert (cfg.architecture, cfg.head_dim, cfg.rotary_dim, cfg.sliding_window) == ("Phi3ForCausalLM", 16, 12, None)
@@ -323,8 +318,7 @@ def test_a_gguf_written_by_the_gguf_package_matches_hf(phi3, long_prompts, long_
 
 
 @torch.no_grad()
-def test_a_q8_0_gguf_keeps_its_fused_blocks_and_matches_hf_on_the_same_weights(phi3, long_prompts, smollm_path,
-                                                                               tmp_path):
+def test_a_q8_0_gguf_keeps_its_fused_blocks_and_matches_hf_on_the_same_weights(phi3, long_prompts, tmp_path):
     """quantization gguf: the fused attn_qkv and ffn_up stay Q8_0 blocks in qkv_proj and gate_up_proj; HF's
     class holding the blocks' dequantized values is the reference."""
     import copy
@@ -335,7 +329,7 @@ def test_a_q8_0_gguf_keeps_its_fused_blocks_and_matches_hf_on_the_same_weights(p
 
     hf, _ = phi3
     q8_0 = gguf.GGMLQuantizationType.Q8_0
-    path = write_phi3_gguf(hf, tmp_path / "phi3-q8_0.gguf", smollm_path, q8_0)
+    path = write_phi3_gguf(hf, tmp_path / "phi3-q8_0.gguf", q8_0)
     twin = copy.deepcopy(hf)
     for name, param in twin.named_parameters():
         if param.dim() == 2 and "embed_tokens" not in name:

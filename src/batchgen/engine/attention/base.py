@@ -60,6 +60,19 @@ class AttentionMetadata:
     num_decodes: int  # the first num_decodes tokens are decodes, one per sequence
 
 
+@dataclass
+class WindowedMetadata:
+    """A step's metadata when the sliding-window layers have their own block group (kv/window_groups.py):
+    the same step built twice, over the full block tables and over the local ones (their slots and
+    tables index the local layers' smaller caches). Each layer attends with its group's."""
+
+    full: AttentionMetadata
+    local: AttentionMetadata
+
+    def for_layer(self, layer: LayerAttention) -> AttentionMetadata:
+        return self.local if layer.sliding_window is not None else self.full
+
+
 class AttentionMetadataBuilder(ABC):
     """One per model runner: turns each step's sequences into the backend's metadata."""
 

@@ -60,12 +60,14 @@ class LayerKVCache:
 
 def allocate_kv_caches(num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                        device: torch.device, *, checkpoint_scales: dict[int, dict[str, float]] | None = None,
-                       calculate_scales: bool = False) -> list[LayerKVCache]:
+                       calculate_scales: bool = False, local_layers: frozenset[int] = frozenset(),
+                       num_local_slots: int = 0) -> list[LayerKVCache]:
     """Zeroed caches for every layer. FP8 `dtype`: scales from checkpoint_scales ({layer: {"k": .., "v": ..}},
-    missing ones 1.0), or calibrated on the first step when calculate_scales."""
-    shape = (num_slots, num_kv_heads, head_dim)
+    missing ones 1.0), or calibrated on the first step when calculate_scales. `local_layers` (sliding-window
+    layers with their own block group, kv/window_groups.py) hold `num_local_slots` slots, the others `num_slots`."""
     caches = []
     for layer in range(num_layers):
+        shape = (num_local_slots if layer in local_layers else num_slots, num_kv_heads, head_dim)
         cache = LayerKVCache(torch.zeros(shape, dtype=dtype, device=device),
                              torch.zeros(shape, dtype=dtype, device=device))
         if is_fp8_kv(dtype):

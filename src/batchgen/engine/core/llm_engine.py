@@ -29,6 +29,7 @@ from batchgen.engine.decoding.thinking_budget import EngineReasoning
 from batchgen.engine.kv.capacity import kv_cache_budget_bytes
 from batchgen.engine.kv.gpu_memory import GpuMemoryPlan
 from batchgen.engine.kv.kv_cache_manager import KVCacheManager
+from batchgen.engine.kv.window_groups import model_windowed_kv
 from batchgen.engine.loader.model_loader import LoadedModel
 from batchgen.engine.lora import LoRAManager, LoRARequest
 from batchgen.engine.models.layers.sequence_classifier import pooled_length
@@ -146,7 +147,13 @@ class LLMEngine:
         log.info("weights %.1f MB; KV %d bytes/token x %d tokens (%d blocks of %d) = %.1f MB",
                  self.weight_bytes / 1e6, self.kv_bytes_per_token, num_blocks * config.block_size,
                  num_blocks, config.block_size, self.kv_bytes_per_token * num_blocks * config.block_size / 1e6)
-        self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        # Sliding-window layers with their own block group (kv/window_groups.py): the same split the runner makes.
+        windowed = model_windowed_kv(config, loaded.model.backend, self.model_cfg.num_layers, num_blocks)
+        if windowed is not None:
+            log.info("sliding-window layers %s: their own pool of %d blocks; the other layers' pool %d blocks",
+                     sorted(windowed.local_layers), windowed.num_local_blocks, windowed.num_blocks)
+        self.kv_cache_manager = KVCacheManager(windowed.num_blocks if windowed else num_blocks, config.block_size,
+                                               config.enable_prefix_caching, windowed)
         self.scheduler = Scheduler(config, self.kv_cache_manager)
         # LoRA adapters: the targeted projections wrapped before the runner captures any decode graph.
         self.lora = None if not config.enable_lora else LoRAManager(
@@ -495,7 +502,8 @@ class LLMEngine:
             "kv_cache": {"dtype": str(self.config.kv_torch_dtype).removeprefix("torch."),
                          "bytes_per_token": self.kv_bytes_per_token,
                          "num_tokens": pool.num_blocks * self.config.block_size,
-                         "bytes": pool.num_blocks * self.config.block_size * self.kv_bytes_per_token},
+                         "bytes": pool.num_blocks * self.config.block_size * self.kv_bytes_per_token,
+                         **self._window_group_report()},
             "kernels": self.capabilities.as_dict(),
             "weights": dict(self.loaded.weights),
             "speculative": self.spec.stats.as_dict() if self.spec is not None else None,
@@ -503,6 +511,17 @@ class LLMEngine:
             "tensor_parallel": self.executor.report(),
             "lora": self.lora.report() if self.lora is not None else None,
         }
+
+
+    def _window_group_report(self) -> dict:
+        """The sliding-window layers' own block group (kv/window_groups.py), when the pool has one: its
+        layers, window and blocks (num_blocks above is then the other layers' pool)."""
+        windowed = self.kv_cache_manager.windowed
+        if windowed is None:
+            return {}
+        return {"sliding_window_layers": len(windowed.local_layers), "sliding_window": windowed.window,
+                "num_local_blocks": windowed.num_local_blocks,
+                "num_free_local_blocks": self.kv_cache_manager.local_pool.num_free_blocks}
 
 
 # A pooling sequence's parameters: never read (it samples nothing), there because a Sequence has them.

@@ -73,7 +73,7 @@ class Sequence:
     __slots__ = ("request_id", "sample_key", "sample_index", "params", "random_key",
                  "prompt_token_ids", "token_ids", "num_prompt_tokens", "max_total_tokens", "num_computed_tokens",
                  "num_pending_tokens", "num_cached_tokens", "draft_token_ids", "is_prompt_only",
-                 "block_ids", "block_hashes", "num_registered_blocks",
+                 "block_ids", "block_hashes", "num_registered_blocks", "local_block_ids", "num_local_freed",
                  "status", "finish_reason", "stop_reason", "error", "cumulative_logprob", "output_logprobs",
                  "output_top_logprobs", "num_accepted_tokens",
                  "times", "text_state", "grammar", "prompt_logprobs", "beam", "pooled", "lora_int_id")
@@ -106,6 +106,10 @@ class Sequence:
         self.block_ids: list[int] = []
         self.block_hashes: list[tuple] = []  # chained keys of this sequence's full blocks (memo)
         self.num_registered_blocks = 0  # leading blocks already offered to the prefix cache
+        # A model with sliding-window layers (kv/window_groups.py): their blocks, indexed as block_ids; the
+        # first num_local_freed fell out of the window and went back (their entries hold block 0, never read).
+        self.local_block_ids: list[int] = []
+        self.num_local_freed = 0
         # Status and result.
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None

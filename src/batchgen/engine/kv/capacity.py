@@ -1,4 +1,7 @@
-"""KV-cache capacity arithmetic: one function for bytes per token, used by the pool and `batchgen plan`."""
+"""KV-cache capacity arithmetic: one function for bytes per token, used by the pool and `batchgen plan`.
+
+A model whose sliding-window layers get their own block group (kv/window_groups.py) is priced per layer
+type: the global layers at the full context, the local ones over their window, plus one step's chunk."""
 
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ from batchgen.engine.kv.expert_bytes import (
     expert_parameters,
     num_moe_layers,
 )
+from batchgen.engine.kv.window_groups import local_step_reserve_blocks, max_local_blocks, window_group
 from batchgen.engine.models.config import ModelConfig
 from batchgen.engine.quant.int_formats.rtn import INT4_GROUP_SIZE
 
@@ -254,6 +258,11 @@ class CapacityPlan:
     num_active_parameters: int = 0
     decode_weight_bytes_one: int = 0
     decode_weight_bytes_batch: int = 0
+    # Sliding-window layers in their own block group (kv/window_groups.py): how many, their widest window and
+    # their share of kv_bytes_per_token. 0: none, or their windows are masks over a full-length cache.
+    num_local_layers: int = 0
+    local_window: int = 0
+    local_kv_bytes_per_token: int = 0
 
     @property
     def kv_tokens_per_request(self) -> int:
@@ -261,12 +270,30 @@ class CapacityPlan:
         return -(-self.max_model_len // self.block_size) * self.block_size
 
     @property
+    def local_kv_tokens_per_request(self) -> int:
+        """Positions a request's sliding-window layers keep: the blocks of its window (W / block_size + 1 at
+        most), or its whole context when shorter."""
+        if not self.num_local_layers:
+            return self.kv_tokens_per_request
+        return min(self.kv_tokens_per_request, max_local_blocks(self.local_window, self.block_size) * self.block_size)
+
+    @property
     def kv_bytes_per_request(self) -> int:
-        return self.kv_bytes_per_token * self.kv_tokens_per_request
+        """The global layers' bytes at the full context plus the local layers' over their window."""
+        global_bytes = self.kv_bytes_per_token - self.local_kv_bytes_per_token
+        return global_bytes * self.kv_tokens_per_request + self.local_kv_bytes_per_token * self.local_kv_tokens_per_request
+
+    @property
+    def local_step_reserve_bytes(self) -> int:
+        """The local layers' blocks for one step's prefill chunks (freed at the next step), beyond the windows."""
+        if not self.num_local_layers:
+            return 0
+        tokens = local_step_reserve_blocks(self.max_num_batched_tokens, self.block_size) * self.block_size
+        return self.local_kv_bytes_per_token * tokens
 
     @property
     def kv_bytes(self) -> int:
-        return self.concurrency * self.kv_bytes_per_request
+        return self.concurrency * self.kv_bytes_per_request + self.local_step_reserve_bytes
 
     @property
     def activation_bytes(self) -> int:
@@ -298,7 +325,8 @@ class CapacityPlan:
         """The most requests of max_model_len whose total with margin fits memory_bytes."""
         if self.memory_bytes is None:
             return None
-        room = self.memory_bytes - self.weight_bytes - self.step_activation_bytes
+        room = (self.memory_bytes - self.weight_bytes - self.step_activation_bytes
+                - self.local_step_reserve_bytes * (1 + KV_FRAGMENTATION_FRACTION))
         per_request = self.kv_bytes_per_request * (1 + KV_FRAGMENTATION_FRACTION) + self.logits_bytes_per_seq
         return max(0, int(room // per_request))
 
@@ -308,7 +336,9 @@ class CapacityPlan:
                  "kv_bytes_per_token", "kv_tokens_per_request", "kv_bytes_per_request", "kv_bytes",
                  "total_bytes_before_margin", "fragmentation_bytes", "activation_bytes", "margin_bytes",
                  "total_bytes", "memory_bytes", "max_concurrency", "fits", "num_parameters",
-                 "num_active_parameters", "decode_weight_bytes_one", "decode_weight_bytes_batch")
+                 "num_active_parameters", "decode_weight_bytes_one", "decode_weight_bytes_batch",
+                 "num_local_layers", "local_window", "local_kv_bytes_per_token", "local_kv_tokens_per_request",
+                 "local_step_reserve_bytes")
         return {"dtype": str(self.dtype).removeprefix("torch."), "quantization": self.quantization,
                 "kv_cache_dtype": str(self.kv_dtype or self.dtype).removeprefix("torch."),
                 **{name: getattr(self, name) for name in names}}
@@ -327,12 +357,18 @@ def plan_capacity(cfg: ModelConfig, dtype: torch.dtype, max_model_len: int, conc
     from batchgen.engine.parallel.layout import all_layouts
 
     ranks = [layout.rank_config(cfg) for layout in all_layouts(cfg, tensor_parallel_size)]
+    # Sliding-window layers with their own block group hold only their window (as the engine does on its
+    # default backends): their bytes per token (one rank's), priced over the window.
+    group = window_group([cfg.layer_sliding_window(i) for i in range(cfg.num_layers)])
+    local_layers, local_window = group if group is not None else ((), 0)
+    rank_kv = max(kv_bytes_per_token(rank, kv_dtype or dtype) for rank in ranks)
+    local_kv = rank_kv * len(local_layers) // cfg.num_layers
     return CapacityPlan(
         dtype=dtype, quantization=quantization, max_model_len=max_model_len, concurrency=concurrency,
         block_size=block_size, max_num_batched_tokens=max_num_batched_tokens,
         weight_bytes=max(weight_bytes(rank, dtype, quantization, quantize_lm_head, declared, int_calibration)
                          for rank in ranks),
-        kv_bytes_per_token=max(kv_bytes_per_token(rank, kv_dtype or dtype) for rank in ranks),
+        kv_bytes_per_token=rank_kv,
         step_activation_bytes=max(activation_workspace_bytes(rank, dtype, max_num_batched_tokens, 0)
                                   for rank in ranks),
         logits_bytes_per_seq=logits_bytes_per_seq(cfg), memory_bytes=memory_bytes, kv_dtype=kv_dtype,
@@ -340,4 +376,5 @@ def plan_capacity(cfg: ModelConfig, dtype: torch.dtype, max_model_len: int, conc
         num_active_parameters=num_active_parameters(cfg),
         decode_weight_bytes_one=max(decode_weight_bytes(rank, dtype, 1, quantization, declared, int_calibration) for rank in ranks),
         decode_weight_bytes_batch=max(decode_weight_bytes(rank, dtype, concurrency, quantization, declared, int_calibration)
-                                      for rank in ranks))
+                                      for rank in ranks),
+        num_local_layers=len(local_layers), local_window=local_window, local_kv_bytes_per_token=local_kv)

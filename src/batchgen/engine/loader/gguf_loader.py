@@ -41,8 +41,13 @@ _TENSOR_NAMES = {
 # pre_feedforward_layernorm and post_feedforward_layernorm.
 _GEMMA_TENSOR_NAMES = {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
                        "post_ffw_norm": "post_feedforward_layernorm"}
+# GLM-4's ffn_up is gate and up fused too (gate rows first, as HF's gate_up_proj), and its norms after
+# attention and after the MLP are HF's post_self_attn_layernorm and post_mlp_layernorm.
 _FAMILY_TENSOR_NAMES = {"Phi3ForCausalLM": {"ffn_up": "mlp.gate_up_proj"},
-                        "Gemma2ForCausalLM": _GEMMA_TENSOR_NAMES, "Gemma3ForCausalLM": _GEMMA_TENSOR_NAMES}
+                        "Gemma2ForCausalLM": _GEMMA_TENSOR_NAMES, "Gemma3ForCausalLM": _GEMMA_TENSOR_NAMES,
+                        "Glm4ForCausalLM": {"ffn_up": "mlp.gate_up_proj",
+                                            "post_attention_norm": "post_self_attn_layernorm",
+                                            "post_ffw_norm": "post_mlp_layernorm"}}
 # Families whose norms scale by (1 + w): llama.cpp's converter stores 1 + w, HF checkpoints (and the model's
 # load_weights) w.
 _NORM_OFFSET_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
@@ -114,6 +119,10 @@ def read_gguf_config(path: Path) -> ModelConfig:
         family = _phi3_fields(path, field, head_dim, names)
     elif arch in _GEMMA_GGUF:
         family = _gemma_fields(path, arch, field, head_dim)
+    elif arch == "glm4":  # its rope.dimension_count is the rotary width (half a head), not head_dim
+        head_dim = field(f"{arch}.attention.key_length") or hidden // num_heads
+        family = {"sandwich_norms": True, "rope_interleaved": True,
+                  "partial_rotary_factor": (field(f"{arch}.rope.dimension_count") or head_dim // 2) / head_dim}
     fields = dict(
         model_type=ARCHITECTURES[architecture].model_type,
         vocab_size=vocab,

@@ -55,8 +55,7 @@ ARCHITECTURES: dict[str, Architecture] = {
     "Qwen2ForCausalLM": Architecture(Qwen2ForCausalLM, "qwen2", gguf_name="qwen2"),
     "Qwen3ForCausalLM": Architecture(Qwen3ForCausalLM, "qwen3", gguf_name="qwen3"),
     "Olmo2ForCausalLM": Architecture(Olmo2ForCausalLM, "olmo2", gguf_name=None),
-    # llama.cpp's "glm4" GGUF files are not read yet (their ffn_up is fused gate/up, post-norm names differ).
-    "Glm4ForCausalLM": Architecture(Glm4ForCausalLM, "glm4", gguf_name=None),
+    "Glm4ForCausalLM": Architecture(Glm4ForCausalLM, "glm4", gguf_name="glm4"),
     "Phi3ForCausalLM": Architecture(Phi3ForCausalLM, "phi3", gguf_name="phi3"),
     "Gemma2ForCausalLM": Architecture(Gemma2ForCausalLM, "gemma2", gguf_name="gemma2"),
     "Gemma3ForCausalLM": Architecture(Gemma3ForCausalLM, "gemma3_text", gguf_name="gemma3"),

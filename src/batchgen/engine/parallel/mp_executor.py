@@ -206,11 +206,14 @@ class MultiprocExecutor:
     # ---- the step broadcast --------------------------------------------------------------------------
     def send_step(self, step: StepInputs, sent: torch.Tensor) -> None:
         """The runner's step sink: the header to every worker's pipe, then the step's model sections
-        (the start of the buffer the runner just sent, `sent`) in one broadcast."""
+        (the start of the buffer the runner just sent, `sent`; with a sliding-window block group, its
+        local slots and tables after them) in one broadcast."""
         num_seqs = step.num_seqs
         width = step.block_tables_t.shape[1] if num_seqs else 0
         num_logits = step.logits_indices.shape[0]
         num_ints = sum(model_section_sizes(step.num_tokens, num_logits, num_seqs, width).values())
+        if "w.slot_mapping" in step.tensors:  # a local block group's slots and tables, packed right after
+            num_ints += step.num_tokens + num_seqs * width
         header = np.empty(STEP_HEADER_INTS + 2 * num_seqs, dtype=np.int32)
         header[:STEP_HEADER_INTS] = (STEP, num_ints, step.num_tokens, num_logits, num_seqs, width, step.num_decodes,
                                      step.max_seq_len)

@@ -189,7 +189,11 @@ class Worker:
     @torch.inference_mode()
     def run_step(self, header: np.ndarray, runner) -> None:
         """Receive the step's packed model inputs (one broadcast) and run this rank's forward."""
-        from batchgen.engine.runner.step_inputs import make_step_inputs, unpack_model_sections
+        from batchgen.engine.runner.step_inputs import (
+            make_step_inputs,
+            model_section_sizes,
+            unpack_model_sections,
+        )
 
         num_ints, num_tokens, num_logits, num_seqs, width, num_decodes, max_seq_len = (
             int(v) for v in header[1:STEP_HEADER_INTS])
@@ -200,11 +204,16 @@ class Worker:
                                       device=self.buffer.device)
         content = self.parallel.group.broadcast(self.buffer[:num_ints])
         tensors = unpack_model_sections(content, num_tokens, num_logits, num_seqs, width)
+        if runner.windowed is not None:  # the local block group's slots and tables follow (add_local_table_sections)
+            start = sum(model_section_sizes(num_tokens, num_logits, num_seqs, width).values())
+            tensors["w.slot_mapping"] = content[start:start + num_tokens]
+            tensors["w.block_tables"] = content[start + num_tokens:start + num_tokens + num_seqs * width].view(
+                num_seqs, width)
         # Host block tables are not sent: the backends that run tensor-parallel (cpu, triton) read
         # the packed tables (model_loader.PARALLEL_ATTENTION_BACKENDS).
         step = make_step_inputs(tensors, query_lens, context_lens, [], num_decodes, max_seq_len,
                                 self.config.block_size)
-        runner.forward(step, runner.attention.build_packed(step))
+        runner.forward(step, runner.attention_metadata(step))
         runner.capture_if_pending()  # as rank 0 does after this step (calculate_kv_scales)
 
 

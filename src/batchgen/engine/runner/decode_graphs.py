@@ -25,11 +25,13 @@ size selection run on the CPU in tests with an eager stand-in.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 
+from batchgen.engine.attention.base import WindowedMetadata
 from batchgen.engine.runner.step_inputs import StepInputs, make_step_inputs
 
 if TYPE_CHECKING:
@@ -97,7 +99,9 @@ class DecodeGraphs:
     """The captured decode graphs of one model runner and the static buffers they read."""
 
     def __init__(self, model, kv_caches: list, attention, max_size: int, max_model_len: int,
-                 block_size: int, device: torch.device, capturer=None):
+                 block_size: int, device: torch.device, capturer=None, has_local_tables: bool = False):
+        """`has_local_tables`: the sliding-window layers have their own block group (kv/window_groups.py):
+        their slots and tables get static buffers too, and each graph builds both metadata."""
         self.model = model
         self.kv_caches = kv_caches
         self.attention = attention
@@ -122,6 +126,8 @@ class DecodeGraphs:
         self.query_start_loc = torch.arange(b + 1, dtype=torch.int32, device=device)
         self.logits_indices = torch.arange(b, dtype=torch.int32, device=device)
         self.block_tables = zeros(b, width)
+        self.local_slot_mapping = torch.full((b,), -1, dtype=torch.int32, device=device) if has_local_tables else None
+        self.local_block_tables = zeros(b, width) if has_local_tables else None
         # One logits buffer for every graph (each writes its first `size` rows), not one per size:
         # 20 sizes x 128k-wide float32 rows would hold ~1 GB for Llama-3's vocabulary.
         self.logits = torch.empty((b, model.vocab_size), dtype=torch.float32, device=device)
@@ -130,11 +136,13 @@ class DecodeGraphs:
         self.memory_bytes = 0  # CUDA: device memory the capture took (its pool and these buffers)
 
     @staticmethod
-    def static_bytes(max_size: int, max_model_len: int, block_size: int, vocab_size: int) -> int:
+    def static_bytes(max_size: int, max_model_len: int, block_size: int, vocab_size: int,
+                     has_local_tables: bool = False) -> int:
         """Bytes of the buffers the graphs read and write outside their pool: the float32 logits and
         the int32 step buffers (DecodeGraphs.__init__)."""
         width = -(-max_model_len // block_size) + 1
-        return 4 * max_size * vocab_size + 4 * (max_size * (8 + width) + 1)
+        local = max_size * (1 + width) if has_local_tables else 0
+        return 4 * max_size * vocab_size + 4 * (max_size * (8 + width) + 1 + local)
 
     def fits(self, num_seqs: int) -> bool:
         return padded_batch_size(num_seqs, self.sizes) is not None
@@ -148,8 +156,21 @@ class DecodeGraphs:
                    "block_tables": self.block_tables[:size]}
         # Host lengths of the padding shape (one key each); max_seq_len is the limit, so a backend
         # sizes anything it derives from it for every step the graph will replay.
-        return make_step_inputs(tensors, [1] * size, [0] * size, [[0]] * size, size, self.max_model_len,
+        step = make_step_inputs(tensors, [1] * size, [0] * size, [[0]] * size, size, self.max_model_len,
                                 self.block_size)
+        if self.local_block_tables is not None:
+            step.tensors["w.slot_mapping"] = self.local_slot_mapping[:size]
+            step.tensors["w.block_tables"] = self.local_block_tables[:size]
+        return step
+
+    def build_metadata(self, step: StepInputs):
+        """The step's metadata, and with a local block group the local layers' too (WindowedMetadata)."""
+        meta = self.attention.build_packed(step)
+        if self.local_block_tables is None:
+            return meta
+        local = dataclasses.replace(step, slot_mapping=step.tensors["w.slot_mapping"],
+                                    block_tables_t=step.tensors["w.block_tables"])
+        return WindowedMetadata(meta, self.attention.build_packed(local))
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -160,7 +181,7 @@ class DecodeGraphs:
             def forward(step=step):
                 # The metadata is built inside the capture: whatever it derives on the device from
                 # the static buffers is recomputed by every replay.
-                meta = self.attention.build_packed(step)
+                meta = self.build_metadata(step)
                 logits = self.model(step.input_ids, step.positions, self.kv_caches, meta, step.logits_indices)
                 out = self.logits[:step.num_seqs]
                 out.copy_(logits)
@@ -178,10 +199,15 @@ class DecodeGraphs:
         self.seq_lens[:n].copy_(step.seq_lens)
         self.context_lens[:n].copy_(step.context_lens_t)
         self.block_tables[:n, :width].copy_(step.block_tables_t)
+        if self.local_block_tables is not None:
+            self.local_slot_mapping[:n].copy_(step.tensors["w.slot_mapping"])
+            self.local_block_tables[:n, :width].copy_(step.tensors["w.block_tables"])
         if size > n:
             self.input_ids[n:size].zero_()
             self.positions[n:size].zero_()
             self.slot_mapping[n:size].fill_(-1)
+            if self.local_slot_mapping is not None:
+                self.local_slot_mapping[n:size].fill_(-1)
             self.seq_lens[n:size].fill_(1)
             self.context_lens[n:size].zero_()
             # Padding rows read their table's first entry only: whatever is left there is a block id.
@@ -214,7 +240,8 @@ def decode_graph_profiler(config: EngineConfig, vocab_size: int, max_model_len: 
         else:
             run_step(runner)
         torch.cuda.synchronize(config.torch_device)
-        return (DecodeGraphs.static_bytes(num_seqs, max_model_len, config.block_size, vocab_size)
+        return (DecodeGraphs.static_bytes(num_seqs, max_model_len, config.block_size, vocab_size,
+                                          runner.windowed is not None)
                 + runner.attention.graph_workspace_bytes(graph_batch_sizes(num_seqs), max_model_len))
 
     return profile_graphs

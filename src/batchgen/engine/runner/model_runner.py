@@ -20,6 +20,7 @@ verify chunk: those need each step's results on the host first); `execute` is th
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from concurrent.futures import Future
@@ -30,6 +31,7 @@ import numpy as np
 import torch
 
 from batchgen.engine.attention import allocate_kv_caches, copy_blocks
+from batchgen.engine.attention.base import WindowedMetadata
 from batchgen.engine.capabilities import Capabilities
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.core.scheduler import ScheduledSeq
@@ -40,6 +42,7 @@ from batchgen.engine.decoding.prompt_logprobs import (
     record_prompt_logprobs,
 )
 from batchgen.engine.decoding.structured.step_bitmask import StepBitmask
+from batchgen.engine.kv.window_groups import WindowedKV, model_windowed_kv
 from batchgen.engine.models.config import ModelConfig
 from batchgen.engine.models.layers.causal_lm import CausalLM
 from batchgen.engine.pooling.pool_rows import add_pool_sections, record_pooled
@@ -49,6 +52,7 @@ from batchgen.engine.runner.step_inputs import (
     BlockCopySections,
     StepInputs,
     StepPacker,
+    add_local_table_sections,
     add_step_sections,
     int_section,
     make_step_inputs,
@@ -107,6 +111,11 @@ class ModelRunner:
         self.block_size = config.block_size
         self.eos_token_ids = eos_token_ids
         self.sampler = Sampler(eos_token_ids, is_c_sampling=capabilities.is_c_sampling)
+        # Sliding-window layers with their own, smaller block group (kv/window_groups.py; None: one group):
+        # the split of `num_blocks` full-model blocks the engine's KV cache manager makes too.
+        self.windowed: WindowedKV | None = model_windowed_kv(config, model.backend, model_cfg.num_layers, num_blocks)
+        if self.windowed is not None:
+            num_blocks = self.windowed.num_blocks
         num_slots = num_blocks * config.block_size
         # Per layer: K and V caches as (num_slots, kv_heads, head_dim); slot = block * block_size + offset.
         # In engine.kv_cache_dtype (FP8: with per-layer scales, from the checkpoint or calibrated). The
@@ -117,7 +126,9 @@ class ModelRunner:
         self.kv_caches = allocate_kv_caches(
             model_cfg.num_layers, num_slots, model.backend.num_kv_heads, model_cfg.head_dim, config.kv_torch_dtype,
             self.device, checkpoint_scales=getattr(model, "kv_cache_scales", None),
-            calculate_scales=config.calculate_kv_scales)
+            calculate_scales=config.calculate_kv_scales,
+            local_layers=self.windowed.local_layers if self.windowed else frozenset(),
+            num_local_slots=self.windowed.num_local_blocks * config.block_size if self.windowed else 0)
         # This engine's half of the model's attention backend (its per-step metadata, any state it
         # keeps across steps); the model's layers call the backend itself.
         self.attention = model.backend.make_metadata_builder(model_cfg.num_layers, num_slots, config.block_size,
@@ -172,7 +183,8 @@ class ModelRunner:
         reserved = torch.cuda.memory_reserved(self.device) if is_cuda else 0
         start = time.perf_counter()
         self.graphs = DecodeGraphs(self.model, self.kv_caches, self.attention, self.config.num_cuda_graph_seqs,
-                                   max_model_len, self.block_size, self.device, capturer)
+                                   max_model_len, self.block_size, self.device, capturer,
+                                   has_local_tables=self.windowed is not None)
         self.graphs.capture()
         self.graphs.capture_seconds = time.perf_counter() - start
         # What the graphs hold: their pool and the buffers they read (CUDA; 0 for a stand-in capture).
@@ -207,6 +219,10 @@ class ModelRunner:
         packer = self.packer
         query_lens, context_lens, tables, max_seq_len, sampling = add_step_sections(
             packer, decodes + prefills, len(decodes), self.block_size)
+        local_tables = None
+        if self.windowed is not None:
+            local_tables = add_local_table_sections(packer, decodes + prefills, self.block_size,
+                                                    max(map(len, tables), default=0))
         seqs, offsets = sampling_rows(sampling)
         batch = add_sampling_sections(packer, seqs, self.eos_token_ids, self.model_cfg.vocab_size, self.penalties,
                                       offsets)
@@ -229,8 +245,31 @@ class ModelRunner:
         attach_sampling_tensors(batch, tensors)
         if self.step_sink is not None:
             self.step_sink(step, packer.sent)
+        return step, self.attention_metadata(step, local_tables), sampling, batch, prompt_plan
+
+    def attention_metadata(self, step: StepInputs, local_tables: list[list[int]] | None = None):
+        """The step's attention metadata; with a local block group (its packed "w." sections in step.tensors)
+        the local layers' too, the same step over their slots and tables (WindowedMetadata)."""
         meta = self.attention.build_packed(step)
-        return step, meta, sampling, batch, prompt_plan
+        if self.windowed is None:
+            return meta
+        return WindowedMetadata(meta, self.attention.build_packed(dataclasses.replace(
+            step, slot_mapping=step.tensors["w.slot_mapping"], block_tables=local_tables or [],
+            block_tables_t=step.tensors["w.block_tables"])))
+
+    def _copy_blocks(self, step: StepInputs) -> None:
+        """The step's copies on write, before its forward; with a local block group, the ids from
+        pool.num_blocks on are its blocks (KVCacheManager.take_copies) and copy in the local layers only."""
+        src, dst = step.tensors["c.copy_src"], step.tensors["c.copy_dst"]
+        if self.windowed is None:
+            copy_blocks(self.kv_caches, src, dst, self.block_size)
+            return
+        local, offset = self.windowed.local_layers, self.windowed.num_blocks
+        is_local = src >= offset
+        copy_blocks([c for i, c in enumerate(self.kv_caches) if i not in local], src[~is_local], dst[~is_local],
+                    self.block_size)
+        copy_blocks([c for i, c in enumerate(self.kv_caches) if i in local], src[is_local] - offset,
+                    dst[is_local] - offset, self.block_size)
 
     def forward(self, step: StepInputs, meta) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Logits (N, V) float32 of the step's sampling rows: a graph replay for a decode-only step
@@ -270,7 +309,7 @@ class ModelRunner:
         step, meta, sampling, batch, prompt_plan = self.prepare(scheduled, num_live_seqs, blocks_to_copy)
         prepared = time.perf_counter()
         if blocks_to_copy:
-            copy_blocks(self.kv_caches, step.tensors["c.copy_src"], step.tensors["c.copy_dst"], self.block_size)
+            self._copy_blocks(step)
         logits = self.forward(step, meta)  # (N, V), or with prompt rows ((N, V), (R, H))
         if self.pool_seqs is not None:  # (R, num_labels): no sampling rows in a pooling model's step
             record_pooled(logits.cpu().numpy(), self.pool_seqs)
@@ -325,8 +364,7 @@ class ModelRunner:
         @torch.inference_mode()  # thread-local: the work may run on a stream's own thread
         def device_work() -> HostResult | None:
             if blocks_to_copy:
-                copy_blocks(self.kv_caches, step.tensors["c.copy_src"], step.tensors["c.copy_dst"],
-                            self.block_size)
+                self._copy_blocks(step)
             self._feed(step, previous)
             logits = self.forward(step, meta)  # (N, V)
             if not sampling:
@@ -379,6 +417,7 @@ class ModelRunner:
             n = num_tokens // num_seqs + (i < num_tokens % num_seqs)
             seq = Sequence(f"profile-{i}", 0, [0] * n, params, 0.0, n + 1)
             seq.block_ids = [0] * (-(-n // self.block_size))
+            seq.local_block_ids = list(seq.block_ids)
             scheduled.append(ScheduledSeq(seq, n))
         step, meta, sampling, batch, _ = self.prepare(scheduled)
         logits = self.model(step.input_ids, step.positions, self.kv_caches, meta, step.logits_indices)
@@ -399,6 +438,7 @@ class ModelRunner:
             seq = Sequence(f"profile-graph-{i}", 0, [0, 0], params, 0.0, 3)
             seq.num_computed_tokens = 1
             seq.block_ids = [0]
+            seq.local_block_ids = [0]
             scheduled.append(ScheduledSeq(seq, 1))
         step, meta, _, _, _ = self.prepare(scheduled)
         self.model(step.input_ids, step.positions, self.kv_caches, meta, step.logits_indices)

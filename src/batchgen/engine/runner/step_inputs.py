@@ -259,6 +259,36 @@ def add_step_sections(packer: StepPacker, order: list[ScheduledSeq], num_decodes
     return query_lens, context_lens, tables, max(seq_lens, default=0), sampling
 
 
+@dataclass
+class LocalTableSections:
+    """The sliding-window layers' own block group (kv/window_groups.py): the new tokens' slots in the local
+    caches and the local block tables, laid out as ModelSections' slot_mapping and block_tables."""
+
+    slot_mapping: list[int] = int_section()  # (T,)
+    block_tables: list[int] = int_section()  # (S * W,) flat, padded with block 0 (freed entries hold 0 too)
+
+
+def add_local_table_sections(packer: StepPacker, order: list[ScheduledSeq], block_size: int,
+                             width: int) -> list[list[int]]:
+    """Pack the local group's slots and tables of `order` (as add_step_sections packed the full group's, the
+    same width); sent as "w.slot_mapping" / "w.block_tables". Returns the host tables."""
+    bs = block_size
+    slots: list[int] = []
+    tables: list[list[int]] = []
+    for s in order:
+        seq = s.seq
+        table = seq.local_block_ids
+        start = seq.num_computed_tokens
+        end = start + s.num_new_tokens
+        slots.extend(table[pos // bs] * bs + pos % bs for pos in range(start, end))
+        tables.append(table[:(end + bs - 1) // bs])
+    flat: list[int] = []
+    for table in tables:
+        flat += table + [0] * (width - len(table))
+    packer.add_sections(LocalTableSections(slots, flat), "w.", shapes={"block_tables": (len(tables), width)})
+    return tables
+
+
 def make_step_inputs(tensors: dict[str, torch.Tensor], query_lens: list[int], context_lens: list[int],
                      block_tables: list[list[int]], num_decodes: int, max_seq_len: int,
                      block_size: int) -> StepInputs:

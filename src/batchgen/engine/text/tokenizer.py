@@ -9,12 +9,16 @@ from __future__ import annotations
 import copy
 import logging
 
-from batchgen.engine.loader.gguf_layout import check_gguf_layout
+from batchgen.engine.loader.gguf_layout import check_gguf_layout, read_gguf_header
 from batchgen.engine.loader.source import ModelSource
 from batchgen.engine.text.chat_template import DEFAULT_CHAT, PROBE_CONVERSATION, ChatTemplateOptions
 from batchgen.engine.text.control_tokens import ControlTokens
 
 Messages = list[dict]
+
+# GGUF architectures whose tokenizer transformers builds from the file's tokenizer keys but whose config it
+# does not read (AutoTokenizer needs both): their tokenizer is made by PreTrainedTokenizerFast directly.
+TOKENIZER_ONLY_GGUF_ARCHITECTURES = ("glm4",)
 
 
 class Tokenizer:
@@ -23,13 +27,16 @@ class Tokenizer:
 
         logging.getLogger("transformers").setLevel(logging.ERROR)
         kwargs = {"gguf_file": source.gguf_file} if source.is_gguf else {}
+        loader = AutoTokenizer
         if source.is_gguf:  # transformers parses it with gguf.GGUFReader, which trusts declared counts
-            check_gguf_layout(source.folder / source.gguf_file)
+            path = source.folder / source.gguf_file
+            check_gguf_layout(path)
+            if read_gguf_header(path).metadata.get("general.architecture") in TOKENIZER_ONLY_GGUF_ARCHITECTURES:
+                from transformers import PreTrainedTokenizerFast as loader
         try:
             # local_files_only: the folder is already here (engine/loader/source.py found or fetched it);
             # nothing is looked up on a hub at run time.
-            hf = AutoTokenizer.from_pretrained(str(source.folder), trust_remote_code=False,
-                                               local_files_only=True, **kwargs)
+            hf = loader.from_pretrained(str(source.folder), trust_remote_code=False, local_files_only=True, **kwargs)
         except Exception as exc:
             raise ValueError(f"cannot load the tokenizer of {source.display_name}: {exc}") from exc
         self._use(hf)

@@ -41,6 +41,9 @@ class DraftModelProposer:
         is_same_model = (draft_config.model == config.model and draft_config.quantization == config.quantization
                          and not config.quantize_lm_head and config.tensor_parallel_size == 1)
         self.engine = engine_class(draft_config, weights_from=target if is_same_model else None)
+        # A mirror steps back over its rejected proposals (_synced_mirror): its local blocks (a model with
+        # sliding windows) are kept that far behind the window.
+        self.engine.kv_cache_manager.lookback_tokens = spec.num_speculative_tokens + 1
         check_same_vocabulary(target, self.engine)
         self.mirrors: dict[int, Sequence] = {}  # id(target sequence) -> its mirror
         # id(mirror) -> its target's token count at the last sync: what follows are the mirror's proposals.

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from batchgen.engine.attention.base import WindowedMetadata
 from batchgen.engine.models.layers.norm import RMSNorm
 
 if TYPE_CHECKING:
@@ -86,6 +87,8 @@ class Attention(nn.Module):
             turned = ops.rotary(qk[..., :rotary_dim].contiguous(), *rope)  # (T, H + Hkv, rotary_dim)
             qk = torch.cat([turned, qk[..., rotary_dim:]], dim=-1)
         q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)  # (T, H, D), (T, Hkv, D)
+        if isinstance(meta, WindowedMetadata):  # a local layer reads its own group's tables
+            meta = meta.for_layer(backend.layer(self.layer_index))
         if self.sinks is None:
             out = backend.forward(self.layer_index, q, k, v, kv_cache, meta)  # (T, H, D)
         else:
