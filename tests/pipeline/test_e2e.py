@@ -18,7 +18,7 @@ from tests.pipeline.conftest import engine_sections, make_job, read_output, writ
 
 # design.md's _SUCCESS keys and those added since, in the file's order (users read them: they do not change).
 SUCCESS_KEYS = ("job", "config_hash", "model", "generation_config", "num_requests", "num_rows", "num_errors",
-                "prompt_tokens", "cached_tokens", "completion_tokens", "generation_seconds", "completion_tokens_per_s",
+                "finish_reasons", "error_reasons", "prompt_tokens", "cached_tokens", "completion_tokens", "generation_seconds", "completion_tokens_per_s",
                 "ttft_s", "tpot_s", "resumed", "kernels", "kv_cache", "weights", "workers", "speculative", "structured",
                 "metrics", "provenance")
 

@@ -42,6 +42,8 @@ def run(
     report: Annotated[bool, typer.Option(
         "--report", help=f"At the end, write `batchgen report`'s page as {REPORT_NAME} beside _SUCCESS "
                          "(needs the report extra).")] = False,
+    verbose: Annotated[bool, typer.Option(
+        "--verbose", "-v", help="Also log batchgen's debug lines (the kernels chosen, the allocator setting).")] = False,
 ) -> None:
     """Run a job: generate for every input row, write part-NNNNN.parquet files and _SUCCESS.
 
@@ -51,7 +53,7 @@ def run(
     from batchgen.pipeline.run_record_text import format_summary
     from batchgen.pipeline.stages import StagedJob, load_any_job
 
-    setup_logging()
+    setup_logging(verbose)
     try:
         if report:
             check_report_extra()  # before the job: a missing package should not cost a whole run
