@@ -180,6 +180,11 @@ def validate(job: JobArg, set_: SetOpt = None, limit: LimitOpt = None,
              weights: Annotated[bool, typer.Option(
                  "--weights", help="Also read every weight tensor and check it is finite (a damaged file's "
                                    "NaN or infinity exits 2 naming the tensor); reads the whole file.")] = False,
+             tokenize: Annotated[bool, typer.Option(
+                 "--tokenize", help="Also make every row's prompt as the run will (chat template, per-row "
+                                    "settings) with the tokenizer alone, and count the rows too long for "
+                                    "max_model_len (prompt tokens + max_tokens) or input.max_prompt_bytes; "
+                                    "loads no weights.")] = False,
              ) -> None:
     """Check a job without running it: the file, the model's files, every input's schema, the
     structured-output constraint (compiled over the model's tokenizer); print the plan.
@@ -187,7 +192,8 @@ def validate(job: JobArg, set_: SetOpt = None, limit: LimitOpt = None,
     The model's files are read as the engine reads them before its weights (a GGUF's header and metadata
     with the loader's size checks, safetensors headers, config.json, the tokenizer, the chat template);
     loads no weights unless --weights asks for every tensor's values to be checked. A damaged or hostile
-    file exits 2 naming it.
+    file exits 2 naming it. --tokenize counts the overlong rows before any run (they are error rows, or
+    cut with input.on_overlong: truncate_left; the exit code stays 0).
     """
     from batchgen.pipeline.job_plan import format_job_plan, plan_job
     from batchgen.pipeline.model_files import check_model_files, check_model_weights, needs_chat_template
@@ -199,9 +205,10 @@ def validate(job: JobArg, set_: SetOpt = None, limit: LimitOpt = None,
         if isinstance(config, StagedJob):
             from batchgen.pipeline.stages.validate import validate_staged_job
 
-            if weights:
-                raise JobError("--weights applies to a single-stage job: a multi-stage job's validate reads "
-                               "each stage's model files (headers, tokenizer), not every tensor")
+            if weights or tokenize:
+                raise JobError(f"{'--weights' if weights else '--tokenize'} applies to a single-stage job: a "
+                               "multi-stage job's validate reads each stage's model files (headers, tokenizer); "
+                               "validate a stage's own job file for it")
             lines, is_refused = validate_staged_job(config)
     except Exception as exc:
         raise fail(exc) from None
@@ -218,6 +225,11 @@ def validate(job: JobArg, set_: SetOpt = None, limit: LimitOpt = None,
         source = plan.model_source
         files = None if source is None else check_model_files(source, needs_chat_template(plan.job))
         checked = None if source is None or not weights else check_model_weights(source)
+        tokens = None
+        if tokenize:
+            from batchgen.pipeline.token_check import check_tokens
+
+            tokens = check_tokens(plan)
     except Exception as exc:
         raise fail(exc) from None
     typer.echo(format_job_plan(plan))
@@ -229,6 +241,10 @@ def validate(job: JobArg, set_: SetOpt = None, limit: LimitOpt = None,
                    + ("chat template: renders" if files.has_chat_template else "no chat template"))
     if checked is not None:
         typer.echo(f"weights  {checked[0]:,} tensors read ({checked[1] / 1e6:,.0f} MB as float), every value finite")
+    if tokens is not None:
+        from batchgen.pipeline.token_check import format_token_check
+
+        typer.echo("\n".join(format_token_check(tokens)))
     if plan.state.refusal:
         typer.echo("batchgen: bad job: the output folder would be refused (see above)", err=True)
         raise typer.Exit(EXIT_BAD_JOB)
