@@ -80,6 +80,7 @@ def run(
         return
     if json_out:
         typer.echo(json.dumps(result.record.to_dict(), indent=2))
+        typer.echo(f"batchgen: {config.name} done: output in {config.output.path} ({result.success_path})", err=True)
     else:
         redone = f" ({len(result.redone)} of them run again: their part failed verification)" if result.redone else ""
         typer.echo(f"batchgen: {config.name} done: {result.num_units_run} unit(s) run{redone}, "
@@ -143,7 +144,8 @@ def _run_shard(config, shard: str | None, num_shards: int | None, limit: int | N
                    + format_summary(done.record, config.output.path.rstrip("/") + "/_SUCCESS"))
     else:
         typer.echo(f"waiting for other shards: {len(done.missing)} unit(s) not committed yet; the shard that "
-                   "commits the last one writes _SUCCESS (or run `batchgen finalize OUT` once all are done)")
+                   "commits the last one writes _SUCCESS (or run `batchgen finalize OUT` once all are done); "
+                   f"this shard's parts are in {config.output.path}")
     return done.record
 
 
