@@ -201,3 +201,8 @@ def test_a_runs_record_counts_finish_and_error_reasons_from_its_rows(tmp_path):
     assert success["num_errors"] == 2 and sum(success["finish_reasons"].values()) == rows
     assert success["finish_reasons"]["error"] == 2
     assert list(success["error_reasons"].values()) == [2] and result.record.error_reasons == success["error_reasons"]
+    from batchgen.report.card import write_card
+
+    card = open(write_card(str(tmp_path / "out"), None)).read()
+    (reason,) = success["error_reasons"]
+    assert f"## Error reasons\n\n| error | requests |\n|---|---|\n| {reason} | 2 |" in card
