@@ -185,6 +185,19 @@ def test_the_summary_lists_the_top_error_reasons_and_warns_of_many_length_rows(t
         "3 x the prompt has no tokens", "1 x reason a", "1 x reason b", "1 x reason c", "2 x other reasons"]
     assert "warning" not in text  # 3 of 16 rows hit length: under a quarter
 
+    # Messages quoting each row's own text: the distinct reasons kept are capped, the most frequent stay.
+    from batchgen.pipeline import summary
+
+    capped = Totals()
+    unique = [f"bad value {chr(97 + i % 26)}{chr(97 + i // 26 % 26)}{chr(97 + i // 676)}"
+              for i in range(summary.MAX_DISTINCT_REASONS + 50)]
+    capped.add_table(pa.table({
+        "sample_index": [0] * (len(unique) + 3), "finish_reason": ["error"] * (len(unique) + 3),
+        "error": unique + ["the prompt has no tokens"] * 3, "prompt_tokens": [1] * (len(unique) + 3),
+        "cached_tokens": [0] * (len(unique) + 3), "completion_tokens": [0] * (len(unique) + 3)}), with_latency=False)
+    assert len(capped.error_reasons) == summary.MAX_DISTINCT_REASONS
+    assert next(iter(capped.top_error_reasons().items())) == ("the prompt has no tokens", 3)
+
     many_length = dataclasses.replace(record, finish_reasons={"length": 5, "stop": 11})
     assert format_summary(many_length, "/out/_SUCCESS").splitlines()[-1].strip().startswith(
         "warning: 5 of 16 rows (31.2%) stopped at max_tokens (finish_reason length)")

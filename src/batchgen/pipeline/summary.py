@@ -19,6 +19,9 @@ from batchgen.pipeline.run_record import MetricFigures, SpeculativeFigures, Stru
 SUMMARY_COLUMNS = ["sample_index", "finish_reason", "error", "prompt_tokens", "cached_tokens", "completion_tokens",
                    "ttft_s", "tpot_s"]
 NUM_ERROR_REASONS = 5  # the most frequent error reasons a run record keeps
+# Distinct reasons a Totals keeps while counting: messages that quote each row's own text would otherwise
+# grow it with the rows; past the cap the rarest are dropped (the summary counts them as "other reasons").
+MAX_DISTINCT_REASONS = 1000
 _NUMBER = re.compile(r"\d+(?:[.,_]\d+)*")
 _MAX_REASON_CHARS = 200
 
@@ -74,6 +77,7 @@ class Totals:
         if "error" in table.column_names:
             failed = first.filter(pc.equal(first["finish_reason"], "error"))["error"].to_pylist()
             _add_counts(self.error_reasons, Counter(map(error_reason, failed)))
+            self._cap_error_reasons()
         for name in ("ttft_s", "tpot_s"):  # a loglikelihood job's rows have no token times
             if with_latency and name in table.column_names:
                 getattr(self, name).append(table[name].drop_null().to_numpy())
@@ -89,6 +93,7 @@ class Totals:
             setattr(self, name, getattr(self, name) + getattr(other, name))
         _add_counts(self.finish_reasons, other.finish_reasons)
         _add_counts(self.error_reasons, other.error_reasons)
+        self._cap_error_reasons()
         self.ttft_s.extend(other.ttft_s)
         self.tpot_s.extend(other.tpot_s)
         self.metric_kinds.update(other.metric_kinds)
@@ -106,6 +111,10 @@ class Totals:
             scores[name] = (MetricFigures(value=score.value, stderr=score.stderr, n=score.n) if score.n
                             else MetricFigures(value=None, stderr=None, n=0))
         return scores
+
+    def _cap_error_reasons(self) -> None:
+        if len(self.error_reasons) > MAX_DISTINCT_REASONS:
+            self.error_reasons = top_counts(self.error_reasons, MAX_DISTINCT_REASONS)
 
     def finish_reasons_by_count(self) -> dict[str, int]:
         """Rows by finish_reason, most first."""
