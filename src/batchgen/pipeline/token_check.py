@@ -117,9 +117,12 @@ def _count(check: TokenCheck, task) -> None:
 
 def format_token_check(check: TokenCheck) -> list[str]:
     """validate's lines for it: the prompt lengths, then the rows a run would not generate as they are."""
-    mean = check.num_prompt_tokens / check.num_tokenized if check.num_tokenized else 0
-    lines = [f"tokens   {check.num_rows:,} rows tokenized: prompt tokens mean {mean:,.0f}, longest "
-             f"{check.longest_prompt:,} (id {check.longest_id}); max_model_len {check.max_model_len:,}"]
+    if check.num_tokenized:
+        mean = check.num_prompt_tokens / check.num_tokenized
+        lengths = f"prompt tokens mean {mean:,.0f}, longest {check.longest_prompt:,} (id {check.longest_id})"
+    else:
+        lengths = "no prompt tokenized"
+    lines = [f"tokens   {check.num_rows:,} rows tokenized: {lengths}; max_model_len {check.max_model_len:,}"]
     if check.num_overlong:
         fate = ("error rows (input.on_overlong: error)" if check.on_overlong == "error"
                 else "cut to their last tokens (input.on_overlong: truncate_left)")
