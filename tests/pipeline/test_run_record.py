@@ -3,8 +3,10 @@ read with their defaults, and the one summary every view prints."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
+import pyarrow as pa
 import pytest
 
 from batchgen.pipeline.job import run_job
@@ -22,6 +24,7 @@ from batchgen.pipeline.run_record import (
 )
 from batchgen.pipeline.run_record_text import format_summary, summary_rows
 from batchgen.pipeline.shards import ShardSpec, run_shard
+from batchgen.pipeline.summary import Totals
 from tests.pipeline.conftest import FakeEngine, make_job, write_parquet
 
 # The keys of the first batchgen's _SUCCESS (design.md): every record has them.
@@ -62,7 +65,8 @@ def test_a_sharded_success_reads_back_and_writes_the_same_bytes(tmp_path):
 def _full_record() -> RunRecord:
     """Every nested part filled, with the Ray backend's workers."""
     return RunRecord(
-        job="j", config_hash="c" * 64, model="m", num_requests=4, num_rows=8, num_errors=1, prompt_tokens=200,
+        job="j", config_hash="c" * 64, model="m", num_requests=4, num_rows=8, num_errors=1,
+        finish_reasons={"stop": 5, "length": 2, "error": 1}, error_reasons={"overlong prompt: N tokens": 1}, prompt_tokens=200,
         cached_tokens=50, completion_tokens=1234, generation_seconds=2, completion_tokens_per_s=617.0,
         ttft_s=Percentiles(p50=0.0123, p90=0.0456, p99=1.5), tpot_s=Percentiles(), resumed=True,
         generation_config=GenerationDefaults(setting="auto", file="/m/generation_config.json",
@@ -142,6 +146,8 @@ def test_the_summary_shows_every_key_once_in_the_files_order():
     assert shown["speculative"] == "6 of 10 draft tokens accepted (60%), 2.50 tokens per verify"
     assert shown["structured"] == "3 constrained requests; token mask 0.50 ms per step (1.5 rows)"
     assert shown["metrics"] == "acc 0.6250 (95% CI 0.5270 to 0.7230, n 40); none_scored - (n 0)"
+    assert shown["finish_reasons"] == "stop 5 (62.5%), length 2 (25.0%), error 1 (12.5%)"
+    assert shown["error_reasons"] == "1 x overlong prompt: N tokens"
     lines = format_summary(record, "/out/_SUCCESS").splitlines()
     assert lines[-1].split() == ["success", "file", "/out/_SUCCESS"]
     assert [line.split(None, len(row.label.split()))[-1] for line, row in zip(lines, rows)] == [r.text for r in rows]
@@ -152,3 +158,64 @@ def test_engine_reports_from_worker_summaries_read_null_parts_as_empty():
     report = EngineReport.from_dict({"model": "m", "kernels": {"device": "cpu"}, "kv_cache": None})
     assert report == EngineReport(model="m", kernels={"device": "cpu"})
     assert EngineReport.from_dict(report.to_dict()) == report
+
+
+def test_the_summary_lists_the_top_error_reasons_and_warns_of_many_length_rows(tmp_path):
+    """Issue 40: the end summary says why requests failed (the five most frequent reasons, numbers
+    masked so one cause counts once) and warns when more than a quarter of the rows hit max_tokens."""
+    messages = [f"overlong prompt: {300 + i} prompt tokens + max_tokens 16 > max_model_len 256" for i in range(4)]
+    messages += ["the prompt has no tokens"] * 3 + [f"reason {chr(97 + i)}" for i in range(5)]
+    totals = Totals()
+    totals.add_table(pa.table({
+        "sample_index": [0] * 16, "finish_reason": ["error"] * 12 + ["length"] * 3 + ["stop"],
+        "error": messages + [None] * 4, "prompt_tokens": [1] * 16, "cached_tokens": [0] * 16,
+        "completion_tokens": [1] * 16}), with_latency=False)
+    record = dataclasses.replace(_full_record(), num_requests=16, num_rows=16, num_errors=12,
+                                 finish_reasons=totals.finish_reasons_by_count(),
+                                 error_reasons=totals.top_error_reasons())
+    assert record.finish_reasons == {"error": 12, "length": 3, "stop": 1}
+    assert record.error_reasons == {"overlong prompt: N prompt tokens + max_tokens N > max_model_len N": 4,
+                                    "the prompt has no tokens": 3, "reason a": 1, "reason b": 1, "reason c": 1}
+    assert RunRecord.from_json(record.to_json()) == record  # most-first order kept through the file
+    text = format_summary(record, "/out/_SUCCESS")
+    assert "error reasons         4 x overlong prompt: N prompt tokens" in text
+    lines = text.splitlines()
+    at = next(i for i, line in enumerate(lines) if "4 x overlong" in line)
+    assert [line.strip() for line in lines[at + 1:at + 6]] == [
+        "3 x the prompt has no tokens", "1 x reason a", "1 x reason b", "1 x reason c", "2 x other reasons"]
+    assert "warning" not in text  # 3 of 16 rows hit length: under a quarter
+
+    # Messages quoting each row's own text: the distinct reasons kept are capped, the most frequent stay.
+    from batchgen.pipeline import summary
+
+    capped = Totals()
+    unique = [f"bad value {chr(97 + i % 26)}{chr(97 + i // 26 % 26)}{chr(97 + i // 676)}"
+              for i in range(summary.MAX_DISTINCT_REASONS + 50)]
+    capped.add_table(pa.table({
+        "sample_index": [0] * (len(unique) + 3), "finish_reason": ["error"] * (len(unique) + 3),
+        "error": unique + ["the prompt has no tokens"] * 3, "prompt_tokens": [1] * (len(unique) + 3),
+        "cached_tokens": [0] * (len(unique) + 3), "completion_tokens": [0] * (len(unique) + 3)}), with_latency=False)
+    assert len(capped.error_reasons) == summary.MAX_DISTINCT_REASONS
+    assert next(iter(capped.top_error_reasons().items())) == ("the prompt has no tokens", 3)
+
+    many_length = dataclasses.replace(record, finish_reasons={"length": 5, "stop": 11})
+    assert format_summary(many_length, "/out/_SUCCESS").splitlines()[-1].strip().startswith(
+        "warning: 5 of 16 rows (31.2%) stopped at max_tokens (finish_reason length)")
+    assert "warning" not in format_summary(dataclasses.replace(record, finish_reasons={"length": 4, "stop": 12}), "x")
+
+
+def test_a_runs_record_counts_finish_and_error_reasons_from_its_rows(tmp_path):
+    rows = 6
+    path = write_parquet(tmp_path / "in.parquet", {"id": list(range(rows)),
+                                                   "prompt": ["p0", "", "p2", "", "p4", "p5"]})
+    job = make_job(tmp_path, str(path), input={"rows_per_unit": 2, "apply_chat_template": False})
+    result = run_job(job, engine=FakeEngine(job.engine_config()), progress=False)
+    success = json.loads((tmp_path / "out" / "_SUCCESS").read_text())
+    assert success["num_errors"] == 2 and sum(success["finish_reasons"].values()) == rows
+    assert success["finish_reasons"]["error"] == 2
+    assert list(success["error_reasons"].values()) == [2] and result.record.error_reasons == success["error_reasons"]
+    from batchgen.report.card import write_card
+
+    card = open(write_card(str(tmp_path / "out"), None)).read()
+    (reason,) = success["error_reasons"]
+    assert f"## Error reasons\n\n| error | requests |\n|---|---|\n| {reason} | 2 |" in card

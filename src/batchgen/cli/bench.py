@@ -172,6 +172,7 @@ def bench_command(
     if output:
         output.parent.mkdir(parents=True, exist_ok=True)
         output.write_text(text + "\n")
+        typer.echo(f"batchgen bench: result written to {output}", err=True)  # stderr: --json's stdout stays JSON
     if as_json:
         typer.echo(text)
     elif opts.is_quality:

@@ -37,9 +37,12 @@ def fail(exc: BaseException) -> typer.Exit:
     return typer.Exit(EXIT_FAILURE)
 
 
-def setup_logging() -> None:
-    """The engine's and the pipeline's log lines on stderr, prefixed `batchgen:`."""
+def setup_logging(verbose: bool = False) -> None:
+    """The engine's and the pipeline's log lines on stderr, prefixed `batchgen:`. `verbose`: also
+    batchgen's debug lines (the kernels chosen, the allocator setting, oneDNN packing), not other
+    libraries' debug output."""
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="batchgen: %(message)s")
+    logging.getLogger("batchgen").setLevel(logging.DEBUG if verbose else logging.NOTSET)
 
 
 def help_text(doc: str) -> str:

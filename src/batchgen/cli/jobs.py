@@ -42,6 +42,8 @@ def run(
     report: Annotated[bool, typer.Option(
         "--report", help=f"At the end, write `batchgen report`'s page as {REPORT_NAME} beside _SUCCESS "
                          "(needs the report extra).")] = False,
+    verbose: Annotated[bool, typer.Option(
+        "--verbose", "-v", help="Also log batchgen's debug lines (the kernels chosen, the allocator setting).")] = False,
 ) -> None:
     """Run a job: generate for every input row, write part-NNNNN.parquet files and _SUCCESS.
 
@@ -51,7 +53,7 @@ def run(
     from batchgen.pipeline.run_record_text import format_summary
     from batchgen.pipeline.stages import StagedJob, load_any_job
 
-    setup_logging()
+    setup_logging(verbose)
     try:
         if report:
             check_report_extra()  # before the job: a missing package should not cost a whole run
@@ -78,6 +80,7 @@ def run(
         return
     if json_out:
         typer.echo(json.dumps(result.record.to_dict(), indent=2))
+        typer.echo(f"batchgen: {config.name} done: output in {config.output.path} ({result.success_path})", err=True)
     else:
         redone = f" ({len(result.redone)} of them run again: their part failed verification)" if result.redone else ""
         typer.echo(f"batchgen: {config.name} done: {result.num_units_run} unit(s) run{redone}, "
@@ -153,7 +156,8 @@ def _run_shard(config, shard: str | None, num_shards: int | None, limit: int | N
                    + format_summary(done.record, config.output.path.rstrip("/") + "/_SUCCESS"))
     else:
         typer.echo(f"waiting for other shards: {len(done.missing)} unit(s) not committed yet; the shard that "
-                   "commits the last one writes _SUCCESS (or run `batchgen finalize OUT` once all are done)")
+                   "commits the last one writes _SUCCESS (or run `batchgen finalize OUT` once all are done); "
+                   f"this shard's parts are in {config.output.path}")
     return done.record
 
 
@@ -190,6 +194,11 @@ def validate(job: JobArg, set_: SetOpt = None, limit: LimitOpt = None,
              weights: Annotated[bool, typer.Option(
                  "--weights", help="Also read every weight tensor and check it is finite (a damaged file's "
                                    "NaN or infinity exits 2 naming the tensor); reads the whole file.")] = False,
+             tokenize: Annotated[bool, typer.Option(
+                 "--tokenize", help="Also make every row's prompt as the run will (chat template, per-row "
+                                    "settings) with the tokenizer alone, and count the rows too long for "
+                                    "max_model_len (prompt tokens + max_tokens) or input.max_prompt_bytes; "
+                                    "loads no weights.")] = False,
              ) -> None:
     """Check a job without running it: the file, the model's files, every input's schema, the
     structured-output constraint (compiled over the model's tokenizer); print the plan.
@@ -197,7 +206,8 @@ def validate(job: JobArg, set_: SetOpt = None, limit: LimitOpt = None,
     The model's files are read as the engine reads them before its weights (a GGUF's header and metadata
     with the loader's size checks, safetensors headers, config.json, the tokenizer, the chat template);
     loads no weights unless --weights asks for every tensor's values to be checked. A damaged or hostile
-    file exits 2 naming it.
+    file exits 2 naming it. --tokenize counts the overlong rows before any run (they are error rows, or
+    cut with input.on_overlong: truncate_left; the exit code stays 0).
     """
     from batchgen.pipeline.job_plan import format_job_plan, plan_job
     from batchgen.pipeline.model_files import check_model_files, check_model_weights, needs_chat_template
@@ -209,9 +219,10 @@ def validate(job: JobArg, set_: SetOpt = None, limit: LimitOpt = None,
         if isinstance(config, StagedJob):
             from batchgen.pipeline.stages.validate import validate_staged_job
 
-            if weights:
-                raise JobError("--weights applies to a single-stage job: a multi-stage job's validate reads "
-                               "each stage's model files (headers, tokenizer), not every tensor")
+            if weights or tokenize:
+                raise JobError(f"{'--weights' if weights else '--tokenize'} applies to a single-stage job: a "
+                               "multi-stage job's validate reads each stage's model files (headers, tokenizer); "
+                               "validate a stage's own job file for it")
             lines, is_refused = validate_staged_job(config)
     except Exception as exc:
         raise fail(exc) from None
@@ -228,6 +239,11 @@ def validate(job: JobArg, set_: SetOpt = None, limit: LimitOpt = None,
         source = plan.model_source
         files = None if source is None else check_model_files(source, needs_chat_template(plan.job))
         checked = None if source is None or not weights else check_model_weights(source)
+        tokens = None
+        if tokenize:
+            from batchgen.pipeline.token_check import check_tokens
+
+            tokens = check_tokens(plan)
     except Exception as exc:
         raise fail(exc) from None
     typer.echo(format_job_plan(plan))
@@ -239,6 +255,10 @@ def validate(job: JobArg, set_: SetOpt = None, limit: LimitOpt = None,
                    + ("chat template: renders" if files.has_chat_template else "no chat template"))
     if checked is not None:
         typer.echo(f"weights  {checked[0]:,} tensors read ({checked[1] / 1e6:,.0f} MB as float), every value finite")
+    if tokens is not None:
+        from batchgen.pipeline.token_check import format_token_check
+
+        typer.echo("\n".join(format_token_check(tokens)))
     if plan.state.refusal:
         typer.echo("batchgen: bad job: the output folder would be refused (see above)", err=True)
         raise typer.Exit(EXIT_BAD_JOB)

@@ -193,7 +193,7 @@ def plan_kv_budget(job: JobConfig, storage: Storage, units: list[WorkUnit]) -> K
     return job_kv_budget(job, storage, units, max_model_len, kv_bytes_per_token(cfg, config.kv_torch_dtype), draft)
 
 
-def format_job_plan(plan: JobPlan, max_units_shown: int = 20) -> str:
+def format_job_plan(plan: JobPlan, max_units_shown: int = 3) -> str:
     """What `batchgen validate` prints: the job, the model, the inputs, the units, the output folder."""
     job = plan.job
     lines = [
@@ -218,12 +218,23 @@ def format_job_plan(plan: JobPlan, max_units_shown: int = 20) -> str:
     if plan.repeats:
         lines.append(f"ids      {len(plan.repeats):,} row(s) repeat an earlier id: each runs as a request of its own "
                      "(input.allow_duplicate_ids)")
-    for unit in plan.units[:max_units_shown]:
-        done = "  (done)" if unit.output_name in plan.state.done_names else ""
-        lines.append(f"  {unit.output_name}  {unit.file.display} rows {unit.start:,}-{unit.stop - 1:,}{done}")
-    if len(plan.units) > max_units_shown:
-        lines.append(f"  ... {len(plan.units) - max_units_shown} more")
+    lines.extend(_unit_lines(plan, max_units_shown))
     lines.append(f"output   {job.output.path}: {plan.state.describe(plan.unit_names)}")
     if job.writes_batch_output:
         lines.append("         + output.jsonl and errors.jsonl (OpenAI batch output) before _SUCCESS")
     return "\n".join(lines)
+
+
+def _unit_lines(plan: JobPlan, max_units_shown: int) -> list[str]:
+    """The units in a few lines, however many there are: each one when there are at most
+    `max_units_shown`, else the first, a count of those between and the last (a 10M-row input is 1,000
+    units; which are done the output line says)."""
+    def line(unit: WorkUnit) -> str:
+        done = "  (done)" if unit.output_name in plan.state.done_names else ""
+        return f"  {unit.output_name}  {unit.file.display} rows {unit.start:,}-{unit.stop - 1:,}{done}"
+
+    units = plan.units
+    if len(units) <= max_units_shown:
+        return [line(u) for u in units]
+    num_files = len({u.file.display for u in units[1:-1]})
+    return [line(units[0]), f"  ... {len(units) - 2:,} more unit(s) over {num_files:,} file(s)", line(units[-1])]

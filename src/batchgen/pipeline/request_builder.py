@@ -23,15 +23,20 @@ from batchgen.pipeline.score_tokens import encode_scored
 from batchgen.pipeline.structured_job import row_constraint
 from batchgen.pipeline.tool_rows import apply_tools, tool_parser_of
 
+OVERLONG = "overlong"  # RowTask.error_kind: the prompt (with max_tokens, or a continuation) exceeds max_model_len
+TOO_MANY_BYTES = "too_many_bytes"  # RowTask.error_kind: the prompt's text is over input.max_prompt_bytes
+
 
 class RowError(ValueError):
     """This row cannot become a request; the message goes into the output's `error` column.
 
-    `param`: the request field at fault, where there is one (a batch line's body field)."""
+    `param`: the request field at fault, where there is one (a batch line's body field); `kind`: OVERLONG
+    for a row too long for the context (what `validate --tokenize` counts), else None."""
 
-    def __init__(self, message: str, param: str | None = None):
+    def __init__(self, message: str, param: str | None = None, kind: str | None = None):
         super().__init__(message)
         self.param = param
+        self.kind = kind
 
 
 Prompt = str | list[dict] | list[int]
@@ -86,6 +91,7 @@ class RowTask:
     sample_index: int = 0  # task: reward: the row's occurrence of its id in the input
     lora_name: str | None = None  # the adapter the row asked for (the output's lora_name); None: the base
     lora_request: LoRARequest | None = None  # that adapter, as the engine takes it
+    error_kind: str | None = None  # OVERLONG or TOO_MANY_BYTES when the error is one of those, else None
 
     @property
     def is_scoring(self) -> bool:
@@ -137,6 +143,7 @@ class RequestBuilder:
         if row.num_prompt_bytes > self.max_prompt_bytes:
             task.error = (f"the prompt is {row.num_prompt_bytes} bytes, over input.max_prompt_bytes "
                           f"({self.max_prompt_bytes}); not tokenized")
+            task.error_kind = TOO_MANY_BYTES
             return task
         try:
             if self.job.is_scoring:
@@ -159,6 +166,7 @@ class RequestBuilder:
             task.token_ids = self._fit(task.token_ids, task.params)
         except RowError as exc:
             task.error = str(exc)
+            task.error_kind = exc.kind
             if exc.param is not None and task.openai is not None:  # the body field an error line names
                 task.openai = dataclasses.replace(task.openai, error_param=exc.param, error_code="invalid_value")
         return task
@@ -178,11 +186,11 @@ class RequestBuilder:
             return context, continuations
         if self.job.input.on_overlong == "error":
             raise RowError(f"overlong context: {len(context)} context tokens + {longest} continuation tokens > "
-                           f"max_model_len {max_model_len} (input.on_overlong: error)")
+                           f"max_model_len {max_model_len} (input.on_overlong: error)", kind=OVERLONG)
         num_keep = max_model_len - longest
         if num_keep < 1:
             raise RowError(f"a continuation of {longest} tokens leaves no room for the context within "
-                           f"max_model_len {max_model_len}")
+                           f"max_model_len {max_model_len}", kind=OVERLONG)
         return context[-num_keep:], continuations  # truncate_left, as lm-evaluation-harness cuts a context
 
     def _encode_reward(self, row: RowInput) -> list[int]:
@@ -197,7 +205,7 @@ class RequestBuilder:
             return token_ids
         if self.job.input.on_overlong == "error":
             raise RowError(f"overlong prompt and completion: {len(token_ids)} tokens > max_model_len "
-                           f"{max_model_len} (input.on_overlong: error)")
+                           f"{max_model_len} (input.on_overlong: error)", kind=OVERLONG)
         return token_ids[-max_model_len:]  # truncate_left: the completion and the end of the prompt stay
 
     def _params(self, row: RowInput) -> SamplingParams:
@@ -267,9 +275,9 @@ class RequestBuilder:
             return token_ids
         if self.job.input.on_overlong == "error":
             raise RowError(f"overlong prompt: {len(token_ids)} prompt tokens + max_tokens {params.max_tokens} "
-                           f"> max_model_len {max_model_len} (input.on_overlong: error)")
+                           f"> max_model_len {max_model_len} (input.on_overlong: error)", kind=OVERLONG)
         num_keep = max_model_len - params.max_tokens
         if num_keep < 1:
             raise RowError(f"max_tokens {params.max_tokens} leaves no room for the prompt "
-                           f"within max_model_len {max_model_len}")
+                           f"within max_model_len {max_model_len}", kind=OVERLONG)
         return token_ids[-num_keep:]  # truncate_left: the end of a prompt is what the model answers

@@ -311,6 +311,11 @@ class RunRecord(_Part):
     """Output rows: one per (request, sample)."""
     num_errors: int
     """Requests that failed (each wrote n error rows)."""
+    finish_reasons: dict[str, int] = field(default_factory=dict)
+    """Output rows by finish_reason (stop, length, error, ...), most first; {} in older records."""
+    error_reasons: dict[str, int] = field(default_factory=dict)
+    """The failed requests' five most frequent error messages, numbers masked as N (so one cause counts
+    once), with their request counts, most first; {} in older records and runs without errors."""
     prompt_tokens: int
     """Prompt tokens, summed over requests."""
     cached_tokens: int
@@ -360,6 +365,7 @@ class RunRecord(_Part):
         return cls(
             job=job, config_hash=config_hash, model=engine.model, generation_config=generation_config,
             num_requests=whole.num_requests, num_rows=whole.num_rows, num_errors=whole.num_errors,
+            finish_reasons=whole.finish_reasons_by_count(), error_reasons=whole.top_error_reasons(),
             prompt_tokens=whole.prompt_tokens, cached_tokens=whole.cached_tokens,
             completion_tokens=whole.completion_tokens, generation_seconds=generation_seconds,
             completion_tokens_per_s=this_run.completion_tokens / generation_seconds if generation_seconds > 0 else 0.0,

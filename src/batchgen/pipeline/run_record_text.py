@@ -133,6 +133,38 @@ def cached(record: RunRecord) -> str:
     return f"{count(record.cached_tokens)}{hit}"
 
 
+def finish_reasons(record: RunRecord) -> str:
+    """Rows by finish_reason with their share: "stop 900 (90.0%), length 100 (10.0%)"."""
+    total = sum(record.finish_reasons.values())
+    return ", ".join(f"{reason} {count(n)} ({share(n / total)})"
+                     for reason, n in record.finish_reasons.items()) if total else NONE
+
+
+def error_reasons(record: RunRecord) -> str:
+    """The top error reasons, a line each: "3 x overlong prompt: N prompt tokens ...", then how many
+    failed requests the others account for."""
+    if not record.error_reasons:
+        return NONE
+    lines = [f"{count(n)} x {reason}" for reason, n in record.error_reasons.items()]
+    others = record.num_errors - sum(record.error_reasons.values())
+    if others > 0:
+        lines.append(f"{count(others)} x other reasons")
+    return "\n".join(lines)
+
+
+LENGTH_WARNING_SHARE = 0.25  # above this share of rows cut at max_tokens, the summary warns
+
+
+def length_warning(record: RunRecord) -> str | None:
+    """A warning when more than a quarter of the rows stopped at max_tokens (finish_reason length): their
+    answers are likely cut short. None otherwise."""
+    num_length, total = record.finish_reasons.get("length", 0), sum(record.finish_reasons.values())
+    if not total or num_length <= LENGTH_WARNING_SHARE * total:
+        return None
+    return (f"warning: {count(num_length)} of {count(total)} rows ({share(num_length / total)}) stopped at max_tokens "
+            "(finish_reason length): their answers may be cut short; raise sampling.max_tokens if so")
+
+
 def provenance(p: Mapping[str, Any]) -> str:
     """The provenance in one line: the version, the model's files, the chat template's hash."""
     if not p:
@@ -162,6 +194,8 @@ def summary_rows(record: RunRecord) -> list[SummaryRow]:
         ("num_requests", "requests", count(r.num_requests)),
         ("num_rows", "output rows", count(r.num_rows)),
         ("num_errors", "failed requests", count(r.num_errors)),
+        ("finish_reasons", "finish reasons", finish_reasons(r)),
+        ("error_reasons", "error reasons", error_reasons(r)),
         ("prompt_tokens", "prompt tokens", count(r.prompt_tokens)),
         ("cached_tokens", "cached prompt tokens", cached(r)),
         ("completion_tokens", "completion tokens", count(r.completion_tokens)),
@@ -183,7 +217,14 @@ def summary_rows(record: RunRecord) -> list[SummaryRow]:
 
 
 def format_summary(record: RunRecord, success_path: str) -> str:
-    """The readable table printed at the end of a run: the summary's rows, then where `_SUCCESS` is."""
-    lines = [(row.label, row.text) for row in summary_rows(record)] + [("success file", success_path)]
-    width = max(len(label) for label, _ in lines)
-    return "\n".join(f"  {label.ljust(width)}  {text}" for label, text in lines)
+    """The readable table printed at the end of a run: the summary's rows (a row of several lines, such
+    as the error reasons, continues under its first), then where `_SUCCESS` is, then the length warning."""
+    rows = [(row.label, row.text) for row in summary_rows(record)] + [("success file", success_path)]
+    width = max(len(label) for label, _ in rows)
+    lines = []
+    for label, text in rows:
+        first, *more = text.split("\n")
+        lines.append(f"  {label.ljust(width)}  {first}")
+        lines.extend(f"  {'':{width}}  {line}" for line in more)
+    warning = length_warning(record)
+    return "\n".join(lines + ([f"  {warning}"] if warning else []))

@@ -4,6 +4,8 @@ the engine's speculative and structured counters between two readings, and merge
 from __future__ import annotations
 
 import dataclasses
+import re
+from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -14,8 +16,26 @@ import pyarrow.parquet as pq
 from batchgen.metrics import aggregate, metric_column, metric_fields_of
 from batchgen.pipeline.run_record import MetricFigures, SpeculativeFigures, StructuredFigures
 
-SUMMARY_COLUMNS = ["sample_index", "finish_reason", "prompt_tokens", "cached_tokens", "completion_tokens",
+SUMMARY_COLUMNS = ["sample_index", "finish_reason", "error", "prompt_tokens", "cached_tokens", "completion_tokens",
                    "ttft_s", "tpot_s"]
+NUM_ERROR_REASONS = 5  # the most frequent error reasons a run record keeps
+# Distinct reasons a Totals keeps while counting: messages that quote each row's own text would otherwise
+# grow it with the rows; past the cap the rarest are dropped (the summary counts them as "other reasons").
+MAX_DISTINCT_REASONS = 1000
+_NUMBER = re.compile(r"\d+(?:[.,_]\d+)*")
+_MAX_REASON_CHARS = 200
+
+
+def error_reason(message: str | None) -> str:
+    """An error row's message as a reason: its numbers masked as N, so that every row's "overlong prompt:
+    3,120 prompt tokens + max_tokens 256 > max_model_len 2048" counts as one reason; at most 200 characters."""
+    text = _NUMBER.sub("N", " ".join((message or "(no message)").split()))
+    return text if len(text) <= _MAX_REASON_CHARS else text[:_MAX_REASON_CHARS - 3] + "..."
+
+
+def top_counts(counts: dict[str, int], num: int) -> dict[str, int]:
+    """The `num` largest counts, largest first (ties in name order, so that a record is reproducible)."""
+    return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:num])
 
 
 def _sum(array: pa.ChunkedArray) -> int:
@@ -32,6 +52,8 @@ class Totals:
     prompt_tokens: int = 0  # over requests
     cached_tokens: int = 0  # over requests
     completion_tokens: int = 0  # over rows
+    finish_reasons: dict[str, int] = field(default_factory=dict)  # rows by finish_reason
+    error_reasons: dict[str, int] = field(default_factory=dict)  # failed requests by error_reason(message)
     ttft_s: list[np.ndarray] = field(default_factory=list)
     tpot_s: list[np.ndarray] = field(default_factory=list)
     # The metrics' verdicts, by metric: how each aggregates (its column's metadata), the verdict chunks
@@ -50,6 +72,12 @@ class Totals:
         self.prompt_tokens += _sum(first["prompt_tokens"])
         self.cached_tokens += _sum(first["cached_tokens"])
         self.completion_tokens += _sum(table["completion_tokens"])
+        _add_counts(self.finish_reasons, {d["values"]: d["counts"]  # value_counts: [{"values", "counts"}]
+                                          for d in pc.value_counts(table["finish_reason"]).to_pylist()})
+        if "error" in table.column_names:
+            failed = first.filter(pc.equal(first["finish_reason"], "error"))["error"].to_pylist()
+            _add_counts(self.error_reasons, Counter(map(error_reason, failed)))
+            self._cap_error_reasons()
         for name in ("ttft_s", "tpot_s"):  # a loglikelihood job's rows have no token times
             if with_latency and name in table.column_names:
                 getattr(self, name).append(table[name].drop_null().to_numpy())
@@ -63,6 +91,9 @@ class Totals:
         """Add another worker's counts, latency figures and metric verdicts (a Ray replica's unit)."""
         for name in ("num_requests", "num_rows", "num_errors", "prompt_tokens", "cached_tokens", "completion_tokens"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
+        _add_counts(self.finish_reasons, other.finish_reasons)
+        _add_counts(self.error_reasons, other.error_reasons)
+        self._cap_error_reasons()
         self.ttft_s.extend(other.ttft_s)
         self.tpot_s.extend(other.tpot_s)
         self.metric_kinds.update(other.metric_kinds)
@@ -81,13 +112,32 @@ class Totals:
                             else MetricFigures(value=None, stderr=None, n=0))
         return scores
 
+    def _cap_error_reasons(self) -> None:
+        if len(self.error_reasons) > MAX_DISTINCT_REASONS:
+            self.error_reasons = top_counts(self.error_reasons, MAX_DISTINCT_REASONS)
+
+    def finish_reasons_by_count(self) -> dict[str, int]:
+        """Rows by finish_reason, most first."""
+        return top_counts(self.finish_reasons, len(self.finish_reasons))
+
+    def top_error_reasons(self) -> dict[str, int]:
+        """The NUM_ERROR_REASONS most frequent error reasons, with their request counts, most first."""
+        return top_counts(self.error_reasons, NUM_ERROR_REASONS)
+
     def copy_counts(self) -> Totals:
         """A Totals with these counts and metric verdicts (their lists copied, so adding to one leaves
         the other as it was) and no latency figures."""
         return dataclasses.replace(
-            self, ttft_s=[], tpot_s=[], metric_kinds=dict(self.metric_kinds),
+            self, ttft_s=[], tpot_s=[], finish_reasons=dict(self.finish_reasons),
+            error_reasons=dict(self.error_reasons), metric_kinds=dict(self.metric_kinds),
             metric_verdicts={k: list(v) for k, v in self.metric_verdicts.items()},
             metric_ids={k: list(v) for k, v in self.metric_ids.items()})
+
+
+def _add_counts(into: dict[str, int], counts: dict) -> None:
+    for key, num in counts.items():
+        if key is not None:
+            into[key] = into.get(key, 0) + int(num)
 
 
 def read_summary_table(f) -> pa.Table:

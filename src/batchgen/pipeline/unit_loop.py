@@ -104,20 +104,26 @@ def run_units(source: UnitSource, input_storage: Storage, output_storage: Storag
     return UnitsRun(this_run, feeder.generation_seconds, writer.num_restored_rows)
 
 
+def input_columns(job: JobConfig) -> list[str]:
+    """The input columns a job reads: the id, what makes the prompt, per-row settings, kept columns."""
+    scored = [job.input.scored_column] if job.input.scored_column is not None else []
+    if job.is_reward:
+        scored.append(completion_column(job))
+    return list(dict.fromkeys([job.input.id_column, *job.input.prompt_source_columns, *scored,
+                               *job.sampling_columns.values(),
+                               *([job.input.schema_column] if job.input.schema_column else []),
+                               *([job.input.tools_column] if job.input.tools_column else []),
+                               *([job.input.lora_column] if job.input.lora_column else []),
+                               *job.output.keep_columns]))
+
+
 def iter_tasks(source: UnitSource, input_storage: Storage, units: list[WorkUnit], builder: RequestBuilder,
                writer: UnitWriter, restored: RestoredRows | None = None,
                on_restored: Callable[[int], None] = lambda num: None) -> Iterator[RowTask]:
     """Every row of `units` as a RowTask, in input order; each unit's id/kept columns go to the writer.
     A row an earlier run's checkpoint holds (`restored`) goes to the writer as it is, not to the engine."""
     job = source.job
-    scored = [job.input.scored_column] if job.input.scored_column is not None else []
-    if job.is_reward:
-        scored.append(completion_column(job))
-    columns = list(dict.fromkeys([job.input.id_column, *job.input.prompt_source_columns, *scored, *job.sampling_columns.values(),
-                                  *([job.input.schema_column] if job.input.schema_column else []),
-                                  *([job.input.tools_column] if job.input.tools_column else []),
-                                  *([job.input.lora_column] if job.input.lora_column else []),
-                                  *job.output.keep_columns]))
+    columns = input_columns(job)
     decode = decode_batch_lines if job.input.is_batch_file else decode_batch
     for run in contiguous_runs(units):
         file = run[0].file

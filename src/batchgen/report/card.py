@@ -121,6 +121,9 @@ def _render(front: dict, record: RunRecord, reasons: Counter) -> str:
         *[f"| {reason} | {count:,} | {count / max(record.num_rows, 1):.1%} |" for reason, count in reasons.most_common()],
         "",
     ]
+    if record.error_reasons:  # why requests failed (the run's five most frequent messages, numbers as N)
+        lines += ["## Error reasons", "", "| error | requests |", "|---|---|",
+                  *[f"| {_cell(reason)} | {count:,} |" for reason, count in record.error_reasons.items()], ""]
     if record.metrics:
         lines += ["## Metrics", "", "| metric | value | stderr | n |", "|---|---|---|---|",
                   *[f"| {name} | {m.value} | {m.stderr} | {m.n:,} |" for name, m in record.metrics.items()], ""]
@@ -149,3 +152,8 @@ def write_card(out: str, path: str | None = None, storage_options: dict | None =
         return Storage(out, storage_options).write_text_atomic(CARD_NAME, text)
     folder, _, name = path.replace("\\", "/").rpartition("/")
     return Storage(folder or ".", storage_options).write_text_atomic(name, text)
+
+
+def _cell(text: str) -> str:
+    """Text in a Markdown table cell: its pipes escaped, on one line."""
+    return " ".join(text.split()).replace("|", "\\|")

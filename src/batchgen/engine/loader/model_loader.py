@@ -209,7 +209,7 @@ def load_model(config: EngineConfig, parallel: TensorParallel | None = None) -> 
         quantize_model_int(model, config, weight_format, windows)
         origin = "at load"
     if capabilities.is_onednn_packed_linear:  # after quantizing, which leaves only the layers it did not swap
-        log.info("packed %d linear layers for oneDNN", pack_linears(model, capabilities.is_onednn_silu_mul))
+        log.debug("packed %d linear layers for oneDNN", pack_linears(model, capabilities.is_onednn_silu_mul))
     elif capabilities.bf16_path == "widened":
         log.info("%d bfloat16 linear layers widened to float32 per call (no BF16 units here)", widen_bf16_model(model))
     weight_bytes = model_weight_bytes(model)
