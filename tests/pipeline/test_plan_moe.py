@@ -70,9 +70,11 @@ def test_gpt_oss_120b_is_planned_from_its_shapes():
     # the embedding and lm_head, and no expert biases)
     assert plan["num_active_parameters"] == OSS_PARAMS - 36 * 124 * OSS_EXPERT
     assert plan["kv_bytes_per_token"] == 2 * 36 * 8 * 64 * BF16
-    # 8 KV heads: tp 4, 5, 6, 7 each leave some GPU 2 of them, 64 x 32768 x 18432 B x 1.1 = 42.5 GB of KV; with
-    # 233.7 GB / tp of weights that is 101, 89, 81.5 (> 80, activations aside) and 75.9 GB: 7 is the first to fit.
-    assert plan["smallest_tensor_parallel_size"] == 7
+    # 8 KV heads: tp 4 and 5 each leave some GPU 2 of them. The 18 sliding-window layers (window 128) keep their
+    # own small block group, so only the 18 full layers hold the context: 64 x 32768 x 9216 B x 1.1 = 21.3 GB a
+    # GPU; with 233.7 GB / tp of weights that is 79.7 at tp 4 (> 80 once the window layers' blocks and the
+    # activations join) and 68.0 GB at tp 5: 5 is the first to fit (7 if every layer kept the context).
+    assert plan["smallest_tensor_parallel_size"] == 5
     cfg = ModelConfig.from_hf_dict(json.loads((DATA / "gpt-oss-120b" / "config.json").read_text()), is_plan_only=True)
     assert (cfg.moe_router, cfg.moe_router_bias, cfg.moe_expert_bias, cfg.num_experts_per_tok) == (
         "topk_softmax", True, True, 4)
@@ -89,35 +91,36 @@ def test_the_text_plan_names_experts_active_parameters_and_decode_reads():
 
 
 # The published gpt-oss-120b config.json declares its experts MXFP4 (quantization_config quant_method "mxfp4";
-# router, attention, embeddings and lm_head left out): each expert's 3 x 2880 x 2880 weights in blocks of 32
-# values, 17 bytes a block (16 bytes of 4-bit values, one shared 8-bit scale), its biases bfloat16.
-OSS_EXPERT_BLOCKS = 3 * 2880 * (2880 // 32)
-OSS_MXFP4_BYTES = OSS_PARAMS * BF16 - 36 * 128 * 3 * 2880 * 2880 * BF16 + 36 * 128 * OSS_EXPERT_BLOCKS * 17
+# router, attention, embeddings and lm_head left out). The engine dequantizes them at load (no kernel reads
+# them packed yet), so the plan prices what it holds: every expert in the model dtype, or E4M3 bytes plus a
+# float32 scale per output channel under FP8 at load -- not the checkpoint's ~65 GB of packed blocks.
+OSS_FP8_EXPERT = 3 * 2880 * 2880 + (2 * 2880 + 2880) * 4 + (2 * 2880 + 2880) * BF16
 
 
-def test_gpt_oss_120b_with_its_mxfp4_experts_fits_one_80gb_gpu_at_short_context(tmp_path):
+def test_gpt_oss_120b_with_its_mxfp4_experts_is_planned_as_the_engine_holds_them(tmp_path):
     raw = json.loads((DATA / "gpt-oss-120b" / "config.json").read_text())
     raw["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
         "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
     (tmp_path / "gpt-oss-120b").mkdir()
     (tmp_path / "gpt-oss-120b" / "config.json").write_text(json.dumps(raw))
-    result = CliRunner().invoke(app, ["plan", str(tmp_path / "gpt-oss-120b"), "--dtype", "bfloat16", "--max-model-len",
-                                      "8192", "--concurrency", "1", "--memory", "80GB", "--json"])
-    assert result.exit_code == 0, result.output
-    plan = json.loads(result.stdout)
-    assert plan["weight_bytes"] == OSS_MXFP4_BYTES
-    assert round(OSS_MXFP4_BYTES / 1e9, 2) == 65.25  # the published checkpoint's ~65 GB of safetensors
-    assert plan["num_parameters"] == OSS_PARAMS  # a packed value is one parameter
-    assert plan["smallest_tensor_parallel_size"] == 1  # the model card: "fits into a single 80GB GPU"
-    # one token reads its 4 experts of each layer, packed: 128 - 4 experts' bytes left unread
-    assert plan["decode_weight_bytes_one"] == OSS_MXFP4_BYTES - 36 * 124 * (OSS_EXPERT_BLOCKS * 17 + 3 * 2880 * BF16)
-    text = CliRunner().invoke(app, ["plan", str(tmp_path / "gpt-oss-120b"), "--dtype", "bfloat16"]).output
-    assert "128 x top 4, MXFP4 as published" in text
-    # 64 requests of 32k: 4 GPUs (KV heads 2 a GPU: 64 x 32768 x 18432 B x 1.1 = 42.5 GB, weights ~16 GB)
-    # where the bfloat16 experts needed 7
-    many = CliRunner().invoke(app, ["plan", str(tmp_path / "gpt-oss-120b"), "--dtype", "bfloat16", "--max-model-len",
-                                    "32768", "--concurrency", "64", "--memory", "80GB", "--json"])
-    assert json.loads(many.stdout)["smallest_tensor_parallel_size"] == 4
+    folder = str(tmp_path / "gpt-oss-120b")
+
+    def plan(*args: str) -> dict:
+        result = CliRunner().invoke(app, ["plan", folder, "--dtype", "bfloat16", "--max-model-len", "8192",
+                                          "--concurrency", "1", "--memory", "80GB", "--json", *args])
+        assert result.exit_code == 0, result.output
+        return json.loads(result.stdout)
+
+    dequantized = plan()
+    assert dequantized["weight_bytes"] == OSS_PARAMS * BF16  # 233.7 GB: the bfloat16 model's
+    assert dequantized["num_parameters"] == OSS_PARAMS
+    assert dequantized["smallest_tensor_parallel_size"] > 1  # the packed 65 GB would have said 1
+    fp8 = plan("--quantization", "fp8")
+    experts_fp8 = 36 * 128 * OSS_FP8_EXPERT
+    experts_bf16 = 36 * 128 * OSS_EXPERT * BF16
+    assert fp8["weight_bytes"] < OSS_PARAMS * BF16 - experts_bf16 + experts_fp8 + 1  # experts as E4M3 too
+    text = CliRunner().invoke(app, ["plan", folder, "--dtype", "bfloat16"]).output
+    assert "128 x top 4, MXFP4 as published, dequantized at load" in text
 
 
 def test_qwen3_30b_a3b_fp8_in_blocks_is_planned_dequantized(tmp_path):

@@ -227,7 +227,7 @@ def format_capacity_plan(target: PlanTarget, plan: CapacityPlan, smallest: int |
         one_gpu = " on one GPU" if tp > 1 else ""
         rows[1:1] = [
             ("  experts", f"{cfg.num_experts} x top {cfg.num_experts_per_tok}"
-             + (", MXFP4 as published" if cfg.moe_expert_format == "mxfp4" else ""),
+             + (", MXFP4 as published, dequantized at load" if cfg.moe_expert_format == "mxfp4" else ""),
              f"{plan.num_parameters / 1e9:,.2f} B parameters, {plan.num_active_parameters / 1e9:,.2f} B active per token"),
             ("  decode reads, 1 seq", _gb(plan.decode_weight_bytes_one),
              f"weights a decode step reads{one_gpu}: {1e12 / plan.decode_weight_bytes_one:,.0f} steps/s per TB/s"),

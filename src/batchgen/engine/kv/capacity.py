@@ -5,7 +5,6 @@ type: the global layers at the full context, the local ones over their window, p
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -197,8 +196,8 @@ def logits_bytes_per_seq(cfg: ModelConfig) -> int:
 
 # Mixture-of-experts figures (kv/expert_bytes.py's docstring has the arithmetic).
 def num_parameters(cfg: ModelConfig) -> int:
-    """Every weight the model holds (a tied lm_head counted once; a packed value counts as one)."""
-    return weight_bytes(dataclasses.replace(cfg, moe_expert_format=""), torch.float32) // 4
+    """Every weight the model holds (a tied lm_head counted once)."""
+    return weight_bytes(cfg, torch.float32) // 4
 
 
 def num_active_parameters(cfg: ModelConfig) -> int:
@@ -227,9 +226,9 @@ def decode_weight_bytes(cfg: ModelConfig, dtype: torch.dtype, batch: int, quanti
 
 
 def is_fp8_experts(cfg: ModelConfig, quantization: str) -> bool:
-    """Whether FP8 at load holds the routed experts as E4M3 (quant/fp8_experts.py): experts stored in the
-    model dtype (not MXFP4 as published) under `quantization` fp8."""
-    return quantization == "fp8" and cfg.is_moe and not cfg.moe_expert_format
+    """Whether FP8 at load holds the routed experts as E4M3 (quant/fp8_experts.py): under `quantization`
+    fp8, MXFP4 experts included (they are dequantized at load first)."""
+    return quantization == "fp8" and cfg.is_moe
 
 
 @dataclass(frozen=True)

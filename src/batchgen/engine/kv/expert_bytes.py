@@ -4,9 +4,10 @@ reads only its top-k experts' weights.
 - `expert_block_bytes`: one MoE layer's router and routed experts as the engine holds them (in the model
   dtype; with FP8 at load (`is_fp8`) the experts' weights as E4M3 bytes with a float32 scale per (expert,
   output channel), quant/fp8_experts.py; int8 / int4 at load quantize only the other linear layers), what
-  takes the place of the dense MLP in kv/capacity.weight_bytes; with
-  moe_expert_format "mxfp4" (gpt-oss's published experts, planned only) each expert's weights at their
-  packed size, 17 bytes per 32 values (16 bytes of 4-bit values, one 8-bit shared scale), biases in dtype;
+  takes the place of the dense MLP in kv/capacity.weight_bytes. Experts published in MXFP4 (gpt-oss,
+  moe_expert_format "mxfp4") are counted as the engine holds them: dequantized at load into the model
+  dtype (or E4M3 under FP8 at load), not at their packed 17 bytes per 32 values on disk -- no kernel
+  reads them packed yet, and a plan that priced them packed would promise memory the engine does not keep;
 - `num_parameters` / `num_active_parameters` (kv/capacity.py): all weights, and those one token runs through (its k
   experts of each MoE layer; embeddings and lm_head included, as model cards count "activated");
 - `decode_weight_bytes` (kv/capacity.py): the weight bytes one decode step of `batch` sequences reads: everything but the
@@ -30,26 +31,14 @@ def expert_block_bytes(cfg: ModelConfig, element_bytes: int, is_fp8: bool = Fals
     return router * element_bytes + cfg.num_experts * expert_bytes(cfg, element_bytes, is_fp8)
 
 
-MXFP4_BLOCK_VALUES = 32  # OCP MX: a block of 32 FP4 (E2M1) values, 16 bytes, shares one E8M0 scale byte
-MXFP4_BLOCK_BYTES = MXFP4_BLOCK_VALUES // 2 + 1
-
-
 FP8_EXPERT_SCALE_BYTES = 4  # float32, one per (expert, output channel)
 
 
 def expert_bytes(cfg: ModelConfig, element_bytes: int, is_fp8: bool = False) -> int:
-    """One routed expert as stored: its parameters in `element_bytes` each, or (moe_expert_format "mxfp4")
-    its three projections packed (each row's input channels in blocks of 32, a partial last block taking a
-    whole one: a tensor-parallel rank's slice of down_proj's channels need not be whole blocks) and its
-    biases unpacked; `is_fp8` (FP8 at load, experts in the model dtype before): its weights one byte each
-    and a float32 scale per output channel (2I + H), its biases in `element_bytes`."""
-    if cfg.moe_expert_format == "mxfp4":
-        inter, hidden = cfg.moe_intermediate_size, cfg.hidden_size
-        blocks = 2 * inter * -(-hidden // MXFP4_BLOCK_VALUES) + hidden * -(-inter // MXFP4_BLOCK_VALUES)
-        packed = blocks * MXFP4_BLOCK_BYTES
-        biases = (2 * inter + hidden) if cfg.moe_expert_bias else 0
-        return packed + biases * element_bytes
-    if cfg.moe_expert_format:
+    """One routed expert as the engine holds it: its parameters in `element_bytes` each (MXFP4 experts
+    too: dequantized at load); `is_fp8` (FP8 at load): its weights one byte each and a float32 scale per
+    output channel (2I + H), its biases in `element_bytes`."""
+    if cfg.moe_expert_format not in ("", "mxfp4"):
         raise ValueError(f"moe_expert_format {cfg.moe_expert_format!r} is not one of '', 'mxfp4'")
     if is_fp8:
         inter, hidden = cfg.moe_intermediate_size, cfg.hidden_size
