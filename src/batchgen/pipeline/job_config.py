@@ -259,7 +259,10 @@ class JobConfig(Section):
         """The engine's config for this job: the `model` section (path -> model) and the `engine` section."""
         model = self.model.model_dump()
         engine = self.engine.model_dump()
-        if model.pop("lora_modules"):  # adapters need the engine's LoRA layers
+        adapters = model.pop("lora_modules")
+        if len(adapters) == 1 and self.input.lora_column is None:  # one adapter runs every row: merged at load
+            engine["merged_lora"] = next(iter(adapters.values()))
+        elif adapters:  # rows of several adapters (or of the base) need the engine's LoRA layers
             engine["enable_lora"] = True
         return EngineConfig(**{MODEL_PATH_FIELD: model.pop("path")}, **model, **engine)
 

@@ -7,9 +7,10 @@ from __future__ import annotations
 import dataclasses
 
 from batchgen.engine import EngineConfig, LLMEngine
+from batchgen.engine.lora import LoRAError
 from batchgen.pipeline.config import JobConfig
 from batchgen.pipeline.errors import JobError
-from batchgen.pipeline.lora_job import job_lora_requests
+from batchgen.pipeline.lora_job import job_adapter, job_lora_requests
 from batchgen.pipeline.model_files import needs_chat_template
 from batchgen.pipeline.run_record import EngineReport
 from batchgen.pipeline.structured_job import check_job_constraint
@@ -33,6 +34,8 @@ def engine_for(job: JobConfig, engine: LLMEngine | None) -> LLMEngine:
         return engine
     try:
         return LLMEngine(wanted)
+    except LoRAError as exc:  # the job's one adapter, merged at load (model.lora_modules)
+        raise JobError(f"model.lora_modules.{job_adapter(job)}: {exc}") from None
     except (ValueError, FileNotFoundError) as exc:  # settings that cannot work (KV cache too small, ...)
         raise JobError(f"cannot start the engine for {job.model.path}: {exc}") from None
 
