@@ -18,8 +18,9 @@ from batchgen.engine.text.token_prefix import num_shared_prefix
 # bench/copy_bench.py (speculative decoding on prompts whose answers copy them); score:
 # bench/score_bench.py (continuations scored after shared contexts); moe-layer: bench/moe_layer.py (one
 # MoE block's forward against transformers' block and a per-expert loop); reward: bench/reward_bench.py
-# ((prompt, completion) pairs scored by a reward model, 4 completions per prompt)
-WORKLOADS = ("random", "chat", "shared-prefix", "overhead", "serve", "copy", "score", "moe-layer", "reward")
+# ((prompt, completion) pairs scored by a reward model, 4 completions per prompt); lora: bench/lora_bench.py
+# (4 LoRA adapters mixed, and one merged at load, against the base model)
+WORKLOADS = ("random", "chat", "shared-prefix", "overhead", "serve", "copy", "score", "moe-layer", "reward", "lora")
 CHAT_PROMPTS_FILE = "chat_prompts.parquet"
 
 
