@@ -103,25 +103,28 @@ class LoRALinear(nn.Module):
 class LoRASiluMulLinear(LoRALinear):
     """An MLP's gate_up_proj whose base applies SiLU(gate) * up in its GEMMs' epilogues (oneDNN,
     models/cpu_linear.PackedSiluMulLinear; `applies_silu_mul`, so the MLP skips its own). A step without
-    adapter tokens runs that fused layer as a base engine does; a step with some runs its two packed
-    GEMMs without the epilogues (the same packed weights: no second copy), adds the deltas to gate and up
-    before the activation, then applies SiLU * up with the model's kernel (`silu_mul`)."""
+    adapter tokens runs that fused layer (`fused`), as a base engine does; a step with some runs `base`, a
+    plain packed copy of the same weight (one GEMM: the fused layer's two halves without their epilogues
+    took twice as long at batch 64 here), adds the deltas to gate and up before the activation, then applies
+    SiLU * up with the model's kernel (`silu_mul`). The price is a second packed copy of gate_up's weight."""
 
     applies_silu_mul = True
 
-    def __init__(self, base: nn.Module, num_slots: int, max_rank: int, state: LoRAStepState, dtype: torch.dtype,
+    def __init__(self, fused: nn.Module, num_slots: int, max_rank: int, state: LoRAStepState, dtype: torch.dtype,
                  device: torch.device, silu_mul):
-        super().__init__(base, num_slots, max_rank, state, dtype, device)
+        from batchgen.engine.models.cpu_linear import PackedLinear
+
+        plain = nn.Linear(fused.in_features, fused.out_features, bias=False, device="meta")
+        plain.weight = nn.Parameter(fused.weight, requires_grad=False)
+        super().__init__(PackedLinear(plain), num_slots, max_rank, state, dtype, device)
+        self.fused = fused
         self.silu_mul = silu_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         mapping = self.state.mapping
         if mapping is None:
-            return self.base(x)  # (T, intermediate), SiLU * up fused
-        base = self.base
-        gate = torch.ops.mkldnn._linear_pointwise(x, base.packed_gate, None, "none", [], "")
-        up = torch.ops.mkldnn._linear_pointwise(x, base.packed_up, None, "none", [], "")
-        gate_up = torch.cat([gate, up], dim=-1)  # (T, 2 x intermediate), gate columns first
+            return self.fused(x)  # (T, intermediate), SiLU * up in the epilogues
+        gate_up = self.base(x)  # (T, 2 x intermediate), gate columns first
         return self.silu_mul(add_lora_torch(x, gate_up, self.lora_a, self.lora_b, mapping, self.slot_ranks))
 
 
@@ -163,7 +166,7 @@ def wrap_lora_modules(model: nn.Module, num_slots: int, max_lora_rank: int, stat
             if child_name not in LORA_MODULE_PARTS or ".layers." not in f".{name}.":
                 continue
             if isinstance(child, LoRALinear):
-                child = child.base
+                child = getattr(child, "fused", child.base)
             max_rank = max_lora_rank * LORA_MODULE_PARTS[child_name]
             if getattr(child, "applies_silu_mul", False):
                 layer = LoRASiluMulLinear(child, num_slots, max_rank, state, dtype, device, silu_mul)
