@@ -1,6 +1,6 @@
 """A job over LoRA adapters: model.lora_modules {A, B} and input.lora_column (A, B and null rows mixed)
 give peft's greedy outputs for each row's adapter, and every output row names its adapter; one adapter
-without a column runs every row; an OpenAI batch line's model picks its adapter; an unknown name is an
+without a column runs every row, merged into the weights at load; an OpenAI batch line's model picks its adapter; an unknown name is an
 error row; a deleted part is redone with the same
 rows on resume; the adapters enter the config hash;
 impossible combinations and an unreadable adapter are refused naming the key."""
@@ -76,14 +76,18 @@ def test_rows_of_two_adapters_and_the_base_in_one_job_equal_peft(tmp_path, rows,
     assert engine.stats["lora"]["tokens_by_adapter"]["A"] > 0 and engine.stats["lora"]["tokens_by_adapter"]["B"] > 0
 
 
-def test_one_adapter_without_a_column_runs_every_row(tmp_path, rows, lora_adapters, lora_llm, smollm_hf_folder,
-                                                     expected):
+def test_one_adapter_without_a_column_runs_every_row_merged(tmp_path, rows, lora_adapters, smollm_hf_folder,
+                                                            expected):
+    """The job's only adapter (B: rsLoRA, k/o/gate/up) is merged into the weights at load (its own engine,
+    no LoRA layer runs) and gives peft's outputs for every row."""
     _, folders = lora_adapters
     job = lora_job(tmp_path, smollm_hf_folder, {"B": folders["B"]}, str(rows))
-    run_job(job, engine=lora_llm.with_engine_settings(max_loras=2).engine, progress=False)
+    assert job.engine_config().merged_lora == str(folders["B"]) and not job.engine_config().enable_lora
+    run_job(job, progress=False)
     out = read_output(tmp_path / "out").to_pylist()
     assert [r["lora_name"] for r in out] == ["B"] * (len(ADAPTERS) + 1)
     assert [r["completion_token_ids"] for r in out[:len(ADAPTERS)]] == expected["B"]
+    assert all(r["error"] is None for r in out)
 
 
 def test_a_batch_lines_model_picks_its_adapter(tmp_path, lora_adapters, lora_llm, smollm_hf_folder, expected):
@@ -119,7 +123,9 @@ def test_the_adapters_enter_the_config_hash(tmp_path, smollm_hf_folder):
     assert len(hashes) == 4
     # a job without adapters keeps the hash it had before the keys existed (its outputs still resume)
     assert lora_job(tmp_path, smollm_hf_folder, {}).config_hash() == plain.config_hash()
-    assert one.engine_config().enable_lora and not plain.engine_config().enable_lora
+    assert one.engine_config().merged_lora == str(tmp_path / "a") and not one.engine_config().enable_lora
+    assert two.engine_config().enable_lora and two.engine_config().merged_lora is None
+    assert not plain.engine_config().enable_lora and plain.engine_config().merged_lora is None
     # a relative adapter folder is the job file's folder's
     assert lora_job(tmp_path, smollm_hf_folder, {"A": "a"}).model.lora_modules["A"] == str(tmp_path / "a")
 
@@ -134,7 +140,11 @@ def test_impossible_combinations_name_the_key(tmp_path, smollm_hf_folder, module
 
 
 def test_an_adapter_that_cannot_be_read_fails_the_job_at_start(tmp_path, rows, lora_llm, smollm_hf_folder):
-    job = lora_job(tmp_path, smollm_hf_folder, {"A": tmp_path / "missing"}, str(rows))
+    job = lora_job(tmp_path, smollm_hf_folder, {"A": tmp_path / "missing"}, str(rows), lora_column="adapter")
     with pytest.raises(JobError, match=r"model.lora_modules.A: .*'A'.*not a folder"):
         run_job(job, engine=lora_llm.with_engine_settings(max_loras=2).engine, progress=False)
+    assert not list((tmp_path / "out").glob("part-*.parquet"))
+    merged = lora_job(tmp_path, smollm_hf_folder, {"A": tmp_path / "missing"}, str(rows))  # merged at load
+    with pytest.raises(JobError, match=r"model.lora_modules.A: .*missing.*not a folder"):
+        run_job(merged, progress=False)
     assert not list((tmp_path / "out").glob("part-*.parquet"))

@@ -19,8 +19,10 @@ from batchgen.engine.text.token_prefix import num_shared_prefix
 # bench/score_bench.py (continuations scored after shared contexts); moe-layer: bench/moe_layer.py (one
 # MoE block's forward against transformers' block and a per-expert loop); reward: bench/reward_bench.py
 # ((prompt, completion) pairs scored by a reward model, 4 completions per prompt); moe: the random
-# workload on a small random-weight Qwen3-MoE (bench/moe_model.py), the MoE layers' share of the run beside
-WORKLOADS = ("random", "chat", "shared-prefix", "overhead", "serve", "copy", "score", "moe-layer", "reward", "moe")
+# workload on a small random-weight Qwen3-MoE (bench/moe_model.py), with the MoE layers' share of the run;
+# lora: bench/lora_bench.py (4 LoRA adapters mixed, and one merged at load, against the base model)
+WORKLOADS = ("random", "chat", "shared-prefix", "overhead", "serve", "copy", "score", "moe-layer", "reward", "moe",
+             "lora")
 CHAT_PROMPTS_FILE = "chat_prompts.parquet"
 
 

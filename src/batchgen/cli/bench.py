@@ -160,6 +160,12 @@ def bench_command(
                                       input_len_min=opts.input_len_min, input_len_max=opts.input_len_max,
                                       output_len=opts.output_len, seed=opts.seed, num_threads=opts.num_threads,
                                       is_peer=opts.is_peer, overrides=overrides, say=_say)
+        elif opts.workload == "lora":
+            from batchgen.bench.lora_bench import run_lora_bench
+
+            result = run_lora_bench(opts.model, num_requests=opts.num_requests or 64, input_len_min=opts.input_len_min,
+                                    input_len_max=opts.input_len_max, output_len=opts.output_len, seed=opts.seed,
+                                    num_threads=opts.num_threads, overrides=overrides, say=_say)
         else:
             result = run_bench(opts)
     except (ValueError, FileNotFoundError, PeerUnavailable, VllmPeerUnavailable) as exc:
@@ -193,6 +199,10 @@ def bench_command(
         from batchgen.bench.reward_bench import format_reward_report
 
         typer.echo(format_reward_report(result))
+    elif opts.workload == "lora":
+        from batchgen.bench.lora_bench import format_lora_report
+
+        typer.echo(format_lora_report(result))
     elif opts.workload == "serve":
         from batchgen.bench.serve_load import format_serve_report
 

@@ -192,7 +192,11 @@ class ServeFlags:
                 # A job's default (vllm: its sampling section is its defaults) is not a server's: unset
                 # request fields take the model's generation_config.json, as vLLM's server does.
                 values.setdefault("generation_config", EngineConfig.generation_config)
-            return self.job.engine_config().replace(**values)
+            config = self.job.engine_config()
+            if config.merged_lora is not None and "merged_lora" not in values:
+                # a job's one adapter is merged for the job's rows; a server serves it by name beside the base
+                config = config.replace(merged_lora=None, enable_lora=True)
+            return config.replace(**values)
         except SettingError as exc:
             raise ValueError(f"{flag_name(exc.name)} {exc.rule} (got {exc.value!r})") from None
 

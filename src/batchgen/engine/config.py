@@ -266,6 +266,12 @@ class EngineConfig:
     max_cpu_loras: int | None = None
     """Adapters kept loaded in host memory at most, least recently used evicted and read again when
     asked (vLLM's name); null: max_loras."""
+    merged_lora: str | None = None
+    """A PEFT LoRA adapter (folder or Hugging Face repo id) merged into the weights at load, before they
+    are quantized or packed: every request runs the fine-tune at the base model's speed, and a
+    LoRARequest with this lora_path runs the same (a job whose one adapter runs every row sets it).
+    Where the adapter targets layers quantized in the checkpoint (GPTQ/AWQ, FP8, GGUF blocks) it runs
+    unmerged on every request instead. null: none; cannot be combined with enable_lora."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "speculative", as_speculative_config(self.speculative))
@@ -310,6 +316,10 @@ class EngineConfig:
              and self.max_cpu_loras >= self.max_loras), "must be >= max_loras or null"),
             ("enable_lora", not self.enable_lora or self.tensor_parallel_size == 1,
              "is not implemented with tensor_parallel_size > 1"),
+            ("merged_lora", self.merged_lora is None or (isinstance(self.merged_lora, str)
+             and self.merged_lora.strip() != "" and not self.enable_lora and self.tensor_parallel_size == 1),
+             "must be an adapter's folder or repo id, or null; it cannot be combined with enable_lora "
+             "or tensor_parallel_size > 1"),
         ])
 
     @property

@@ -269,7 +269,10 @@ class JobConfig(Section):
         """The engine's config for this job: the `model` section (path -> model) and the `engine` section."""
         model = self.model.model_dump()
         engine = self.engine.model_dump()
-        if model.pop("lora_modules"):  # adapters need the engine's LoRA layers
+        adapters = model.pop("lora_modules")
+        if len(adapters) == 1 and self.input.lora_column is None:  # one adapter runs every row: merged at load
+            engine["merged_lora"] = next(iter(adapters.values()))
+        elif adapters:  # rows of several adapters (or of the base) need the engine's LoRA layers
             engine["enable_lora"] = True
         if self._kv_budget is not None and engine["kv_cache_memory"] == "auto":
             engine["kv_cache_memory"] = self._kv_budget.num_bytes

@@ -8,9 +8,10 @@ import dataclasses
 import logging
 
 from batchgen.engine import EngineConfig, LLMEngine
+from batchgen.engine.lora import LoRAError
 from batchgen.pipeline.config import JobConfig
 from batchgen.pipeline.errors import JobError
-from batchgen.pipeline.lora_job import job_lora_requests
+from batchgen.pipeline.lora_job import job_adapter, job_lora_requests
 from batchgen.pipeline.model_files import needs_chat_template
 from batchgen.pipeline.run_record import EngineReport
 from batchgen.pipeline.structured_job import check_job_constraint
@@ -40,6 +41,8 @@ def engine_for(job: JobConfig, engine: LLMEngine | None) -> LLMEngine:
         if job.kv_budget is not None and wanted.kv_cache_memory == job.kv_budget.num_bytes:
             log.info("KV cache (engine.kv_cache_memory auto): %s", job.kv_budget.describe())
         return LLMEngine(wanted)
+    except LoRAError as exc:  # the job's one adapter, merged at load (model.lora_modules)
+        raise JobError(f"model.lora_modules.{job_adapter(job)}: {exc}") from None
     except (ValueError, FileNotFoundError) as exc:  # settings that cannot work (KV cache too small, ...)
         raise JobError(f"cannot start the engine for {job.model.path}: {exc}") from None
 

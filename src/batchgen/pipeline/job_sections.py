@@ -75,8 +75,9 @@ class _ModelPath(Section):
     or an fsspec URI; relative to the job file's folder."""
     lora_modules: dict[str, str] = Field(default_factory=dict)
     """LoRA adapters over the model, by name: {name: PEFT folder (relative to the job file's folder) or
-    Hugging Face repo id}. Turns engine.enable_lora on. One adapter without input.lora_column runs every
-    row; several need input.lora_column (in an OpenAI batch file, each line's `model` names its adapter)."""
+    Hugging Face repo id}. One adapter without input.lora_column runs every row, merged into the weights
+    at load (base speed); several, or one with input.lora_column, turn engine.enable_lora on and need
+    input.lora_column (in an OpenAI batch file, each line's `model` names its adapter)."""
 
 
 ModelSection = derive_section("ModelSection", EngineConfig, "model", MODEL_KEYS, base=_ModelPath)

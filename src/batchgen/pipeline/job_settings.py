@@ -44,6 +44,8 @@ ENGINE_ONLY = {
                "sets it, the CPU's C kernels replace those ops and it brought no gain there",
     "seed": "keys requests that carry no seed (LLM calls, a server's requests); every job row is keyed by "
             "sampling.seed and its id",
+    "merged_lora": "a job whose model.lora_modules holds one adapter and sets no input.lora_column runs it on "
+                   "every row: the job merges it at load itself",
     "runner": "a job's task says what runs: task: reward needs a sequence classifier (auto detects it from "
               "the checkpoint's architecture), the generating tasks a causal LM",
 }

@@ -32,6 +32,7 @@ from batchgen.engine.kv.kv_cache_manager import KVCacheManager
 from batchgen.engine.kv.window_groups import model_windowed_kv
 from batchgen.engine.loader.model_loader import LoadedModel
 from batchgen.engine.lora import LoRAManager, LoRARequest
+from batchgen.engine.lora.merge import merged_lora_request, merged_request_id
 from batchgen.engine.models.layers.sequence_classifier import pooled_length
 from batchgen.engine.models.registry import is_classifier
 from batchgen.engine.runner.cpu_allocator import keep_freed_memory
@@ -156,9 +157,15 @@ class LLMEngine:
                                                config.enable_prefix_caching, windowed)
         self.scheduler = Scheduler(config, self.kv_cache_manager)
         # LoRA adapters: the targeted projections wrapped before the runner captures any decode graph.
+        compute_dtype = getattr(torch, loaded.capabilities.compute_dtype)
         self.lora = None if not config.enable_lora else LoRAManager(
-            loaded.model, config.max_loras, config.max_lora_rank, config.num_cpu_loras,
-            getattr(torch, loaded.capabilities.compute_dtype), device, config.model)
+            loaded.model, config.max_loras, config.max_lora_rank, config.num_cpu_loras, compute_dtype, device,
+            config.model)
+        # merged_lora that could not merge (quantized checkpoint layers) runs unmerged on every request.
+        self.merged_lora_id = 0
+        if config.merged_lora is not None and loaded.unmerged_lora_rank:
+            self.lora = LoRAManager(loaded.model, 1, loaded.unmerged_lora_rank, 1, compute_dtype, device, config.model)
+            self.merged_lora_id = self.lora.add(merged_lora_request(config.merged_lora)).lora_int_id
         self.executor.start(loaded, num_blocks, self.eos_token_ids, self.max_model_len)
         self.runner.lora = self.lora
         self.timings = self.runner.timings  # host time per step, by part (bench --workload overhead)
@@ -266,7 +273,10 @@ class LLMEngine:
             self.scheduler.add(seq)
 
     def add_lora(self, lora_request: LoRARequest | None) -> int:
-        """Register and read an adapter (vLLM's add_lora); its lora_int_id (0 for None: the base)."""
+        """Register and read an adapter (vLLM's add_lora); its lora_int_id (0 for None: the base). With
+        merged_lora only that adapter (or None) may run (engine/lora/merge.py)."""
+        if self.config.merged_lora is not None:
+            return merged_request_id(lora_request, self.config.merged_lora, self.merged_lora_id)
         if lora_request is None:
             return 0
         if self.lora is None:

@@ -47,6 +47,9 @@ class LoadedModel:
     capabilities: Capabilities  # what runs here, decided once before the model was built
     weights: dict = field(default_factory=dict)  # the weight format and linear bytes (weight_report)
     tokenizer: object | None = None  # the source's Tokenizer when loading already read it (calibration)
+    # EngineConfig.merged_lora that could not be merged (it targets layers quantized in the checkpoint):
+    # its rank, for the LoRA layers that run it on every request; 0: merged, or no merged_lora.
+    unmerged_lora_rank: int = 0
 
 
 def read_model_config(source: ModelSource) -> ModelConfig:
@@ -188,6 +191,8 @@ def load_model(config: EngineConfig, parallel: TensorParallel | None = None) -> 
         weights = _float_weights(source, shard)
     weights = finite_weights(weights, str(source.folder / source.gguf_file) if source.is_gguf else source.display_name)
     model.load_weights(placing_fp8_scales(model, weights))  # FP8 checkpoints' scales go to their layers
+    # Before quantizing at load and packing: those layers are built from the merged float weights.
+    unmerged_lora_rank = _merge_lora(model, config) if config.merged_lora else 0
     if parallel is not None:  # every rank's weights are in before any collective (calibration) runs
         parallel.group.rendezvous("weights", parallel.check_peers)
     _prepare_for_inference(model, max_model_len, capabilities, device)
@@ -218,7 +223,23 @@ def load_model(config: EngineConfig, parallel: TensorParallel | None = None) -> 
     log.info("loaded %s (%s, %d layers) as %s on %s%s; weights %s (%s), linear layers %.1f MB (%.1f%% of float32)",
              source.display_name, model_cfg.model_type, model_cfg.num_layers, dtype, device, where, weight_format,
              origin, weights_info["linear_bytes"] / 1e6, 100 * weights_info["linear_bytes_vs_float32"])
-    return LoadedModel(source, model_cfg, model, max_model_len, weight_bytes, capabilities, weights_info, tokenizer)
+    return LoadedModel(source, model_cfg, model, max_model_len, weight_bytes, capabilities, weights_info, tokenizer,
+                       unmerged_lora_rank)
+
+
+def _merge_lora(model: CausalLM, config: EngineConfig) -> int:
+    """config.merged_lora added to the float weights (engine/lora/merge.py); when it targets a layer
+    quantized in the checkpoint nothing is merged and its rank comes back (it then runs unmerged)."""
+    from batchgen.engine.lora.merge import merge_adapter, read_merged_adapter, unmergeable_modules
+
+    adapter = read_merged_adapter(config.merged_lora, model, config.model)
+    quantized = unmergeable_modules(model, adapter)
+    if quantized:
+        log.info("merged_lora %s: %d targeted layers are quantized in the checkpoint (%s, ...); the adapter runs "
+                 "unmerged on every request", config.merged_lora, len(quantized), quantized[0])
+        return adapter.rank
+    log.info("merged_lora %s: merged into %d layers", config.merged_lora, merge_adapter(model, adapter))
+    return 0
 
 
 def check_weights_finite(source: ModelSource) -> tuple[int, int]:

@@ -100,6 +100,34 @@ class LoRALinear(nn.Module):
         return add_lora_torch(x, out, self.lora_a, self.lora_b, mapping, self.slot_ranks)
 
 
+class LoRASiluMulLinear(LoRALinear):
+    """An MLP's gate_up_proj whose base applies SiLU(gate) * up in its GEMMs' epilogues (oneDNN,
+    models/cpu_linear.PackedSiluMulLinear; `applies_silu_mul`, so the MLP skips its own). A step without
+    adapter tokens runs that fused layer (`fused`), as a base engine does; a step with some runs `base`, a
+    plain packed copy of the same weight (one GEMM: the fused layer's two halves without their epilogues
+    took twice as long at batch 64 here), adds the deltas to gate and up before the activation, then applies
+    SiLU * up with the model's kernel (`silu_mul`). The price is a second packed copy of gate_up's weight."""
+
+    applies_silu_mul = True
+
+    def __init__(self, fused: nn.Module, num_slots: int, max_rank: int, state: LoRAStepState, dtype: torch.dtype,
+                 device: torch.device, silu_mul):
+        from batchgen.engine.models.cpu_linear import PackedLinear
+
+        plain = nn.Linear(fused.in_features, fused.out_features, bias=False, device="meta")
+        plain.weight = nn.Parameter(fused.weight, requires_grad=False)
+        super().__init__(PackedLinear(plain), num_slots, max_rank, state, dtype, device)
+        self.fused = fused
+        self.silu_mul = silu_mul
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mapping = self.state.mapping
+        if mapping is None:
+            return self.fused(x)  # (T, intermediate), SiLU * up in the epilogues
+        gate_up = self.base(x)  # (T, 2 x intermediate), gate columns first
+        return self.silu_mul(add_lora_torch(x, gate_up, self.lora_a, self.lora_b, mapping, self.slot_ranks))
+
+
 def add_lora_torch(x: torch.Tensor, out: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
                    mapping: LoRAStepMapping, slot_ranks: list[int]) -> torch.Tensor:
     """out[rows of segment] += (x[rows] @ A[slot][:, :r]) @ B[slot][:r] for each segment: one shrink and
@@ -125,23 +153,25 @@ def wrap_lora_modules(model: nn.Module, num_slots: int, max_lora_rank: int, stat
                       dtype: torch.dtype, device: torch.device) -> dict[str, LoRALinear]:
     """Swap every decoder layer's targetable projection for a LoRALinear over it (in place); returns
     them by module name. A model another engine wrapped gets new wrappers over the same base layers (the
-    other engine's manager puts its own back at its next adapter step). An MLP whose gate_up_proj applies SiLU * up inside its GEMMs (the oneDNN
-    epilogue layer, models/cpu_linear.py) gets a plain packed layer under the wrapper: the adapter's
-    delta must join gate and up before the activation."""
-    from batchgen.engine.models.cpu_linear import PackedLinear
+    other engine's manager puts its own back at its next adapter step). An MLP whose gate_up_proj applies
+    SiLU * up inside its GEMMs (the oneDNN epilogue layer, models/cpu_linear.py) keeps it under a
+    LoRASiluMulLinear: the adapter's delta must join gate and up before the activation, so only steps
+    without adapter tokens run the fused epilogues."""
+    from batchgen.kernels.reference import silu_mul_ref
 
+    silu_mul = getattr(getattr(model, "ops", None), "silu_mul", silu_mul_ref)
     wrapped = {}
     for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
             if child_name not in LORA_MODULE_PARTS or ".layers." not in f".{name}.":
                 continue
             if isinstance(child, LoRALinear):
-                child = child.base
+                child = getattr(child, "fused", child.base)
+            max_rank = max_lora_rank * LORA_MODULE_PARTS[child_name]
             if getattr(child, "applies_silu_mul", False):
-                plain = nn.Linear(child.in_features, child.out_features, bias=False, device="meta")
-                plain.weight = nn.Parameter(child.weight, requires_grad=False)
-                child = PackedLinear(plain)
-            layer = LoRALinear(child, num_slots, max_lora_rank * LORA_MODULE_PARTS[child_name], state, dtype, device)
+                layer = LoRASiluMulLinear(child, num_slots, max_rank, state, dtype, device, silu_mul)
+            else:
+                layer = LoRALinear(child, num_slots, max_rank, state, dtype, device)
             setattr(module, child_name, layer)
             wrapped[f"{name}.{child_name}"] = layer
     return wrapped

@@ -36,7 +36,9 @@ class DraftModelProposer:
             # As many tokens as the target's pool: a running target sequence always fits.
             num_kv_blocks=target.num_kv_blocks,
             # Speculation runs on rank 0's view: a tensor-parallel target's draft is whole, in rank 0's process.
-            tensor_parallel_size=1)
+            tensor_parallel_size=1,
+            # the target's merged adapter is its own model's: a draft of another model loads without it
+            merged_lora=config.merged_lora if spec.model == config.model else None)
         # A tensor-parallel target's weights are shards: the draft loads its own copy.
         is_same_model = (draft_config.model == config.model and draft_config.quantization == config.quantization
                          and not config.quantize_lm_head and config.tensor_parallel_size == 1)
