@@ -64,11 +64,13 @@ def test_vllms_tool_and_reasoning_flags():
 
 
 def test_a_job_file_gives_its_model_and_engine_sections_and_flags_override_them():
-    config = _config(str(JOBS / "quickstart.yaml"))
+    config = _config(str(JOBS / "nightly_eval.yaml"))  # model: max_model_len 2048; engine: kv_cache_memory 128MiB
     assert config.max_model_len == 2048 and config.kv_cache_memory == "128MiB"
     assert config.model == "smollm2-135m-instruct"
-    assert _config(str(JOBS / "quickstart.yaml"), "--max-model-len", "512").max_model_len == 512
+    assert _config(str(JOBS / "nightly_eval.yaml"), "--max-model-len", "512").max_model_len == 512
+    assert _config(str(JOBS / "nightly_eval.yaml"), "--kv-cache-memory", "64MiB").kv_cache_memory == "64MiB"
     # A job's generation_config default (vllm) is a job's: served, unset request fields take the model's.
+    config = _config(str(JOBS / "quickstart.yaml"))
     assert config.generation_config == "auto"
     assert _config(str(JOBS / "quickstart.yaml"), "--generation-config", "vllm").generation_config == "vllm"
 

@@ -21,8 +21,12 @@ WORKSPACE_BYTES = 3 * 2**20
 class RecordingRunner:
     def __init__(self, calls: list):
         self.calls = calls
+        self.windowed = None  # no sliding-window block group (kv/window_groups.py)
         self.attention = SimpleNamespace(build_packed=lambda step: "meta",
                                          graph_workspace_bytes=lambda sizes, max_model_len: WORKSPACE_BYTES)
+
+    def attention_metadata(self, step):  # the model runner's: the backend's packed metadata (and window tables)
+        return self.attention.build_packed(step)
 
     def forward(self, step, meta):
         self.calls.append("forward")

@@ -43,12 +43,13 @@ class Fp8ExpertStack:
 
 def quantize_experts_fp8(model: nn.Module) -> tuple[int, int, int]:
     """Every Experts module's weight stacks to FP8 in place (layers/moe.Experts.quantize_fp8).
-    Returns (modules quantized, float bytes before, FP8 bytes after with the scales)."""
-    from batchgen.engine.models.layers.moe import Experts
+    Returns (modules quantized, float bytes before, FP8 bytes after with the scales).
 
+    Experts modules are found by their `quantize_fp8` method, not their class: layers/moe.py imports this
+    module, so importing it back here would make a cycle."""
     count = float_bytes = fp8_bytes = 0
     for module in model.modules():
-        if isinstance(module, Experts) and not module.is_fp8 and module.packed is None:
+        if callable(getattr(module, "quantize_fp8", None)) and not module.is_fp8 and module.packed is None:
             before, after = module.quantize_fp8()
             count, float_bytes, fp8_bytes = count + 1, float_bytes + before, fp8_bytes + after
     return count, float_bytes, fp8_bytes
