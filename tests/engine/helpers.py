@@ -79,3 +79,25 @@ def divergence_report(hf_model, prompt: list[int], ours: list[int], reference: l
     return (f"first difference at output token {index} (ours {ours[index:index + 1]}, HF "
             f"{reference[index:index + 1]}); HF top-2 {top.indices.tolist()} logit gap "
             f"{(top.values[0] - top.values[1]).item():.3g}")
+
+
+def check_greedy_alone_and_batched(folder, prompts: list[list[int]], reference: list[list[int]], num_tokens: int,
+                                   settings: dict, label: str = "") -> None:
+    """Greedy `num_tokens` of each prompt equal `reference` (HF generate's) alone, then all batched in
+    24-token chunked-prefill steps with prefix caching (prompt 0 first, so prompt 1 reuses its two cached
+    blocks of 16)."""
+    from batchgen.engine import LLM
+
+    params = SamplingParams(temperature=0, max_tokens=num_tokens, ignore_eos=True)
+    alone = LLM(str(folder), enable_prefix_caching=False, **settings)
+    for i, ids in enumerate(prompts):
+        out = run_requests(alone.engine, {f"alone-{i}": (ids, params)})[f"alone-{i}"]
+        assert out.outputs[0].token_ids == reference[i], f"{label} prompt {i} alone"
+
+    engine = LLM(str(folder), max_num_batched_tokens=24, enable_prefix_caching=True, **settings).engine
+    first = run_requests(engine, {"p0": (prompts[0], params)})  # its two prefix blocks now cached
+    outputs = first | run_requests(engine, {f"p{i}": (ids, params) for i, ids in enumerate(prompts) if i})
+    assert outputs["p1"].num_cached_tokens == 32
+    assert engine.stats["num_partial_prefills"] > 0  # 24-token steps split the long prompts
+    for i in range(len(prompts)):
+        assert outputs[f"p{i}"].outputs[0].token_ids == reference[i], f"{label} prompt {i} batched"

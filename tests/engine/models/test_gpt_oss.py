@@ -26,7 +26,7 @@ import torch
 
 from batchgen.engine import LLM, SamplingParams
 from batchgen.engine.models.config import ModelConfig
-from tests.engine.helpers import run_requests
+from tests.engine.helpers import check_greedy_alone_and_batched, run_requests
 from tests.engine.models.test_registry import randomize_weights
 
 NUM_TOKENS = 32
@@ -142,20 +142,7 @@ def test_prompt_logprobs_equal_hfs_log_softmax_with_every_expert_routed_and_both
 @torch.no_grad()
 def test_greedy_tokens_equal_hf_generate_alone_and_batched_with_chunked_prefill(gpt_oss, prompts, reference):
     _, folder = gpt_oss
-    params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
-    alone = LLM(str(folder), enable_prefix_caching=False, **SETTINGS)
-    for i, ids in enumerate(prompts):
-        out = run_requests(alone.engine, {f"alone-{i}": (ids, params)})[f"alone-{i}"]
-        assert out.outputs[0].token_ids == reference[i], f"prompt {i} alone"
-
-    batched = LLM(str(folder), max_num_batched_tokens=24, enable_prefix_caching=True, **SETTINGS)
-    engine = batched.engine
-    first = run_requests(engine, {"p0": (prompts[0], params)})  # its two prefix blocks now cached
-    outputs = first | run_requests(engine, {f"p{i}": (ids, params) for i, ids in enumerate(prompts) if i})
-    assert outputs["p1"].num_cached_tokens == 32
-    assert engine.stats["num_partial_prefills"] > 0  # 24-token steps split the long prompts
-    for i in range(len(prompts)):
-        assert outputs[f"p{i}"].outputs[0].token_ids == reference[i], f"prompt {i} batched"
+    check_greedy_alone_and_batched(folder, prompts, reference, NUM_TOKENS, SETTINGS, "gpt-oss")
 
 
 def _as_published_mxfp4(hf, folder, tmp_path):

@@ -24,7 +24,7 @@ import torch
 from batchgen.engine import LLM, SamplingParams, capabilities
 from batchgen.engine.kv.capacity import num_active_parameters, num_parameters, weight_bytes
 from batchgen.engine.models.config import ModelConfig
-from tests.engine.helpers import run_requests
+from tests.engine.helpers import check_greedy_alone_and_batched, run_requests
 from tests.engine.models.test_registry import randomize_weights
 
 NUM_TOKENS = 32
@@ -124,21 +124,8 @@ def test_prompt_logprobs_equal_hfs_log_softmax_and_every_expert_is_routed_to(fam
 def test_greedy_tokens_equal_hf_generate_alone_and_batched_with_chunked_prefill_and_prefix_caching(family, prompts):
     architecture, hf, folder = family
     reference = [hf_generate(hf, ids) for ids in prompts]
-    params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
-
-    alone = LLM(str(folder), enable_prefix_caching=False, **SETTINGS)
-    for i, ids in enumerate(prompts):
-        out = run_requests(alone.engine, {f"alone-{i}": (ids, params)})[f"alone-{i}"]
-        assert out.outputs[0].token_ids == reference[i], f"{architecture} prompt {i} alone"
-
-    batched = LLM(str(folder), max_num_batched_tokens=24, enable_prefix_caching=True, **SETTINGS)
-    engine = batched.engine
-    first = run_requests(engine, {"p0": (prompts[0], params)})  # its two prefix blocks now cached
-    outputs = first | run_requests(engine, {f"p{i}": (ids, params) for i, ids in enumerate(prompts) if i})
-    assert outputs["p1"].num_cached_tokens == 32
-    assert engine.stats["num_partial_prefills"] > 0  # 24-token steps split the long prompts
-    for i in range(NUM_PROMPTS):
-        assert outputs[f"p{i}"].outputs[0].token_ids == reference[i], f"{architecture} prompt {i} batched"
+    assert len(prompts) == NUM_PROMPTS
+    check_greedy_alone_and_batched(folder, prompts, reference, NUM_TOKENS, SETTINGS, architecture)
 
 
 @torch.no_grad()
