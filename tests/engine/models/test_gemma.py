@@ -337,18 +337,12 @@ def write_gemma_gguf(hf, path):
     The untied lm_head is written as `output` (llama.cpp's own Gemma 2 files tie it)."""
     import gguf
 
+    from tests.engine.models.gguf_writing import finish_gguf, new_gguf_writer
     from tests.engine.models.small_gguf_tokenizer import add_small_tokenizer
 
     cfg = hf.config
     arch = "gemma2" if cfg.model_type == "gemma2" else "gemma3"
-    writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer = new_gguf_writer(path, arch, cfg)
     writer.add_key_length(cfg.head_dim)
     writer.add_value_length(cfg.head_dim)
     writer.add_sliding_window(cfg.sliding_window)
@@ -382,10 +376,7 @@ def write_gemma_gguf(hf, path):
         if name.endswith("norm"):
             array = array + 1.0  # the converter's Gemma norms: 1 + w
         writer.add_tensor(f"{gguf_name}.weight", array)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish_gguf(writer)
     return path
 
 
@@ -476,6 +467,7 @@ def test_gguf_gemma_metadata_as_llama_cpp_reads_it(tmp_path, arch, num_layers, p
     import numpy as np
 
     from batchgen.engine.loader.gguf_loader import read_gguf_config
+    from tests.engine.models.gguf_writing import finish_gguf
 
     path = tmp_path / f"{arch}.gguf"
     writer = gguf.GGUFWriter(str(path), arch)
@@ -491,10 +483,7 @@ def test_gguf_gemma_metadata_as_llama_cpp_reads_it(tmp_path, arch, num_layers, p
         writer.add_sliding_window_pattern(pattern)
     writer.add_array("tokenizer.ggml.tokens", ["a", "b", "c"])
     writer.add_tensor("token_embd.weight", np.zeros((3, 640), dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish_gguf(writer)
     cfg = read_gguf_config(path)
     kinds = {"L": "sliding_attention", "F": "full_attention"}
     assert cfg.layer_types == tuple(kinds[c] for c in expected_types)

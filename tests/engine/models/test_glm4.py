@@ -201,17 +201,11 @@ def write_glm4_gguf(hf, path):
     (small_gguf_tokenizer.py) with the model's vocabulary size."""
     import gguf
 
+    from tests.engine.models.gguf_writing import finish_gguf, new_gguf_writer
     from tests.engine.models.small_gguf_tokenizer import add_small_tokenizer
 
     cfg = hf.config
-    writer = gguf.GGUFWriter(str(path), "glm4")
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer = new_gguf_writer(path, "glm4", cfg)
     writer.add_key_length(cfg.head_dim)
     writer.add_value_length(cfg.head_dim)
     writer.add_rope_dimension_count(int(cfg.head_dim * 0.5))
@@ -220,10 +214,7 @@ def write_glm4_gguf(hf, path):
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GLM4, cfg.num_hidden_layers)
     for name, tensor in hf.state_dict().items():
         writer.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), tensor.float().numpy())
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish_gguf(writer)
     return path
 
 

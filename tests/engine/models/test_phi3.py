@@ -255,18 +255,12 @@ def write_phi3_gguf(hf, path, tensor_type=None):
     import gguf
     import numpy as np
 
+    from tests.engine.models.gguf_writing import finish_gguf, new_gguf_writer
     from tests.engine.models.small_gguf_tokenizer import add_small_tokenizer
 
     cfg, scaling = hf.config, hf.config.rope_parameters
-    writer = gguf.GGUFWriter(str(path), "phi3")
-    writer.add_context_length(cfg.max_position_embeddings)
+    writer = new_gguf_writer(path, "phi3", cfg)
     writer.add_rope_scaling_orig_ctx_len(scaling["original_max_position_embeddings"])
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     rope_dims = int(scaling["partial_rotary_factor"] * cfg.hidden_size) // cfg.num_attention_heads  # llama.cpp's
     writer.add_rope_dimension_count(rope_dims)
     writer.add_rope_freq_base(scaling["rope_theta"])
@@ -294,10 +288,7 @@ def write_phi3_gguf(hf, path, tensor_type=None):
             writer.add_tensor(f"{gguf_name}.weight", array)
     writer.add_tensor("rope_factors_long.weight", np.array(scaling["long_factor"], dtype=np.float32))
     writer.add_tensor("rope_factors_short.weight", np.array(scaling["short_factor"], dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish_gguf(writer)
     return path
 
 
