@@ -78,3 +78,29 @@ def assert_within_one_fp8_step(got: torch.Tensor, expected: torch.Tensor):
     is_lost_carry = (got_value * 2 == expected_value) & (torch.frexp(expected_value).mantissa.abs() == 0.5)
     assert (is_same | is_adjacent | is_lost_carry).all(), "an FP8 value off by more than the interpreter errs"
     assert (~is_same).float().mean() < 0.05
+
+
+def check_c_decode_bfloat16(head_dim: int, **options) -> torch.Tensor:
+    """The C decode kernel's bfloat16 form (bfloat16 queries over a bfloat16 cache, window 19, four rows
+    of 3-64 tokens) equals the float32 reference within bfloat16's rounding, with the kernel `options`
+    (softcap=..., sinks=a bfloat16 tensor); returns the reference's output."""
+    from batchgen.kernels import cpu_paged_attention
+    from batchgen.kernels.reference import paged_attention_reference
+
+    num_kv_heads, group, block_size, window = 2, 2, 16, 19
+    lengths = [3, 18, 40, 64]
+    k32, v32, tables, _, _ = scattered_paged_cache(lengths, num_kv_heads, head_dim, block_size, seed=3)
+    k_cache, v_cache = k32.nan_to_num(0.0).bfloat16(), v32.nan_to_num(0.0).bfloat16()
+    torch.manual_seed(1)
+    q = (torch.randn(len(lengths), num_kv_heads, group, head_dim) * 3).bfloat16()
+    lens = torch.tensor(lengths, dtype=torch.int32)
+    scale = head_dim ** -0.5
+    got = cpu_paged_attention.paged_decode_attention(q, k_cache, v_cache, tables, lens, block_size, scale,
+                                                     sliding_window=window, **options)
+    cu = torch.arange(len(lengths) + 1, dtype=torch.int32)
+    reference_options = {k: v.float() if isinstance(v, torch.Tensor) else v for k, v in options.items()}
+    expected = paged_attention_reference(q.float().reshape(len(lengths), -1, head_dim), k_cache.float(),
+                                         v_cache.float(), tables, cu, lens, scale, block_size,
+                                         sliding_window=window, **reference_options)
+    torch.testing.assert_close(got.float().reshape(expected.shape), expected, rtol=2e-2, atol=2e-2)
+    return expected

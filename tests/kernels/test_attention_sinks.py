@@ -13,7 +13,7 @@ import torch
 
 from batchgen.kernels import cpu_paged_attention
 from batchgen.kernels.reference import paged_attention_reference
-from tests.kernels.helpers import scattered_paged_cache
+from tests.kernels.helpers import check_c_decode_bfloat16, scattered_paged_cache
 
 
 def _sinks(num_q_heads: int, seed: int = 5) -> torch.Tensor:
@@ -72,21 +72,7 @@ def test_c_decode_with_sinks_matches_reference(head_dim, window):
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_c_decode_bfloat16_with_sinks_matches_reference(head_dim):
     """bfloat16 queries over a bfloat16 cache (the BF16-unit form where the CPU has one)."""
-    num_kv_heads, group, block_size, window = 2, 2, 16, 19
-    lengths = [3, 18, 40, 64]
-    k32, v32, tables, _, _ = scattered_paged_cache(lengths, num_kv_heads, head_dim, block_size, seed=3)
-    k_cache, v_cache = k32.nan_to_num(0.0).bfloat16(), v32.nan_to_num(0.0).bfloat16()
-    torch.manual_seed(1)
-    q = (torch.randn(len(lengths), num_kv_heads, group, head_dim) * 3).bfloat16()
-    lens = torch.tensor(lengths, dtype=torch.int32)
-    scale, sinks = head_dim ** -0.5, _sinks(num_kv_heads * group).bfloat16()
-    got = cpu_paged_attention.paged_decode_attention(q, k_cache, v_cache, tables, lens, block_size, scale,
-                                                     sliding_window=window, sinks=sinks)
-    cu = torch.arange(len(lengths) + 1, dtype=torch.int32)
-    expected = paged_attention_reference(q.float().reshape(len(lengths), -1, head_dim), k_cache.float(),
-                                         v_cache.float(), tables, cu, lens, scale, block_size,
-                                         sliding_window=window, sinks=sinks.float())
-    torch.testing.assert_close(got.float().reshape(expected.shape), expected, rtol=2e-2, atol=2e-2)
+    check_c_decode_bfloat16(head_dim, sinks=_sinks(4).bfloat16())
 
 
 @pytest.mark.parametrize("head_dim,block_size", [(64, 16), (32, 5), (16, 16)])
