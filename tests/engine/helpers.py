@@ -101,3 +101,15 @@ def check_greedy_alone_and_batched(folder, prompts: list[list[int]], reference: 
     assert engine.stats["num_partial_prefills"] > 0  # 24-token steps split the long prompts
     for i in range(len(prompts)):
         assert outputs[f"p{i}"].outputs[0].token_ids == reference[i], f"{label} prompt {i} batched"
+
+
+def shared_prefix_prompts(vocab_size: int) -> list[list[int]]:
+    """8 seeded random prompts of 6 to 70 tokens; the first two begin with the same 40 tokens (two whole
+    blocks of 16 and a partial one), so the second can reuse the first's cached prefix."""
+    gen = torch.Generator().manual_seed(3)
+
+    def tokens(n: int) -> list[int]:
+        return torch.randint(3, vocab_size, (n,), generator=gen).tolist()
+
+    prefix = tokens(40)
+    return [prefix + tokens(9), prefix + tokens(25)] + [tokens(n) for n in (6, 17, 33, 70, 12, 51)]

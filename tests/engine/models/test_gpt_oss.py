@@ -26,7 +26,7 @@ import torch
 
 from batchgen.engine import LLM, SamplingParams
 from batchgen.engine.models.config import ModelConfig
-from tests.engine.helpers import check_greedy_alone_and_batched, run_requests
+from tests.engine.helpers import check_greedy_alone_and_batched, run_requests, shared_prefix_prompts
 from tests.engine.models.test_registry import randomize_weights
 
 NUM_TOKENS = 32
@@ -65,13 +65,7 @@ def gpt_oss(hf_tokenizer, tmp_path_factory):
 @pytest.fixture(scope="module")
 def prompts(hf_tokenizer) -> list[list[int]]:
     """8 prompts of 6 to 70 tokens (most longer than the window); the first two share 40 tokens (two blocks)."""
-    gen = torch.Generator().manual_seed(3)
-
-    def tokens(n: int) -> list[int]:
-        return torch.randint(3, len(hf_tokenizer), (n,), generator=gen).tolist()
-
-    prefix = tokens(40)
-    return [prefix + tokens(9), prefix + tokens(25)] + [tokens(n) for n in (6, 17, 33, 70, 12, 51)]
+    return shared_prefix_prompts(len(hf_tokenizer))
 
 
 @torch.no_grad()

@@ -24,7 +24,7 @@ import torch
 from batchgen.engine import LLM, SamplingParams, capabilities
 from batchgen.engine.kv.capacity import num_active_parameters, num_parameters, weight_bytes
 from batchgen.engine.models.config import ModelConfig
-from tests.engine.helpers import check_greedy_alone_and_batched, run_requests
+from tests.engine.helpers import check_greedy_alone_and_batched, run_requests, shared_prefix_prompts
 from tests.engine.models.test_registry import randomize_weights
 
 NUM_TOKENS = 32
@@ -64,13 +64,7 @@ def family(request, hf_tokenizer, tmp_path_factory):
 @pytest.fixture(scope="module")
 def prompts(hf_tokenizer) -> list[list[int]]:
     """8 prompts of 6 to 70 tokens; the first two begin with the same 40 tokens (two whole blocks)."""
-    gen = torch.Generator().manual_seed(3)
-
-    def tokens(n: int) -> list[int]:
-        return torch.randint(3, len(hf_tokenizer), (n,), generator=gen).tolist()
-
-    prefix = tokens(40)
-    return [prefix + tokens(9), prefix + tokens(25)] + [tokens(n) for n in (6, 17, 33, 70, 12, 51)]
+    return shared_prefix_prompts(len(hf_tokenizer))
 
 
 def routed_experts(hf) -> dict[str, set[int]]:

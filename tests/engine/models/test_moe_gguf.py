@@ -75,15 +75,10 @@ def write_moe_gguf(hf, architecture: str, path, smollm_path, *, is_per_expert: b
     import gguf
     import numpy as np
 
+    from tests.engine.models.gguf_writing import finish_gguf, new_gguf_writer
+
     cfg, arch = hf.config, GGUF_ARCH[architecture]
-    writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer = new_gguf_writer(path, arch, cfg)
     writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     writer.add_expert_count(getattr(cfg, "num_local_experts", None) or cfg.num_experts)
     writer.add_expert_used_count(cfg.num_experts_per_tok)
@@ -146,10 +141,7 @@ def write_moe_gguf(hf, architecture: str, path, smollm_path, *, is_per_expert: b
                                   raw_dtype=expert_type)
             else:
                 writer.add_tensor(f"blk.{layer}.{base}_exps.weight", stack)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish_gguf(writer)
     return path
 
 
