@@ -113,3 +113,16 @@ def shared_prefix_prompts(vocab_size: int) -> list[list[int]]:
 
     prefix = tokens(40)
     return [prefix + tokens(9), prefix + tokens(25)] + [tokens(n) for n in (6, 17, 33, 70, 12, 51)]
+
+
+def check_prompt_logprobs(engine: LLMEngine, prompts: list[list[int]], expected: list[torch.Tensor],
+                          label: str = "") -> None:
+    """Each prompt's log-probabilities (prompt_logprobs=0) within 1e-4 of `expected[i]`, HF's float32
+    log-softmax (prompt length, vocab) over that prompt."""
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+    outputs = run_requests(engine, {f"lp-{i}": (ids, params) for i, ids in enumerate(prompts)})
+    for i, ids in enumerate(prompts):
+        want = expected[i].gather(-1, torch.tensor(ids[1:])[:, None]).squeeze(-1)
+        positions = outputs[f"lp-{i}"].prompt_logprobs
+        ours = torch.tensor([position[t].logprob for position, t in zip(positions[1:], ids[1:])])
+        assert (ours - want).abs().max().item() <= 1e-4, f"{label} prompt {i}"

@@ -101,7 +101,7 @@ def detect_capabilities(config: EngineConfig, model_cfg: ModelConfig, *, has_fp8
         has_fp8_matmul=has_fp8_tensor_cores(device), fp8_mode=fp8_mode, is_triton_fp8_w8a16=is_triton_fp8_w8a16,
         cpu_isa=isa, has_bf16_units=has_bf16_units, bf16_path=bf16_path,
         compute_dtype=str(compute_dtype).removeprefix("torch."), fp8_reason=fp8_reason)
-    # debug: the run's summary and the engine's stats report the same line once (issue 40)
+    # debug: the run's summary and the engine's stats report the same line once, not at start-up too
     log.debug("kernels: %s", capabilities.describe())
     return capabilities
 

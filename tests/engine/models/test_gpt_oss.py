@@ -26,7 +26,12 @@ import torch
 
 from batchgen.engine import LLM, SamplingParams
 from batchgen.engine.models.config import ModelConfig
-from tests.engine.helpers import check_greedy_alone_and_batched, run_requests, shared_prefix_prompts
+from tests.engine.helpers import (
+    check_greedy_alone_and_batched,
+    check_prompt_logprobs,
+    run_requests,
+    shared_prefix_prompts,
+)
 from tests.engine.models.test_registry import randomize_weights
 
 NUM_TOKENS = 32
@@ -124,13 +129,7 @@ def test_prompt_logprobs_equal_hfs_log_softmax_with_every_expert_routed_and_both
 
     llm = LLM(str(folder), max_num_batched_tokens=32, attention_backend=backend, **SETTINGS)  # 33+ tokens: chunks
     assert llm.engine.model_cfg.architecture == "GptOssForCausalLM"
-    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
-    outputs = run_requests(llm.engine, {f"lp-{i}": (ids, params) for i, ids in enumerate(chosen)})
-    for i, ids in enumerate(chosen):
-        want = expected[i].gather(-1, torch.tensor(ids[1:])[:, None]).squeeze(-1)
-        positions = outputs[f"lp-{i}"].prompt_logprobs
-        ours = torch.tensor([position[t].logprob for position, t in zip(positions[1:], ids[1:])])
-        assert (ours - want).abs().max().item() <= 1e-4, f"{backend} prompt {i}"
+    check_prompt_logprobs(llm.engine, chosen, expected, backend)
 
 
 @torch.no_grad()

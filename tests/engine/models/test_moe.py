@@ -24,7 +24,12 @@ import torch
 from batchgen.engine import LLM, SamplingParams, capabilities
 from batchgen.engine.kv.capacity import num_active_parameters, num_parameters, weight_bytes
 from batchgen.engine.models.config import ModelConfig
-from tests.engine.helpers import check_greedy_alone_and_batched, run_requests, shared_prefix_prompts
+from tests.engine.helpers import (
+    check_greedy_alone_and_batched,
+    check_prompt_logprobs,
+    run_requests,
+    shared_prefix_prompts,
+)
 from tests.engine.models.test_registry import randomize_weights
 
 NUM_TOKENS = 32
@@ -105,13 +110,7 @@ def test_prompt_logprobs_equal_hfs_log_softmax_and_every_expert_is_routed_to(fam
     assert llm.engine.model_cfg.architecture == architecture and llm.engine.model_cfg.num_experts == num_experts
     experts = llm.engine.runner.model.layers[0].mlp.experts
     assert (experts.packed is not None) == (experts_path == "onednn_packed")
-    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
-    outputs = run_requests(llm.engine, {f"lp-{i}": (ids, params) for i, ids in enumerate(prompts)})
-    for i, ids in enumerate(prompts):
-        want = expected[i].gather(-1, torch.tensor(ids[1:])[:, None]).squeeze(-1)
-        positions = outputs[f"lp-{i}"].prompt_logprobs
-        ours = torch.tensor([position[t].logprob for position, t in zip(positions[1:], ids[1:])])
-        assert (ours - want).abs().max().item() <= 1e-4, f"{architecture} prompt {i}"
+    check_prompt_logprobs(llm.engine, prompts, expected, architecture)
 
 
 @torch.no_grad()

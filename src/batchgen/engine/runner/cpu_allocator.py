@@ -44,6 +44,6 @@ def keep_freed_memory() -> bool:
     is_ok = bool(mallopt(_M_MMAP_THRESHOLD, _THRESHOLD_BYTES)) and bool(mallopt(_M_TRIM_THRESHOLD, _THRESHOLD_BYTES))
     if is_ok:
         _is_tuned = True
-        # debug: an allocator setting is no news at start-up (issue 40); `--verbose` shows it
+        # debug: an allocator setting is no news at start-up; `--verbose` shows it
         log.debug("glibc malloc: mmap and trim thresholds raised to %d MiB", _THRESHOLD_BYTES >> 20)
     return is_ok
