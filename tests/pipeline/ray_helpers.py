@@ -1,4 +1,5 @@
-"""Finding and killing EngineReplica processes from a test (no dashboard or state API needed)."""
+"""A local Ray cluster for a test module, and finding and killing EngineReplica processes from a test (no
+dashboard or state API needed)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import os
 import signal
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -53,3 +55,21 @@ class Killer(threading.Thread):
                     except ProcessLookupError:
                         pass
             time.sleep(0.02)
+
+
+@contextmanager
+def local_ray_cluster():
+    """A 2-CPU local Ray cluster (the `ray` module while it runs), shut down after. Ray's memory monitor kills
+    workers when the machine's memory is above 95%, whoever uses it: on a shared test machine that would kill
+    replicas for other processes' memory, so it is off here."""
+    import pytest
+    import ray
+
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("RAY_memory_monitor_refresh_ms", "0")
+        ray.init(num_cpus=2, include_dashboard=False, address="local", _node_ip_address="127.0.0.1",
+                 log_to_driver=False)
+        try:
+            yield ray
+        finally:
+            ray.shutdown()

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-import ray
 import yaml
 from typer.testing import CliRunner
 
@@ -20,7 +19,7 @@ from batchgen.pipeline.job import run_job
 from batchgen.pipeline.provenance import PARQUET_KEY
 from batchgen.pipeline.ray_driver import run_on_ray
 from tests.pipeline.conftest import read_output, write_parquet
-from tests.pipeline.ray_helpers import Killer, replica_pids
+from tests.pipeline.ray_helpers import Killer, local_ray_cluster, replica_pids
 from tests.pipeline.scale_helpers import (
     NGRAM,
     NUM_ROWS,
@@ -35,14 +34,8 @@ pytestmark = pytest.mark.ray
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    # Ray's memory monitor kills workers when the machine's memory is above 95%, whoever uses it: on a
-    # shared test machine that would kill replicas for other processes' memory. Off for these tests.
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("RAY_memory_monitor_refresh_ms", "0")
-        ray.init(num_cpus=2, include_dashboard=False, address="local", _node_ip_address="127.0.0.1",
-                 log_to_driver=False)
-        yield ray
-        ray.shutdown()
+    with local_ray_cluster() as cluster:
+        yield cluster
 
 
 @pytest.fixture(scope="module")

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pyarrow.parquet as pq
 import pytest
-import ray
 import yaml
 
 from batchgen.pipeline.stages import load_any_job
 from batchgen.pipeline.stages.run import run_staged_job
 from tests.pipeline.conftest import read_output, write_parquet
+from tests.pipeline.ray_helpers import local_ray_cluster
 from tests.tiny_reward import tiny_reward_model  # noqa: F401  (a fixture)
 
 pytestmark = pytest.mark.ray
@@ -21,13 +21,8 @@ NUM_PROMPTS, N = 6, 2
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    # as tests/pipeline/test_ray.py: Ray's memory monitor off (it kills workers for other processes' memory)
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("RAY_memory_monitor_refresh_ms", "0")
-        ray.init(num_cpus=2, include_dashboard=False, address="local", _node_ip_address="127.0.0.1",
-                 log_to_driver=False)
-        yield ray
-        ray.shutdown()
+    with local_ray_cluster() as cluster:
+        yield cluster
 
 
 def _job(tmp_path, tiny_model, reward_model, name: str, cluster: dict | None = None) -> str:
